@@ -1,0 +1,51 @@
+"""omni_stream: an asyncio-native engine that streams every step of GPU generation.
+
+>>> import omni_stream as om
+>>> async with om.Engine(om.models.Synthetic()) as engine:       # doctest: +SKIP
+...     async for frame in engine.stream({"steps": 30, "seed": 7}):
+...         print(frame.step, frame.total, frame.data.shape)
+"""
+
+from __future__ import annotations
+
+from . import models
+from .config import timeout
+from .errors import (
+    EngineClosedError,
+    EngineDeadError,
+    EngineError,
+    EngineStalledError,
+    OmniStreamError,
+    ParamsError,
+    RequestCancelledError,
+    RequestError,
+    StepFailedError,
+    StepTimeoutError,
+)
+from .frame import Frame, StepTimings
+from .model import GeneratorModel, StepModel, from_generator
+from .params import Param
+
+__version__ = "0.1.0"
+
+__all__ = [
+    "__version__",
+    "models",
+    "timeout",
+    "Frame",
+    "StepTimings",
+    "StepModel",
+    "GeneratorModel",
+    "from_generator",
+    "Param",
+    "OmniStreamError",
+    "ParamsError",
+    "RequestError",
+    "StepFailedError",
+    "StepTimeoutError",
+    "RequestCancelledError",
+    "EngineError",
+    "EngineDeadError",
+    "EngineStalledError",
+    "EngineClosedError",
+]

@@ -1,0 +1,179 @@
+"""The model interface the engine drives, and ``from_generator`` for plain loops.
+
+The engine talks to every model through :class:`StepModel`, a *batched*
+interface: ``step(states)`` advances several requests by one step each in
+one call, each at its own step index. A model that cannot batch simply
+returns ``None`` from ``batch_key`` and is always called with one state.
+
+Threading contract: ``load``, ``start``, ``step`` and ``close`` run on the
+engine's producer thread, the one thread that owns the accelerator, never on
+the event loop. ``validate``, ``total_steps`` and ``batch_key`` run on the
+event loop at submission and must be cheap and pure.
+
+Lifecycle of one request::
+
+    params = model.validate(raw)            # loop; raises ParamsError
+    total = model.total_steps(params)       # loop
+    key = model.batch_key(params)           # loop; None = never batched
+    state = model.start(params, device)     # producer thread, before step 1
+    frames = model.step([state, ...])       # producer thread, once per step
+    model.close(state)                      # producer thread, exactly once
+
+``step`` returns one tensor per state, on any device, holding that step's
+frame. The device-to-host copy of it runs on a side stream *while later
+steps compute*, so the model must not modify a returned tensor in place
+afterwards: return a fresh tensor (or a clone) each step. The engine keeps
+the tensor referenced until its copy has completed. A ``step`` that raises
+must leave the states it was given unchanged: the engine then retries each
+state alone, so one request's failure does not fail the others in its batch.
+"""
+
+from __future__ import annotations
+
+import abc
+from collections.abc import Callable, Hashable, Iterator, Mapping, Sequence
+from typing import Any
+
+import torch
+
+from .errors import ParamsError, StepFailedError
+from .params import Param, validate
+
+__all__ = ["StepModel", "GeneratorModel", "from_generator"]
+
+
+class StepModel(abc.ABC):
+    """Base class of every model the engine can run (see the module docstring)."""
+
+    #: Short name shown in errors, ``omni-stream models`` and metrics.
+    name: str = "model"
+    #: Declared params; ``validate`` checks against them by default.
+    params: tuple[Param, ...] = ()
+    #: Largest batch ``step`` accepts; the engine never exceeds it.
+    max_batch_size: int = 64
+
+    def describe(self) -> str:
+        """One line for ``omni-stream models``."""
+        return (self.__doc__ or self.name).strip().splitlines()[0]
+
+    def validate(self, params: Mapping[str, Any] | None) -> dict[str, Any]:
+        """Return complete, checked params; raise ParamsError naming the bad field."""
+        return validate(self.params, params, model=self.name)
+
+    @abc.abstractmethod
+    def total_steps(self, params: Mapping[str, Any]) -> int:
+        """How many frames this request will produce (>= 1)."""
+
+    def batch_key(self, params: Mapping[str, Any]) -> Hashable | None:
+        """Requests with equal keys may share a ``step`` call; None never batches."""
+        return None
+
+    def load(self, device: torch.device) -> None:
+        """Called once on the producer thread before the first ``start``."""
+
+    @abc.abstractmethod
+    def start(self, params: Mapping[str, Any], device: torch.device) -> Any:
+        """Create one request's state (latents, RNG, ...) on ``device``."""
+
+    @abc.abstractmethod
+    def step(self, states: Sequence[Any]) -> Sequence[torch.Tensor]:
+        """Advance every state by one step; return one frame tensor per state."""
+
+    def close(self, state: Any) -> None:
+        """Release one request's state; called exactly once, however it ended."""
+
+
+class GeneratorModel(StepModel):
+    """A model made from ``fn(params) -> Iterator[torch.Tensor]``; see :func:`from_generator`."""
+
+    name = "generator"
+
+    def __init__(
+        self,
+        fn: Callable[[Mapping[str, Any]], Iterator[torch.Tensor]],
+        *,
+        total: int | Callable[[Mapping[str, Any]], int] | None = None,
+        name: str | None = None,
+    ) -> None:
+        if not callable(fn):
+            raise TypeError(f"from_generator needs a callable, got {type(fn).__name__}")
+        if total is not None and not callable(total):
+            if isinstance(total, bool) or not isinstance(total, int) or total < 1:
+                raise ValueError(f"from_generator total must be a positive int, got {total!r}")
+        self._fn = fn
+        self._total = total
+        self.name = name or getattr(fn, "__name__", "generator")
+
+    def validate(self, params: Mapping[str, Any] | None) -> dict[str, Any]:
+        # The wrapped function owns its params; only the shape of the mapping
+        # and the step count are ours to check.
+        if params is None:
+            params = {}
+        if not isinstance(params, Mapping):
+            raise ParamsError(f"{self.name} params must be a mapping, got {type(params).__name__}")
+        out = dict(params)
+        self.total_steps(out)
+        return out
+
+    def total_steps(self, params: Mapping[str, Any]) -> int:
+        total: Any
+        if self._total is None:
+            total = params.get("steps")
+            if total is None:
+                raise ParamsError(
+                    f"{self.name}: the step count is unknown; pass params['steps'] "
+                    "or from_generator(..., total=)",
+                    field="steps",
+                )
+        elif callable(self._total):
+            total = self._total(params)
+        else:
+            total = self._total
+        if isinstance(total, bool) or not isinstance(total, int) or total < 1:
+            raise ParamsError(
+                f"{self.name}: the step count must be a positive int, got {total!r}",
+                field="steps",
+            )
+        return total
+
+    def start(self, params: Mapping[str, Any], device: torch.device) -> Iterator[torch.Tensor]:
+        return iter(self._fn(params))
+
+    def step(self, states: Sequence[Iterator[torch.Tensor]]) -> list[torch.Tensor]:
+        out = []
+        for it in states:
+            try:
+                frame = next(it)
+            except StopIteration:
+                raise StepFailedError(
+                    f"{self.name}: the generator ended before its declared total",
+                    request_id=None,
+                    step=-1,
+                ) from None
+            if not isinstance(frame, torch.Tensor):
+                raise TypeError(
+                    f"{self.name}: each step must yield a torch.Tensor, got {type(frame).__name__}"
+                )
+            out.append(frame)
+        return out
+
+    def close(self, state: Iterator[torch.Tensor]) -> None:
+        close = getattr(state, "close", None)
+        if close is not None:
+            close()
+
+
+def from_generator(
+    fn: Callable[[Mapping[str, Any]], Iterator[torch.Tensor]],
+    *,
+    total: int | Callable[[Mapping[str, Any]], int] | None = None,
+    name: str | None = None,
+) -> GeneratorModel:
+    """Wrap a denoise loop written as a generator.
+
+    ``fn(params)`` yields one tensor (on any device) per step. ``total`` is
+    the step count, an int or ``callable(params) -> int``; when omitted,
+    ``params["steps"]`` is used. Raises TypeError/ValueError for a bad
+    ``fn`` or ``total``.
+    """
+    return GeneratorModel(fn, total=total, name=name)
