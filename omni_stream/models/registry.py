@@ -1,0 +1,66 @@
+"""Model names for the command line and the server: built-ins and ``module:attr``."""
+
+from __future__ import annotations
+
+import importlib
+from collections.abc import Callable
+
+from ..errors import ParamsError
+from ..model import StepModel
+
+__all__ = ["BUILTIN_MODELS", "load_model"]
+
+
+def _mixture() -> StepModel:
+    from .mixture import Mixture
+
+    return Mixture()
+
+
+def _synthetic() -> StepModel:
+    from .synthetic import Synthetic
+
+    return Synthetic()
+
+
+#: Built-in model names and their factories; the first is the default.
+BUILTIN_MODELS: dict[str, Callable[[], StepModel]] = {
+    "mixture": _mixture,
+    "synthetic": _synthetic,
+}
+
+
+def load_model(spec: str) -> StepModel:
+    """Return the model named by ``spec``: a built-in name or ``module:attr``.
+
+    ``attr`` may be a StepModel instance, a StepModel subclass or a factory
+    called with no arguments. Raises ParamsError naming ``spec`` when it
+    cannot be loaded.
+    """
+    if spec in BUILTIN_MODELS:
+        return BUILTIN_MODELS[spec]()
+    if ":" not in spec:
+        raise ParamsError(
+            f"unknown model {spec!r}; built-in: {', '.join(BUILTIN_MODELS)}, "
+            "or give module:attr",
+            field="model",
+        )
+    module_name, _, attr = spec.partition(":")
+    try:
+        module = importlib.import_module(module_name)
+    except ImportError as exc:
+        raise ParamsError(f"model {spec!r}: cannot import {module_name!r}: {exc}", field="model") from exc
+    try:
+        obj = getattr(module, attr)
+    except AttributeError:
+        raise ParamsError(f"model {spec!r}: {module_name!r} has no attribute {attr!r}", field="model") from None
+    if isinstance(obj, StepModel):
+        return obj
+    if callable(obj):
+        model = obj()
+        if isinstance(model, StepModel):
+            return model
+        raise ParamsError(
+            f"model {spec!r}: calling it gave {type(model).__name__}, not a StepModel", field="model"
+        )
+    raise ParamsError(f"model {spec!r} is a {type(obj).__name__}, not a StepModel", field="model")
