@@ -8,8 +8,9 @@
 
 from __future__ import annotations
 
-from . import models
+from . import device, models
 from .config import timeout
+from .engine import Engine, EngineStatistics, FrameStream, Health
 from .errors import (
     EngineClosedError,
     EngineDeadError,
@@ -31,6 +32,11 @@ __version__ = "0.1.0"
 __all__ = [
     "__version__",
     "models",
+    "device",
+    "Engine",
+    "EngineStatistics",
+    "FrameStream",
+    "Health",
     "timeout",
     "Frame",
     "StepTimings",

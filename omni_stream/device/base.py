@@ -1,0 +1,85 @@
+"""What the copier needs from an accelerator: streams, events, host buffers.
+
+Three implementations share this interface and the same copier code:
+``cuda`` (real streams and ``torch.cuda.Event(blocking=True)``), ``cpu``
+(synchronous copies, events that are born complete) and ``sim`` (worker
+threads standing in for a compute stream and a copy stream, with
+configurable latencies, so the asynchronous path is exercised without a
+GPU).
+
+Threading: ``prepare_thread``, ``after_step``, ``host_buffer`` and
+``copy_to_host`` run on the producer thread, the one thread that owns the
+accelerator. ``CopyEvent.query`` and ``CopyEvent.synchronize`` may run on
+any thread (the copier waits on them through ``anyio.to_thread``).
+"""
+
+from __future__ import annotations
+
+import abc
+from typing import Protocol
+
+import torch
+
+__all__ = ["CopyEvent", "CompletedEvent", "Device"]
+
+
+class CopyEvent(Protocol):
+    """Completion of one device-to-host copy."""
+
+    def query(self) -> bool:
+        """True once the copy has landed in its host buffer; never blocks."""
+        ...
+
+    def synchronize(self) -> None:
+        """Block the calling thread until the copy has landed."""
+        ...
+
+
+class CompletedEvent:
+    """An event for a copy that finished before it was returned (CPU)."""
+
+    __slots__ = ()
+
+    def query(self) -> bool:
+        return True
+
+    def synchronize(self) -> None:
+        return None
+
+
+COMPLETED = CompletedEvent()
+
+
+class Device(abc.ABC):
+    """An accelerator as the producer and copier see it."""
+
+    #: "cpu", "cuda" or "sim".
+    kind: str
+    #: Where models put their tensors.
+    torch_device: torch.device
+
+    @property
+    def name(self) -> str:
+        return str(self.torch_device) if self.kind != "sim" else "sim"
+
+    def prepare_thread(self) -> None:
+        """Called once on the producer thread before any model code runs."""
+
+    def after_step(self) -> None:
+        """Called on the producer thread after each ``model.step`` returns."""
+
+    @abc.abstractmethod
+    def host_buffer(self, shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
+        """Allocate one host buffer for the pool (pinned where that exists)."""
+
+    @abc.abstractmethod
+    def copy_to_host(self, src: torch.Tensor, dst: torch.Tensor) -> CopyEvent:
+        """Start copying ``src`` into ``dst``, ordered after all compute issued so far.
+
+        Returns at once on asynchronous devices. The caller must keep ``src``
+        referenced and must not read or reuse ``dst`` until the returned
+        event completes.
+        """
+
+    def close(self) -> None:
+        """Release streams and worker threads; idempotent."""

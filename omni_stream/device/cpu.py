@@ -1,0 +1,29 @@
+"""The CPU device: the copier's path with synchronous copies."""
+
+from __future__ import annotations
+
+import torch
+
+from .base import COMPLETED, CopyEvent, Device
+
+__all__ = ["CpuDevice"]
+
+
+class CpuDevice(Device):
+    """Steps run on the CPU; a "copy" is a plain ``copy_`` into a pool buffer."""
+
+    kind = "cpu"
+
+    def __init__(self) -> None:
+        self.torch_device = torch.device("cpu")
+
+    def host_buffer(self, shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
+        # CPU-only torch cannot pin memory (pin_memory raises without an
+        # accelerator), and nothing would gain from it here.
+        return torch.empty(shape, dtype=dtype)
+
+    def copy_to_host(self, src: torch.Tensor, dst: torch.Tensor) -> CopyEvent:
+        # Synchronous: the producer thread copies before it runs the next
+        # step, so a model that reuses its output tensor cannot race us.
+        dst.copy_(src)
+        return COMPLETED

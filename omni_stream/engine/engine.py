@@ -1,0 +1,536 @@
+"""Engine: the task group, and submit / stream / cancel / health / statistics.
+
+The data path (``docs/design.md`` draws it)::
+
+    producer thread ──tickets──▶ copier task ──frames──▶ consumer task ──▶ Delivery ──▶ FrameStream
+    (model.step, copy issue)     (waits on events,       (per-request,       (all | latest)  (fail_after
+                                  clones, releases)       contained errors)                   per step)
+
+One anyio task group runs the producer's supervisor, the copier and the
+consumer. If any of them dies, the engine is dead: every pending and every
+later request fails at once with EngineDeadError and ``check_health`` says
+so; there is no zombie that accepts work and runs none.
+
+Loop-side state (``_by_id``, counters, deliveries) is touched only on the
+event loop; what the producer also touches lives in the RequestTable
+under its lock.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import math
+import threading
+import time
+import uuid
+from collections.abc import Awaitable, Callable, Mapping
+from types import TracebackType
+from typing import Any
+
+import anyio
+import torch
+
+from ..config import STEP_TIMEOUT_ENV, timeout as default_timeout
+from ..device import Device, PinnedBufferPool, resolve_device
+from ..errors import (
+    EngineClosedError,
+    EngineDeadError,
+    EngineStalledError,
+    OmniStreamError,
+    ParamsError,
+    RequestCancelledError,
+    StepTimeoutError,
+)
+from ..frame import Frame, StepTimings
+from ..model import StepModel
+from .copier import Copier, CopyTicket
+from .delivery import POLICIES, Delivery
+from .producer import Producer
+from .request import Request, Status
+from .stats import EngineStatistics, Health
+from .stream import FrameStream
+from .table import Limits, RequestTable
+
+__all__ = ["Engine"]
+
+logger = logging.getLogger("omni_stream.engine")
+
+_MAX_ID_LEN = 256
+
+
+def _positive_int(name: str, value: Any) -> int:
+    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+        raise ParamsError(f"Engine option {name} must be a positive int, got {value!r}", field=name)
+    return value
+
+
+class Engine:
+    """Streams every step of a model's generation; use as ``async with Engine(model) as engine``.
+
+    Options: ``device`` ("auto", "cpu", "cuda", "cuda:N", "sim" or a Device);
+    ``max_batch_size`` (requests advanced in one model call); ``max_run_ahead``
+    (steps a request may compute before its earlier copies reach its reader);
+    ``queue_size`` (frames a "all" reader may lag behind before its request
+    pauses); ``max_buffers`` (host buffer pool cap); ``frame_dtype`` (cast on
+    the device before copying); ``shutdown_timeout`` (seconds ``aclose``
+    waits for a step stuck on the device). Bad options raise ParamsError.
+    Enter and leave the engine from the same task.
+    """
+
+    def __init__(
+        self,
+        model: StepModel,
+        *,
+        device: str | Device = "auto",
+        max_batch_size: int = 8,
+        max_run_ahead: int = 3,
+        queue_size: int = 8,
+        max_buffers: int | None = None,
+        frame_dtype: torch.dtype | None = None,
+        shutdown_timeout: float = 10.0,
+    ) -> None:
+        if not isinstance(model, StepModel):
+            raise ParamsError(
+                f"Engine needs an omni_stream.StepModel, got {type(model).__name__}; "
+                "wrap a generator with omni_stream.from_generator",
+                field="model",
+            )
+        limits = Limits(
+            max_batch_size=_positive_int("max_batch_size", max_batch_size),
+            max_run_ahead=_positive_int("max_run_ahead", max_run_ahead),
+            queue_size=_positive_int("queue_size", queue_size),
+        )
+        if max_buffers is None:
+            max_buffers = max(16, 2 * limits.max_batch_size * limits.max_run_ahead)
+        _positive_int("max_buffers", max_buffers)
+        if frame_dtype is not None and not isinstance(frame_dtype, torch.dtype):
+            raise ParamsError(f"frame_dtype must be a torch.dtype, got {frame_dtype!r}", field="frame_dtype")
+        if not isinstance(shutdown_timeout, (int, float)) or not shutdown_timeout > 0:
+            raise ParamsError(
+                f"shutdown_timeout must be a positive number, got {shutdown_timeout!r}",
+                field="shutdown_timeout",
+            )
+        self.model = model
+        self.device = resolve_device(device)
+        self._shutdown_timeout = float(shutdown_timeout)
+        self._table = RequestTable(limits)
+        self._pool = PinnedBufferPool(self.device.host_buffer, max_buffers=max_buffers)
+        self._copier = Copier(self.device, self._pool, frame_dtype=frame_dtype)
+        self._producer = Producer(model, self.device, self._copier, self._table)
+        self._by_id: dict[str, Request] = {}
+        self._counts = {s: 0 for s in Status if s.ended}
+        self._frames_delivered = 0
+        self._frames_dropped = 0
+        self._state = "new"  # new -> running -> closing -> closed
+        self._dead: BaseException | None = None
+        self._loop: asyncio.AbstractEventLoop | None = None
+        self._loop_thread: int | None = None
+        self._tg: anyio.abc.TaskGroup | None = None
+        self._thread: threading.Thread | None = None
+        self._producer_done = anyio.Event()
+        self._producer_error: BaseException | None = None
+
+    # -- lifecycle -------------------------------------------------------------
+
+    async def __aenter__(self) -> Engine:
+        await self.start()
+        return self
+
+    async def __aexit__(
+        self,
+        exc_type: type[BaseException] | None,
+        exc: BaseException | None,
+        tb: TracebackType | None,
+    ) -> None:
+        await self.aclose()
+
+    async def start(self) -> None:
+        """Start the task group and the producer thread. Raises EngineClosedError if reused."""
+        if self._state != "new":
+            raise EngineClosedError("an Engine can be started once; create a new one")
+        self._loop = asyncio.get_running_loop()
+        self._loop_thread = threading.get_ident()
+        self._state = "running"
+        send, receive = anyio.create_memory_object_stream[list[CopyTicket]](math.inf)
+        self._tg = anyio.create_task_group()
+        await self._tg.__aenter__()
+        self._tg.start_soon(self._supervised, "copier", self._copier.run, send.send_nowait)
+        self._tg.start_soon(self._supervised, "consumer", self._consume, receive)
+        self._tg.start_soon(self._supervised, "producer", self._run_producer)
+        # Let the copier bind to the loop before the producer can post.
+        await anyio.sleep(0)
+
+    async def aclose(self) -> None:
+        """Shut down: pending streams end with EngineClosedError, threads are joined.
+
+        A step stuck on the device delays this by at most ``shutdown_timeout``
+        (logged); the producer thread is then abandoned (it is a daemon).
+        """
+        if self._state in ("closing", "closed"):
+            return
+        if self._state == "new":
+            self._state = "closed"
+            return
+        self._state = "closing"
+        for r in list(self._by_id.values()):
+            self._end(r, Status.CANCELLED, EngineClosedError("the engine was shut down", request_id=r.id))
+        self._stop_producer()
+        with anyio.move_on_after(self._shutdown_timeout) as scope:
+            await self._producer_done.wait()
+        if scope.cancelled_caught:
+            logger.warning(
+                "shutdown: the producer thread is still inside a step after %.1f s "
+                "(requests %s); abandoning it",
+                self._shutdown_timeout,
+                ", ".join(self._producer.busy_with) or "-",
+            )
+        assert self._tg is not None
+        self._tg.cancel_scope.cancel()
+        await self._tg.__aexit__(None, None, None)
+        if self._producer_done.is_set():
+            # No copy can still be issued: finish the queued ones so every
+            # lease goes back. With the producer wedged, its device is too.
+            self._copier.drain()
+            self.device.close()
+        self._state = "closed"
+
+    def _stop_producer(self) -> None:
+        with self._table.cond:
+            self._table.stopping = True
+            self._table.cond.notify_all()
+        self._pool.close()
+
+    async def _supervised(self, name: str, fn: Callable[..., Awaitable[Any]], *args: Any) -> None:
+        try:
+            await fn(*args)
+        except anyio.get_cancelled_exc_class():
+            raise
+        except Exception as exc:
+            self._die(exc, where=name)
+        else:
+            if self._state == "running":
+                self._die(RuntimeError(f"the {name} stopped unexpectedly"), where=name)
+
+    async def _run_producer(self) -> None:
+        self._thread = threading.Thread(
+            target=self._producer_main, name="omni-stream-producer", daemon=True
+        )
+        self._thread.start()
+        await self._producer_done.wait()
+        if self._producer_error is not None and self._state == "running":
+            raise self._producer_error
+
+    def _producer_main(self) -> None:
+        error: BaseException | None = None
+        try:
+            self._producer.run()
+        except BaseException as exc:  # reported to the loop, which decides
+            error = exc
+        loop = self._loop
+        assert loop is not None
+        try:
+            loop.call_soon_threadsafe(self._producer_exited, error)
+        except RuntimeError:
+            pass  # the loop is gone; nobody is left to tell
+
+    def _producer_exited(self, error: BaseException | None) -> None:
+        self._producer_error = error
+        self._producer_done.set()
+
+    def _die(self, exc: BaseException, *, where: str) -> None:
+        if self._dead is not None or self._state != "running":
+            return
+        self._dead = exc
+        logger.error("engine dead: the %s failed: %r", where, exc, exc_info=exc)
+        for r in list(self._by_id.values()):
+            err = EngineDeadError(f"the engine died ({where}: {exc!r})", request_id=r.id)
+            err.__cause__ = exc
+            self._end(r, Status.FAILED, err)
+        self._stop_producer()
+
+    # -- submitting ----------------------------------------------------------------
+
+    def _check_open(self, request_id: str | None = None) -> None:
+        if self._dead is not None:
+            raise EngineDeadError(
+                f"the engine is dead: {self._dead!r}", request_id=request_id
+            ) from self._dead
+        if self._state != "running":
+            what = "not started (use `async with Engine(...)`)" if self._state == "new" else "shut down"
+            raise EngineClosedError(f"the engine is {what}", request_id=request_id)
+
+    def stream(
+        self,
+        params: Mapping[str, Any] | None = None,
+        *,
+        request_id: str | None = None,
+        policy: str = "all",
+        timeout: float | None = None,
+    ) -> FrameStream:
+        """Submit a request; returns its frames as an async iterator.
+
+        Raises ParamsError (bad params, policy, timeout or a duplicate
+        request_id), EngineDeadError or EngineClosedError at once. Iterating
+        raises StepFailedError, StepTimeoutError, RequestCancelledError,
+        EngineDeadError or EngineClosedError.
+        """
+        if request_id is None:
+            request_id = uuid.uuid4().hex
+        elif not isinstance(request_id, str) or not request_id or len(request_id) > _MAX_ID_LEN:
+            raise ParamsError(
+                f"request_id must be a non-empty string of at most {_MAX_ID_LEN} characters, "
+                f"got {request_id!r}",
+                field="request_id",
+            )
+        self._check_open(request_id)
+        if policy not in POLICIES:
+            raise ParamsError(
+                f"policy must be one of {', '.join(POLICIES)}, got {policy!r}",
+                field="policy",
+                request_id=request_id,
+            )
+        if timeout is not None and (
+            isinstance(timeout, bool)
+            or not isinstance(timeout, (int, float))
+            or not math.isfinite(timeout)
+            or timeout <= 0
+        ):
+            raise ParamsError(
+                f"timeout must be a positive number of seconds, got {timeout!r}",
+                field="timeout",
+                request_id=request_id,
+            )
+        if request_id in self._by_id:
+            raise ParamsError(
+                f"request_id {request_id!r} is already running", field="request_id", request_id=request_id
+            )
+        try:
+            checked = self.model.validate(params)
+            total = self.model.total_steps(checked)
+            key = self.model.batch_key(checked)
+        except ParamsError as exc:
+            exc.request_id = request_id
+            raise
+        except (ValueError, TypeError, KeyError) as exc:
+            raise ParamsError(f"{self.model.name}: {exc}", request_id=request_id) from exc
+        with self._table.cond:
+            self._table.arrivals += 1
+            r = Request(
+                request_id=request_id,
+                params=checked,
+                total=total,
+                batch_key=key,
+                policy=policy,
+                timeout=None if timeout is None else float(timeout),
+                arrival=self._table.arrivals,
+                delivery=Delivery(policy),
+            )
+            self._table.live[r.arrival] = r
+            self._table.wake_producer()
+        self._by_id[request_id] = r
+        return FrameStream(self, r)
+
+    async def generate(
+        self,
+        params: Mapping[str, Any] | None = None,
+        *,
+        request_id: str | None = None,
+        policy: str = "latest",
+        timeout: float | None = None,
+    ) -> Frame:
+        """Run a request to its end; returns the final Frame. Raises as ``stream`` does."""
+        final: Frame | None = None
+        async with self.stream(params, request_id=request_id, policy=policy, timeout=timeout) as frames:
+            async for frame in frames:
+                final = frame
+        assert final is not None and final.final
+        return final
+
+    def cancel(self, request_id: str) -> bool:
+        """Cancel a request from anywhere; True if it was still running.
+
+        Its reader gets RequestCancelledError. Safe to call from any thread.
+        """
+        if self._loop is not None and threading.get_ident() != self._loop_thread:
+            live = request_id in self._by_id
+            try:
+                self._loop.call_soon_threadsafe(self.cancel, request_id)
+            except RuntimeError:
+                return False
+            return live
+        r = self._by_id.get(request_id)
+        if r is None:
+            return False
+        return self._end(r, Status.CANCELLED, RequestCancelledError("cancelled", request_id=request_id))
+
+    # -- health and statistics -----------------------------------------------------
+
+    def health(self) -> Health:
+        """The engine's state for ``/health``: ok, stalled, dead or closed."""
+        stats = self.statistics()
+        name = self.device.name
+        if self._dead is not None:
+            return Health("dead", f"engine machinery failed: {self._dead!r}", stats, name)
+        if self._state in ("closing", "closed"):
+            return Health("closed", "the engine was shut down", stats, name)
+        if self._state == "new":
+            return Health("closed", "the engine was not started", stats, name)
+        if self._thread is not None and not self._thread.is_alive() and self._producer_done.is_set():
+            return Health("dead", "the producer thread exited", stats, name)
+        since = self._producer.busy_since
+        if since is not None:
+            bound = default_timeout()
+            running = time.monotonic() - since
+            if running > bound:
+                reason = (
+                    f"one step has been running for {running:.1f} s, longer than "
+                    f"{STEP_TIMEOUT_ENV}={bound:.1f} s; the device looks hung "
+                    f"(requests {', '.join(self._producer.busy_with)})"
+                )
+                return Health("stalled", reason, stats, name)
+        return Health("ok", None, stats, name)
+
+    def check_health(self) -> None:
+        """Return when healthy; raise EngineDeadError, EngineStalledError or EngineClosedError."""
+        h = self.health()
+        if h.status == "ok":
+            return
+        if h.status == "dead":
+            raise EngineDeadError(h.reason or "the engine is dead") from self._dead
+        if h.status == "stalled":
+            raise EngineStalledError(h.reason or "the engine is stalled")
+        raise EngineClosedError(h.reason or "the engine is closed")
+
+    def statistics(self) -> EngineStatistics:
+        """A frozen snapshot of counters, queue depth and host buffers."""
+        active = queued = 0
+        for r in list(self._by_id.values()):
+            if r.status is Status.RUNNING:
+                active += 1
+            elif r.status is Status.QUEUED:
+                queued += 1
+        pool = self._pool.statistics()
+        p = self._producer
+        return EngineStatistics(
+            active=active,
+            queued=queued,
+            completed=self._counts[Status.FINISHED],
+            cancelled=self._counts[Status.CANCELLED],
+            failed=self._counts[Status.FAILED],
+            timed_out=self._counts[Status.TIMED_OUT],
+            buffers_total=pool.buffers_total,
+            buffers_in_use=pool.buffers_in_use,
+            buffers_in_flight=pool.buffers_in_flight,
+            steps=p.steps,
+            batches=p.batches,
+            frames_delivered=self._frames_delivered,
+            frames_dropped=self._frames_dropped,
+            batch_sizes=dict(p.batch_sizes),
+        )
+
+    # -- the consumer: frames to their readers (loop) -------------------------------
+
+    async def _consume(self, receive: anyio.abc.ObjectReceiveStream[list[CopyTicket]]) -> None:
+        async with receive:
+            async for tickets in receive:
+                for t in tickets:
+                    try:
+                        self._dispatch(t)
+                    except Exception as exc:
+                        # Contained: one request's delivery failing ends that
+                        # request, never the consumer (the zombie upstream).
+                        logger.exception("request %s: delivering step %d failed", t.request.id, t.step)
+                        err = OmniStreamError(
+                            f"delivering step {t.step} failed: {exc!r}", request_id=t.request.id
+                        )
+                        err.__cause__ = exc
+                        self._end(t.request, Status.FAILED, err)
+
+    def _dispatch(self, t: CopyTicket) -> None:
+        r = t.request
+        if t.error is not None:
+            self._end(r, Status.FAILED, t.error, drain=True)
+            return
+        with self._table.cond:
+            r.delivered += 1
+            if r.delivered < r.total:
+                r.stage = f"waiting for step {r.delivered + 1}/{r.total} to be scheduled"
+            self._table.wake_producer()
+        if t.data is None or r.finalized:
+            return  # the request ended while its copy was in flight
+        frame = Frame(
+            request_id=r.id,
+            step=t.step,
+            total=r.total,
+            data=t.data,
+            timings=StepTimings(t.queued_s, t.compute_s, t.copy_s, t.batch_size),
+        )
+        replaced = r.delivery.put(frame)
+        self._frames_delivered += 1
+        if replaced is not None:
+            self._frames_dropped += 1
+            self._consumed(r)
+        if frame.final:
+            self._end(r, Status.FINISHED, None)
+
+    # -- request endings (loop) ------------------------------------------------------
+
+    def _end(
+        self, r: Request, status: Status, error: BaseException | None, *, drain: bool = False
+    ) -> bool:
+        """Finalise ``r`` once: set its status, count it, tell its reader."""
+        if r.finalized:
+            return False
+        r.finalized = True
+        with self._table.cond:
+            r.status = status
+            self._table.cond.notify_all()
+        if self._by_id.get(r.id) is r:
+            del self._by_id[r.id]
+        self._counts[status] += 1
+        r.delivery.end(error, drain=drain)
+        return True
+
+    def _consumed(self, r: Request) -> None:
+        with self._table.cond:
+            r.consumed += 1
+            self._table.wake_producer()
+
+    def _abandon(self, r: Request) -> None:
+        self._end(
+            r,
+            Status.CANCELLED,
+            RequestCancelledError("the stream was closed before its final frame", request_id=r.id),
+        )
+
+    def _abandon_threadsafe(self, r: Request) -> None:
+        loop = self._loop
+        if loop is None or r.finalized:
+            return
+        try:
+            loop.call_soon_threadsafe(self._abandon, r)
+        except RuntimeError:
+            pass  # loop closed: the engine is gone with it
+
+    def _step_timeout(self, r: Request) -> float:
+        return r.timeout if r.timeout is not None else default_timeout()
+
+    def _time_out(self, r: Request, bound: float) -> StepTimeoutError:
+        step = min(r.delivered + 1, r.total)
+        source = "the request's timeout=" if r.timeout is not None else STEP_TIMEOUT_ENV
+        err = StepTimeoutError(
+            f"step {step}/{r.total} produced no output within {bound:.1f} s "
+            f"(bound from {source}); it was {r.stage}. "
+            f"Set {STEP_TIMEOUT_ENV} (or timeout=) to a larger value to allow slower steps",
+            request_id=r.id,
+            step=step,
+            bound_s=bound,
+        )
+        logger.warning(
+            "request %s timed out after %.1f s waiting for step %d/%d (%s); "
+            "set %s to a larger value to allow slower steps",
+            r.id, bound, step, r.total, r.stage, STEP_TIMEOUT_ENV,
+        )
+        self._end(r, Status.TIMED_OUT, err)
+        return err

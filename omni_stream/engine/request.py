@@ -1,0 +1,98 @@
+"""One request's record, shared by the producer thread and the event loop.
+
+Fields marked (lock) are read and written under the engine's lock by both
+sides; (producer) only on the producer thread; (loop) only on the loop.
+The state machine::
+
+    QUEUED --first step--> RUNNING --final frame delivered--> FINISHED
+       \\________________________\\--> CANCELLED | FAILED | TIMED_OUT
+"""
+
+from __future__ import annotations
+
+import enum
+import time
+from collections.abc import Hashable, Mapping
+from typing import Any
+
+from .delivery import Delivery
+
+__all__ = ["Status", "Request"]
+
+
+class Status(enum.Enum):
+    QUEUED = "queued"
+    RUNNING = "running"
+    FINISHED = "finished"
+    CANCELLED = "cancelled"
+    FAILED = "failed"
+    TIMED_OUT = "timed_out"
+
+    @property
+    def ended(self) -> bool:
+        return self not in (Status.QUEUED, Status.RUNNING)
+
+
+class Request:
+    """See the module docstring for which side owns which field."""
+
+    __slots__ = (
+        "id", "params", "total", "batch_key", "policy", "timeout", "arrival",
+        "submitted_at", "delivery",
+        # (lock)
+        "status", "issued", "delivered", "consumed", "last_scheduled", "ready_at",
+        "stage", "started", "closed", "finalized",
+        # (producer)
+        "state",
+    )
+
+    def __init__(
+        self,
+        *,
+        request_id: str,
+        params: Mapping[str, Any],
+        total: int,
+        batch_key: Hashable | None,
+        policy: str,
+        timeout: float | None,
+        arrival: int,
+        delivery: Delivery,
+    ) -> None:
+        self.id = request_id
+        self.params = params
+        self.total = total
+        self.batch_key = batch_key
+        self.policy = policy
+        self.timeout = timeout
+        self.arrival = arrival
+        self.submitted_at = time.monotonic()
+        self.delivery = delivery
+        self.status = Status.QUEUED
+        self.issued = 0  # steps computed and handed to the copier
+        self.delivered = 0  # frames that reached the delivery (or were dropped there)
+        self.consumed = 0  # frames the reader took, or that "latest" replaced
+        self.last_scheduled = -1
+        self.ready_at = self.submitted_at  # when its next step could first run
+        self.stage = "waiting for its first step"
+        self.started = False  # model.start() ran (producer)
+        self.closed = False  # model.close() ran (producer)
+        self.finalized = False  # its outcome was counted and its reader told (loop)
+        self.state: Any = None
+
+    @property
+    def in_flight(self) -> int:
+        """Steps computed whose frames have not reached the delivery yet."""
+        return self.issued - self.delivered
+
+    @property
+    def unconsumed(self) -> int:
+        """Frames computed that the reader has not taken (nor were replaced)."""
+        return self.issued - self.consumed
+
+    def runnable(self, *, max_run_ahead: int, queue_size: int) -> bool:
+        if self.status.ended or self.issued >= self.total:
+            return False
+        if self.in_flight >= max_run_ahead:
+            return False
+        # "latest" never waits for its reader: newer frames replace older ones.
+        return self.policy == "latest" or self.unconsumed < queue_size

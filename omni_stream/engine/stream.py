@@ -1,0 +1,94 @@
+"""FrameStream: one request's frames as an async iterator.
+
+Each ``__anext__`` waits under ``anyio.fail_after`` for the next step's
+output: the bound is the request's ``timeout=`` or ``omni_stream.timeout()``
+read at that moment. Time the reader spends elsewhere does not count; time
+the step spends queued, computing or copying does.
+
+Cleanup is deterministic with ``async with``; a plain ``async for`` that
+breaks out drops the last reference to the stream, and ``__del__`` then
+cancels the request (thread-safe, it only schedules the cancel on the
+loop), so the producer stops within one step.
+"""
+
+from __future__ import annotations
+
+from types import TracebackType
+from typing import TYPE_CHECKING
+
+import anyio
+
+from ..frame import Frame
+from .request import Request
+
+if TYPE_CHECKING:
+    from .engine import Engine
+
+__all__ = ["FrameStream"]
+
+
+class FrameStream:
+    """Async iterator (and async context manager) over one request's frames."""
+
+    def __init__(self, engine: Engine, request: Request) -> None:
+        self._engine = engine
+        self._request = request
+        self._done = False
+
+    @property
+    def request_id(self) -> str:
+        return self._request.id
+
+    @property
+    def total(self) -> int:
+        return self._request.total
+
+    def __aiter__(self) -> FrameStream:
+        return self
+
+    async def __anext__(self) -> Frame:
+        if self._done:
+            raise StopAsyncIteration
+        request = self._request
+        delivery = request.delivery
+        try:
+            frame = delivery.get_nowait()
+            if frame is None:
+                bound = self._engine._step_timeout(request)
+                try:
+                    with anyio.fail_after(bound):
+                        frame = await delivery.get()
+                except TimeoutError:
+                    raise self._engine._time_out(request, bound) from None
+        except BaseException:
+            # The request ended (its error is raised), or the reader itself was
+            # cancelled: then nobody will read this request, so abort it.
+            # Either way the exception propagates unchanged.
+            self._done = True
+            self._engine._abandon(request)
+            raise
+        self._engine._consumed(request)
+        if frame.final:
+            self._done = True
+        return frame
+
+    async def aclose(self) -> None:
+        """Stop the request if it has not finished; idempotent."""
+        if not self._done:
+            self._done = True
+            self._engine._abandon(self._request)
+
+    async def __aenter__(self) -> FrameStream:
+        return self
+
+    async def __aexit__(
+        self,
+        exc_type: type[BaseException] | None,
+        exc: BaseException | None,
+        tb: TracebackType | None,
+    ) -> None:
+        await self.aclose()
+
+    def __del__(self) -> None:
+        if not self._done:
+            self._engine._abandon_threadsafe(self._request)

@@ -1,0 +1,39 @@
+"""The live-request table the producer thread and the event loop share.
+
+One ``threading.Condition`` guards it. The loop holds it only for counter
+updates (microseconds); the producer holds it to pick a batch and never
+while a model or device call runs, so neither side can stall the other.
+"""
+
+from __future__ import annotations
+
+import threading
+from dataclasses import dataclass, field
+
+from .request import Request
+
+__all__ = ["RequestTable", "Limits"]
+
+
+@dataclass(frozen=True, slots=True)
+class Limits:
+    max_batch_size: int
+    max_run_ahead: int
+    queue_size: int
+
+
+@dataclass(eq=False)
+class RequestTable:
+    limits: Limits
+    cond: threading.Condition = field(default_factory=threading.Condition)
+    live: dict[int, Request] = field(default_factory=dict)  # by arrival
+    #: Set (under cond) to make the producer return.
+    stopping: bool = False
+    #: True while the producer waits on ``cond`` for work.
+    producer_waiting: bool = False
+    arrivals: int = 0
+
+    def wake_producer(self) -> None:
+        """Call with ``cond`` held after a change that may make a request runnable."""
+        if self.producer_waiting:
+            self.cond.notify()

@@ -1,0 +1,154 @@
+"""The server's limits and knobs: keyword arguments first, then ``OMNI_STREAM_*`` variables.
+
+Read once when a server starts, through :mod:`omni_stream.config` (a
+malformed variable warns once, naming it, and the default applies). A bad
+keyword value raises :class:`~omni_stream.errors.ParamsError` naming the
+keyword. docs/protocol.md lists them all.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Mapping
+from dataclasses import asdict, dataclass, fields
+from typing import Any
+
+from ..config import env_float, env_int, env_str
+from ..errors import ParamsError
+
+__all__ = ["ServerLimits", "TOKEN_ENV", "ALLOW_ORIGINS_ENV", "resolve_token", "resolve_origins"]
+
+TOKEN_ENV = "OMNI_STREAM_TOKEN"
+ALLOW_ORIGINS_ENV = "OMNI_STREAM_ALLOW_ORIGINS"
+
+# keyword -> (environment variable, kind)
+_ENV: dict[str, tuple[str, type]] = {
+    "max_message_bytes": ("OMNI_STREAM_MAX_MESSAGE_BYTES", int),
+    "max_connections": ("OMNI_STREAM_MAX_CONNECTIONS", int),
+    "max_requests_per_connection": ("OMNI_STREAM_MAX_REQUESTS_PER_CONNECTION", int),
+    "max_steps": ("OMNI_STREAM_MAX_STEPS", int),
+    "max_image_size": ("OMNI_STREAM_MAX_IMAGE_SIZE", int),
+    "max_pending": ("OMNI_STREAM_MAX_PENDING", int),
+    "send_timeout_s": ("OMNI_STREAM_SEND_TIMEOUT", float),
+    "retention_s": ("OMNI_STREAM_RETENTION", float),
+    "max_retained": ("OMNI_STREAM_MAX_RETAINED", int),
+    "shutdown_timeout_s": ("OMNI_STREAM_SHUTDOWN_TIMEOUT", float),
+    "close_timeout_s": ("OMNI_STREAM_CLOSE_TIMEOUT", float),
+}
+
+
+@dataclass(frozen=True, slots=True)
+class ServerLimits:
+    """Every bound the server enforces (docs/protocol.md, "Limits")."""
+
+    max_message_bytes: int = 1 << 20
+    max_connections: int = 64
+    max_requests_per_connection: int = 16
+    max_steps: int = 10_000
+    max_image_size: int = 2048
+    max_pending: int = 256
+    send_timeout_s: float = 30.0
+    retention_s: float = 600.0
+    max_retained: int = 64
+    shutdown_timeout_s: float = 10.0
+    close_timeout_s: float = 5.0
+
+    def __post_init__(self) -> None:
+        for f in fields(self):
+            value = getattr(self, f.name)
+            kind = _ENV[f.name][1]
+            if kind is int:
+                if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+                    raise ParamsError(
+                        f"server limit {f.name} must be an integer >= 1, got {value!r}",
+                        field=f.name,
+                    )
+            else:
+                if (
+                    isinstance(value, bool)
+                    or not isinstance(value, (int, float))
+                    or not math.isfinite(value)
+                    or value <= 0
+                ):
+                    raise ParamsError(
+                        f"server limit {f.name} must be a finite number > 0, got {value!r}",
+                        field=f.name,
+                    )
+                object.__setattr__(self, f.name, float(value))
+
+    @classmethod
+    def from_env(cls, overrides: Mapping[str, Any] | None = None) -> ServerLimits:
+        """Limits from ``overrides`` (keyword arguments), else the environment, else defaults.
+
+        Raises ParamsError for an unknown keyword (listing the known ones) or
+        a bad value, naming the keyword.
+        """
+        overrides = dict(overrides or {})
+        unknown = sorted(k for k in overrides if k not in _ENV)
+        if unknown:
+            raise ParamsError(
+                f"unknown server option(s) {', '.join(map(repr, unknown))}; "
+                f"known: {', '.join(_ENV)}",
+                field=unknown[0],
+            )
+        values: dict[str, Any] = {}
+        defaults = cls()
+        for name, (env, kind) in _ENV.items():
+            if name in overrides:
+                values[name] = overrides[name]
+            elif kind is int:
+                values[name] = env_int(env, getattr(defaults, name), minimum=1)
+            else:
+                values[name] = env_float(env, getattr(defaults, name))
+        return cls(**values)
+
+    def to_dict(self) -> dict[str, Any]:
+        return asdict(self)
+
+    @staticmethod
+    def env_name(name: str) -> str:
+        """The environment variable behind limit ``name``."""
+        return _ENV[name][0]
+
+
+def resolve_token(token: str | None) -> str | None:
+    """The token to require: ``token``, else ``OMNI_STREAM_TOKEN``, else None.
+
+    Raises ParamsError (field ``token``) for an empty or non-string token.
+    """
+    if token is None:
+        return env_str(TOKEN_ENV)
+    if not isinstance(token, str) or not token.strip():
+        raise ParamsError("token must be a non-empty string", field="token")
+    return token
+
+
+def resolve_origins(allow_origins: Any) -> tuple[str, ...]:
+    """Allowed browser origins: ``allow_origins``, else ``OMNI_STREAM_ALLOW_ORIGINS`` (commas).
+
+    Each is ``scheme://host[:port]`` (compared lowercased, without a trailing
+    slash) or ``*``. Raises ParamsError (field ``allow_origins``) for a
+    malformed entry.
+    """
+    if allow_origins is None or (isinstance(allow_origins, (tuple, list)) and not allow_origins):
+        raw = env_str(ALLOW_ORIGINS_ENV)
+        entries = [e for e in (raw or "").split(",") if e.strip()]
+        where = ALLOW_ORIGINS_ENV
+    elif isinstance(allow_origins, str):
+        entries = [allow_origins]
+        where = "allow_origins"
+    else:
+        entries = list(allow_origins)
+        where = "allow_origins"
+    out = []
+    for entry in entries:
+        if not isinstance(entry, str):
+            raise ParamsError(f"{where}: origins must be strings, got {entry!r}", field="allow_origins")
+        origin = entry.strip().rstrip("/").lower()
+        if origin != "*" and ("://" not in origin or origin.split("://", 1)[1] in ("", "*")):
+            raise ParamsError(
+                f"{where}: {entry!r} is not an origin; use scheme://host[:port] or *",
+                field="allow_origins",
+            )
+        out.append(origin)
+    return tuple(out)

@@ -1,0 +1,386 @@
+"""The websocket wire format (pure: no I/O): docs/protocol.md in code.
+
+Client messages are parsed and checked here into :class:`Generate`,
+:class:`Cancel` and :class:`Attach`; anything else raises
+:class:`MessageError` carrying the ``error`` code to send back. Server
+messages are built by the functions below, and binary previews are laid out
+by :func:`pack_preview` (and read back by :func:`unpack_preview`)::
+
+    4 bytes  big-endian unsigned length N of the header
+    N bytes  UTF-8 JSON header: id, step, total, final, format, width, height, mime
+    rest     the encoded image
+"""
+
+from __future__ import annotations
+
+import json
+import re
+import struct
+from collections.abc import Mapping
+from dataclasses import dataclass
+from typing import Any, Final
+
+from ..errors import ParamsError
+
+__all__ = [
+    "ID_PATTERN",
+    "MAX_ID_LENGTH",
+    "REJECTION_CODES",
+    "REQUEST_ENDING_CODES",
+    "CANCEL_REASONS",
+    "CLOSE_GOING_AWAY",
+    "CLOSE_POLICY_VIOLATION",
+    "CLOSE_MESSAGE_TOO_BIG",
+    "CLOSE_INTERNAL_ERROR",
+    "CLOSE_TRY_AGAIN_LATER",
+    "MessageError",
+    "Generate",
+    "Cancel",
+    "Attach",
+    "ClientMessage",
+    "PreviewHeader",
+    "parse_client_message",
+    "check_id",
+    "dumps",
+    "accepted",
+    "progress",
+    "done",
+    "cancelled",
+    "error",
+    "pack_preview",
+    "unpack_preview",
+]
+
+MAX_ID_LENGTH: Final = 128
+#: Ids end up in logs, headers and file names of clients: keep them plain.
+ID_PATTERN: Final = re.compile(r"[A-Za-z0-9._:\-]{1,%d}" % MAX_ID_LENGTH)
+
+#: ``error`` codes that reject one client message; nothing was started or changed.
+REJECTION_CODES: Final = frozenset(
+    {
+        "bad_json",
+        "bad_message",
+        "invalid_field",
+        "unknown_type",
+        "bad_params",
+        "limit_exceeded",
+        "duplicate_id",
+        "too_many_requests",
+        "not_found",
+        "already_attached",
+        "shutting_down",
+        "engine_unavailable",
+    }
+)
+#: ``error`` codes that end an accepted request (terminal, sent to every watcher).
+REQUEST_ENDING_CODES: Final = frozenset(
+    {"step_failed", "step_timeout", "engine_error", "preview_failed", "internal"}
+)
+CANCEL_REASONS: Final = frozenset({"client", "disconnect", "shutdown", "engine"})
+
+CLOSE_GOING_AWAY: Final = 1001
+CLOSE_POLICY_VIOLATION: Final = 1008
+CLOSE_MESSAGE_TOO_BIG: Final = 1009
+CLOSE_INTERNAL_ERROR: Final = 1011
+CLOSE_TRY_AGAIN_LATER: Final = 1013
+
+_HEADER_LENGTH = struct.Struct(">I")
+
+
+class MessageError(ParamsError):
+    """A client message the server rejects; ``code`` is the ``error`` code to send.
+
+    ``field`` names the offending field and ``request_id`` the request the
+    message named, where known.
+    """
+
+    def __init__(
+        self,
+        code: str,
+        message: str,
+        *,
+        field: str | None = None,
+        request_id: str | None = None,
+    ) -> None:
+        super().__init__(message, field=field, request_id=request_id)
+        self.code = code
+
+
+@dataclass(frozen=True, slots=True)
+class Generate:
+    """``{"type": "generate", ...}``; ``preview`` is None when the client sent none."""
+
+    id: str | None
+    params: dict[str, Any]
+    preview: dict[str, Any] | None
+    detach: bool
+
+
+@dataclass(frozen=True, slots=True)
+class Cancel:
+    """``{"type": "cancel", "id": ...}``."""
+
+    id: str
+
+
+@dataclass(frozen=True, slots=True)
+class Attach:
+    """``{"type": "attach", "id": ...}``."""
+
+    id: str
+
+
+ClientMessage = Generate | Cancel | Attach
+
+_FIELDS: Final[dict[str, tuple[frozenset[str], frozenset[str]]]] = {
+    # type: (required, optional) besides "type"
+    "generate": (frozenset({"params"}), frozenset({"id", "preview", "detach"})),
+    "cancel": (frozenset({"id"}), frozenset()),
+    "attach": (frozenset({"id"}), frozenset()),
+}
+
+
+def _reject_constant(name: str) -> Any:
+    # Python's json accepts NaN and Infinity, which are not JSON; a client
+    # that sends them has a bug worth naming.
+    raise ValueError(f"{name} is not valid JSON")
+
+
+def check_id(value: Any, *, field: str = "id") -> str:
+    """Return ``value`` if it is a valid request id; raise MessageError (invalid_field) if not."""
+    if not isinstance(value, str):
+        raise MessageError(
+            "invalid_field", f"{field} must be a string, got {_type_name(value)}", field=field
+        )
+    if not ID_PATTERN.fullmatch(value):
+        raise MessageError(
+            "invalid_field",
+            f"{field} must be 1-{MAX_ID_LENGTH} characters from A-Z a-z 0-9 . _ : -, "
+            f"got {_clip(value)!r}",
+            field=field,
+        )
+    return value
+
+
+def parse_client_message(data: str | bytes) -> ClientMessage:
+    """Parse and check one client message.
+
+    Raises MessageError with code ``bad_message`` (binary frame, not an
+    object), ``bad_json``, ``invalid_field`` (missing, unknown or ill-typed
+    field; ``field`` names it) or ``unknown_type``. The request id, when the
+    message carries a valid one, is set on the error.
+    """
+    if not isinstance(data, str):
+        raise MessageError("bad_message", "binary messages are not accepted; send JSON text")
+    try:
+        obj = json.loads(data, parse_constant=_reject_constant)
+    except (ValueError, RecursionError) as exc:
+        raise MessageError("bad_json", f"message is not valid JSON: {exc}") from None
+    if not isinstance(obj, dict):
+        raise MessageError(
+            "bad_message", f"message must be a JSON object, got {_type_name(obj)}"
+        )
+    raw_id = obj.get("id")
+    known_id = raw_id if isinstance(raw_id, str) and ID_PATTERN.fullmatch(raw_id) else None
+    try:
+        return _parse_object(obj)
+    except MessageError as exc:
+        if exc.request_id is None:
+            exc.request_id = known_id
+        raise
+
+
+def _parse_object(obj: dict[str, Any]) -> ClientMessage:
+    if "type" not in obj:
+        raise MessageError("invalid_field", "message has no 'type'", field="type")
+    kind = obj["type"]
+    if not isinstance(kind, str):
+        raise MessageError(
+            "invalid_field", f"type must be a string, got {_type_name(kind)}", field="type"
+        )
+    if kind not in _FIELDS:
+        raise MessageError(
+            "unknown_type",
+            f"unknown message type {_clip(kind)!r}; known: {', '.join(_FIELDS)}",
+            field="type",
+        )
+    required, optional = _FIELDS[kind]
+    unknown = sorted(k for k in obj if k != "type" and k not in required | optional)
+    if unknown:
+        allowed = ", ".join(sorted(required | optional))
+        raise MessageError(
+            "invalid_field",
+            f"unknown field(s) {', '.join(repr(_clip(k)) for k in unknown)} in {kind}; "
+            f"known: {allowed}",
+            field=unknown[0],
+        )
+    missing = sorted(required - obj.keys())
+    if missing:
+        raise MessageError(
+            "invalid_field", f"{kind} needs {', '.join(map(repr, missing))}", field=missing[0]
+        )
+    if kind == "cancel":
+        return Cancel(check_id(obj["id"]))
+    if kind == "attach":
+        return Attach(check_id(obj["id"]))
+    request_id = check_id(obj["id"]) if obj.get("id") is not None else None
+    params = obj["params"]
+    if not isinstance(params, dict):
+        raise MessageError(
+            "invalid_field",
+            f"params must be a JSON object, got {_type_name(params)}",
+            field="params",
+            request_id=request_id,
+        )
+    preview = obj.get("preview")
+    if preview is not None and not isinstance(preview, dict):
+        raise MessageError(
+            "invalid_field",
+            f"preview must be a JSON object, got {_type_name(preview)}",
+            field="preview",
+            request_id=request_id,
+        )
+    detach = obj.get("detach", False)
+    if not isinstance(detach, bool):
+        raise MessageError(
+            "invalid_field",
+            f"detach must be true or false, got {_type_name(detach)}",
+            field="detach",
+            request_id=request_id,
+        )
+    return Generate(id=request_id, params=params, preview=preview, detach=detach)
+
+
+def _type_name(value: Any) -> str:
+    if value is None:
+        return "null"
+    if isinstance(value, bool):
+        return "a boolean"
+    if isinstance(value, (int, float)):
+        return "a number"
+    if isinstance(value, str):
+        return "a string"
+    if isinstance(value, list):
+        return "an array"
+    if isinstance(value, dict):
+        return "an object"
+    return type(value).__name__
+
+
+def _clip(text: str, limit: int = 64) -> str:
+    return text if len(text) <= limit else text[:limit] + "..."
+
+
+# ---- server messages ------------------------------------------------------
+
+
+def dumps(message: Mapping[str, Any]) -> str:
+    """Serialize a server message compactly; raises ValueError for NaN or infinities."""
+    return json.dumps(message, separators=(",", ":"), allow_nan=False)
+
+
+def accepted(
+    request_id: str, *, total: int, detach: bool, attached: bool, preview: Mapping[str, Any]
+) -> dict[str, Any]:
+    """``accepted``: a generate started, or an attach succeeded."""
+    return {
+        "type": "accepted",
+        "id": request_id,
+        "total": total,
+        "detach": detach,
+        "attached": attached,
+        "preview": dict(preview),
+    }
+
+
+def progress(request_id: str, *, step: int, total: int, eta_s: float) -> dict[str, Any]:
+    """``progress`` after a step; ``eta_s`` is clamped to >= 0 and rounded to ms."""
+    return {
+        "type": "progress",
+        "id": request_id,
+        "step": step,
+        "total": total,
+        "eta_s": round(max(0.0, eta_s), 3),
+    }
+
+
+def done(request_id: str, *, total: int, elapsed_s: float) -> dict[str, Any]:
+    """``done``: the final preview was sent before it."""
+    return {"type": "done", "id": request_id, "total": total, "elapsed_s": round(elapsed_s, 3)}
+
+
+def cancelled(request_id: str, *, reason: str) -> dict[str, Any]:
+    """``cancelled``; raises ValueError for a reason outside CANCEL_REASONS."""
+    if reason not in CANCEL_REASONS:
+        raise ValueError(f"cancel reason must be one of {sorted(CANCEL_REASONS)}, got {reason!r}")
+    return {"type": "cancelled", "id": request_id, "reason": reason}
+
+
+def error(
+    code: str, message: str, *, request_id: str | None = None, field: str | None = None
+) -> dict[str, Any]:
+    """``error``; raises ValueError for a code that docs/protocol.md does not list."""
+    if code not in REJECTION_CODES and code not in REQUEST_ENDING_CODES:
+        raise ValueError(f"unknown error code {code!r}")
+    out: dict[str, Any] = {"type": "error", "code": code, "message": message}
+    if request_id is not None:
+        out["id"] = request_id
+    if field is not None:
+        out["field"] = field
+    return out
+
+
+# ---- binary previews ------------------------------------------------------
+
+
+@dataclass(frozen=True, slots=True)
+class PreviewHeader:
+    """The JSON header of a binary preview frame."""
+
+    id: str
+    step: int
+    total: int
+    final: bool
+    format: str
+    width: int
+    height: int
+    mime: str
+
+    def to_dict(self) -> dict[str, Any]:
+        return {
+            "id": self.id,
+            "step": self.step,
+            "total": self.total,
+            "final": self.final,
+            "format": self.format,
+            "width": self.width,
+            "height": self.height,
+            "mime": self.mime,
+        }
+
+
+def pack_preview(header: PreviewHeader, image: bytes | bytearray | memoryview) -> bytes:
+    """Lay out one binary preview frame: length, JSON header, image."""
+    head = dumps(header.to_dict()).encode()
+    return b"".join((_HEADER_LENGTH.pack(len(head)), head, image))
+
+
+def unpack_preview(frame: bytes | bytearray | memoryview) -> tuple[PreviewHeader, memoryview]:
+    """Split a binary preview frame into its header and a view of the image bytes.
+
+    Raises ValueError when the frame is truncated or its header is not the
+    JSON object docs/protocol.md describes.
+    """
+    view = memoryview(frame)
+    if len(view) < _HEADER_LENGTH.size:
+        raise ValueError(f"preview frame of {len(view)} bytes is shorter than its length prefix")
+    (length,) = _HEADER_LENGTH.unpack_from(view)
+    end = _HEADER_LENGTH.size + length
+    if end > len(view):
+        raise ValueError(f"preview header length {length} runs past the frame ({len(view)} bytes)")
+    try:
+        head = json.loads(bytes(view[_HEADER_LENGTH.size : end]).decode())
+        header = PreviewHeader(**head)
+    except (ValueError, TypeError) as exc:
+        raise ValueError(f"preview header is not valid: {exc}") from None
+    return header, view[end:]

@@ -1,0 +1,279 @@
+"""The server's record of each request: owner, watchers, latest state, retention (pure, no I/O).
+
+A :class:`RequestRecord` is created when a ``generate`` is accepted. Its
+consumer (one task per request, in ``app.py``) publishes into it; the record
+fans every message out to the outboxes of the connections watching it and
+keeps the latest ``progress``, the latest encoded preview and the terminal
+message, which is what ``attach`` replays. The :class:`RequestRegistry`
+holds the records, answers who may see which, and forgets ended requests:
+at once for a request that was not detached, after ``retention_s`` for one
+that was (and the oldest ended first when ``max_retained`` is reached).
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable, Iterator, Mapping
+from typing import Any
+
+from . import protocol
+from .outbox import Outbox
+
+__all__ = ["RequestRecord", "RequestRegistry"]
+
+
+class RequestRecord:
+    """One request as the server sees it (see the module docstring).
+
+    ``owner`` is the id of the connection that created it. ``cancel_reason``
+    is set by whoever cancels it through the engine, so the consumer can say
+    why in ``cancelled``.
+    """
+
+    def __init__(
+        self,
+        request_id: str,
+        *,
+        owner: str,
+        detach: bool,
+        total: int,
+        preview: Mapping[str, Any],
+        created_at: float,
+    ) -> None:
+        self.id = request_id
+        self.owner = owner
+        self.detach = detach
+        self.total = total
+        self.preview = dict(preview)
+        self.created_at = created_at
+        self.cancel_reason: str | None = None
+        self.ended_at: float | None = None
+        self.outcome: str | None = None  # "done" | "cancelled" | "error" once ended
+        self.latest_step = 0
+        self._latest_progress: str | None = None
+        self._latest_preview: bytes | None = None
+        self._latest_preview_final = False
+        self._terminal: tuple[str, str] | None = None  # (serialized message, kind)
+        self._watchers: dict[str, Outbox] = {}
+
+    @property
+    def ended(self) -> bool:
+        return self._terminal is not None
+
+    @property
+    def watchers(self) -> tuple[str, ...]:
+        """Ids of the connections watching."""
+        return tuple(self._watchers)
+
+    def is_watched_by(self, conn_id: str) -> bool:
+        return conn_id in self._watchers
+
+    def accepted_message(self, *, attached: bool) -> str:
+        return protocol.dumps(
+            protocol.accepted(
+                self.id,
+                total=self.total,
+                detach=self.detach,
+                attached=attached,
+                preview=self.preview,
+            )
+        )
+
+    def watch(self, conn_id: str, outbox: Outbox, *, attached: bool) -> None:
+        """Start sending this request to ``outbox``: ``accepted``, then the replay.
+
+        The replay (latest ``progress``, latest preview, terminal message) is
+        queued synchronously, before any later publish can run, so nothing
+        is lost or sent twice between the replay and the live messages.
+        """
+        outbox.put(self.accepted_message(attached=attached), "accepted")
+        if self._latest_progress is not None:
+            outbox.put(self._latest_progress, "progress", latest_key=(self.id, "progress"))
+        if self._latest_preview is not None:
+            if self._latest_preview_final:
+                outbox.put(self._latest_preview, "preview")
+            else:
+                outbox.put(self._latest_preview, "preview", latest_key=(self.id, "preview"))
+        if self._terminal is not None:
+            text, kind = self._terminal
+            outbox.put(text, kind)
+        else:
+            self._watchers[conn_id] = outbox
+
+    def unwatch(self, conn_id: str) -> None:
+        self._watchers.pop(conn_id, None)
+
+    def publish_progress(self, step: int, message: Mapping[str, Any]) -> None:
+        """Send a ``progress`` to every watcher, latest wins."""
+        text = protocol.dumps(message)
+        self.latest_step = step
+        self._latest_progress = text
+        for outbox in self._watchers.values():
+            outbox.put(text, "progress", latest_key=(self.id, "progress"))
+
+    def publish_preview(self, frame: bytes, *, final: bool) -> None:
+        """Send a packed preview frame to every watcher; a final one is must-deliver."""
+        self._latest_preview = frame
+        self._latest_preview_final = final
+        for outbox in self._watchers.values():
+            if final:
+                # An older preview still unsent is stale next to the result.
+                outbox.discard((self.id, "preview"))
+                outbox.put(frame, "preview")
+            else:
+                outbox.put(frame, "preview", latest_key=(self.id, "preview"))
+
+    def finish(self, message: Mapping[str, Any], *, now: float) -> None:
+        """Send the terminal message (``done`` / ``cancelled`` / ``error``) to every watcher.
+
+        Idempotent: a second call is ignored (the first outcome stands).
+        """
+        if self._terminal is not None:
+            return
+        kind = str(message["type"])
+        text = protocol.dumps(message)
+        self._terminal = (text, kind)
+        self.outcome = kind
+        self.ended_at = now
+        for outbox in self._watchers.values():
+            outbox.put(text, kind)
+        self._watchers.clear()
+
+    def retained_bytes(self) -> int:
+        """Bytes this record holds for replay."""
+        return (
+            len(self._latest_preview or b"")
+            + len(self._latest_progress or "")
+            + len(self._terminal[0] if self._terminal else "")
+        )
+
+    def __repr__(self) -> str:
+        state = self.outcome or "running"
+        return (
+            f"RequestRecord({self.id!r}, {state}, step {self.latest_step}/{self.total}, "
+            f"owner={self.owner!r}, detach={self.detach}, watchers={len(self._watchers)})"
+        )
+
+
+class RequestRegistry:
+    """Every request the server knows, by id (see the module docstring)."""
+
+    def __init__(
+        self,
+        *,
+        retention_s: float,
+        max_retained: int,
+        clock: Callable[[], float] = time.monotonic,
+    ) -> None:
+        self._retention_s = retention_s
+        self._max_retained = max_retained
+        self._clock = clock
+        self._records: dict[str, RequestRecord] = {}
+
+    def __contains__(self, request_id: object) -> bool:
+        return request_id in self._records
+
+    def __len__(self) -> int:
+        return len(self._records)
+
+    def __iter__(self) -> Iterator[RequestRecord]:
+        return iter(list(self._records.values()))
+
+    def get(self, request_id: str) -> RequestRecord | None:
+        return self._records.get(request_id)
+
+    def running(self) -> list[RequestRecord]:
+        return [r for r in self._records.values() if not r.ended]
+
+    def retained(self) -> list[RequestRecord]:
+        """Detached records, running or ended."""
+        return [r for r in self._records.values() if r.detach]
+
+    def running_owned_by(self, conn_id: str) -> int:
+        return sum(1 for r in self._records.values() if r.owner == conn_id and not r.ended)
+
+    def check_new(self, request_id: str, *, detach: bool) -> None:
+        """Raise MessageError unless a request ``request_id`` may be added now.
+
+        ``duplicate_id`` when the id is taken; for a detached request,
+        ``too_many_requests`` when ``max_retained`` detached requests are
+        held and none has ended (ended ones are forgotten, oldest first, by
+        :meth:`add`).
+        """
+        self.prune()
+        if request_id in self._records:
+            raise protocol.MessageError(
+                "duplicate_id",
+                f"a request with id {request_id!r} already exists; ids are global to the server",
+                field="id",
+                request_id=request_id,
+            )
+        if detach and len(self.retained()) >= self._max_retained:
+            if not any(r.ended for r in self.retained()):
+                raise protocol.MessageError(
+                    "too_many_requests",
+                    f"the server already holds {self._max_retained} detached requests "
+                    "(max_retained, OMNI_STREAM_MAX_RETAINED)",
+                    request_id=request_id,
+                )
+
+    def add(self, record: RequestRecord) -> None:
+        """Register ``record``; raises MessageError as :meth:`check_new` does."""
+        self.check_new(record.id, detach=record.detach)
+        if record.detach:
+            retained = self.retained()
+            if len(retained) >= self._max_retained:
+                ended = sorted((r for r in retained if r.ended), key=lambda r: r.ended_at or 0.0)
+                for victim in ended[: len(retained) - self._max_retained + 1]:
+                    del self._records[victim.id]
+        self._records[record.id] = record
+
+    def lookup(self, request_id: str, conn_id: str, *, authenticated: bool) -> RequestRecord:
+        """The record ``conn_id`` may cancel or attach; raises MessageError ``not_found`` otherwise.
+
+        Visible: everything to an ``authenticated`` connection (a token is
+        configured and it presented it); otherwise the connection's own
+        requests and detached requests (their id is the capability).
+        """
+        self.prune()
+        record = self._records.get(request_id)
+        if record is None or not (
+            authenticated or record.owner == conn_id or record.detach
+        ):
+            raise protocol.MessageError(
+                "not_found",
+                f"no request with id {request_id!r} visible to this connection "
+                "(unknown, ended and not retained, or not yours)",
+                field="id",
+                request_id=request_id,
+            )
+        return record
+
+    def ended(self, record: RequestRecord) -> None:
+        """Call once ``record`` has finished: a request that was not detached is forgotten now."""
+        if not record.detach:
+            self._records.pop(record.id, None)
+
+    def disconnect(self, conn_id: str) -> list[RequestRecord]:
+        """Stop sending anything to ``conn_id``; return its running, non-detached requests.
+
+        The caller cancels those through the engine.
+        """
+        to_cancel = []
+        for record in list(self._records.values()):
+            record.unwatch(conn_id)
+            if record.owner == conn_id and not record.detach and not record.ended:
+                to_cancel.append(record)
+        return to_cancel
+
+    def prune(self) -> list[RequestRecord]:
+        """Forget detached requests that ended more than ``retention_s`` ago; return them."""
+        deadline = self._clock() - self._retention_s
+        expired = [
+            r
+            for r in self._records.values()
+            if r.ended and r.ended_at is not None and r.ended_at <= deadline
+        ]
+        for r in expired:
+            del self._records[r.id]
+        return expired

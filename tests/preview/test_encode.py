@@ -1,0 +1,147 @@
+"""Encoders: formats decode back, shrinking only, raw layout, option errors."""
+
+from __future__ import annotations
+
+import io
+
+import numpy as np
+import pytest
+from PIL import Image
+
+from omni_stream.errors import ParamsError
+from omni_stream.preview import encode as E
+
+
+def _image(h: int, w: int) -> np.ndarray:
+    y, x = np.mgrid[0:h, 0:w]
+    return np.stack([x * 255 // max(w - 1, 1), y * 255 // max(h - 1, 1), (x + y) % 256], -1).astype(
+        np.uint8
+    )
+
+
+@pytest.mark.parametrize(
+    "fmt, pil_format, mime",
+    [("jpeg", "JPEG", "image/jpeg"), ("png", "PNG", "image/png"), ("webp", "WEBP", "image/webp")],
+)
+def test_formats_decode_back_with_pillow_at_the_right_size(fmt, pil_format, mime):
+    rgb = _image(48, 80)
+    out = E.encode(rgb, format=fmt)
+    assert (out.format, out.mime, out.width, out.height) == (fmt, mime, 80, 48)
+    assert isinstance(out.data, bytes)
+    back = Image.open(io.BytesIO(out.data))
+    assert back.format == pil_format
+    assert back.size == (80, 48)
+    assert back.mode == "RGB"
+    pixels = np.asarray(back)
+    if fmt == "png":
+        np.testing.assert_array_equal(pixels, rgb)  # lossless
+    else:
+        assert np.abs(pixels.astype(int) - rgb).mean() < 8
+
+
+def test_raw_is_the_rgb_bytes_row_major():
+    rgb = _image(3, 5)
+    out = E.encode(rgb, format="raw")
+    assert (out.width, out.height, out.mime) == (5, 3, "application/octet-stream")
+    assert len(out.data) == 3 * 5 * 3
+    # pixel (y, x) channel k lives at ((y * width) + x) * 3 + k
+    for y, x, k in [(0, 0, 0), (2, 4, 2), (1, 3, 1)]:
+        assert out.data[(y * 5 + x) * 3 + k] == rgb[y, x, k]
+
+
+def test_raw_of_a_non_contiguous_array_is_row_major():
+    planes = np.ascontiguousarray(_image(4, 6).transpose(2, 0, 1))
+    view = planes.transpose(1, 2, 0)  # [H, W, 3], not C-contiguous
+    assert not view.flags.c_contiguous
+    assert E.encode(view, format="raw").data == np.ascontiguousarray(view).tobytes()
+
+
+@pytest.mark.parametrize("fmt", ["jpeg", "png", "webp", "raw"])
+def test_max_size_shrinks_the_longer_side_keeping_aspect(fmt):
+    out = E.encode(_image(300, 600), format=fmt, max_size=100)
+    assert (out.width, out.height) == (100, 50)
+    if fmt == "raw":
+        assert len(out.data) == 100 * 50 * 3
+    else:
+        assert Image.open(io.BytesIO(out.data)).size == (100, 50)
+
+
+@pytest.mark.parametrize("max_size", [64, 65, 1000, None])
+def test_max_size_never_enlarges(max_size):
+    out = E.encode(_image(40, 64), format="png", max_size=max_size)
+    assert (out.width, out.height) == (64, 40)
+
+
+def test_fit_size():
+    assert E.fit_size(1024, 768, 512) == (512, 384)
+    assert E.fit_size(768, 1024, 512) == (384, 512)
+    assert E.fit_size(512, 512, 512) == (512, 512)
+    assert E.fit_size(100, 50, None) == (100, 50)
+    assert E.fit_size(1000, 1, 10) == (10, 1)  # never below one pixel
+
+
+def test_shrunk_raw_matches_shrunk_png():
+    rgb = _image(90, 120)
+    raw = E.encode(rgb, format="raw", max_size=40)
+    png = E.encode(rgb, format="png", max_size=40)
+    assert np.asarray(Image.open(io.BytesIO(png.data))).tobytes() == raw.data
+
+
+def test_quality_changes_jpeg_size_and_defaults_apply():
+    rng = np.random.default_rng(0)
+    rgb = rng.integers(0, 256, (64, 64, 3), dtype=np.uint8)
+    low = E.encode(rgb, format="jpeg", quality=10)
+    high = E.encode(rgb, format="jpeg", quality=95)
+    default = E.encode(rgb, format="jpeg")
+    assert len(low.data) < len(default.data) < len(high.data)
+    assert default.data == E.encode(rgb, format="jpeg", quality=E.DEFAULT_QUALITY["jpeg"]).data
+
+
+@pytest.mark.parametrize(
+    "kwargs, field",
+    [
+        ({"format": "gif"}, "format"),
+        ({"format": "JPEG"}, "format"),
+        ({"format": None}, "format"),
+        ({"format": "jpeg", "quality": 0}, "quality"),
+        ({"format": "jpeg", "quality": 101}, "quality"),
+        ({"format": "jpeg", "quality": 90.0}, "quality"),
+        ({"format": "jpeg", "quality": True}, "quality"),
+        ({"format": "png", "quality": 90}, "quality"),
+        ({"format": "raw", "quality": 90}, "quality"),
+        ({"format": "jpeg", "max_size": 0}, "max_size"),
+        ({"format": "jpeg", "max_size": -5}, "max_size"),
+        ({"format": "jpeg", "max_size": 512.0}, "max_size"),
+        ({"format": "jpeg", "max_size": "512"}, "max_size"),
+        ({"format": "jpeg", "max_size": False}, "max_size"),
+    ],
+)
+def test_bad_options_raise_params_error_naming_the_field(kwargs, field):
+    with pytest.raises(ParamsError) as info:
+        E.encode(_image(4, 4), **kwargs)
+    assert info.value.field == field
+    assert field in str(info.value)
+
+
+@pytest.mark.parametrize(
+    "rgb",
+    [
+        np.zeros((4, 4, 3), dtype=np.float32),
+        np.zeros((3, 4, 4), dtype=np.uint8),
+        np.zeros((4, 4, 4), dtype=np.uint8),
+        np.zeros((4, 4), dtype=np.uint8),
+        np.zeros((0, 4, 3), dtype=np.uint8),
+        [[[0, 0, 0]]],
+    ],
+)
+def test_bad_rgb_raises_params_error(rgb):
+    with pytest.raises(ParamsError) as info:
+        E.encode(rgb)
+    assert info.value.field == "rgb"
+
+
+def test_encoded_image_is_frozen_and_its_repr_is_short():
+    out = E.encode(_image(4, 4), format="raw")
+    with pytest.raises(AttributeError):
+        out.width = 3  # type: ignore[misc]
+    assert repr(out) == "EncodedImage(format='raw', 4x4, 48 bytes)"
