@@ -169,8 +169,10 @@ class Copier:
             try:
                 if lease.event is not None:
                     lease.event.synchronize()
-                if not t.request.status.ended:
-                    t.data = lease.buffer.clone()
+                # finalized (not status): a request the producer just marked
+                    # failed still gets the frames computed before the failure.
+                    if not t.request.finalized:
+                        t.data = lease.buffer.clone()
                 t.copy_s = time.monotonic() - t.issued_at
             finally:
                 t.lease = None
@@ -181,4 +183,5 @@ class Copier:
         """Finish every queued ticket without delivering (shutdown): leases go back."""
         batch = list(self._inbox)
         self._inbox.clear()
-        self._complete(batch)
+        if batch:
+            self._complete(batch)

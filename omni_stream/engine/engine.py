@@ -191,7 +191,10 @@ class Engine:
         if self._producer_done.is_set():
             # No copy can still be issued: finish the queued ones so every
             # lease goes back. With the producer wedged, its device is too.
-            self._copier.drain()
+            try:
+                self._copier.drain()
+            except Exception:
+                logger.exception("shutdown: finishing the queued copies failed")
             self.device.close()
         self._state = "closed"
 
@@ -454,8 +457,6 @@ class Engine:
             return
         with self._table.cond:
             r.delivered += 1
-            if r.delivered < r.total:
-                r.stage = f"waiting for step {r.delivered + 1}/{r.total} to be scheduled"
             self._table.wake_producer()
         if t.data is None or r.finalized:
             return  # the request ended while its copy was in flight
@@ -516,12 +517,26 @@ class Engine:
     def _step_timeout(self, r: Request) -> float:
         return r.timeout if r.timeout is not None else default_timeout()
 
+    def _waiting_on(self, r: Request, step: int) -> str:
+        """What the step's output was waiting on, for the timeout message."""
+        if r.issued >= step:
+            return f"copying step {step}/{r.total} to the host"
+        busy = self._producer.busy_with if self._producer.busy_since is not None else ()
+        if r.id in busy:
+            return f"computing step {step}/{r.total}"
+        if busy:
+            return f"queued behind a running step of request(s) {', '.join(busy)}"
+        if r.unconsumed >= self._table.limits.queue_size and r.policy == "all":
+            return "paused: its reader is behind"
+        return f"queued for step {step}/{r.total}"
+
     def _time_out(self, r: Request, bound: float) -> StepTimeoutError:
         step = min(r.delivered + 1, r.total)
+        stage = self._waiting_on(r, step)
         source = "the request's timeout=" if r.timeout is not None else STEP_TIMEOUT_ENV
         err = StepTimeoutError(
             f"step {step}/{r.total} produced no output within {bound:.1f} s "
-            f"(bound from {source}); it was {r.stage}. "
+            f"(bound from {source}); it was {stage}. "
             f"Set {STEP_TIMEOUT_ENV} (or timeout=) to a larger value to allow slower steps",
             request_id=r.id,
             step=step,
@@ -530,7 +545,7 @@ class Engine:
         logger.warning(
             "request %s timed out after %.1f s waiting for step %d/%d (%s); "
             "set %s to a larger value to allow slower steps",
-            r.id, bound, step, r.total, r.stage, STEP_TIMEOUT_ENV,
+            r.id, bound, step, r.total, stage, STEP_TIMEOUT_ENV,
         )
         self._end(r, Status.TIMED_OUT, err)
         return err

@@ -89,7 +89,6 @@ class Producer:
                         for r in batch:
                             r.last_scheduled = self._seq
                             r.status = Status.RUNNING
-                            r.stage = f"computing step {r.issued + 1}/{r.total}"
                         return batch
                     table.producer_waiting = True
                     try:
@@ -146,7 +145,6 @@ class Producer:
                 with self._table.cond:
                     r.issued = n
                     r.ready_at = time.monotonic()
-                    r.stage = f"copying step {n}/{r.total} to the host"
         if tickets:
             self._copier.post(tickets)
 

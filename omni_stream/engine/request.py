@@ -41,7 +41,7 @@ class Request:
         "submitted_at", "delivery",
         # (lock)
         "status", "issued", "delivered", "consumed", "last_scheduled", "ready_at",
-        "stage", "started", "closed", "finalized",
+        "started", "closed", "finalized",
         # (producer)
         "state",
     )
@@ -73,7 +73,6 @@ class Request:
         self.consumed = 0  # frames the reader took, or that "latest" replaced
         self.last_scheduled = -1
         self.ready_at = self.submitted_at  # when its next step could first run
-        self.stage = "waiting for its first step"
         self.started = False  # model.start() ran (producer)
         self.closed = False  # model.close() ran (producer)
         self.finalized = False  # its outcome was counted and its reader told (loop)

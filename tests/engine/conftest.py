@@ -1,0 +1,39 @@
+from __future__ import annotations
+
+import time
+
+import anyio
+import pytest
+
+import omni_stream as om
+
+
+def make_device(kind: str) -> om.device.Device:
+    if kind == "sim":
+        # Slow enough that copies are really in flight when the loop looks.
+        return om.device.SimDevice(compute_s=0.001, copy_s=0.003)
+    return om.device.resolve_device(kind)
+
+
+@pytest.fixture(params=["cpu", "sim"])
+def device_kind(request) -> str:
+    return request.param
+
+
+async def wait_for(predicate, *, timeout: float = 10.0, what: str = "condition") -> None:
+    deadline = time.monotonic() + timeout
+    while not predicate():
+        if time.monotonic() > deadline:
+            raise AssertionError(f"timed out waiting for {what}")
+        await anyio.sleep(0.002)
+
+
+async def settled(engine: om.Engine) -> om.EngineStatistics:
+    """Wait until no host buffer is leased and no request is live; return the stats."""
+    await wait_for(
+        lambda: engine.statistics().buffers_in_use == 0
+        and engine.statistics().active == 0
+        and engine.statistics().queued == 0,
+        what="buffers back in the pool",
+    )
+    return engine.statistics()

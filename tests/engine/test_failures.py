@@ -1,0 +1,207 @@
+"""Timeouts, model failures, a dead engine and shutdown: each known failure mode."""
+
+from __future__ import annotations
+
+import logging
+import time
+
+import anyio
+import pytest
+import torch
+
+import omni_stream as om
+from omni_stream.config import STEP_TIMEOUT_ENV
+from omni_stream.engine.delivery import Delivery
+from omni_stream.models import Synthetic, SyntheticFault
+
+from .conftest import make_device, settled, wait_for
+
+SMALL = {"shape": [4, 8, 8], "work": 0}
+
+
+def params(**kw):
+    return {**SMALL, **kw}
+
+
+@pytest.mark.asyncio
+async def test_a_hung_step_times_out_stalls_health_and_the_engine_recovers(
+    device_kind, monkeypatch, caplog
+):
+    monkeypatch.setenv(STEP_TIMEOUT_ENV, "0.25")
+    model = Synthetic()
+    async with om.Engine(model, device=make_device(device_kind)) as engine:
+        stream = engine.stream(params(steps=4, hang_at=2, hang_s=1.2), request_id="hung")
+        assert (await stream.__anext__()).step == 1
+        with pytest.raises(om.StepTimeoutError) as info:
+            await stream.__anext__()
+        err = info.value
+        assert err.request_id == "hung" and err.step == 2 and err.bound_s == 0.25
+        assert STEP_TIMEOUT_ENV in str(err) and f"{0.25:.1f} s" in str(err)
+        assert "computing step 2/4" in str(err)
+        assert any(
+            STEP_TIMEOUT_ENV in r.getMessage() and "larger value" in r.getMessage()
+            for r in caplog.records
+        )
+        # Still inside the hung step: once it has run past the bound, health says stalled.
+        await wait_for(lambda: engine.health().status == "stalled", what="a stalled health")
+        assert engine._producer.busy_since is not None
+        with pytest.raises(om.EngineStalledError, match=STEP_TIMEOUT_ENV):
+            engine.check_health()
+        assert engine.health().status == "stalled"
+        await wait_for(lambda: engine._producer.busy_since is None, what="the hang to end")
+        engine.check_health()
+        p = params(steps=3, seed=11)
+        frames = [f.data async for f in engine.stream(p)]
+        assert all(torch.equal(a, b) for a, b in zip(frames, model.expected_frames(p), strict=True))
+        stats = await settled(engine)
+        assert stats.timed_out == 1 and stats.buffers_in_use == 0
+
+
+@pytest.mark.asyncio
+async def test_the_per_request_timeout_overrides_the_variable(monkeypatch):
+    monkeypatch.setenv(STEP_TIMEOUT_ENV, "600")
+    async with om.Engine(Synthetic(), device="cpu") as engine:
+        t0 = time.monotonic()
+        with pytest.raises(om.StepTimeoutError, match="timeout="):
+            await engine.generate(params(steps=3, hang_at=1, hang_s=0.6), timeout=0.1)
+        assert time.monotonic() - t0 < 5  # not the 600 s of the variable
+
+
+@pytest.mark.asyncio
+async def test_a_slow_step_within_the_bound_is_not_thrown_away(monkeypatch):
+    # The upstream bug: a finished render discarded because the bound tracked step time.
+    monkeypatch.setenv(STEP_TIMEOUT_ENV, "2")
+    async with om.Engine(Synthetic(), device="cpu") as engine:
+        final = await engine.generate(params(steps=3, hang_at=2, hang_s=0.4))
+    assert final.final
+
+
+@pytest.mark.asyncio
+async def test_timeout_mid_copy_then_other_requests_see_only_their_own_data(monkeypatch):
+    model = Synthetic()
+    device = om.device.SimDevice(compute_s=0.0, copy_s=0.4)
+    async with om.Engine(model, device=device, max_buffers=2) as engine:
+        with pytest.raises(om.StepTimeoutError):
+            await engine.generate(params(steps=4, seed=1), timeout=0.1)
+        assert engine.statistics().buffers_in_flight >= 1
+        device.copy_s = 0.002
+        for seed in (2, 3):
+            p = params(steps=5, seed=seed)
+            got = [f.data async for f in engine.stream(p)]
+            assert all(torch.equal(a, b) for a, b in zip(got, model.expected_frames(p), strict=True))
+        stats = await settled(engine)
+        assert stats.timed_out == 1 and stats.buffers_in_use == 0
+
+
+@pytest.mark.asyncio
+async def test_a_model_that_raises_fails_only_its_request(device_kind):
+    model = Synthetic()
+    async with om.Engine(model, device=make_device(device_kind), max_batch_size=8) as engine:
+        results = {}
+
+        async def run(name, p):
+            try:
+                results[name] = [f async for f in engine.stream(p, request_id=name)]
+            except om.StepFailedError as exc:
+                results[name] = exc
+
+        async with anyio.create_task_group() as tg:
+            tg.start_soon(run, "bad", params(steps=6, seed=1, fail_at=3))
+            for i in range(4):
+                tg.start_soon(run, f"good{i}", params(steps=6, seed=10 + i))
+        err = results["bad"]
+        assert isinstance(err, om.StepFailedError)
+        assert err.request_id == "bad" and err.step == 3
+        assert isinstance(err.__cause__, SyntheticFault)
+        for i in range(4):
+            frames = results[f"good{i}"]
+            expected = model.expected_frames(params(steps=6, seed=10 + i))
+            assert all(torch.equal(f.data, e) for f, e in zip(frames, expected, strict=True))
+        stats = await settled(engine)
+        assert stats.failed == 1 and stats.completed == 4
+        engine.check_health()
+
+
+@pytest.mark.asyncio
+async def test_frames_before_a_failure_are_delivered_first():
+    async with om.Engine(Synthetic(), device="cpu") as engine:
+        got = []
+        with pytest.raises(om.StepFailedError):
+            async for frame in engine.stream(params(steps=6, fail_at=4)):
+                got.append(frame.step)
+        assert got == [1, 2, 3]
+
+
+@pytest.mark.asyncio
+async def test_an_error_delivering_to_one_request_is_contained(device_kind):
+    model = Synthetic()
+    async with om.Engine(model, device=make_device(device_kind)) as engine:
+        victim = engine.stream(params(steps=5), request_id="victim")
+
+        class Exploding(Delivery):
+            def put(self, frame):
+                raise RuntimeError("reader exploded")
+
+        victim._request.delivery = Exploding("all")
+        with pytest.raises(om.OmniStreamError, match="delivering step 1 failed") as info:
+            await victim.__anext__()
+        assert info.value.request_id == "victim"
+        p = params(steps=4, seed=3)
+        frames = [f.data async for f in engine.stream(p)]
+        assert all(torch.equal(a, b) for a, b in zip(frames, model.expected_frames(p), strict=True))
+        engine.check_health()
+
+
+@pytest.mark.asyncio
+@pytest.mark.parametrize("where", ["copier", "producer"])
+async def test_an_internal_failure_kills_the_engine_visibly(where, monkeypatch):
+    async with om.Engine(Synthetic(), device="cpu") as engine:
+        pending = [engine.stream(params(steps=50, hang_at=3, hang_s=0.1), request_id=f"p{i}") for i in range(3)]
+        await pending[0].__anext__()
+
+        def boom(*args, **kwargs):
+            raise RuntimeError(f"injected {where} failure")
+
+        if where == "copier":
+            monkeypatch.setattr(engine._copier, "_complete", boom)
+        else:
+            monkeypatch.setattr(engine._copier, "submit", boom)
+        for stream in pending:
+            with pytest.raises(om.EngineDeadError) as info:
+                async for _ in stream:
+                    pass
+            assert info.value.request_id == stream.request_id
+        health = engine.health()
+        assert health.status == "dead" and "injected" in (health.reason or "")
+        with pytest.raises(om.EngineDeadError):
+            engine.check_health()
+        with pytest.raises(om.EngineDeadError):
+            engine.stream(params(steps=2))
+
+
+@pytest.mark.asyncio
+async def test_shutdown_ends_pending_streams_within_a_bound(device_kind, caplog):
+    engine = om.Engine(Synthetic(), device=make_device(device_kind), shutdown_timeout=0.3)
+    outcomes = []
+    async with anyio.create_task_group() as tg:
+        await engine.start()
+
+        async def reader(stream):
+            try:
+                async for _ in stream:
+                    pass
+                outcomes.append("finished")
+            except om.EngineClosedError as exc:
+                outcomes.append(exc.request_id)
+
+        tg.start_soon(reader, engine.stream(params(steps=5, hang_at=1, hang_s=3.0), request_id="stuck"))
+        tg.start_soon(reader, engine.stream(params(steps=5), request_id="queued"))
+        await wait_for(lambda: engine._producer.busy_since is not None, what="the stuck step")
+        t0 = time.monotonic()
+        with caplog.at_level(logging.WARNING, logger="omni_stream"):
+            await engine.aclose()
+        elapsed = time.monotonic() - t0
+    assert elapsed < 2.0, "a step stuck on the device held shutdown beyond its bound"
+    assert sorted(outcomes) == ["queued", "stuck"]
+    assert any("abandoning" in r.getMessage() for r in caplog.records)
+    assert engine.health().status == "closed"
