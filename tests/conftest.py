@@ -9,6 +9,8 @@ from collections.abc import Mapping
 import pytest
 
 
+# optionalhook: the GPU machine runs the GPU tests without pytest-asyncio.
+@pytest.hookimpl(optionalhook=True)
 def pytest_asyncio_loop_factories(config, item) -> Mapping[str, object]:
     factories: dict[str, object] = {"asyncio": asyncio.new_event_loop}
     try:
