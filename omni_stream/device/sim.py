@@ -43,12 +43,27 @@ class SimEvent:
 
 
 class _SimStream:
-    """A FIFO of operations run one after another by one worker thread."""
+    """A FIFO of operations run one after another by one worker thread.
+
+    ``busy(seconds)`` keeps a device clock: back-to-back operations end at
+    ``previous end + latency``, not ``now + latency``, so the sleep's
+    wake-up jitter does not accumulate (a GPU runs queued kernels back to
+    back too).
+    """
 
     def __init__(self, name: str) -> None:
+        self._clock = 0.0
         self._ops: queue.SimpleQueue[Callable[[], None] | None] = queue.SimpleQueue()
         self._thread = threading.Thread(target=self._run, name=name, daemon=True)
         self._thread.start()
+
+    def busy(self, seconds: float) -> None:
+        """Occupy the stream for ``seconds`` (call from an op on this stream)."""
+        now = time.monotonic()
+        end = max(self._clock, now) + seconds
+        self._clock = end
+        if end > now:
+            time.sleep(end - now)
 
     def enqueue(self, op: Callable[[], None]) -> None:
         self._ops.put(op)
@@ -91,16 +106,17 @@ class SimDevice(Device):
         self._copy = _SimStream("omni-stream-sim-copy")
 
     def after_step(self) -> None:
-        assert self._compute is not None, "SimDevice used before prepare_thread()"
+        stream = self._compute
+        assert stream is not None, "SimDevice used before prepare_thread()"
         done = SimEvent()
         latency = self.compute_s
 
         def kernel() -> None:
             if latency:
-                time.sleep(latency)
+                stream.busy(latency)
             done._complete()
 
-        self._compute.enqueue(kernel)
+        stream.enqueue(kernel)
         self._last_compute = done
 
     def host_buffer(self, shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
@@ -109,7 +125,8 @@ class SimDevice(Device):
         return buf
 
     def copy_to_host(self, src: torch.Tensor, dst: torch.Tensor) -> CopyEvent:
-        assert self._copy is not None, "SimDevice used before prepare_thread()"
+        stream = self._copy
+        assert stream is not None, "SimDevice used before prepare_thread()"
         if dst.data_ptr() not in self._pinned:
             raise RuntimeError("SimDevice: copy destination is not a buffer from host_buffer()")
         # Like copy_stream.wait_stream(compute): wait for what was queued so far.
@@ -122,11 +139,11 @@ class SimDevice(Device):
             if after is not None:
                 after.synchronize()
             if latency:
-                time.sleep(latency)
+                stream.busy(latency)
             dst.copy_(src)
             done._complete()
 
-        self._copy.enqueue(transfer)
+        stream.enqueue(transfer)
         return done
 
     def close(self) -> None:
