@@ -8,7 +8,7 @@
 
 from __future__ import annotations
 
-from . import device, models
+from . import device, models, preview
 from .config import timeout
 from .engine import Engine, EngineStatistics, FrameStream, Health
 from .errors import (
@@ -33,6 +33,7 @@ __all__ = [
     "__version__",
     "models",
     "device",
+    "preview",
     "Engine",
     "EngineStatistics",
     "FrameStream",

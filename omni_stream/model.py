@@ -51,6 +51,9 @@ class StepModel(abc.ABC):
     params: tuple[Param, ...] = ()
     #: Largest batch ``step`` accepts; the engine never exceeds it.
     max_batch_size: int = 64
+    #: Name of the ``omni_stream.preview`` decoder for this model's frames
+    #: ("rgb", "sd15", "sdxl", "sd3", "flux"); None lets tools guess from the shape.
+    preview_decoder: str | None = None
 
     def describe(self) -> str:
         """One line for ``omni-stream models``."""

@@ -196,5 +196,6 @@ class Producer:
         with self._table.cond:
             if not r.status.ended:
                 r.status = Status.FAILED
-        logger.warning("request %s failed at step %d: %r", r.id, n, exc)
+        # INFO: the caller gets the error itself; this is for the operator's trail.
+        logger.info("request %s failed at step %d: %r", r.id, n, exc)
         return CopyTicket(request=r, step=n, error=err)

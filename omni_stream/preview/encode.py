@@ -80,7 +80,7 @@ class EncodedImage:
 
 
 def check_options(format: Any, quality: Any, max_size: Any) -> None:
-    """Validate encoder options; raise ParamsError naming ``format``, ``quality`` or ``max_size``."""
+    """Validate encoder options; raise ParamsError naming ``format``, ``quality``, ``max_size``."""
     if not isinstance(format, str) or format not in FORMATS:
         raise ParamsError(
             f"format must be one of {', '.join(FORMATS)}; got {format!r}", field="format"

@@ -54,7 +54,7 @@ class PreviewSpec:
     def from_dict(
         cls, data: Any, *, decoder: str | Callable[[torch.Tensor], Any] = "rgb"
     ) -> PreviewSpec:
-        """Build a spec from its wire form, e.g. ``{"every": 1, "format": "jpeg", "max_size": 512}``.
+        """Build a spec from its wire form: ``{"every": 1, "format": "jpeg", "max_size": 512}``.
 
         Missing keys take the defaults; ``decoder`` is used when ``data``
         names none (the wire form may only name a built-in decoder). Raises

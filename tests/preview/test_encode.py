@@ -9,7 +9,7 @@ import pytest
 from PIL import Image
 
 from omni_stream.errors import ParamsError
-from omni_stream.preview import encode as E
+from omni_stream.preview.encode import DEFAULT_QUALITY, encode, fit_size
 
 
 def _image(h: int, w: int) -> np.ndarray:
@@ -25,7 +25,7 @@ def _image(h: int, w: int) -> np.ndarray:
 )
 def test_formats_decode_back_with_pillow_at_the_right_size(fmt, pil_format, mime):
     rgb = _image(48, 80)
-    out = E.encode(rgb, format=fmt)
+    out = encode(rgb, format=fmt)
     assert (out.format, out.mime, out.width, out.height) == (fmt, mime, 80, 48)
     assert isinstance(out.data, bytes)
     back = Image.open(io.BytesIO(out.data))
@@ -41,7 +41,7 @@ def test_formats_decode_back_with_pillow_at_the_right_size(fmt, pil_format, mime
 
 def test_raw_is_the_rgb_bytes_row_major():
     rgb = _image(3, 5)
-    out = E.encode(rgb, format="raw")
+    out = encode(rgb, format="raw")
     assert (out.width, out.height, out.mime) == (5, 3, "application/octet-stream")
     assert len(out.data) == 3 * 5 * 3
     # pixel (y, x) channel k lives at ((y * width) + x) * 3 + k
@@ -53,12 +53,12 @@ def test_raw_of_a_non_contiguous_array_is_row_major():
     planes = np.ascontiguousarray(_image(4, 6).transpose(2, 0, 1))
     view = planes.transpose(1, 2, 0)  # [H, W, 3], not C-contiguous
     assert not view.flags.c_contiguous
-    assert E.encode(view, format="raw").data == np.ascontiguousarray(view).tobytes()
+    assert encode(view, format="raw").data == np.ascontiguousarray(view).tobytes()
 
 
 @pytest.mark.parametrize("fmt", ["jpeg", "png", "webp", "raw"])
 def test_max_size_shrinks_the_longer_side_keeping_aspect(fmt):
-    out = E.encode(_image(300, 600), format=fmt, max_size=100)
+    out = encode(_image(300, 600), format=fmt, max_size=100)
     assert (out.width, out.height) == (100, 50)
     if fmt == "raw":
         assert len(out.data) == 100 * 50 * 3
@@ -68,33 +68,33 @@ def test_max_size_shrinks_the_longer_side_keeping_aspect(fmt):
 
 @pytest.mark.parametrize("max_size", [64, 65, 1000, None])
 def test_max_size_never_enlarges(max_size):
-    out = E.encode(_image(40, 64), format="png", max_size=max_size)
+    out = encode(_image(40, 64), format="png", max_size=max_size)
     assert (out.width, out.height) == (64, 40)
 
 
 def test_fit_size():
-    assert E.fit_size(1024, 768, 512) == (512, 384)
-    assert E.fit_size(768, 1024, 512) == (384, 512)
-    assert E.fit_size(512, 512, 512) == (512, 512)
-    assert E.fit_size(100, 50, None) == (100, 50)
-    assert E.fit_size(1000, 1, 10) == (10, 1)  # never below one pixel
+    assert fit_size(1024, 768, 512) == (512, 384)
+    assert fit_size(768, 1024, 512) == (384, 512)
+    assert fit_size(512, 512, 512) == (512, 512)
+    assert fit_size(100, 50, None) == (100, 50)
+    assert fit_size(1000, 1, 10) == (10, 1)  # never below one pixel
 
 
 def test_shrunk_raw_matches_shrunk_png():
     rgb = _image(90, 120)
-    raw = E.encode(rgb, format="raw", max_size=40)
-    png = E.encode(rgb, format="png", max_size=40)
+    raw = encode(rgb, format="raw", max_size=40)
+    png = encode(rgb, format="png", max_size=40)
     assert np.asarray(Image.open(io.BytesIO(png.data))).tobytes() == raw.data
 
 
 def test_quality_changes_jpeg_size_and_defaults_apply():
     rng = np.random.default_rng(0)
     rgb = rng.integers(0, 256, (64, 64, 3), dtype=np.uint8)
-    low = E.encode(rgb, format="jpeg", quality=10)
-    high = E.encode(rgb, format="jpeg", quality=95)
-    default = E.encode(rgb, format="jpeg")
+    low = encode(rgb, format="jpeg", quality=10)
+    high = encode(rgb, format="jpeg", quality=95)
+    default = encode(rgb, format="jpeg")
     assert len(low.data) < len(default.data) < len(high.data)
-    assert default.data == E.encode(rgb, format="jpeg", quality=E.DEFAULT_QUALITY["jpeg"]).data
+    assert default.data == encode(rgb, format="jpeg", quality=DEFAULT_QUALITY["jpeg"]).data
 
 
 @pytest.mark.parametrize(
@@ -118,7 +118,7 @@ def test_quality_changes_jpeg_size_and_defaults_apply():
 )
 def test_bad_options_raise_params_error_naming_the_field(kwargs, field):
     with pytest.raises(ParamsError) as info:
-        E.encode(_image(4, 4), **kwargs)
+        encode(_image(4, 4), **kwargs)
     assert info.value.field == field
     assert field in str(info.value)
 
@@ -136,12 +136,12 @@ def test_bad_options_raise_params_error_naming_the_field(kwargs, field):
 )
 def test_bad_rgb_raises_params_error(rgb):
     with pytest.raises(ParamsError) as info:
-        E.encode(rgb)
+        encode(rgb)
     assert info.value.field == "rgb"
 
 
 def test_encoded_image_is_frozen_and_its_repr_is_short():
-    out = E.encode(_image(4, 4), format="raw")
+    out = encode(_image(4, 4), format="raw")
     with pytest.raises(AttributeError):
         out.width = 3  # type: ignore[misc]
     assert repr(out) == "EncodedImage(format='raw', 4x4, 48 bytes)"

@@ -49,7 +49,9 @@ def test_should_preview_rejects_every_below_one(every):
 
 
 def test_spec_defaults_and_wire_form():
-    assert PreviewSpec() == PreviewSpec(every=1, format="jpeg", max_size=512, quality=None, decoder="rgb")
+    assert PreviewSpec() == PreviewSpec(
+        every=1, format="jpeg", max_size=512, quality=None, decoder="rgb"
+    )
     spec = PreviewSpec.from_dict({"every": 1, "format": "jpeg", "max_size": 512})
     assert spec == PreviewSpec()
     spec = PreviewSpec.from_dict({"every": 4, "format": "webp", "max_size": None, "quality": 50})

@@ -1,0 +1,7 @@
+"""``python -m omni_stream``: the same as the ``omni-stream`` command."""
+
+from __future__ import annotations
+
+from .cli import main
+
+raise SystemExit(main())

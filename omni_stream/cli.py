@@ -1,0 +1,667 @@
+"""The command line: ``omni-stream generate | serve | models | bench``.
+
+Exit status: 0 done; 1 the run failed (the model raised, the engine died,
+a file could not be written); 2 bad arguments or params; 130 interrupted.
+Every error is one line on stderr, never a traceback.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import inspect
+import json
+import logging
+import math
+import re
+import subprocess
+import sys
+import time
+from collections.abc import Coroutine, Sequence
+from pathlib import Path
+from typing import Any, NoReturn, TextIO
+
+import numpy as np
+
+from . import __version__
+from .config import env_str
+from .errors import OmniStreamError, ParamsError
+from .model import StepModel
+
+__all__ = ["main", "build_parser", "default_decoder", "ProgressBar", "TOKEN_ENV"]
+
+PROG = "omni-stream"
+#: Where ``serve`` reads its bearer token when ``--token`` is not given.
+TOKEN_ENV = "OMNI_STREAM_TOKEN"
+
+# CLI flag -> the model param it sets; passed only when the model declares it.
+_PARAM_FLAGS = (
+    ("prompt", "PROMPT"),
+    ("steps", "--steps"),
+    ("size", "--size"),
+    ("seed", "--seed"),
+    ("sampler", "--sampler"),
+)
+
+
+class _UsageError(Exception):
+    """Bad command-line usage found after parsing; exit status 2."""
+
+
+class _Parser(argparse.ArgumentParser):
+    """argparse, but errors are one line (no usage dump) and exit 2."""
+
+    def error(self, message: str) -> NoReturn:
+        self.exit(2, f"{self.prog}: error: {message} (see {self.prog} --help)\n")
+
+
+def _one_line(text: str) -> str:
+    return re.sub(r"\s*\n\s*", " ", str(text)).strip()
+
+
+def _describe_error(exc: BaseException) -> str:
+    text = _one_line(str(exc)) or type(exc).__name__
+    cause = exc.__cause__
+    # What the model (or the machinery) raised is what a user needs to see,
+    # once: most messages here already quote it.
+    if cause is not None and not isinstance(exc, ParamsError):
+        detail = _one_line(str(cause))
+        if detail not in text:
+            text += f" ({type(cause).__name__}" + (f": {detail})" if detail else ")")
+    return text
+
+
+class _StderrLogHandler(logging.Handler):
+    """Library log records as ``omni-stream: warning: ...`` lines on stderr.
+
+    Looks ``sys.stderr`` up on every record (it may be swapped, as pytest
+    does). Tracebacks only with ``--verbose``: a user sees one line per event.
+    """
+
+    def __init__(self, verbose: bool) -> None:
+        super().__init__(logging.DEBUG if verbose else logging.WARNING)
+        self.verbose = verbose
+
+    def emit(self, record: logging.LogRecord) -> None:
+        try:
+            text = f"{PROG}: {record.levelname.lower()}: {_one_line(record.getMessage())}"
+            if self.verbose and record.exc_info:
+                text += "\n" + logging.Formatter().formatException(record.exc_info)
+            print(text, file=sys.stderr)
+        except Exception:  # noqa: BLE001 - logging must never raise
+            self.handleError(record)
+
+
+def _error(message: str) -> None:
+    print(f"{PROG}: error: {_one_line(message)}", file=sys.stderr)
+
+
+def _positive_int(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a positive integer, got {text!r}") from None
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"expected a positive integer, got {text!r}")
+    return value
+
+
+def _non_negative_int(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected an integer >= 0, got {text!r}") from None
+    if value < 0:
+        raise argparse.ArgumentTypeError(f"expected an integer >= 0, got {text!r}")
+    return value
+
+
+def _port(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a port number, got {text!r}") from None
+    if not 0 <= value <= 65535:
+        raise argparse.ArgumentTypeError(f"port must be 0-65535, got {value}")
+    return value
+
+
+def _key_value(text: str) -> tuple[str, Any]:
+    key, sep, raw = text.partition("=")
+    if not sep or not key:
+        raise argparse.ArgumentTypeError(f"expected KEY=VALUE, got {text!r}")
+    try:
+        value = json.loads(raw)
+    except ValueError:
+        value = raw  # a bare word is a string: -p sampler=euler
+    return key.strip(), value
+
+
+def _run(coro: Coroutine[Any, Any, Any]) -> Any:
+    """Run ``coro`` on uvloop when it is installed, else on asyncio's loop."""
+    try:
+        import uvloop
+    except ImportError:
+        return asyncio.run(coro)
+    return uvloop.run(coro)
+
+
+# -- progress ------------------------------------------------------------------
+
+
+def _clock(seconds: float) -> str:
+    # Rounded up: an ETA of 0:00 while work remains reads as a hang.
+    seconds = math.ceil(seconds)
+    minutes, seconds = divmod(seconds, 60)
+    hours, minutes = divmod(minutes, 60)
+    return f"{hours}:{minutes:02d}:{seconds:02d}" if hours else f"{minutes}:{seconds:02d}"
+
+
+class ProgressBar:
+    """A one-line progress bar redrawn with ``\\r``: step/total, steps/s, ETA.
+
+    The rate counts from the first frame, so model loading does not skew it.
+    Redraws at most every ``interval`` seconds (and always on the last
+    step): this runs once per step and must stay cheap. With ``live``
+    False (stderr is not a terminal) only :meth:`finish` writes.
+    """
+
+    def __init__(
+        self,
+        out: TextIO,
+        *,
+        live: bool,
+        width: int = 24,
+        interval: float = 0.1,
+        clock: Any = time.monotonic,
+    ) -> None:
+        self._out = out
+        self._live = live
+        self._width = width
+        self._interval = interval
+        self._clock = clock
+        self._start = clock()
+        self._first: tuple[int, float] | None = None
+        self._drawn_at = -float("inf")
+        self._step = 0
+        self._total = 0
+
+    def rate(self, step: int, now: float) -> float | None:
+        """Steps per second since the first frame, or None before two frames."""
+        if self._first is None or step <= self._first[0] or now <= self._first[1]:
+            return None
+        return (step - self._first[0]) / (now - self._first[1])
+
+    def line(self, step: int, total: int, now: float) -> str:
+        filled = self._width * step // max(total, 1)
+        bar = "#" * filled + "." * (self._width - filled)
+        rate = self.rate(step, now)
+        speed = f"{rate:.1f} steps/s" if rate else "-- steps/s"
+        eta = _clock((total - step) / rate) if rate else "--:--"
+        digits = len(str(total))
+        return f"{step:>{digits}}/{total} [{bar}] {speed} ETA {eta}"
+
+    def update(self, step: int, total: int) -> None:
+        now = self._clock()
+        if self._first is None:
+            self._first = (step, now)
+        self._step, self._total = step, total
+        if not self._live or (step < total and now - self._drawn_at < self._interval):
+            return
+        self._drawn_at = now
+        self._out.write("\r" + self.line(step, total, now))
+        self._out.flush()
+
+    def abort(self) -> None:
+        """End a half-drawn bar's line, so an error message starts on its own."""
+        if self._live and self._drawn_at > -float("inf"):
+            self._out.write("\n")
+            self._out.flush()
+
+    def finish(self, note: str = "") -> None:
+        """End the bar's line and write a summary: steps, time, rate."""
+        now = self._clock()
+        elapsed = now - self._start
+        rate = self.rate(self._step, now)
+        summary = f"{self._step}/{self._total} steps in {elapsed:.1f}s"
+        if rate:
+            summary += f" ({rate:.1f} steps/s)"
+        if note:
+            summary += f" {note}"
+        self._out.write(("\r\x1b[2K" if self._live else "") + summary + "\n")
+        self._out.flush()
+
+
+# -- generate ------------------------------------------------------------------
+
+
+def default_decoder(model: StepModel, params: dict[str, Any] | None = None) -> str:
+    """The decoder for ``model``'s frames: its ``preview_decoder``, else ``rgb``.
+
+    Synthetic declares none; its frames have ``params["shape"]``, latent-shaped
+    ``[4, 64, 64]`` by default, so the decoder follows their channel count.
+    """
+    name = getattr(model, "preview_decoder", None)
+    if isinstance(name, str):
+        return name
+    from .models.synthetic import Synthetic
+
+    if isinstance(model, Synthetic):
+        shape = (params or {}).get("shape") or (4,)
+        return {3: "rgb", 16: "sd3"}.get(shape[0], "sd15")
+    return "rgb"
+
+
+def _model_params(model: StepModel, args: argparse.Namespace) -> dict[str, Any]:
+    declared = [p.name for p in model.params]
+    params: dict[str, Any] = {}
+    given = [(name, flag, getattr(args, name)) for name, flag in _PARAM_FLAGS]
+    given += [(key, f"--param {key}=...", value) for key, value in args.param or ()]
+    for name, flag, value in given:
+        if value is None:
+            continue
+        if name not in declared:
+            raise _UsageError(
+                f"model {model.name!r} takes no {name!r} param ({flag}); "
+                f"its params: {', '.join(declared) or 'none'}"
+            )
+        params[name] = value
+    return params
+
+
+class _PreviewSink:
+    """Collects previews as numbered PNGs in a folder or frames of one GIF."""
+
+    def __init__(self, path: Path, total_hint: int) -> None:
+        self.path = path
+        self.gif = path.suffix.lower() == ".gif"
+        self.frames: list[np.ndarray] = []
+        self.written = 0
+        self._digits = max(4, len(str(total_hint)))
+        if self.gif:
+            path.parent.mkdir(parents=True, exist_ok=True)
+        else:
+            if path.exists() and not path.is_dir():
+                raise _UsageError(f"--previews {str(path)!r} exists and is not a folder")
+            path.mkdir(parents=True, exist_ok=True)
+
+    @property
+    def format(self) -> str:
+        return "raw" if self.gif else "png"
+
+    def add(self, step: int, image: Any) -> None:
+        if self.gif:
+            rgb = np.frombuffer(image.data, dtype=np.uint8).reshape(image.height, image.width, 3)
+            self.frames.append(rgb)
+        else:
+            (self.path / f"step_{step:0{self._digits}d}.png").write_bytes(image.data)
+            self.written += 1
+
+    def close(self) -> None:
+        if not self.gif or not self.frames:
+            return
+        from PIL import Image
+
+        images = [Image.fromarray(f) for f in self.frames]
+        # 100 ms a step, and hold the final image for a second before looping.
+        durations = [100] * (len(images) - 1) + [1000]
+        images[0].save(
+            self.path, save_all=True, append_images=images[1:], duration=durations, loop=0
+        )
+        self.written = len(images)
+
+
+async def _generate(
+    model: StepModel,
+    params: dict[str, Any],
+    *,
+    device: str,
+    decoder: str,
+    sink: _PreviewSink | None,
+    every: int,
+    preview_size: int | None,
+    progress: ProgressBar,
+) -> Any:
+    from .engine import Engine
+    from .preview import PreviewSpec, Previewer, should_preview
+
+    previewer = Previewer()
+    spec = None
+    if sink is not None:
+        spec = PreviewSpec(every=every, format=sink.format, max_size=preview_size, decoder=decoder)
+    final = None
+    async with Engine(model, device=device) as engine:
+        stream = engine.stream(params, policy="all")
+        async with stream:
+            async for frame in stream:
+                progress.update(frame.step, frame.total)
+                if spec is not None and sink is not None and should_preview(
+                    frame.step, frame.total, every
+                ):
+                    # Rendered in a worker thread while the engine computes on.
+                    try:
+                        image = await previewer.render(frame, spec)
+                    except ParamsError as exc:
+                        raise _decoder_mismatch(decoder, exc) from None
+                    sink.add(frame.step, image)
+                final = frame
+    return final
+
+
+def _decoder_mismatch(decoder: str, exc: ParamsError) -> ParamsError:
+    return ParamsError(
+        f"cannot decode the model's frames with the {decoder!r} decoder: {exc}; "
+        "pick another with --decoder",
+        field="decoder",
+    )
+
+
+def _check_image_path(path: Path, flag: str) -> None:
+    from PIL import Image
+
+    if path.suffix.lower() not in Image.registered_extensions():
+        raise _UsageError(
+            f"{flag} {str(path)!r}: cannot tell the image format from its extension "
+            "(use .png, .jpg, .webp, ...)"
+        )
+
+
+def _save_final(frame: Any, path: Path, decoder: str) -> tuple[int, int]:
+    from PIL import Image
+
+    from .preview import decoder_for
+
+    try:
+        rgb = decoder_for(decoder)(frame.data)
+    except ParamsError as exc:
+        raise _decoder_mismatch(decoder, exc) from None
+    path.parent.mkdir(parents=True, exist_ok=True)
+    image = Image.fromarray(rgb)
+    kind = Image.registered_extensions()[path.suffix.lower()]
+    options = {"quality": 95} if kind in ("JPEG", "WEBP") else {}
+    image.save(path, **options)
+    return image.width, image.height
+
+
+def _load_model(spec: str) -> StepModel:
+    from .models.registry import load_model
+
+    try:
+        return load_model(spec)
+    except OmniStreamError:
+        raise
+    except Exception as exc:  # noqa: BLE001 - a user's factory may raise anything
+        raise ParamsError(
+            f"model {spec!r} failed to load: {type(exc).__name__}: {exc}", field="model"
+        ) from exc
+
+
+def _cmd_generate(args: argparse.Namespace) -> int:
+    from .preview import decoder_for
+
+    output = Path(args.output)
+    _check_image_path(output, "-o")
+    previews = Path(args.previews) if args.previews else None
+    if args.every is not None and previews is None:
+        raise _UsageError("--every needs --previews")
+    if args.decoder is not None:
+        decoder_for(args.decoder)  # fail before the model loads
+    model = _load_model(args.model)
+    params = model.validate(_model_params(model, args))
+    decoder = args.decoder or default_decoder(model, params)
+    decoder_for(decoder)
+    sink = _PreviewSink(previews, model.total_steps(params)) if previews else None
+    progress = ProgressBar(sys.stderr, live=sys.stderr.isatty())
+    try:
+        final = _run(
+            _generate(
+                model,
+                params,
+                device=args.device,
+                decoder=decoder,
+                sink=sink,
+                every=args.every or 1,
+                preview_size=args.preview_size or None,
+                progress=progress,
+            )
+        )
+        width, height = _save_final(final, output, decoder)
+        note = f"-> {output} ({width}x{height})"
+        if sink is not None:
+            sink.close()
+            note += f", {sink.written} previews -> {sink.path}"
+    except BaseException:
+        progress.abort()
+        raise
+    progress.finish(note)
+    return 0
+
+
+# -- models --------------------------------------------------------------------
+
+
+def _number(value: float) -> str:
+    if isinstance(value, float) and value.is_integer():
+        value = int(value)
+    return str(value)
+
+
+def _format_param(row: dict[str, Any]) -> str:
+    parts = [f"  {row['name']:<10} {row['kind']:<6} default={json.dumps(row['default'])}"]
+    lo, hi = row.get("minimum"), row.get("maximum")
+    if lo is not None and hi is not None:
+        parts.append(f"range={_number(lo)}..{_number(hi)}")
+    elif lo is not None:
+        parts.append(f"range>={_number(lo)}")
+    elif hi is not None:
+        parts.append(f"range<={_number(hi)}")
+    if "choices" in row:
+        parts.append(f"choices={','.join(row['choices'])}")
+    if row.get("help"):
+        parts.append(f"  {row['help']}")
+    return " ".join(parts)
+
+
+def _cmd_models(args: argparse.Namespace) -> int:
+    from .models.registry import BUILTIN_MODELS
+    from .params import describe
+
+    names = args.names or list(BUILTIN_MODELS)
+    unknown = [n for n in names if n not in BUILTIN_MODELS]
+    if unknown:
+        raise _UsageError(
+            f"unknown model(s) {', '.join(map(repr, unknown))}; "
+            f"built-in: {', '.join(BUILTIN_MODELS)}"
+        )
+    default = next(iter(BUILTIN_MODELS))
+    rows: list[dict[str, Any]] = []
+    # Each model is made only when listed: a missing optional dependency of
+    # one must not hide the others.
+    for name in names:
+        try:
+            model = BUILTIN_MODELS[name]()
+        except Exception as exc:  # noqa: BLE001 - reported, and the listing goes on
+            rows.append({"name": name, "default": name == default, "error": _describe_error(exc)})
+            continue
+        rows.append(
+            {
+                "name": name,
+                "default": name == default,
+                "description": model.describe(),
+                "preview_decoder": default_decoder(model),
+                "params": describe(model.params),
+            }
+        )
+    if args.json:
+        print(json.dumps(rows, indent=2))
+        return 0
+    for row in rows:
+        mark = " (default)" if row["default"] else ""
+        if "error" in row:
+            print(f"{row['name']}{mark}: unavailable: {row['error']}")
+            continue
+        print(f"{row['name']}{mark}: {row['description']}")
+        for param in row["params"]:
+            print(_format_param(param))
+    return 0
+
+
+# -- serve ---------------------------------------------------------------------
+
+
+def _cmd_serve(args: argparse.Namespace) -> int:
+    token = args.token or env_str(TOKEN_ENV)
+    model = _load_model(args.model)
+    try:
+        from .server import serve
+    except ImportError as exc:
+        _error(f"the server is unavailable: {exc}")
+        return 1
+    try:
+        result = serve(
+            model=model,
+            host=args.host,
+            port=args.port,
+            token=token,
+            allow_origins=list(args.allow_origin or ()),
+            device=args.device,
+        )
+        # serve() may block and run its own loop, or be a coroutine for us to run.
+        if inspect.iscoroutine(result):
+            _run(result)
+    except KeyboardInterrupt:
+        # Ctrl-C is how a server is stopped: not a failure.
+        print(f"{PROG}: stopped", file=sys.stderr)
+    except asyncio.CancelledError as exc:
+        # Nothing outside serve() can cancel it: a cancellation escaping is
+        # its own shutdown going wrong. Say so in one line, exit 1.
+        _error(f"the server stopped with a stray cancellation: {_describe_error(exc)}")
+        return 1
+    return 0
+
+
+# -- bench ---------------------------------------------------------------------
+
+
+def _cmd_bench(rest: Sequence[str]) -> int:
+    # benchmarks/ ships with the repository, not with the installed package.
+    root = Path.cwd()
+    if not (root / "benchmarks" / "__main__.py").is_file():
+        _error(
+            f"no benchmarks/ package in {root}; run `{PROG} bench` from the root of "
+            "an omni_stream checkout"
+        )
+        return 2
+    return subprocess.call([sys.executable, "-m", "benchmarks", *rest], cwd=root)
+
+
+# -- the parser ----------------------------------------------------------------
+
+
+def build_parser() -> argparse.ArgumentParser:
+    """The ``omni-stream`` argument parser."""
+    parser = _Parser(prog=PROG, description="Stream every step of generation.")
+    parser.add_argument("--version", action="version", version=f"{PROG} {__version__}")
+    parser.add_argument("-v", "--verbose", action="store_true",
+                        help="log more, with tracebacks (give it before COMMAND)")
+    sub = parser.add_subparsers(dest="command", metavar="COMMAND", parser_class=_Parser)
+
+    gen = sub.add_parser("generate", help="run one request and write the final image")
+    gen.add_argument("prompt", nargs="?", metavar="PROMPT",
+                     help="the prompt (for models with a 'prompt' param)")
+    gen.add_argument("--steps", type=_positive_int, help="denoising steps")
+    gen.add_argument("--size", type=_positive_int, metavar="PX", help="image side in pixels")
+    gen.add_argument("--seed", type=_non_negative_int, help="random seed")
+    gen.add_argument("--sampler", metavar="NAME", help="sampler name")
+    gen.add_argument("-p", "--param", type=_key_value, action="append", metavar="KEY=JSON",
+                     help="any other model param, e.g. -p 'shape=[3,64,64]' (repeatable)")
+    gen.add_argument("--model", default="mixture",
+                     help="mixture (default), synthetic, or module:attr")
+    gen.add_argument("--device", default="auto", help="auto, cpu, cuda, cuda:N or sim")
+    gen.add_argument("--decoder", help="frame decoder: rgb, sd15, sdxl, sd3, flux "
+                     "(default: the model's)")
+    gen.add_argument("--previews", metavar="OUT.gif|DIR",
+                     help="write previews: an animated GIF, or a folder of numbered PNGs")
+    gen.add_argument("--every", type=_positive_int, metavar="N",
+                     help="preview every Nth step (and the last); default 1")
+    gen.add_argument("--preview-size", type=_non_negative_int, default=512, metavar="PX",
+                     help="shrink previews to fit PX on the longer side; 0 keeps full size "
+                     "(default 512)")
+    gen.add_argument("-o", "--output", default="out.png", metavar="OUT.png",
+                     help="the final image (default out.png)")
+    gen.set_defaults(handler=_cmd_generate)
+
+    srv = sub.add_parser("serve", help="serve the websocket API and the preview page")
+    srv.add_argument("--model", default="mixture",
+                     help="mixture (default), synthetic, or module:attr")
+    srv.add_argument("--host", default="127.0.0.1")
+    srv.add_argument("--port", type=_port, default=8765)
+    srv.add_argument("--token", help=f"bearer token clients must send (default: ${TOKEN_ENV})")
+    srv.add_argument("--allow-origin", action="append", metavar="ORIGIN",
+                     help="a browser Origin allowed to connect (repeatable)")
+    srv.add_argument("--device", default="auto", help="auto, cpu, cuda, cuda:N or sim")
+    srv.set_defaults(handler=_cmd_serve)
+
+    mod = sub.add_parser("models", help="list the built-in models and their params")
+    mod.add_argument("names", nargs="*", metavar="NAME", help="only these models")
+    mod.add_argument("--json", action="store_true", help="print JSON")
+    mod.set_defaults(handler=_cmd_models)
+
+    # Listed for --help only: main() hands everything after "bench" to
+    # `python -m benchmarks` untouched (argparse would eat its options).
+    sub.add_parser("bench", help="run the benchmark suite (python -m benchmarks ARGS...)",
+                   add_help=False)
+    return parser
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """Run the command line; returns the exit status."""
+    args_list = list(sys.argv[1:] if argv is None else argv)
+    verbose = bool({"-v", "--verbose"} & set(args_list[:1]))
+    logger = logging.getLogger("omni_stream")
+    handler = _StderrLogHandler(verbose)
+    saved_level = logger.level
+    logger.addHandler(handler)
+    if verbose:
+        logger.setLevel(logging.INFO)
+    try:
+        return _main(args_list)
+    finally:
+        logger.removeHandler(handler)
+        logger.setLevel(saved_level)
+
+
+def _main(args_list: list[str]) -> int:
+    try:
+        command_at = 1 if args_list[:1] in (["-v"], ["--verbose"]) else 0
+        if args_list[command_at : command_at + 1] == ["bench"]:
+            return _cmd_bench(args_list[command_at + 1 :])
+        parser = build_parser()
+        try:
+            args = parser.parse_args(args_list)
+        except SystemExit as exc:  # --help, --version, or a usage error
+            return exc.code if isinstance(exc.code, int) else 2
+        handler = getattr(args, "handler", None)
+        if handler is None:
+            parser.print_help(sys.stderr)
+            return 2
+        return int(handler(args))
+    except _UsageError as exc:
+        _error(str(exc))
+        return 2
+    except ParamsError as exc:
+        _error(_describe_error(exc))
+        return 2
+    except OmniStreamError as exc:
+        _error(_describe_error(exc))
+        return 1
+    except OSError as exc:
+        _error(f"{exc.strerror or exc}" + (f": {exc.filename}" if exc.filename else ""))
+        return 1
+    except KeyboardInterrupt:
+        print(f"\n{PROG}: interrupted", file=sys.stderr)
+        return 130
+
+
+if __name__ == "__main__":  # pragma: no cover
+    sys.exit(main())

@@ -1,0 +1,430 @@
+"""The command line, in-process through main([...]) and once as `python -m omni_stream`."""
+
+from __future__ import annotations
+
+import asyncio
+import io
+import json
+import os
+import subprocess
+import sys
+import types
+from pathlib import Path
+
+import numpy as np
+import pytest
+from PIL import Image
+
+import omni_stream as om
+from omni_stream import cli
+from omni_stream.models.synthetic import Synthetic
+from omni_stream.preview import decode_rgb
+
+REPO = Path(__file__).resolve().parents[1]
+
+
+def run(capsys, *argv: str) -> tuple[int, str, str]:
+    code = cli.main(list(argv))
+    out, err = capsys.readouterr()
+    return code, out, err
+
+
+def assert_one_line_error(err: str, *needles: str) -> None:
+    lines = [line for line in err.splitlines() if line.strip()]
+    assert len(lines) == 1, err
+    assert lines[0].startswith("omni-stream"), err
+    assert "error:" in lines[0]
+    assert "Traceback" not in err
+    for needle in needles:
+        assert needle in lines[0], (needle, err)
+
+
+# -- basics ----------------------------------------------------------------------
+
+
+def test_version(capsys):
+    code, out, _ = run(capsys, "--version")
+    assert code == 0
+    assert out.strip() == f"omni-stream {om.__version__}"
+
+
+def test_no_command_prints_help_and_exits_2(capsys):
+    code, _, err = run(capsys)
+    assert code == 2
+    assert "generate" in err and "serve" in err and "models" in err and "bench" in err
+
+
+def test_python_dash_m_runs_the_cli():
+    env = dict(os.environ, PYTHONPATH=str(REPO) + os.pathsep + os.environ.get("PYTHONPATH", ""))
+    proc = subprocess.run(
+        [sys.executable, "-m", "omni_stream", "generate", "--steps", "nope"],
+        capture_output=True, text=True, cwd=REPO, env=env, timeout=120,
+    )
+    assert proc.returncode == 2
+    assert_one_line_error(proc.stderr, "--steps", "nope")
+
+
+# -- generate: bad arguments exit 2 with one line ----------------------------------------
+
+
+@pytest.mark.parametrize(
+    "argv, needles",
+    [
+        (["generate", "--steps", "x"], ["--steps", "'x'"]),
+        (["generate", "--steps", "0"], ["--steps"]),
+        (["generate", "--bogus"], ["--bogus"]),
+        (["generate", "--model", "synthetic", "--size", "64"],
+         ["'size'", "--size", "steps, shape"]),
+        (["generate", "--model", "synthetic", "--sampler", "euler"], ["'sampler'"]),
+        (["generate", "a prompt", "--model", "synthetic"], ["'prompt'", "PROMPT"]),
+        (["generate", "--model", "synthetic", "-p", "zoom=2"], ["'zoom'"]),
+        (["generate", "--model", "synthetic", "-p", "steps=0"], ["steps", ">= 1"]),
+        (["generate", "--model", "synthetic", "-p", "shape=[0]"], ["shape"]),
+        (["generate", "--model", "nope"], ["'nope'", "mixture", "synthetic"]),
+        (["generate", "--model", "no_such_module_xyz:thing"], ["no_such_module_xyz"]),
+        (["generate", "--model", "json:JSONDecodeError"], ["failed to load"]),
+        (["generate", "--model", "synthetic", "--device", "tpu"], ["'tpu'"]),
+        (["generate", "--model", "synthetic", "--decoder", "vae"], ["'vae'", "sd15"]),
+        (["generate", "--model", "synthetic", "-o", "out.xyz"], ["out.xyz", "extension"]),
+        (["generate", "--model", "synthetic", "--every", "2"], ["--every needs --previews"]),
+        (["generate", "--model", "synthetic", "-p", "noequals"], ["KEY=VALUE"]),
+    ],
+)
+def test_generate_bad_arguments_exit_2_with_one_line(capsys, tmp_path, monkeypatch, argv, needles):
+    monkeypatch.chdir(tmp_path)
+    code, _, err = run(capsys, *argv)
+    assert code == 2, err
+    assert_one_line_error(err, *needles)
+    assert not (tmp_path / "out.png").exists()
+
+
+def test_generate_with_a_decoder_that_does_not_fit_exits_2(capsys, tmp_path):
+    code, _, err = run(
+        capsys, "generate", "--model", "synthetic", "--steps", "2", "--decoder", "flux",
+        "-o", str(tmp_path / "x.png"),
+    )
+    assert code == 2
+    assert_one_line_error(err, "'flux'", "--decoder")
+
+
+def test_generate_model_failure_exits_1_with_one_error_line(capsys, tmp_path):
+    code, _, err = run(
+        capsys, "generate", "--model", "synthetic", "--steps", "4", "-p", "fail_at=2",
+        "-o", str(tmp_path / "x.png"),
+    )
+    assert code == 1
+    assert "Traceback" not in err
+    errors = [line for line in err.splitlines() if "error:" in line]
+    assert len(errors) == 1 and errors[0] == err.splitlines()[-1]
+    assert "SyntheticFault" in errors[0] and "step 2" in errors[0]
+    # The model's message appears once, not repeated from its __cause__.
+    assert errors[0].count("synthetic failure injected") == 1
+    assert not (tmp_path / "x.png").exists()
+
+
+def test_generate_unwritable_output_exits_1(capsys, tmp_path):
+    blocker = tmp_path / "file"
+    blocker.write_text("")
+    code, _, err = run(
+        capsys, "generate", "--model", "synthetic", "--steps", "2", "-o", str(blocker / "x.png")
+    )
+    assert code == 1
+    assert_one_line_error(err)
+
+
+# -- generate: results ---------------------------------------------------------------
+
+
+def test_generate_synthetic_writes_png_and_gif(capsys, tmp_path):
+    out, gif = tmp_path / "out.png", tmp_path / "steps.gif"
+    code, _, err = run(
+        capsys, "generate", "--model", "synthetic", "--steps", "5", "--seed", "3",
+        "-o", str(out), "--previews", str(gif),
+    )
+    assert code == 0, err
+    assert Image.open(out).size == (64, 64)  # [4, 64, 64] latent -> sd15 -> 64 px
+    with Image.open(gif) as im:
+        assert im.n_frames == 5
+    assert "5/5 steps" in err and str(out) in err
+
+
+def test_generate_synthetic_final_image_is_the_decoded_final_frame(capsys, tmp_path):
+    out = tmp_path / "out.png"
+    code, _, err = run(
+        capsys, "generate", "--model", "synthetic", "--steps", "3", "--seed", "5",
+        "-p", "shape=[3,24,40]", "-o", str(out),
+    )
+    assert code == 0, err
+    want = decode_rgb(
+        Synthetic().expected_frames({"steps": 3, "seed": 5, "shape": [3, 24, 40]})[-1]
+    )
+    np.testing.assert_array_equal(np.asarray(Image.open(out).convert("RGB")), want)
+
+
+def test_generate_previews_folder_every_n(capsys, tmp_path):
+    folder = tmp_path / "previews"
+    code, _, err = run(
+        capsys, "generate", "--model", "synthetic", "--steps", "7", "--every", "3",
+        "--previews", str(folder), "-o", str(tmp_path / "out.png"),
+    )
+    assert code == 0, err
+    names = sorted(p.name for p in folder.iterdir())
+    assert names == ["step_0003.png", "step_0006.png", "step_0007.png"]
+    assert Image.open(folder / names[0]).format == "PNG"
+
+
+def test_generate_previews_path_that_is_a_file_exits_2(capsys, tmp_path):
+    (tmp_path / "taken").write_text("")
+    code, _, err = run(
+        capsys, "generate", "--model", "synthetic", "--previews", str(tmp_path / "taken"),
+        "-o", str(tmp_path / "out.png"),
+    )
+    assert code == 2
+    assert_one_line_error(err, "not a folder")
+
+
+def test_generate_default_model_writes_png_and_gif(capsys, tmp_path):
+    out, gif = tmp_path / "fox.png", tmp_path / "fox.gif"
+    code, _, err = run(
+        capsys, "generate", "red circle", "--steps", "4", "--size", "48", "--seed", "1",
+        "--sampler", "ddim", "-o", str(out), "--previews", str(gif),
+    )
+    assert code == 0, err
+    assert Image.open(out).size == (48, 48)
+    with Image.open(gif) as im:
+        assert im.n_frames == 4
+        assert im.size == (48, 48)
+
+
+def test_generate_default_model_rejects_its_own_bad_params(capsys, tmp_path):
+    code, _, err = run(capsys, "generate", "x", "--size", "8", "-o", str(tmp_path / "o.png"))
+    assert code == 2
+    assert_one_line_error(err, "size")
+
+
+# -- default_decoder ---------------------------------------------------------------
+
+
+def test_default_decoder():
+    synthetic = Synthetic()
+    assert cli.default_decoder(synthetic) == "sd15"
+    assert cli.default_decoder(synthetic, {"shape": (3, 8, 8)}) == "rgb"
+    assert cli.default_decoder(synthetic, {"shape": (16, 8, 8)}) == "sd3"
+
+    class Declares(Synthetic):
+        preview_decoder = "flux"
+
+    assert cli.default_decoder(Declares()) == "flux"
+
+
+# -- the progress bar ---------------------------------------------------------------
+
+
+class FakeClock:
+    def __init__(self) -> None:
+        self.now = 100.0
+
+    def __call__(self) -> float:
+        return self.now
+
+
+def test_progress_bar_draws_step_rate_and_eta():
+    out, clock = io.StringIO(), FakeClock()
+    bar = cli.ProgressBar(out, live=True, width=10, clock=clock)
+    clock.now += 5.0  # model loading: not counted in the rate
+    bar.update(1, 10)
+    assert out.getvalue() == "\r 1/10 [#.........] -- steps/s ETA --:--"
+    clock.now += 2.0
+    bar.update(5, 10)
+    assert out.getvalue().endswith("\r 5/10 [#####.....] 2.0 steps/s ETA 0:03")
+    bar.finish("-> out.png")
+    assert out.getvalue().endswith("\r\x1b[2K5/10 steps in 7.0s (2.0 steps/s) -> out.png\n")
+
+
+def test_progress_bar_throttles_but_always_draws_the_last_step():
+    out, clock = io.StringIO(), FakeClock()
+    bar = cli.ProgressBar(out, live=True, interval=1.0, clock=clock)
+    for step in range(1, 11):
+        clock.now += 0.01
+        bar.update(step, 10)
+    draws = out.getvalue().split("\r")[1:]
+    assert len(draws) == 2
+    assert draws[0].startswith(" 1/10") and draws[1].startswith("10/10")
+
+
+def test_progress_bar_not_live_writes_only_the_summary():
+    out, clock = io.StringIO(), FakeClock()
+    bar = cli.ProgressBar(out, live=False, clock=clock)
+    for step in range(1, 4):
+        clock.now += 1
+        bar.update(step, 3)
+    bar.abort()
+    assert out.getvalue() == ""
+    bar.finish()
+    assert out.getvalue() == "3/3 steps in 3.0s (1.0 steps/s)\n"
+
+
+def test_progress_bar_abort_ends_a_drawn_line():
+    out = io.StringIO()
+    bar = cli.ProgressBar(out, live=True, clock=FakeClock())
+    bar.update(1, 3)
+    bar.abort()
+    assert out.getvalue().endswith("\n")
+
+
+# -- models ------------------------------------------------------------------------
+
+
+def test_models_lists_builtins_with_their_params(capsys):
+    code, out, err = run(capsys, "models")
+    assert code == 0, err
+    assert "mixture (default):" in out
+    assert "synthetic:" in out
+    assert "  steps      int    default=20 range=1..100000" in out
+    for name in ("prompt", "size", "sampler"):
+        assert f"  {name} " in out
+
+
+def test_models_one_name_json(capsys):
+    code, out, _ = run(capsys, "models", "synthetic", "--json")
+    assert code == 0
+    rows = json.loads(out)
+    assert [r["name"] for r in rows] == ["synthetic"]
+    params = {p["name"]: p for p in rows[0]["params"]}
+    assert params["steps"] == {
+        "name": "steps", "kind": "int", "default": 20, "help": "frames to produce",
+        "minimum": 1, "maximum": 100_000,
+    }
+    assert rows[0]["preview_decoder"] == "sd15"
+
+
+def test_models_instantiates_only_the_named_model(capsys, monkeypatch):
+    made = []
+    from omni_stream.models import registry
+
+    for name, factory in list(registry.BUILTIN_MODELS.items()):
+        monkeypatch.setitem(
+            registry.BUILTIN_MODELS, name, lambda f=factory, n=name: made.append(n) or f()
+        )
+    code, _, _ = run(capsys, "models", "synthetic")
+    assert code == 0 and made == ["synthetic"]
+
+
+def test_models_reports_a_model_that_cannot_load_and_lists_the_rest(capsys, monkeypatch):
+    from omni_stream.models import registry
+
+    def broken():
+        raise ImportError("needs the 'diffusers' extra")
+
+    monkeypatch.setitem(registry.BUILTIN_MODELS, "broken", broken)
+    code, out, _ = run(capsys, "models")
+    assert code == 0
+    assert "broken: unavailable: needs the 'diffusers' extra" in out
+    assert "synthetic:" in out
+
+
+def test_models_unknown_name_exits_2(capsys):
+    code, _, err = run(capsys, "models", "nope")
+    assert code == 2
+    assert_one_line_error(err, "'nope'")
+
+
+# -- serve -------------------------------------------------------------------------
+
+
+@pytest.fixture
+def fake_server(monkeypatch):
+    calls: list[dict] = []
+    module = types.ModuleType("omni_stream.server")
+
+    async def serve(**kwargs):
+        kwargs["loop"] = type(asyncio.get_running_loop()).__module__
+        calls.append(kwargs)
+
+    module.serve = serve  # type: ignore[attr-defined]
+    monkeypatch.setitem(sys.modules, "omni_stream.server", module)
+    return module, calls
+
+
+def test_serve_passes_its_options(capsys, fake_server, monkeypatch):
+    _, calls = fake_server
+    monkeypatch.delenv(cli.TOKEN_ENV, raising=False)
+    code, _, err = run(
+        capsys, "serve", "--model", "synthetic", "--host", "0.0.0.0", "--port", "9001",
+        "--token", "s3cret", "--allow-origin", "https://a.example",
+        "--allow-origin", "https://b.example", "--device", "cpu",
+    )
+    assert code == 0, err
+    (call,) = calls
+    assert isinstance(call["model"], Synthetic)
+    assert (call["host"], call["port"], call["token"], call["device"]) == (
+        "0.0.0.0", 9001, "s3cret", "cpu",
+    )
+    assert call["allow_origins"] == ["https://a.example", "https://b.example"]
+    pytest.importorskip("uvloop")
+    assert call["loop"].startswith("uvloop")
+
+
+def test_serve_defaults_and_token_from_the_environment(capsys, fake_server, monkeypatch):
+    _, calls = fake_server
+    monkeypatch.setenv(cli.TOKEN_ENV, "from-env")
+    code, _, err = run(capsys, "serve", "--model", "synthetic")
+    assert code == 0, err
+    (call,) = calls
+    assert (call["host"], call["port"], call["token"], call["allow_origins"], call["device"]) == (
+        "127.0.0.1", 8765, "from-env", [], "auto",
+    )
+
+
+def test_serve_accepts_a_blocking_serve_and_ctrl_c_is_a_clean_stop(capsys, monkeypatch):
+    module = types.ModuleType("omni_stream.server")
+
+    def serve(**kwargs):
+        raise KeyboardInterrupt
+
+    module.serve = serve  # type: ignore[attr-defined]
+    monkeypatch.setitem(sys.modules, "omni_stream.server", module)
+    code, _, err = run(capsys, "serve", "--model", "synthetic")
+    assert code == 0
+    assert "stopped" in err and "Traceback" not in err
+
+
+@pytest.mark.parametrize("port", ["70000", "-1", "http"])
+def test_serve_bad_port_exits_2(capsys, port):
+    code, _, err = run(capsys, "serve", "--port", port)
+    assert code == 2
+    assert_one_line_error(err, "--port")
+
+
+def test_serve_unknown_model_exits_2(capsys, fake_server):
+    code, _, err = run(capsys, "serve", "--model", "nope")
+    assert code == 2
+    assert_one_line_error(err, "'nope'")
+    assert fake_server[1] == []
+
+
+# -- bench -------------------------------------------------------------------------
+
+
+def test_bench_outside_a_checkout_exits_2(capsys, tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    code, _, err = run(capsys, "bench", "--quick")
+    assert code == 2
+    assert_one_line_error(err, "benchmarks/", "checkout")
+
+
+def test_bench_runs_python_dash_m_benchmarks_with_the_rest_of_the_arguments(
+    capsys, tmp_path, monkeypatch
+):
+    bench = tmp_path / "benchmarks"
+    bench.mkdir()
+    (bench / "__init__.py").write_text("")
+    (bench / "__main__.py").write_text(
+        "import json, sys\n"
+        "open('args.json', 'w').write(json.dumps(sys.argv[1:]))\n"
+        "sys.exit(3)\n"
+    )
+    monkeypatch.chdir(tmp_path)
+    code, _, _ = run(capsys, "bench", "--quick", "-k", "copy", "--help")
+    assert code == 3  # the suite's own exit status
+    assert json.loads((tmp_path / "args.json").read_text()) == ["--quick", "-k", "copy", "--help"]
