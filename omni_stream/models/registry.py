@@ -31,14 +31,25 @@ BUILTIN_MODELS: dict[str, Callable[[], StepModel]] = {
 
 
 def load_model(spec: str) -> StepModel:
-    """Return the model named by ``spec``: a built-in name or ``module:attr``.
+    """Return the model named by ``spec``: a built-in name, ``diffusers:MODEL_ID`` or ``module:attr``.
 
     ``attr`` may be a StepModel instance, a StepModel subclass or a factory
-    called with no arguments. Raises ParamsError naming ``spec`` when it
-    cannot be loaded.
+    called with no arguments. ``diffusers:MODEL_ID`` loads a pipeline with
+    the diffusers extra. Raises ParamsError naming ``spec`` when it cannot
+    be loaded.
     """
     if spec in BUILTIN_MODELS:
         return BUILTIN_MODELS[spec]()
+    if spec.startswith("diffusers:"):
+        from .diffusers import Diffusers
+
+        model_id = spec[len("diffusers:"):]
+        try:
+            return Diffusers.from_pretrained(model_id)
+        except ImportError as exc:
+            raise ParamsError(f"model {spec!r}: {exc}", field="model") from exc
+        except (OSError, ValueError) as exc:
+            raise ParamsError(f"model {spec!r} could not be loaded: {exc}", field="model") from exc
     if ":" not in spec:
         raise ParamsError(
             f"unknown model {spec!r}; built-in: {', '.join(BUILTIN_MODELS)}, "
