@@ -512,6 +512,13 @@ def _cmd_models(args: argparse.Namespace) -> int:
 def _cmd_serve(args: argparse.Namespace) -> int:
     token = args.token or env_str(TOKEN_ENV)
     model = _load_model(args.model)
+    # A server's operator wants its lifecycle lines (the URL it listens on,
+    # shutdown), not only warnings.
+    root = logging.getLogger("omni_stream")
+    root.setLevel(logging.INFO)
+    for handler in root.handlers:
+        if isinstance(handler, _StderrLogHandler):
+            handler.setLevel(logging.INFO)
     try:
         from .server import serve
     except ImportError as exc:

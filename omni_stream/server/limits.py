@@ -16,7 +16,14 @@ from typing import Any
 from ..config import env_float, env_int, env_str
 from ..errors import ParamsError
 
-__all__ = ["ServerLimits", "TOKEN_ENV", "ALLOW_ORIGINS_ENV", "resolve_token", "resolve_origins"]
+__all__ = [
+    "ALLOW_ORIGINS_ENV",
+    "TOKEN_ENV",
+    "ServerLimits",
+    "check_request_limits",
+    "resolve_origins",
+    "resolve_token",
+]
 
 TOKEN_ENV = "OMNI_STREAM_TOKEN"
 ALLOW_ORIGINS_ENV = "OMNI_STREAM_ALLOW_ORIGINS"
@@ -152,3 +159,46 @@ def resolve_origins(allow_origins: Any) -> tuple[str, ...]:
             )
         out.append(origin)
     return tuple(out)
+
+
+#: Int params with these names are image sides in pixels.
+_SIDE_PARAMS = frozenset({"size", "width", "height"})
+
+
+def check_request_limits(model: Any, params: Mapping[str, Any], limits: ServerLimits) -> int:
+    """Check validated ``params`` against the server's limits; return the step count.
+
+    Steps are ``model.total_steps(params)``; image sides are int params
+    named ``size``, ``width`` or ``height`` and the last two entries of
+    ``shape`` params. Raises MessageError (code ``limit_exceeded``) naming
+    the param, the limit and its environment variable.
+    """
+    from .protocol import MessageError  # here: protocol must not depend on limits
+
+    total = int(model.total_steps(params))
+    if total > limits.max_steps:
+        raise MessageError(
+            "limit_exceeded",
+            f"{total} steps exceed this server's max_steps={limits.max_steps} "
+            f"({ServerLimits.env_name('max_steps')})",
+            field="steps" if "steps" in params else "params",
+        )
+    cap = limits.max_image_size
+    where = f"max_image_size={cap} ({ServerLimits.env_name('max_image_size')})"
+    for spec in getattr(model, "params", ()):
+        value = params.get(spec.name)
+        if value is None:
+            continue
+        if spec.kind == "int" and spec.name in _SIDE_PARAMS and value > cap:
+            raise MessageError(
+                "limit_exceeded",
+                f"{spec.name}={value} exceeds this server's {where}",
+                field=spec.name,
+            )
+        if spec.kind == "shape" and any(dim > cap for dim in tuple(value)[-2:]):
+            raise MessageError(
+                "limit_exceeded",
+                f"{spec.name}={list(value)} has an image side over this server's {where}",
+                field=spec.name,
+            )
+    return total

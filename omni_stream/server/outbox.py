@@ -15,12 +15,19 @@ Two kinds of entry:
 - latest-wins (intermediate ``progress`` and previews), put with a
   ``latest_key`` such as ``(request_id, "preview")``: a newer entry with the
   same key removes the unsent older one and goes to the back of the queue.
-  Moving to the back (rather than taking the old slot) is what keeps a step's
-  ``progress`` ahead of its preview: both are always enqueued in that order.
 
-So at most ``max_pending`` + (2 x requests watched) entries wait, each at
-most one encoded image. The socket's own write buffer is bounded by
-websockets' ``write_limit``.
+Pinning keeps a step's ``progress`` ahead of its preview even as entries are
+replaced. A preview is put with ``pin_key=(request_id, "progress")``: the
+progress still waiting for that step is pinned to it, so a newer progress can
+no longer replace it (that would let the preview out before any progress of
+its step); when the preview itself is replaced, its pinned progress goes with
+it. Without pinning, ``[progress 3, preview 3]`` plus ``progress 4`` became
+``[preview 3, progress 4]``: a preview of a step the client never saw.
+
+So per request at most one pending preview, one progress pinned to it and one
+latest progress wait, plus at most ``max_pending`` must-deliver entries in
+all, each at most one encoded image. The socket's own write buffer is
+bounded by websockets' ``write_limit``.
 """
 
 from __future__ import annotations
@@ -31,7 +38,7 @@ from dataclasses import dataclass
 
 import anyio
 
-__all__ = ["Outbox", "OutboxItem", "OutboxStatistics", "OutboxOverflowError"]
+__all__ = ["Outbox", "OutboxItem", "OutboxOverflowError", "OutboxStatistics"]
 
 
 class OutboxOverflowError(Exception):
@@ -45,6 +52,15 @@ class OutboxItem:
     data: str | bytes
     kind: str
     must_deliver: bool
+
+
+class _Entry:
+    __slots__ = ("item", "key", "pinned")
+
+    def __init__(self, item: OutboxItem, key: Hashable | None, pinned: int | None) -> None:
+        self.item = item
+        self.key = key  # latest_key while replaceable, else None
+        self.pinned = pinned  # seq of the entry pinned to this one
 
 
 @dataclass(frozen=True, slots=True)
@@ -62,18 +78,26 @@ class OutboxStatistics:
 class Outbox:
     """Ordered, bounded, latest-wins queue for one client (see the module docstring).
 
-    ``on_replaced(kind)`` is called for each entry replaced unsent (metrics).
+    ``on_replaced(kind)`` is called for each entry replaced unsent (metrics);
+    ``on_overflow()`` once, when it overflows.
     """
 
     def __init__(
-        self, *, max_pending: int, on_replaced: Callable[[str], None] | None = None
+        self,
+        *,
+        max_pending: int,
+        on_replaced: Callable[[str], None] | None = None,
+        on_overflow: Callable[[], None] | None = None,
     ) -> None:
         """Raises ValueError when ``max_pending`` < 1."""
         if max_pending < 1:
             raise ValueError(f"max_pending must be >= 1, got {max_pending}")
         self._max_pending = max_pending
         self._on_replaced = on_replaced
-        self._entries: OrderedDict[int, tuple[OutboxItem, Hashable | None]] = OrderedDict()
+        #: Called once when the outbox overflows, e.g. to interrupt a send
+        #: that is blocked on the very client that stopped reading.
+        self.on_overflow = on_overflow
+        self._entries: OrderedDict[int, _Entry] = OrderedDict()
         self._by_key: dict[Hashable, int] = {}
         self._seq = 0
         self._pending_must = 0
@@ -82,38 +106,51 @@ class Outbox:
         self._closed = False
         self._wakeup: anyio.Event | None = None
 
-    def put(self, data: str | bytes, kind: str, *, latest_key: Hashable | None = None) -> None:
+    def put(
+        self,
+        data: str | bytes,
+        kind: str,
+        *,
+        latest_key: Hashable | None = None,
+        pin_key: Hashable | None = None,
+    ) -> None:
         """Queue one message without waiting.
 
         With ``latest_key`` the message may be replaced by a newer one with
-        the same key before it is sent; without, it is must-deliver. Puts to
-        a closed or overflowed outbox are ignored (the connection is going
-        away). Never raises for a full outbox: it marks itself overflowed.
+        the same key before it is sent; without, it is must-deliver.
+        ``pin_key`` pins the pending latest-wins entry with that key (if
+        any) to this message (see the module docstring). Puts to a closed
+        or overflowed outbox are ignored (the connection is going away).
+        Never raises for a full outbox: it marks itself overflowed.
         """
         if self._closed or self._overflowed:
             return
+        if latest_key is None and self._pending_must >= self._max_pending:
+            self._overflowed = True
+            self._wake()
+            if self.on_overflow is not None:
+                self.on_overflow()
+            return
+        pinned = self._by_key.pop(pin_key, None) if pin_key is not None else None
+        if pinned is not None:
+            self._entries[pinned].key = None  # no longer replaceable on its own
         if latest_key is None:
-            if self._pending_must >= self._max_pending:
-                self._overflowed = True
-                self._wake()
-                return
             self._pending_must += 1
-            self._append(OutboxItem(data, kind, True), None)
+            self._append(_Entry(OutboxItem(data, kind, True), None, pinned))
         else:
             old = self._by_key.pop(latest_key, None)
             if old is not None:
-                replaced, _ = self._entries.pop(old)
-                self._replaced += 1
-                if self._on_replaced is not None:
-                    self._on_replaced(replaced.kind)
-            self._by_key[latest_key] = self._append(OutboxItem(data, kind, False), latest_key)
+                self._drop(old)
+            self._by_key[latest_key] = self._append(
+                _Entry(OutboxItem(data, kind, False), latest_key, pinned)
+            )
         self._wake()
 
     def discard(self, latest_key: Hashable) -> None:
-        """Drop the unsent latest-wins entry with ``latest_key``, if any."""
+        """Drop the unsent latest-wins entry with ``latest_key`` (and what it pinned), if any."""
         seq = self._by_key.pop(latest_key, None)
         if seq is not None:
-            del self._entries[seq]
+            self._drop(seq)
 
     async def get(self) -> OutboxItem:
         """Wait for the next message, oldest first.
@@ -130,19 +167,19 @@ class Outbox:
             await self._wakeup.wait()
 
     def get_nowait(self) -> OutboxItem | None:
-        """The next message, or None when empty (for tests and draining); raises like ``get``."""
+        """The next message, or None when empty; raises like :meth:`get`."""
         if self._overflowed:
             raise OutboxOverflowError(f"more than {self._max_pending} must-deliver messages waiting")
         if not self._entries:
             if self._closed:
                 raise anyio.EndOfStream
             return None
-        _, (item, key) = self._entries.popitem(last=False)
-        if key is not None:
-            del self._by_key[key]
-        else:
+        _, entry = self._entries.popitem(last=False)
+        if entry.key is not None:
+            del self._by_key[entry.key]
+        if entry.item.must_deliver:
             self._pending_must -= 1
-        return item
+        return entry.item
 
     def close(self) -> None:
         """Accept no more messages; ``get`` drains what is queued, then raises EndOfStream."""
@@ -170,10 +207,22 @@ class Outbox:
             closed=self._closed,
         )
 
-    def _append(self, item: OutboxItem, key: Hashable | None) -> int:
+    def _append(self, entry: _Entry) -> int:
         self._seq += 1
-        self._entries[self._seq] = (item, key)
+        self._entries[self._seq] = entry
         return self._seq
+
+    def _drop(self, seq: int | None) -> None:
+        # Only latest-wins entries are ever dropped; a pinned progress goes
+        # with the preview it was pinned to (if it is still unsent).
+        while seq is not None:
+            entry = self._entries.pop(seq, None)
+            if entry is None:
+                return
+            self._replaced += 1
+            if self._on_replaced is not None:
+                self._on_replaced(entry.item.kind)
+            seq = entry.pinned
 
     def _wake(self) -> None:
         if self._wakeup is not None:

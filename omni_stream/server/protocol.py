@@ -23,37 +23,37 @@ from typing import Any, Final
 from ..errors import ParamsError
 
 __all__ = [
+    "CANCEL_REASONS",
+    "CLOSE_GOING_AWAY",
+    "CLOSE_INTERNAL_ERROR",
+    "CLOSE_MESSAGE_TOO_BIG",
+    "CLOSE_POLICY_VIOLATION",
+    "CLOSE_TRY_AGAIN_LATER",
     "ID_PATTERN",
     "MAX_ID_LENGTH",
     "REJECTION_CODES",
     "REQUEST_ENDING_CODES",
-    "CANCEL_REASONS",
-    "CLOSE_GOING_AWAY",
-    "CLOSE_POLICY_VIOLATION",
-    "CLOSE_MESSAGE_TOO_BIG",
-    "CLOSE_INTERNAL_ERROR",
-    "CLOSE_TRY_AGAIN_LATER",
-    "MessageError",
-    "Generate",
-    "Cancel",
     "Attach",
+    "Cancel",
     "ClientMessage",
+    "Generate",
+    "MessageError",
     "PreviewHeader",
-    "parse_client_message",
-    "check_id",
-    "dumps",
     "accepted",
-    "progress",
-    "done",
     "cancelled",
+    "check_id",
+    "done",
+    "dumps",
     "error",
     "pack_preview",
+    "parse_client_message",
+    "progress",
     "unpack_preview",
 ]
 
 MAX_ID_LENGTH: Final = 128
 #: Ids end up in logs, headers and file names of clients: keep them plain.
-ID_PATTERN: Final = re.compile(r"[A-Za-z0-9._:\-]{1,%d}" % MAX_ID_LENGTH)
+ID_PATTERN: Final = re.compile(rf"[A-Za-z0-9._:\-]{{1,{MAX_ID_LENGTH}}}")
 
 #: ``error`` codes that reject one client message; nothing was started or changed.
 REJECTION_CODES: Final = frozenset(

@@ -90,10 +90,11 @@ class RequestRecord:
         if self._latest_progress is not None:
             outbox.put(self._latest_progress, "progress", latest_key=(self.id, "progress"))
         if self._latest_preview is not None:
+            pin = (self.id, "progress")
             if self._latest_preview_final:
-                outbox.put(self._latest_preview, "preview")
+                outbox.put(self._latest_preview, "preview", pin_key=pin)
             else:
-                outbox.put(self._latest_preview, "preview", latest_key=(self.id, "preview"))
+                outbox.put(self._latest_preview, "preview", latest_key=(self.id, "preview"), pin_key=pin)
         if self._terminal is not None:
             text, kind = self._terminal
             outbox.put(text, kind)
@@ -115,13 +116,15 @@ class RequestRecord:
         """Send a packed preview frame to every watcher; a final one is must-deliver."""
         self._latest_preview = frame
         self._latest_preview_final = final
+        # The pin keeps this step's progress (if still unsent) ahead of it.
+        pin = (self.id, "progress")
         for outbox in self._watchers.values():
             if final:
                 # An older preview still unsent is stale next to the result.
                 outbox.discard((self.id, "preview"))
-                outbox.put(frame, "preview")
+                outbox.put(frame, "preview", pin_key=pin)
             else:
-                outbox.put(frame, "preview", latest_key=(self.id, "preview"))
+                outbox.put(frame, "preview", latest_key=(self.id, "preview"), pin_key=pin)
 
     def finish(self, message: Mapping[str, Any], *, now: float) -> None:
         """Send the terminal message (``done`` / ``cancelled`` / ``error``) to every watcher.
@@ -208,14 +211,14 @@ class RequestRegistry:
                 field="id",
                 request_id=request_id,
             )
-        if detach and len(self.retained()) >= self._max_retained:
-            if not any(r.ended for r in self.retained()):
-                raise protocol.MessageError(
-                    "too_many_requests",
-                    f"the server already holds {self._max_retained} detached requests "
-                    "(max_retained, OMNI_STREAM_MAX_RETAINED)",
-                    request_id=request_id,
-                )
+        retained = self.retained() if detach else []
+        if len(retained) >= self._max_retained and not any(r.ended for r in retained):
+            raise protocol.MessageError(
+                "too_many_requests",
+                f"the server already holds {self._max_retained} detached requests "
+                "(max_retained, OMNI_STREAM_MAX_RETAINED)",
+                request_id=request_id,
+            )
 
     def add(self, record: RequestRecord) -> None:
         """Register ``record``; raises MessageError as :meth:`check_new` does."""

@@ -1,0 +1,15 @@
+"""The websocket server: live per-step previews for browsers and clients (docs/protocol.md).
+
+>>> import omni_stream as om
+>>> from omni_stream.server import serve, Server
+>>> serve(om.models.Synthetic(), port=8765)                       # doctest: +SKIP
+>>> async with Server(om.models.Synthetic(), port=0) as server:   # doctest: +SKIP
+...     print(server.url)                                         # ws://127.0.0.1:PORT/ws
+"""
+
+from __future__ import annotations
+
+from .app import Server, serve
+from .limits import ServerLimits
+
+__all__ = ["Server", "ServerLimits", "serve"]

@@ -1,0 +1,84 @@
+"""Checks a ``generate`` must pass before it reaches the engine (pure, no I/O).
+
+Each raises :class:`~omni_stream.server.protocol.MessageError` with the
+``error`` code docs/protocol.md gives for it and the request id, so the
+server can reply and keep the connection open.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Callable, Mapping
+from typing import Any
+
+import torch
+
+from ..errors import ParamsError
+from ..model import StepModel
+from ..preview import PreviewSpec
+from .limits import ServerLimits, check_request_limits
+from .protocol import MessageError
+
+__all__ = ["cap_preview", "check_params", "default_decoder", "preview_spec"]
+
+
+def default_decoder(model: StepModel) -> str | Callable[[torch.Tensor], Any]:
+    """The preview decoder for ``model``: its ``preview_decoder`` attribute, else ``"rgb"``."""
+    return getattr(model, "preview_decoder", None) or "rgb"
+
+
+def cap_preview(spec: PreviewSpec, limits: ServerLimits) -> PreviewSpec:
+    """``spec`` with ``max_size`` capped at ``limits.max_image_size``.
+
+    ``max_size`` only ever shrinks an image; the cap bounds what one preview
+    can cost to encode, to hold for replays and to send.
+    """
+    cap = limits.max_image_size
+    if spec.max_size is None or spec.max_size > cap:
+        return dataclasses.replace(spec, max_size=cap)
+    return spec
+
+
+def preview_spec(
+    wire: Mapping[str, Any] | None,
+    *,
+    default: PreviewSpec,
+    decoder: str | Callable[[torch.Tensor], Any],
+    limits: ServerLimits,
+    request_id: str,
+) -> PreviewSpec:
+    """The request's preview settings from its wire form (``default`` when None).
+
+    Raises MessageError ``invalid_field`` naming ``preview.<option>``.
+    """
+    if wire is None:
+        return default
+    try:
+        spec = PreviewSpec.from_dict(wire, decoder=decoder)
+    except ParamsError as exc:
+        field = f"preview.{exc.field}" if exc.field and exc.field != "preview" else "preview"
+        raise MessageError(
+            "invalid_field", f"preview: {exc.message}", field=field, request_id=request_id
+        ) from None
+    return cap_preview(spec, limits)
+
+
+def check_params(
+    model: StepModel, params: Mapping[str, Any], limits: ServerLimits, *, request_id: str
+) -> int:
+    """Validate ``params`` with the model and the server's limits; return the step count.
+
+    Raises MessageError ``bad_params`` (the model refused them; ``field``
+    names the param) or ``limit_exceeded`` (beyond this server's limits).
+    """
+    try:
+        checked = model.validate(params)
+    except ParamsError as exc:
+        raise MessageError("bad_params", exc.message, field=exc.field, request_id=request_id) from None
+    except (ValueError, TypeError, KeyError) as exc:
+        raise MessageError("bad_params", f"{model.name}: {exc}", request_id=request_id) from None
+    try:
+        return check_request_limits(model, checked, limits)
+    except MessageError as exc:
+        exc.request_id = request_id
+        raise

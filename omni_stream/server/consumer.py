@@ -1,0 +1,105 @@
+"""One consumer per request: engine frames in, progress and previews out to the record.
+
+The consumer iterates ``engine.stream(..., policy="latest")``: the engine
+never waits for the server, and when a preview takes longer to render than a
+step, the frames in between are replaced in the engine's single slot (the
+final frame never is). Each preview is rendered once, here, and shared by
+every client watching the request through its :class:`RequestRecord`.
+"""
+
+from __future__ import annotations
+
+import time
+from typing import Any
+
+from ..engine import FrameStream
+from ..errors import (
+    EngineError,
+    RequestCancelledError,
+    StepFailedError,
+    StepTimeoutError,
+)
+from ..frame import Frame
+from ..preview import Previewer, PreviewSpec, should_preview
+from . import protocol
+from .metrics import ServerMetrics
+from .session import RequestRecord
+
+__all__ = ["stream_request"]
+
+
+class _PreviewFailed(Exception):
+    """Rendering a frame failed; ``__cause__`` says why."""
+
+
+async def stream_request(
+    record: RequestRecord,
+    stream: FrameStream,
+    spec: PreviewSpec,
+    *,
+    previewer: Previewer,
+    metrics: ServerMetrics,
+) -> dict[str, Any]:
+    """Publish the request's steps into ``record``; return its terminal message.
+
+    Returns ``done``, ``cancelled`` (reason from ``record.cancel_reason``,
+    else ``engine``) or a request-ending ``error`` for the request's own
+    failures. Raises only for bugs (the caller reports ``internal``) and
+    for its own cancellation. Leaving cancels the engine request if it is
+    unfinished.
+    """
+    rid = record.id
+    try:
+        async with stream:
+            async for frame in stream:
+                await _publish(record, frame, spec, previewer=previewer, metrics=metrics)
+    except RequestCancelledError:
+        return protocol.cancelled(rid, reason=record.cancel_reason or "engine")
+    except StepFailedError as exc:
+        cause = f": {exc.__cause__!r}" if exc.__cause__ is not None else ""
+        return protocol.error("step_failed", f"{exc.message}{cause}", request_id=rid)
+    except StepTimeoutError as exc:
+        return protocol.error("step_timeout", exc.message, request_id=rid)
+    except EngineError as exc:
+        return protocol.error("engine_error", exc.message, request_id=rid)
+    except _PreviewFailed as exc:
+        return protocol.error(
+            "preview_failed", f"could not render a preview: {exc.__cause__}", request_id=rid
+        )
+    return protocol.done(rid, total=record.total, elapsed_s=time.monotonic() - record.created_at)
+
+
+async def _publish(
+    record: RequestRecord,
+    frame: Frame,
+    spec: PreviewSpec,
+    *,
+    previewer: Previewer,
+    metrics: ServerMetrics,
+) -> None:
+    metrics.observe_timings(frame.timings)
+    elapsed = time.monotonic() - record.created_at
+    eta = elapsed / frame.step * (frame.total - frame.step)
+    record.publish_progress(
+        frame.step, protocol.progress(record.id, step=frame.step, total=frame.total, eta_s=eta)
+    )
+    if not should_preview(frame.step, frame.total, spec.every):
+        return
+    started = time.perf_counter()
+    try:
+        image = await previewer.render(frame, spec)
+    except Exception as exc:
+        raise _PreviewFailed() from exc
+    metrics.preview_encode.observe(time.perf_counter() - started)
+    header = protocol.PreviewHeader(
+        id=record.id,
+        step=frame.step,
+        total=frame.total,
+        final=frame.final,
+        format=image.format,
+        width=image.width,
+        height=image.height,
+        mime=image.mime,
+    )
+    # Encoded once, shared by every watcher (and kept for attach replays).
+    record.publish_preview(protocol.pack_preview(header, image.data), final=frame.final)

@@ -1,0 +1,118 @@
+"""Prometheus metrics of one server, in a registry of its own (names start ``omni_stream_``).
+
+A registry per :class:`ServerMetrics` (not prometheus-client's global one)
+so that several servers in one process, and every test, count separately.
+Engine gauges (queue depth, host buffers, up) are read from
+``engine.statistics()`` / ``engine.health()`` at scrape time by a collector,
+never copied on a timer.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterator
+from typing import Any
+
+from prometheus_client import (
+    CollectorRegistry,
+    Counter,
+    Gauge,
+    Histogram,
+    generate_latest,
+)
+from prometheus_client.core import GaugeMetricFamily
+from prometheus_client.registry import Collector
+
+from ..frame import StepTimings
+
+__all__ = ["CONTENT_TYPE", "ServerMetrics"]
+
+#: The text exposition format prometheus-client writes.
+CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
+
+# Step phases span sub-millisecond (copies, tiny models) to minutes (video
+# models on one GPU): log-spaced buckets cover both ends.
+_STEP_BUCKETS = (
+    0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5,
+    1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 300.0,
+)
+_ENCODE_BUCKETS = (0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5)
+
+
+class _EngineCollector(Collector):
+    def __init__(self, engine: Any) -> None:
+        self._engine = engine
+
+    def collect(self) -> Iterator[GaugeMetricFamily]:
+        health = self._engine.health()
+        s = health.statistics
+        rows: list[tuple[str, str, float]] = [
+            ("omni_stream_engine_up", "1 when engine.health() is ok, else 0", 1.0 if health.ok else 0.0),
+            ("omni_stream_engine_active", "requests started and not ended", s.active),
+            ("omni_stream_engine_queued", "requests submitted, not started (queue depth)", s.queued),
+            ("omni_stream_engine_buffers_in_use", "host buffers leased", s.buffers_in_use),
+            ("omni_stream_engine_buffers_in_flight", "host buffers with a copy in flight", s.buffers_in_flight),
+            ("omni_stream_engine_buffers_total", "host buffers allocated", s.buffers_total),
+        ]
+        for name, doc, value in rows:
+            yield GaugeMetricFamily(name, doc, value=float(value))
+
+
+class ServerMetrics:
+    """Every metric one server exports; ``render()`` is the ``/metrics`` body."""
+
+    def __init__(self, engine: Any, *, running: Callable[[], int]) -> None:
+        r = self.registry = CollectorRegistry(auto_describe=True)
+        self.requests = Counter(
+            "omni_stream_requests", "requests by outcome: done, cancelled, error, rejected",
+            ["outcome"], registry=r,
+        )
+        self.step_compute = Histogram(
+            "omni_stream_step_compute_seconds", "step compute time (frames the server observed)",
+            buckets=_STEP_BUCKETS, registry=r,
+        )
+        self.step_queued = Histogram(
+            "omni_stream_step_queued_seconds", "time a step waited before it ran",
+            buckets=_STEP_BUCKETS, registry=r,
+        )
+        self.step_copy = Histogram(
+            "omni_stream_step_copy_seconds", "device-to-host copy time of a step's frame",
+            buckets=_STEP_BUCKETS, registry=r,
+        )
+        self.preview_encode = Histogram(
+            "omni_stream_preview_encode_seconds", "decode + encode time of one preview",
+            buckets=_ENCODE_BUCKETS, registry=r,
+        )
+        self.messages_sent = Counter(
+            "omni_stream_messages_sent", "messages written to clients, by kind", ["kind"], registry=r,
+        )
+        self.messages_dropped = Counter(
+            "omni_stream_messages_dropped",
+            "progress and previews replaced by a newer one before they were sent",
+            ["kind"], registry=r,
+        )
+        self.connections = Gauge("omni_stream_connections", "open websockets", registry=r)
+        self.connections_opened = Counter(
+            "omni_stream_connections_opened", "websockets accepted", registry=r,
+        )
+        self.handshakes_refused = Counter(
+            "omni_stream_handshakes_refused", "websocket handshakes refused, by reason",
+            ["reason"], registry=r,
+        )
+        self.slow_client_disconnects = Counter(
+            "omni_stream_slow_client_disconnects", "clients closed with 1008 for not reading",
+            registry=r,
+        )
+        self.requests_running = Gauge(
+            "omni_stream_requests_running", "requests the server is streaming", registry=r,
+        )
+        self.requests_running.set_function(lambda: float(running()))
+        r.register(_EngineCollector(engine))
+
+    def observe_timings(self, timings: StepTimings) -> None:
+        self.step_compute.observe(timings.compute_s)
+        self.step_queued.observe(timings.queued_s)
+        self.step_copy.observe(timings.copy_s)
+
+    def render(self) -> bytes:
+        """The Prometheus text exposition of everything above."""
+        return generate_latest(self.registry)

@@ -1,0 +1,121 @@
+"""HTTP responses for the routes beside the websocket: ``/``, ``/health``, ``/metrics``, ``/models``.
+
+The websocket library answers these from its ``process_request`` hook, one
+request per connection (``Connection: close``). Builders only, no I/O
+except reading the page file.
+"""
+
+from __future__ import annotations
+
+import email.utils
+import http
+import json
+from collections.abc import Mapping
+from pathlib import Path
+from typing import Any
+
+from websockets.datastructures import Headers
+from websockets.http11 import Response
+
+from ..params import describe
+from ..preview import DECODERS, DEFAULT_QUALITY, FORMATS, PreviewSpec
+from .limits import ServerLimits
+
+__all__ = [
+    "PAGE",
+    "STATIC_DIR",
+    "error_response",
+    "json_response",
+    "models_payload",
+    "page_response",
+    "preview_wire",
+    "respond",
+]
+
+STATIC_DIR = Path(__file__).parent / "static"
+PAGE = STATIC_DIR / "index.html"
+
+
+def respond(
+    status: int, body: bytes, content_type: str, *, extra: Mapping[str, str] | None = None
+) -> Response:
+    """An HTTP response that closes its connection."""
+    code = http.HTTPStatus(status)
+    headers = Headers(
+        [
+            ("Date", email.utils.formatdate(usegmt=True)),
+            ("Connection", "close"),
+            ("Content-Length", str(len(body))),
+            ("Content-Type", content_type),
+            ("Cache-Control", "no-store"),
+            ("X-Content-Type-Options", "nosniff"),
+        ]
+    )
+    for key, value in (extra or {}).items():
+        headers[key] = value
+    return Response(code.value, code.phrase, headers, body)
+
+
+def json_response(status: int, payload: Any, *, extra: Mapping[str, str] | None = None) -> Response:
+    body = json.dumps(payload, separators=(",", ":"), allow_nan=False).encode()
+    return respond(status, body, "application/json", extra=extra)
+
+
+def error_response(
+    status: int, code: str, message: str, *, extra: Mapping[str, str] | None = None
+) -> Response:
+    """``{"error": code, "message": message}`` with ``status``."""
+    return json_response(status, {"error": code, "message": message}, extra=extra)
+
+
+def page_response(page: Path | None = None) -> Response:
+    """The preview page (``PAGE`` unless given), read on every request; 404 JSON if missing.
+
+    Read each time: it is small, and the file may be replaced while serving.
+    """
+    page = PAGE if page is None else page
+    try:
+        body = page.read_bytes()
+    except FileNotFoundError:
+        return error_response(404, "not_found", f"the preview page is not installed ({page.name})")
+    # The page talks to /ws on this origin only; keep other sites from framing it.
+    return respond(
+        200,
+        body,
+        "text/html; charset=utf-8",
+        extra={"X-Frame-Options": "DENY", "Content-Security-Policy": "frame-ancestors 'none'"},
+    )
+
+
+def preview_wire(spec: PreviewSpec) -> dict[str, Any]:
+    """The effective preview settings as ``accepted`` and ``/models`` report them."""
+    decoder = spec.decoder
+    name = decoder if isinstance(decoder, str) else getattr(decoder, "__name__", "custom")
+    quality = spec.quality if spec.quality is not None else DEFAULT_QUALITY.get(spec.format)
+    return {
+        "every": spec.every,
+        "format": spec.format,
+        "max_size": spec.max_size,
+        "quality": quality,
+        "decoder": name,
+    }
+
+
+def models_payload(model: Any, default_preview: PreviewSpec, limits: ServerLimits) -> dict[str, Any]:
+    """The ``/models`` body: the model, its params, preview options and request limits."""
+    return {
+        "name": model.name,
+        "description": model.describe(),
+        "params": describe(model.params),
+        "preview": {
+            "formats": list(FORMATS),
+            "decoders": list(DECODERS),
+            "default": preview_wire(default_preview),
+        },
+        "limits": {
+            "max_steps": limits.max_steps,
+            "max_image_size": limits.max_image_size,
+            "max_requests_per_connection": limits.max_requests_per_connection,
+            "max_message_bytes": limits.max_message_bytes,
+        },
+    }

@@ -1,0 +1,68 @@
+"""Checks before a generate reaches the engine: preview settings and params."""
+
+from __future__ import annotations
+
+import pytest
+
+from omni_stream.models import Synthetic
+from omni_stream.preview import PreviewSpec
+from omni_stream.server.admission import (
+    cap_preview,
+    check_params,
+    default_decoder,
+    preview_spec,
+)
+from omni_stream.server.limits import ServerLimits
+from omni_stream.server.protocol import MessageError
+
+LIMITS = ServerLimits(max_steps=50, max_image_size=256)
+
+
+def spec(wire: dict | None) -> PreviewSpec:
+    return preview_spec(
+        wire, default=PreviewSpec(), decoder="rgb", limits=LIMITS, request_id="r"
+    )
+
+
+def test_preview_defaults_and_caps() -> None:
+    assert spec(None) == PreviewSpec()
+    assert spec({"format": "png"}).max_size == 256  # 512 by default, capped
+    assert spec({"max_size": None}).max_size == 256
+    assert spec({"max_size": 64}).max_size == 64
+    assert cap_preview(PreviewSpec(max_size=100), LIMITS).max_size == 100
+
+
+@pytest.mark.parametrize(
+    ("wire", "field"),
+    [
+        ({"format": "bmp"}, "preview.format"),
+        ({"every": 0}, "preview.every"),
+        ({"quality": 101}, "preview.quality"),
+        ({"format": "png", "quality": 50}, "preview.quality"),
+        ({"max_size": 0}, "preview.max_size"),
+        ({"decoder": "builtins:eval"}, "preview.decoder"),
+        ({"size": 3}, "preview.size"),
+    ],
+)
+def test_bad_preview_names_the_option(wire: dict, field: str) -> None:
+    with pytest.raises(MessageError) as info:
+        spec(wire)
+    assert (info.value.code, info.value.field, info.value.request_id) == ("invalid_field", field, "r")
+
+
+def test_params_are_checked_by_the_model_then_the_limits() -> None:
+    model = Synthetic()
+    assert check_params(model, {"steps": 50}, LIMITS, request_id="r") == 50
+    with pytest.raises(MessageError) as info:
+        check_params(model, {"steps": "ten"}, LIMITS, request_id="r")
+    assert (info.value.code, info.value.field, info.value.request_id) == ("bad_params", "steps", "r")
+    with pytest.raises(MessageError) as info:
+        check_params(model, {"steps": 51}, LIMITS, request_id="r")
+    assert (info.value.code, info.value.field, info.value.request_id) == ("limit_exceeded", "steps", "r")
+
+
+def test_default_decoder_follows_the_model() -> None:
+    model = Synthetic()
+    assert default_decoder(model) == "rgb"
+    model.preview_decoder = "sd15"  # type: ignore[attr-defined]
+    assert default_decoder(model) == "sd15"

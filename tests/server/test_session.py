@@ -1,0 +1,165 @@
+"""RequestRecord fan-out and replay; RequestRegistry visibility and retention."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from omni_stream.server import protocol
+from omni_stream.server.outbox import Outbox
+from omni_stream.server.protocol import MessageError
+from omni_stream.server.session import RequestRecord, RequestRegistry
+
+
+class Clock:
+    def __init__(self) -> None:
+        self.now = 100.0
+
+    def __call__(self) -> float:
+        return self.now
+
+
+def record(rid: str = "r", *, owner: str = "c1", detach: bool = False) -> RequestRecord:
+    return RequestRecord(
+        rid, owner=owner, detach=detach, total=3, preview={"every": 1}, created_at=0.0
+    )
+
+
+def drain(box: Outbox) -> list[str | bytes]:
+    out = []
+    while (item := box.get_nowait()) is not None:
+        out.append(item.data)
+    return out
+
+
+def kinds(messages: list[str | bytes]) -> list[str]:
+    return [m[:4].decode() if isinstance(m, bytes) else json.loads(m)["type"] for m in messages]
+
+
+def progress(rec: RequestRecord, step: int) -> None:
+    rec.publish_progress(step, protocol.progress(rec.id, step=step, total=rec.total, eta_s=0))
+
+
+def test_fan_out_to_every_watcher() -> None:
+    rec = record()
+    a, b = Outbox(max_pending=8), Outbox(max_pending=8)
+    rec.watch("c1", a, attached=False)
+    rec.watch("c2", b, attached=True)
+    progress(rec, 1)
+    rec.publish_preview(b"img1", final=False)
+    assert drain(a)[1:] == drain(b)[1:]
+
+
+def test_attach_replays_latest_then_live() -> None:
+    rec = record()
+    progress(rec, 1)
+    rec.publish_preview(b"img1", final=False)
+    progress(rec, 2)
+    box = Outbox(max_pending=8)
+    rec.watch("c2", box, attached=True)
+    progress(rec, 3)
+    rec.publish_preview(b"img3", final=True)
+    rec.finish(protocol.done(rec.id, total=3, elapsed_s=1.0), now=1.0)
+    got = drain(box)
+    first = json.loads(got[0])
+    assert first["type"] == "accepted" and first["attached"] is True
+    # Latest progress (2) was replaced by 3 while unsent; the old preview was
+    # discarded in favour of the final one.
+    assert got[1:] == [
+        protocol.dumps(protocol.progress("r", step=3, total=3, eta_s=0)),
+        b"img3",
+        protocol.dumps(protocol.done("r", total=3, elapsed_s=1.0)),
+    ]
+
+
+def test_attach_after_end_replays_result() -> None:
+    rec = record()
+    progress(rec, 3)
+    rec.publish_preview(b"final", final=True)
+    rec.finish(protocol.done("r", total=3, elapsed_s=1.0), now=1.0)
+    box = Outbox(max_pending=8)
+    rec.watch("c9", box, attached=True)
+    got = drain(box)
+    assert kinds(got) == ["accepted", "progress", "fina", "done"]
+    assert not rec.watchers  # nothing more will come
+
+
+def test_finish_is_idempotent_and_stops_fan_out() -> None:
+    rec = record()
+    box = Outbox(max_pending=8)
+    rec.watch("c1", box, attached=False)
+    rec.finish(protocol.cancelled("r", reason="client"), now=1.0)
+    rec.finish(protocol.done("r", total=3, elapsed_s=1.0), now=2.0)
+    assert rec.outcome == "cancelled" and rec.ended_at == 1.0
+    assert kinds(drain(box)) == ["accepted", "cancelled"]
+
+
+def test_registry_duplicate_and_lookup_rules() -> None:
+    reg = RequestRegistry(retention_s=10, max_retained=4)
+    reg.add(record("mine", owner="c1"))
+    reg.add(record("kept", owner="c1", detach=True))
+    with pytest.raises(MessageError) as info:
+        reg.add(record("mine", owner="c2"))
+    assert info.value.code == "duplicate_id"
+    assert reg.lookup("mine", "c1", authenticated=False).id == "mine"
+    # Another connection cannot see a request that was not detached...
+    with pytest.raises(MessageError) as info:
+        reg.lookup("mine", "c2", authenticated=False)
+    assert info.value.code == "not_found"
+    # ...the same answer as for an id that does not exist...
+    with pytest.raises(MessageError) as unknown:
+        reg.lookup("nope", "c2", authenticated=False)
+    assert unknown.value.code == "not_found"
+    # ...but can see a detached one, and a token holder sees everything.
+    assert reg.lookup("kept", "c2", authenticated=False).id == "kept"
+    assert reg.lookup("mine", "c2", authenticated=True).id == "mine"
+
+
+def test_disconnect_returns_only_undetached_running_requests() -> None:
+    reg = RequestRegistry(retention_s=10, max_retained=4)
+    a, b = record("a", owner="c1"), record("b", owner="c1", detach=True)
+    c = record("c", owner="c2")
+    for r in (a, b, c):
+        reg.add(r)
+    box = Outbox(max_pending=8)
+    c.watch("c1", box, attached=True)
+    assert reg.disconnect("c1") == [a]
+    assert not c.is_watched_by("c1")
+    assert reg.running_owned_by("c1") == 2
+
+
+def test_ended_forgets_undetached_at_once_and_detached_after_retention() -> None:
+    clock = Clock()
+    reg = RequestRegistry(retention_s=5, max_retained=4, clock=clock)
+    a, b = record("a"), record("b", detach=True)
+    reg.add(a)
+    reg.add(b)
+    for r in (a, b):
+        r.finish(protocol.done(r.id, total=3, elapsed_s=1), now=clock())
+        reg.ended(r)
+    assert "a" not in reg and "b" in reg
+    clock.now += 4.9
+    assert reg.prune() == [] and "b" in reg
+    clock.now += 0.2
+    assert reg.prune() == [b] and "b" not in reg
+
+
+def test_max_retained_evicts_oldest_ended_then_refuses() -> None:
+    clock = Clock()
+    reg = RequestRegistry(retention_s=100, max_retained=2, clock=clock)
+    old, new = record("old", detach=True), record("new", detach=True)
+    reg.add(old)
+    reg.add(new)
+    old.finish(protocol.done("old", total=3, elapsed_s=1), now=1.0)
+    new.finish(protocol.done("new", total=3, elapsed_s=1), now=2.0)
+    reg.add(record("third", detach=True))
+    assert "old" not in reg and "new" in reg and "third" in reg
+    # Undetached requests do not count against max_retained.
+    reg.add(record("plain"))
+    with pytest.raises(MessageError) as info:
+        # "new" is evictable, so this succeeds; then everything held runs.
+        reg.add(record("fourth", detach=True))
+        reg.add(record("fifth", detach=True))
+    assert info.value.code == "too_many_requests"
+    assert "new" not in reg and "fourth" in reg and "fifth" not in reg
