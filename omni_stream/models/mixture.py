@@ -1,0 +1,408 @@
+"""Mixture: a real diffusion sampler over a Gaussian mixture of built-in images.
+
+The data distribution is ``p(x0) = sum_k w_k N(mu_k, spread^2 I)`` over the
+images of :mod:`omni_stream.models.images`, with ``w`` uniform over the
+components the prompt names. Its posterior mean ``E[x0 | x_t]`` is exact and
+closed-form (see :func:`omni_stream.models.samplers.posterior`), so this is a
+genuine sampler with an exact denoiser: no training, no weights. Each step's
+frame is the current x0 prediction; the last frame is the sample.
+
+Bit-identical frames alone or in any batch. Two reductions touch every pixel:
+the dot products ``<x, mu_k>`` (over pixels) and the mixture mean
+``sum_k r_k mu_k`` (over components). BLAS sums in an order that depends on
+the batch shape (gemv vs gemm, blocking, threads), so instead of hoping for
+a stable order both are made *exact*: images are multiples of 1/128, ``x`` is
+rounded to a multiple of ``2^-q`` and ``r`` to ``2^-36``, and the products are
+summed in float64 as integers that stay below ``2^53``, where every order
+gives the same answer. Everything else is per-element arithmetic (+ - * /,
+round, clamp: correctly rounded wherever it runs) or a softmax over one row,
+and the noise comes from a generator seeded by (seed, step) alone. The
+rounding only enters the softmax logits, far below the noise they measure.
+"""
+
+from __future__ import annotations
+
+import math
+import threading
+from collections import OrderedDict
+from collections.abc import Hashable, Iterator, Mapping, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from ..errors import ParamsError
+from ..model import StepModel
+from ..params import Param
+from . import images, samplers
+
+__all__ = ["Mixture"]
+
+#: Guidance at most this (the exactness bound on the mixture mean assumes it).
+MAX_GUIDANCE = 20.0
+#: The posterior weights are rounded to multiples of 2**-R_BITS.
+R_BITS = 36
+#: x is clamped to |x| <= 2**X_RANGE_BITS before it is rounded for the dot
+#: products (Gaussian noise never gets there; a state beyond it, from extreme
+#: guidance, only makes the logits approximate, never the sums inexact).
+X_RANGE_BITS = 6
+_LEVEL_BITS = 7  # images.LEVELS == 2**7
+_EXACT_BITS = 53  # float64 integers are exact up to 2**53
+_FLOAT32_BITS = 24  # float32 integers are exact up to 2**24
+#: A step works on at most this many values per group of requests (bounds
+#: the float64 temporaries at large sizes; grouping never changes a bit).
+CHUNK_VALUES = 1 << 23
+#: Up to this many values per image the float64 copy of the images is kept;
+#: above it (sizes over 512) it is made slice by slice at each step instead.
+LEVELS64_MAX_DIMS = 3 * 512 * 512
+_SLICE_DIMS = 1 << 16
+#: The size ``load`` renders ahead of the first request (the ``size`` default).
+DEFAULT_SIZE = 256
+
+assert images.LEVELS == 2**_LEVEL_BITS
+# The mixture-mean bound: |r| sums to at most 1 + 2 * MAX_GUIDANCE, each
+# |level| <= 2^7, so |sum_k rq_k level_k| < 2^53.
+assert (1 + 2 * MAX_GUIDANCE) * 2 ** (R_BITS + _LEVEL_BITS) < 2**_EXACT_BITS
+
+
+@dataclass(frozen=True)
+class _Bank:
+    """The component images at one size, on one device, ready for the exact sums."""
+
+    size: int
+    mu: torch.Tensor  # float32 [K, D]: the images, the component means (multiples of 1/128)
+    levels: torch.Tensor | None  # float64 [K, D]: images * 128 (integers); None above LEVELS64_MAX_DIMS
+    norms: torch.Tensor  # float64 [K]: sum of levels^2 (exact)
+    x_bits: int  # x is rounded to multiples of 2**-x_bits before the dot products
+
+    @property
+    def dims(self) -> int:
+        return self.mu.shape[1]
+
+    @property
+    def nbytes(self) -> int:
+        extra = 0 if self.levels is None else self.levels.nbytes
+        return self.mu.nbytes + extra
+
+    def level_slices(self) -> Iterator[tuple[slice, torch.Tensor]]:
+        """(columns, float64 levels [K, n]) covering every column."""
+        if self.levels is not None:
+            yield slice(None), self.levels
+            return
+        for lo in range(0, self.dims, _SLICE_DIMS):
+            cols = slice(lo, lo + _SLICE_DIMS)
+            yield cols, self.mu[:, cols].to(torch.float64).mul_(images.LEVELS)
+
+
+def _x_bits(dims: int) -> int:
+    # |round(x * 2^q)| <= 2^(q + X_RANGE_BITS), |level| <= 2^7, dims terms:
+    # the dot product stays an exact float64 integer while
+    # dims * 2^(q + X_RANGE_BITS + 7) <= 2^53. Capped so the rounded values
+    # (<= 2^24) are exact in float32, where rounding them is cheaper.
+    exact = _EXACT_BITS - X_RANGE_BITS - _LEVEL_BITS - math.ceil(math.log2(dims))
+    return min(exact, _FLOAT32_BITS - X_RANGE_BITS)
+
+
+def _make_bank(size: int, device: torch.device) -> _Bank:
+    pictures = images.render_all(size).reshape(len(images.COMPONENTS), -1)
+    levels = pictures.to(torch.float64) * images.LEVELS
+    keep = levels.shape[1] <= LEVELS64_MAX_DIMS
+    return _Bank(
+        size=size,
+        mu=pictures.to(device),
+        levels=levels.to(device) if keep else None,
+        norms=(levels * levels).sum(1).to(device),
+        x_bits=_x_bits(levels.shape[1]),
+    )
+
+
+class _BankCache:
+    """An LRU of banks keyed by (size, device), bounded in entries and bytes; thread-safe.
+
+    The newest bank always stays, whatever its size. Banks in use by running
+    requests stay alive through their states even once evicted here.
+    """
+
+    def __init__(self, max_entries: int, max_bytes: int) -> None:
+        if max_entries < 1:
+            raise ValueError(f"cache_sizes must be >= 1, got {max_entries}")
+        if max_bytes < 0:
+            raise ValueError(f"cache_bytes must be >= 0, got {max_bytes}")
+        self.max_entries = max_entries
+        self.max_bytes = max_bytes
+        self._banks: OrderedDict[tuple[int, str], _Bank] = OrderedDict()
+        self._lock = threading.Lock()
+
+    def get(self, size: int, device: torch.device) -> _Bank:
+        key = (size, str(device))
+        with self._lock:
+            bank = self._banks.get(key)
+            if bank is not None:
+                self._banks.move_to_end(key)
+                return bank
+        bank = _make_bank(size, device)  # outside the lock: rendering takes a while
+        with self._lock:
+            self._banks[key] = bank
+            self._banks.move_to_end(key)
+            while len(self._banks) > 1 and (
+                len(self._banks) > self.max_entries
+                or sum(b.nbytes for b in self._banks.values()) > self.max_bytes
+            ):
+                self._banks.popitem(last=False)
+        return bank
+
+    def entries(self) -> list[tuple[int, str]]:
+        """(size, device) of the cached banks, least recently used first."""
+        with self._lock:
+            return list(self._banks)
+
+
+def _dots(xq: torch.Tensor, bank: _Bank) -> torch.Tensor:
+    """``xq @ levels.T`` [B, K] for integer-valued float64 ``xq``: exact."""
+    out: torch.Tensor | None = None
+    for cols, levels in bank.level_slices():
+        part = torch.mm(xq[:, cols], levels.T)
+        out = part if out is None else out.add_(part)  # exact integers: any order
+    assert out is not None
+    return out
+
+
+def _mix64(seed: int, step: int) -> int:
+    """A 64-bit generator seed from (seed, step): splitmix64 of both."""
+    mask = (1 << 64) - 1
+    z = (seed * 0x9E3779B97F4A7C15 + step * 0xD1B54A32D192ED03 + 0x632BE59BD9B4E019) & mask
+    z = ((z ^ (z >> 30)) * 0xBF58476D1CE4E5B9) & mask
+    z = ((z ^ (z >> 27)) * 0x94D049BB133111EB) & mask
+    return z ^ (z >> 31)
+
+
+def _noise(seed: int, step: int, dims: int) -> torch.Tensor:
+    # A fresh CPU generator per (seed, step): the noise is a pure function of
+    # them, so neither batch order nor a retried step can shift it.
+    gen = torch.Generator(device="cpu").manual_seed(_mix64(seed, step))
+    return torch.randn(dims, generator=gen, dtype=torch.float32)
+
+
+def _mixture_mean(rq: torch.Tensor, bank: _Bank, *, shortcuts: bool) -> torch.Tensor:
+    """``sum_k r_k mu_k`` as float32 [B, D], for ``rq = round(r * 2**R_BITS)`` [B, K].
+
+    The float64 product ``rq @ levels`` is exact (every product and partial
+    sum is an integer below 2**53), so any way of computing it gives the
+    same bits. With ``shortcuts`` (on the CPU) it takes the cheap ways: a row
+    whose whole weight is on one component (every row, once the posterior
+    has picked one) is that image, copied; other rows leave out the
+    components no row weighs. On an accelerator the plain product is cheap,
+    and finding those rows would synchronise with the host.
+    """
+    if shortcuts:
+        nonzero = rq.ne(0)
+        whole = nonzero.sum(1).eq(1) & rq.amax(1).eq(2.0 ** R_BITS)
+        n_whole = int(whole.sum())
+        if n_whole == rq.shape[0]:
+            return bank.mu.index_select(0, rq.argmax(1))
+        if n_whole:
+            out = torch.empty(rq.shape[0], bank.dims, dtype=torch.float32)
+            for rows in (whole.nonzero().flatten(), (~whole).nonzero().flatten()):
+                out[rows] = _mixture_mean(rq.index_select(0, rows), bank, shortcuts=True)
+            return out
+        used = nonzero.any(0).nonzero().flatten()
+        if used.numel() < rq.shape[1]:
+            return _weighted_sum(rq.index_select(1, used), bank, used)
+    return _weighted_sum(rq, bank, None)
+
+
+def _weighted_sum(rq: torch.Tensor, bank: _Bank, used: torch.Tensor | None) -> torch.Tensor:
+    scale = 2.0 ** -(R_BITS + _LEVEL_BITS)
+    if bank.levels is not None:
+        levels = bank.levels if used is None else bank.levels.index_select(0, used)
+        return torch.mm(rq, levels).mul_(scale).to(torch.float32)
+    out = torch.empty(rq.shape[0], bank.dims, dtype=torch.float32, device=rq.device)
+    for cols, levels in bank.level_slices():
+        if used is not None:
+            levels = levels.index_select(0, used)
+        out[:, cols] = torch.mm(rq, levels).mul_(scale)
+    return out
+
+
+@dataclass
+class _State:
+    seed: int
+    sampler: str
+    eta: float
+    guidance: float
+    spread: float
+    sigmas: list[float]
+    bank: _Bank
+    log_w: torch.Tensor  # float64 [K]: 0 for the prompt's components, -inf elsewhere
+    x: torch.Tensor  # float32 [D]: the VP state x_t
+    x0_prev: torch.Tensor | None = None  # the previous x0 prediction (dpmpp_2m)
+    step: int = 0  # steps completed
+
+
+class Mixture(StepModel):
+    """Mixture: an exact diffusion sampler over built-in images (shapes, gradients, patterns, glyphs)."""
+
+    name = "mixture"
+    #: The CLI and the server preview frames with the plain RGB decoder.
+    preview_decoder = "rgb"
+    params = (
+        Param("prompt", "str", "", "words naming images, e.g. 'red circle', 'stripes'; "
+              "empty for all of them", max_len=200),
+        Param("seed", "int", 0, "random seed", minimum=0, maximum=2**63 - 1),
+        Param("steps", "int", 30, "sampling steps (frames)", minimum=1, maximum=10_000),
+        Param("size", "int", DEFAULT_SIZE, "image width and height in pixels", minimum=32, maximum=2048),
+        Param("sampler", "str", "ddim", "ddim, euler_a (Euler ancestral) or dpmpp_2m",
+              choices=samplers.SAMPLERS),
+        Param("eta", "float", None, "ancestral noise fraction (ddim: default 0, "
+              "euler_a: default 1; not for dpmpp_2m)", minimum=0.0, maximum=1.0),
+        Param("guidance", "float", 1.0, "pull toward the prompt's images vs all of them "
+              "(0: ignore the prompt, 1: exact, >1: sharper)", minimum=0.0, maximum=MAX_GUIDANCE),
+        Param("spread", "float", 0.05, "standard deviation of each image component",
+              minimum=0.0, maximum=1.0),
+    )
+
+    def __init__(
+        self, *, max_batch_size: int = 64, cache_sizes: int = 4, cache_bytes: int = 1 << 30
+    ) -> None:
+        """``cache_sizes`` and ``cache_bytes`` bound the rendered image sizes kept (LRU).
+
+        One size takes 12 bytes per image value up to 512 pixels (the images
+        in float32 and float64: 71 MB at 256, 283 MB at 512), 4 above it.
+        Raises ValueError for a bound below 1 (``cache_bytes``: below 0).
+        """
+        if max_batch_size < 1:
+            raise ValueError(f"max_batch_size must be >= 1, got {max_batch_size}")
+        self.max_batch_size = max_batch_size
+        self._banks = _BankCache(cache_sizes, cache_bytes)
+
+    def validate(self, params: Mapping[str, Any] | None) -> dict[str, Any]:
+        """Check params (see :data:`params`); raises ParamsError naming the field."""
+        out = super().validate(params)
+        images.select(out["prompt"])  # raises ParamsError(field="prompt")
+        if out["eta"] is not None and out["sampler"] == "dpmpp_2m":
+            raise ParamsError(
+                "mixture param 'eta' applies to ddim and euler_a, not dpmpp_2m", field="eta"
+            )
+        return out
+
+    def total_steps(self, params: Mapping[str, Any]) -> int:
+        return int(params["steps"])
+
+    def batch_key(self, params: Mapping[str, Any]) -> Hashable | None:
+        # Prompts, seeds, samplers, step counts and step indices are all per
+        # request inside one call; only the image size must match to stack.
+        return ("mixture", int(params["size"]))
+
+    def load(self, device: torch.device) -> None:
+        self._banks.get(DEFAULT_SIZE, device)
+
+    def start(self, params: Mapping[str, Any], device: torch.device) -> _State:
+        """Draw the initial noise for one request; raises ParamsError for bad params."""
+        chosen = images.select(params["prompt"])
+        bank = self._banks.get(int(params["size"]), device)
+        log_w = torch.full((len(images.COMPONENTS),), -math.inf, dtype=torch.float64)
+        log_w[list(chosen)] = 0.0
+        sampler = params["sampler"]
+        eta = params["eta"]
+        seed = int(params["seed"])
+        x = _noise(seed, 0, bank.dims)  # the VP state at sigma_max is (almost) N(0, I)
+        return _State(
+            seed=seed,
+            sampler=sampler,
+            eta=samplers.default_eta(sampler) if eta is None else float(eta),
+            guidance=float(params["guidance"]),
+            spread=float(params["spread"]),
+            sigmas=samplers.karras_sigmas(int(params["steps"]), samplers.sigma_max(bank.dims)),
+            bank=bank,
+            log_w=log_w.to(device),
+            x=x.to(device),
+        )
+
+    def step(self, states: Sequence[_State]) -> list[torch.Tensor]:
+        """Advance every state one step; return each one's x0 prediction [3, S, S]."""
+        if not states:
+            return []
+        bank = states[0].bank
+        for s in states:
+            if s.bank is not bank:
+                raise ValueError("Mixture.step: states of different sizes cannot share a step")
+            if s.step >= len(s.sigmas) - 1:
+                raise ValueError(f"Mixture.step: request already finished its {s.step} steps")
+        group = max(1, CHUNK_VALUES // bank.dims)
+        results: list[tuple[torch.Tensor, torch.Tensor, torch.Tensor]] = []
+        for lo in range(0, len(states), group):
+            results.extend(self._advance(states[lo:lo + group], bank))
+        # Commit only once every group has computed: a raising step leaves
+        # every state as it was.
+        frames = []
+        side = bank.size
+        for s, (x_next, x0, frame) in zip(states, results):
+            s.x = x_next
+            s.x0_prev = x0
+            s.step += 1
+            frames.append(frame.view(3, side, side))
+        return frames
+
+    def _advance(
+        self, states: Sequence[_State], bank: _Bank
+    ) -> list[tuple[torch.Tensor, torch.Tensor, torch.Tensor]]:
+        """Compute (x_next, x0, frame) per state without touching the states."""
+        device = bank.mu.device
+        scale_dot = 2.0 ** -(bank.x_bits + _LEVEL_BITS)
+        scale_norm = 2.0 ** -(2 * _LEVEL_BITS)
+        rows = []
+        for s in states:
+            post = samplers.posterior(s.sigmas[s.step], s.spread)
+            upd = samplers.update(s.sampler, s.sigmas, s.step, s.eta)
+            rows.append((post.dot * scale_dot, post.norm * scale_norm, s.guidance,
+                         post.c_x, post.c_mu, upd.cx, upd.c0, upd.cp, upd.cn))
+        c64 = torch.tensor(rows, dtype=torch.float64).to(device)
+        c32 = c64[:, 3:].to(torch.float32)
+        dot, norm, guide = c64[:, 0:1], c64[:, 1:2], c64[:, 2:3]
+        c_x, c_mu, cx, c0, cp, cn = (c32[:, i:i + 1] for i in range(6))
+
+        # In-place ops below work on this step's own temporaries only; a
+        # state's tensors are never written (a raising step changes nothing).
+        x = torch.stack([s.x for s in states])  # [B, D] float32
+        # <x, mu_k>, exactly: x on a 2^-q grid, images on a 2^-7 grid, float64 integer sums.
+        lim = 2.0 ** X_RANGE_BITS
+        xq = x.clamp(-lim, lim).mul_(2.0 ** bank.x_bits).round_().to(torch.float64)
+        dots = _dots(xq, bank)  # [B, K]
+        del xq
+        logits = dots.mul_(dot).sub_(bank.norms * norm)
+        log_w = torch.stack([s.log_w for s in states])
+        # Softmax subtracts each row's max: the log-sum-exp form, stable for any logits.
+        weights = torch.softmax(torch.cat([logits, logits + log_w]), dim=-1)
+        r_all, r_prompt = weights[: len(states)], weights[len(states):]
+        # Guidance mixes the two posteriors' means; the mean is linear in r.
+        rq = (r_all + guide * (r_prompt - r_all)).mul_(2.0 ** R_BITS).round_()
+        # E[x0 | x_t] (guided) = c_mu * mu_bar + c_x * x.
+        x0 = _mixture_mean(rq, bank, shortcuts=device.type == "cpu").mul_(c_mu).add_(x * c_x)
+        frames = x0.clamp(-1.0, 1.0)  # a fresh tensor each step, never written again
+
+        # x_next = cx * x + c0 * x0 + cp * x0_prev + cn * z. A term whose
+        # coefficient is 0 in every row is left out. Including it in a row
+        # could only turn a -0.0 into +0.0, and cx * x + c0 * x0 is never
+        # -0.0: c0 >= 0, and x0 is never -0.0 because mu_bar is not (the
+        # images hold no -0.0, and a zero sum with a positive weight is +0.0).
+        x_next = x.mul_(cx).add_(x0 * c0)
+        if any(row[7] != 0.0 for row in rows):
+            prev = torch.stack([x0[i] if s.x0_prev is None else s.x0_prev for i, s in enumerate(states)])
+            x_next.add_(prev.mul_(cp))
+            del prev
+        if any(row[8] != 0.0 for row in rows):
+            z = torch.zeros(len(states), bank.dims, dtype=torch.float32)
+            for i, s in enumerate(states):
+                if rows[i][8] != 0.0:
+                    z[i] = _noise(s.seed, s.step + 1, bank.dims)
+            x_next.add_(z.to(device).mul_(cn))
+            del z
+        return list(zip(x_next.unbind(0), x0.unbind(0), frames.unbind(0)))
+
+    def close(self, state: _State) -> None:
+        # Drop the tensors now rather than whenever the engine lets go of the state.
+        state.x = state.x0_prev = None  # type: ignore[assignment]
+
+    def cached_sizes(self) -> list[int]:
+        """Sizes whose images are rendered and cached, least recently used first."""
+        return [size for size, _ in self._banks.entries()]

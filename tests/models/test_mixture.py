@@ -1,0 +1,545 @@
+"""Mixture: the exact posterior, convergence of its samplers, and bitwise batching.
+
+The mathematics is checked against an independent float64 reference (plain
+squared distances and a log-sum-exp), and the batching guarantee with
+``torch.equal`` over many batch compositions, positions, join times, thread
+counts and the code paths that the exactness argument says must agree.
+"""
+
+from __future__ import annotations
+
+import math
+import random
+from collections.abc import Mapping
+from typing import Any
+
+import pytest
+import torch
+
+import omni_stream as om
+from omni_stream.errors import ParamsError
+from omni_stream.models import images, mixture, samplers
+from omni_stream.models.mixture import Mixture
+
+CPU = torch.device("cpu")
+K = len(images.COMPONENTS)
+
+
+@pytest.fixture(scope="module", autouse=True)
+def _one_torch_thread():
+    # Small tensors: on a shared 2-core box two OpenMP threads mostly wait on each other.
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(before)
+
+
+@pytest.fixture(scope="module")
+def model() -> Mixture:
+    return Mixture()
+
+
+def run(model: Mixture, **raw: Any) -> list[torch.Tensor]:
+    """Every frame of one request run alone."""
+    params = model.validate(raw)
+    state = model.start(params, CPU)
+    frames = [model.step([state])[0].clone() for _ in range(model.total_steps(params))]
+    model.close(state)
+    return frames
+
+
+def rms(a: torch.Tensor, b: torch.Tensor) -> float:
+    return float((a.double() - b.double()).pow(2).mean().sqrt())
+
+
+def mus(size: int) -> torch.Tensor:
+    return images.render_all(size).reshape(K, -1).double()
+
+
+def index(name: str) -> int:
+    return next(i for i, c in enumerate(images.COMPONENTS) if c.name == name)
+
+
+# ---- params -----------------------------------------------------------------
+
+
+def test_defaults_and_declared_params(model: Mixture) -> None:
+    params = model.validate(None)
+    assert params == {
+        "prompt": "", "seed": 0, "steps": 30, "size": 256, "sampler": "ddim",
+        "eta": None, "guidance": 1.0, "spread": 0.05,
+    }
+    assert model.total_steps(params) == 30
+    assert Mixture.preview_decoder == "rgb"
+    assert model.name == "mixture"
+    assert "exact diffusion sampler" in model.describe()
+
+
+@pytest.mark.parametrize(
+    "raw, field",
+    [
+        ({"size": 31}, "size"),
+        ({"size": 2049}, "size"),
+        ({"size": 64.5}, "size"),
+        ({"steps": 0}, "steps"),
+        ({"steps": 10_001}, "steps"),
+        ({"sampler": "plms"}, "sampler"),
+        ({"prompt": "red bicycle"}, "prompt"),
+        ({"prompt": "the"}, "prompt"),
+        ({"prompt": 5}, "prompt"),
+        ({"guidance": 20.5}, "guidance"),
+        ({"guidance": -1}, "guidance"),
+        ({"spread": 1.5}, "spread"),
+        ({"eta": 2.0}, "eta"),
+        ({"sampler": "dpmpp_2m", "eta": 0.5}, "eta"),
+        ({"seed": -1}, "seed"),
+        ({"colour": "red"}, "colour"),
+    ],
+)
+def test_bad_params_name_the_field(model: Mixture, raw: dict, field: str) -> None:
+    with pytest.raises(ParamsError) as info:
+        model.validate(raw)
+    assert info.value.field == field
+
+
+def test_unknown_prompt_word_lists_the_known_words(model: Mixture) -> None:
+    with pytest.raises(ParamsError) as info:
+        model.validate({"prompt": "purple elephant"})
+    message = str(info.value)
+    assert "'elephant'" in message
+    assert all(word in message for word in ("circle", "square", "stripes", "gradient"))
+
+
+def test_batch_key_only_separates_sizes(model: Mixture) -> None:
+    a = model.validate({"size": 64, "prompt": "red", "sampler": "euler_a", "steps": 5})
+    b = model.validate({"size": 64, "prompt": "stripes", "sampler": "dpmpp_2m", "steps": 50})
+    c = model.validate({"size": 96})
+    assert model.batch_key(a) == model.batch_key(b) != model.batch_key(c)
+
+
+# ---- frames -----------------------------------------------------------------
+
+
+def test_frames_are_rgb_images_in_range(model: Mixture) -> None:
+    frames = run(model, size=40, steps=4, seed=3)
+    assert len(frames) == 4
+    for f in frames:
+        assert f.shape == (3, 40, 40) and f.dtype == torch.float32
+        assert f.min() >= -1.0 and f.max() <= 1.0
+
+
+def test_returned_frames_are_never_written_again(model: Mixture) -> None:
+    # The engine copies a frame while later steps compute (model.py's rule).
+    params = model.validate({"size": 32, "steps": 6, "seed": 1, "sampler": "euler_a"})
+    state = model.start(params, CPU)
+    kept = [(f, f.clone()) for f in (model.step([state])[0] for _ in range(6))]
+    for f, copy in kept:
+        assert torch.equal(f, copy)
+
+
+def test_step_rejects_finished_and_mixed_size_states(model: Mixture) -> None:
+    small = model.start(model.validate({"size": 32, "steps": 1}), CPU)
+    other = model.start(model.validate({"size": 48, "steps": 1}), CPU)
+    with pytest.raises(ValueError, match="different sizes"):
+        model.step([small, other])
+    model.step([small])
+    with pytest.raises(ValueError, match="finished"):
+        model.step([small])
+
+
+# ---- the posterior ----------------------------------------------------------
+
+
+def reference_x0(
+    x: torch.Tensor, sigma: float, spread: float, log_w: torch.Tensor, guidance: float, size: int
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """E[x0 | x] in float64 from plain squared distances; also the weights r."""
+    m = mus(size)
+    a = 1 / math.sqrt(1 + sigma**2)
+    s = sigma * a
+    v = a * a * spread * spread + s * s
+    log_lik = -((x.double() - a * m) ** 2).sum(1) / (2 * v)
+    r_all = torch.softmax(log_lik, 0)
+    r_prompt = torch.softmax(log_lik + log_w, 0)
+    r = r_all + guidance * (r_prompt - r_all)
+    per_component = m + (a * spread * spread / v) * (x.double() - a * m)
+    return (r[:, None] * per_component).sum(0), r
+
+
+def predict(model: Mixture, x: torch.Tensor, sigma: float, **raw: Any) -> torch.Tensor:
+    """The model's x0 prediction for state ``x`` at noise level ``sigma``."""
+    state = model.start(model.validate(raw), CPU)
+    state.x = x.float()
+    state.sigmas = [sigma, 0.0]
+    model.step([state])
+    assert state.x0_prev is not None
+    return state.x0_prev
+
+
+@pytest.mark.parametrize(
+    "sigma, spread, prompt, guidance",
+    [
+        (1.5, 0.05, "", 1.0),
+        (3.0, 0.2, "", 1.0),
+        (6.0, 0.0, "red circle", 1.0),
+        (2.0, 0.1, "stripes", 3.0),
+        (2.0, 0.1, "stripes", 0.0),
+    ],
+)
+def test_x0_prediction_is_the_exact_posterior_mean(
+    model: Mixture, sigma: float, spread: float, prompt: str, guidance: float
+) -> None:
+    size = 32
+    m = mus(size)
+    a = 1 / math.sqrt(1 + sigma**2)
+    gen = torch.Generator().manual_seed(7)
+    # Halfway between two images plus a little noise: a genuinely mixed posterior.
+    i, j = index("sunset gradient"), index("rainbow stripes")
+    x = a * (m[i] + m[j]) / 2 + 0.02 * sigma * a * torch.randn(m.shape[1], generator=gen, dtype=torch.float64)
+    log_w = torch.full((K,), -math.inf, dtype=torch.float64)
+    log_w[list(images.select(prompt))] = 0.0
+    expected, r = reference_x0(x.float(), sigma, spread, log_w, guidance, size)
+    got = predict(model, x, sigma, size=size, spread=spread, prompt=prompt, guidance=guidance)
+    assert (got.double() - expected).abs().max() < 2e-5
+    if prompt == "":
+        entropy = float(-(r * r.clamp_min(1e-300).log()).sum())
+        assert entropy > 0.1, "the case should exercise a mixed posterior"
+
+
+def test_x0_prediction_far_from_every_image(model: Mixture) -> None:
+    # Pure noise at the top of the schedule: weights spread over all images,
+    # logits in the thousands; the log-sum-exp keeps it finite and exact.
+    size = 32
+    sigma = samplers.sigma_max(3 * size * size)
+    x = torch.randn(3 * size * size, generator=torch.Generator().manual_seed(0))
+    log_w = torch.zeros(K, dtype=torch.float64)
+    expected, r = reference_x0(x, sigma, 0.05, log_w, 1.0, size)
+    got = predict(model, x, sigma, size=size)
+    assert torch.isfinite(got).all()
+    assert (got.double() - expected).abs().max() < 2e-5
+    assert int((r > 1e-3).sum()) > 5
+
+
+def test_dot_products_are_exact_integers(model: Mixture) -> None:
+    bank = model._banks.get(32, CPU)
+    x = 3 * torch.randn(5, bank.dims, generator=torch.Generator().manual_seed(1))
+    lim = 2.0**mixture.X_RANGE_BITS
+    xq = x.clamp(-lim, lim).mul_(2.0**bank.x_bits).round_().to(torch.float64)
+    exact = xq.long() @ (bank.mu * images.LEVELS).long().T  # int64: exact by construction
+    assert torch.equal(mixture._dots(xq, bank), exact.double())
+
+
+# ---- sampling ---------------------------------------------------------------
+
+
+def test_one_component_converges_to_its_mean(model: Mixture) -> None:
+    star = mus(32)[index("yellow star")]
+    for spread in (0.05, 0.2):
+        frames = run(model, size=32, steps=30, seed=2, prompt="star", spread=spread)
+        # The sample is mu + spread * noise (clamped to [-1, 1]).
+        assert 0.5 * spread < rms(frames[-1].flatten(), star) < 1.2 * spread
+    exact = run(model, size=32, steps=5, seed=2, prompt="star", spread=0.0)
+    for f in exact:
+        assert torch.equal(f.flatten().double(), star)
+
+
+def test_several_components_end_near_one_of_them(model: Mixture) -> None:
+    m = mus(32)
+    picked = set()
+    for seed in range(6):
+        final = run(model, size=32, steps=20, seed=seed)[-1].flatten().double()
+        dist = ((m - final) ** 2).mean(1).sqrt()
+        near, second = dist.sort().values[:2].tolist()
+        assert near < 0.06 and second > 0.3
+        picked.add(int(dist.argmin()))
+    assert len(picked) >= 3  # different seeds, different images
+
+
+def test_prompt_restricts_the_samples(model: Mixture) -> None:
+    m = mus(32)
+    allowed = set(images.select("stripes"))
+    for seed in range(4):
+        final = run(model, size=32, steps=15, seed=seed, prompt="stripes")[-1].flatten().double()
+        assert int(((m - final) ** 2).mean(1).argmin()) in allowed
+
+
+@pytest.mark.parametrize("sampler", ["ddim", "euler_a", "dpmpp_2m"])
+def test_x0_prediction_error_falls_over_the_steps(model: Mixture, sampler: str) -> None:
+    frames = run(model, size=32, steps=24, seed=4, sampler=sampler)
+    errors = [rms(f, frames[-1]) for f in frames]
+    checkpoints = [errors[i] for i in (0, 6, 12, 18, 23)]
+    assert checkpoints == sorted(checkpoints, reverse=True)
+    assert checkpoints[0] > 0.2 and checkpoints[-1] == 0.0
+
+
+@pytest.mark.parametrize("seed", [0, 1])
+def test_more_ddim_steps_get_closer_to_the_exact_answer(model: Mixture, seed: int) -> None:
+    # The ODE's solution, to within ~1e-4: DDIM with many steps from the same noise.
+    exact = run(model, size=32, steps=1000, seed=seed)[-1]
+    errors = {n: rms(run(model, size=32, steps=n, seed=seed)[-1], exact) for n in (10, 20, 40, 80)}
+    assert errors[10] > errors[20] > errors[40] > errors[80]
+    # First order: doubling the steps about halves the error.
+    for n in (10, 20, 40):
+        assert 1.6 < errors[n] / errors[2 * n] < 2.5
+    # DPM-Solver++(2M) is second order: closer than DDIM at the same count.
+    assert rms(run(model, size=32, steps=40, seed=seed, sampler="dpmpp_2m")[-1], exact) < errors[40] / 2
+
+
+def test_euler_ancestral_is_random_per_seed_and_repeatable(model: Mixture) -> None:
+    a = run(model, size=32, steps=10, seed=5, sampler="euler_a")
+    b = run(model, size=32, steps=10, seed=5, sampler="euler_a")
+    c = run(model, size=32, steps=10, seed=6, sampler="euler_a")
+    assert all(torch.equal(x, y) for x, y in zip(a, b))
+    assert not torch.equal(a[-1], c[-1])
+    # The same seed's initial noise, then fresh noise each step: not the DDIM path.
+    assert not torch.equal(a[-1], run(model, size=32, steps=10, seed=5)[-1])
+
+
+def test_ddim_eta_one_is_euler_ancestral(model: Mixture) -> None:
+    # The same update (see samplers.update); the noise is the same per (seed, step).
+    a = run(model, size=32, steps=6, seed=9, sampler="euler_a")
+    b = run(model, size=32, steps=6, seed=9, sampler="ddim", eta=1.0)
+    assert all(torch.equal(x, y) for x, y in zip(a, b))
+
+
+def test_one_step_predicts_a_blend(model: Mixture) -> None:
+    # At sigma_max the posterior is still spread over many images: its mean
+    # is a blend, nearer the average image than any one image.
+    m = mus(32)
+    for seed in range(3):
+        frame = run(model, size=32, steps=1, seed=seed)[0].flatten().double()
+        nearest = float(((m - frame) ** 2).mean(1).sqrt().min())
+        assert rms(frame, m.mean(0)) < nearest - 0.05
+
+
+def test_guidance_zero_ignores_the_prompt(model: Mixture) -> None:
+    a = run(model, size=32, steps=8, seed=3, prompt="heart", guidance=0.0)
+    b = run(model, size=32, steps=8, seed=3, prompt="", guidance=0.0)
+    assert all(torch.equal(x, y) for x, y in zip(a, b))
+
+
+# ---- bitwise batching -------------------------------------------------------
+
+REQUESTS: list[dict[str, Any]] = [
+    {"size": 32, "steps": 7, "seed": 1},
+    {"size": 32, "steps": 5, "seed": 2, "sampler": "euler_a"},
+    {"size": 32, "steps": 9, "seed": 3, "sampler": "dpmpp_2m", "prompt": "red"},
+    {"size": 32, "steps": 6, "seed": 1, "prompt": "stripes", "guidance": 4.0},
+    {"size": 32, "steps": 8, "seed": 4, "sampler": "ddim", "eta": 0.5, "spread": 0.3},
+    {"size": 32, "steps": 3, "seed": 5, "prompt": "circle", "guidance": 0.0, "spread": 0.0},
+    {"size": 32, "steps": 7, "seed": 1},  # a twin of the first, in the same batch
+    {"size": 32, "steps": 12, "seed": 8, "sampler": "euler_a", "eta": 0.3, "prompt": "blue gradient"},
+]
+
+
+@pytest.fixture(scope="module")
+def solo_frames(model: Mixture) -> list[list[torch.Tensor]]:
+    return [run(model, **raw) for raw in REQUESTS]
+
+
+def run_scheduled(model: Mixture, requests: list[Mapping[str, Any]], rng: random.Random) -> list[list[torch.Tensor]]:
+    """Run requests that join at random times, stepping random subsets in random orders."""
+    pending = list(range(len(requests)))
+    rng.shuffle(pending)
+    live: dict[int, Any] = {}
+    frames: list[list[torch.Tensor]] = [[] for _ in requests]
+    while pending or live:
+        for _ in range(rng.randint(0, 2)):
+            if pending:
+                i = pending.pop()
+                live[i] = model.start(model.validate(requests[i]), CPU)
+        if not live:
+            continue
+        batch = rng.sample(sorted(live), rng.randint(1, len(live)))
+        for i, frame in zip(batch, model.step([live[i] for i in batch])):
+            frames[i].append(frame.clone())
+            if len(frames[i]) == model.total_steps(model.validate(requests[i])):
+                model.close(live.pop(i))
+    return frames
+
+
+def assert_same(got: list[list[torch.Tensor]], want: list[list[torch.Tensor]]) -> None:
+    for i, (g, w) in enumerate(zip(got, want)):
+        assert len(g) == len(w), i
+        for step, (a, b) in enumerate(zip(g, w)):
+            assert torch.equal(a, b), f"request {i} ({REQUESTS[i]}) step {step + 1} differs"
+            # torch.equal ignores the sign of zero; the claim is bit-identical.
+            assert torch.equal(a.view(torch.int32), b.view(torch.int32)), f"request {i} step {step + 1}"
+
+
+def test_zeros_are_never_negative(model: Mixture) -> None:
+    # The batching argument (see _advance) needs x0 never to be -0.0; with
+    # spread 0 the frames are the images exactly, zeros included.
+    for sampler in ("ddim", "euler_a"):
+        frames = run(model, size=32, steps=6, seed=3, spread=0.0, prompt="hexagon", sampler=sampler)
+        zeros = torch.cat([f[f == 0] for f in frames])
+        assert zeros.numel() > 0
+        assert not torch.signbit(zeros).any()
+
+
+@pytest.mark.parametrize("schedule", range(6))
+def test_batched_frames_are_bit_identical_to_solo(model: Mixture, solo_frames, schedule: int) -> None:
+    assert_same(run_scheduled(model, REQUESTS, random.Random(schedule)), solo_frames)
+
+
+def test_all_at_once_in_either_order_is_bit_identical(model: Mixture, solo_frames) -> None:
+    for order in (list(range(len(REQUESTS))), list(reversed(range(len(REQUESTS))))):
+        states = {i: model.start(model.validate(REQUESTS[i]), CPU) for i in order}
+        frames: list[list[torch.Tensor]] = [[] for _ in REQUESTS]
+        while states:
+            batch = [i for i in order if i in states]
+            for i, f in zip(batch, model.step([states[i] for i in batch])):
+                frames[i].append(f.clone())
+                if len(frames[i]) == REQUESTS[i]["steps"]:
+                    del states[i]
+        assert_same(frames, solo_frames)
+
+
+def test_thread_count_does_not_change_a_bit(model: Mixture, solo_frames) -> None:
+    before = torch.get_num_threads()
+    torch.set_num_threads(2)
+    try:
+        assert_same(run_scheduled(model, REQUESTS, random.Random(99)), solo_frames)
+    finally:
+        torch.set_num_threads(before)
+
+
+def test_grouping_large_batches_does_not_change_a_bit(model: Mixture, solo_frames, monkeypatch) -> None:
+    # Two requests per group, so every batch is split.
+    monkeypatch.setattr(mixture, "CHUNK_VALUES", 2 * 3 * 32 * 32)
+    assert_same(run_scheduled(model, REQUESTS, random.Random(5)), solo_frames)
+
+
+def test_sliced_levels_do_not_change_a_bit(solo_frames, monkeypatch) -> None:
+    # Large sizes keep no float64 copy and sum slice by slice; force that path
+    # at 32 pixels, with slices that do not divide the image.
+    monkeypatch.setattr(mixture, "LEVELS64_MAX_DIMS", 0)
+    monkeypatch.setattr(mixture, "_SLICE_DIMS", 1000)
+    sliced = Mixture()
+    assert sliced._banks.get(32, CPU).levels is None
+    assert_same(run_scheduled(sliced, REQUESTS, random.Random(6)), solo_frames)
+
+
+def test_mixture_mean_shortcuts_agree_with_the_plain_product(model: Mixture) -> None:
+    bank = model._banks.get(32, CPU)
+    gen = torch.Generator().manual_seed(3)
+    full = 2.0**mixture.R_BITS
+    rows = [
+        torch.softmax(torch.randn(K, generator=gen, dtype=torch.float64) * 4, 0) * full,  # mixed
+        torch.nn.functional.one_hot(torch.tensor(5), K).double() * full,  # decided
+        torch.nn.functional.one_hot(torch.tensor(9), K).double() * full,
+        torch.nn.functional.one_hot(torch.tensor(9), K).double() * (full * 3),  # one, guided
+        (torch.nn.functional.one_hot(torch.tensor(2), K) * 4 - torch.nn.functional.one_hot(torch.tensor(7), K) * 3).double() * full,
+    ]
+    rq = torch.stack(rows).round()
+    plain = mixture._mixture_mean(rq, bank, shortcuts=False)
+    for subset in ([0, 1, 2, 3, 4], [1, 2], [1], [0], [3, 4], [4, 1, 0]):
+        got = mixture._mixture_mean(rq[subset], bank, shortcuts=True)
+        assert torch.equal(got.view(torch.int32), plain[subset].view(torch.int32)), subset
+
+
+def test_a_raising_step_leaves_every_state_unchanged(model: Mixture, solo_frames, monkeypatch) -> None:
+    states = [model.start(model.validate(raw), CPU) for raw in REQUESTS[:3]]
+    for _ in range(2):
+        model.step(states)
+    before = [(s.x.clone(), s.step, None if s.x0_prev is None else s.x0_prev.clone()) for s in states]
+
+    def broken(seed: int, step: int, dims: int) -> torch.Tensor:
+        raise RuntimeError("noise failed")
+
+    monkeypatch.setattr(mixture, "_noise", broken)  # request 1 is euler_a: it needs noise
+    with pytest.raises(RuntimeError, match="noise failed"):
+        model.step(states)
+    for s, (x, n, prev) in zip(states, before):
+        assert torch.equal(s.x, x) and s.step == n
+        assert prev is not None and torch.equal(s.x0_prev, prev)
+    monkeypatch.undo()
+    # Retried (one at a time, as the engine does), each carries on exactly.
+    for i, s in enumerate(states):
+        for step in range(2, REQUESTS[i]["steps"]):
+            assert torch.equal(model.step([s])[0], solo_frames[i][step])
+
+
+# ---- caching and lifecycle --------------------------------------------------
+
+
+def test_image_cache_is_a_bounded_lru() -> None:
+    small = Mixture(cache_sizes=2)
+    for size in (32, 40, 48, 40):
+        small.start(small.validate({"size": size, "steps": 1}), CPU)
+    assert small.cached_sizes() == [48, 40]
+    tight = Mixture(cache_bytes=0)  # the newest size always stays
+    for size in (32, 40):
+        tight.start(tight.validate({"size": size, "steps": 1}), CPU)
+    assert tight.cached_sizes() == [40]
+    with pytest.raises(ValueError):
+        Mixture(cache_sizes=0)
+    with pytest.raises(ValueError):
+        Mixture(max_batch_size=0)
+
+
+def test_a_bank_is_shared_and_survives_eviction() -> None:
+    small = Mixture(cache_sizes=1)
+    a = small.start(small.validate({"size": 32, "steps": 2}), CPU)
+    b = small.start(small.validate({"size": 32, "steps": 2}), CPU)
+    assert a.bank is b.bank
+    small.start(small.validate({"size": 40, "steps": 1}), CPU)  # evicts 32
+    assert len(small.step([a, b])) == 2  # running requests keep their images
+
+
+def test_load_prerenders_the_default_size() -> None:
+    fresh = Mixture()
+    fresh.load(CPU)
+    assert fresh.cached_sizes() == [256]
+
+
+def test_close_drops_the_state_tensors(model: Mixture) -> None:
+    state = model.start(model.validate({"size": 32, "steps": 2}), CPU)
+    model.step([state])
+    model.close(state)
+    assert state.x is None and state.x0_prev is None
+
+
+# ---- through the engine -----------------------------------------------------
+
+
+@pytest.mark.asyncio
+async def test_engine_streams_the_models_frames(solo_frames) -> None:
+    async with om.Engine(Mixture(), device="cpu", max_batch_size=4) as engine:
+        async def collect(raw: Mapping[str, Any]) -> list[torch.Tensor]:
+            return [frame.data async for frame in engine.stream(dict(raw))]
+
+        import asyncio
+
+        got = await asyncio.gather(*(collect(raw) for raw in REQUESTS))
+        final = await engine.generate(dict(REQUESTS[2]))
+        assert engine.statistics().batch_sizes.keys() - {1}, "the requests should have shared steps"
+    assert_same(got, solo_frames)
+    assert final.final and torch.equal(final.data, solo_frames[2][-1])
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+def test_cuda_matches_cpu_and_batches_bitwise() -> None:
+    model = Mixture()
+    cuda = torch.device("cuda")
+
+    def on_cuda(raws: list[dict[str, Any]]) -> list[list[torch.Tensor]]:
+        states = [model.start(model.validate(r), cuda) for r in raws]
+        out: list[list[torch.Tensor]] = [[] for _ in raws]
+        live = list(range(len(raws)))
+        while live:
+            for i, f in zip(live, model.step([states[i] for i in live])):
+                assert f.device.type == "cuda"
+                out[i].append(f.cpu())
+            live = [i for i in live if len(out[i]) < raws[i]["steps"]]
+        return out
+
+    raws = [dict(r, size=64) for r in REQUESTS]
+    batched = on_cuda(raws)
+    for i, raw in enumerate(raws):
+        solo = on_cuda([raw])[0]
+        assert all(torch.equal(a, b) for a, b in zip(solo, batched[i])), raw
+    # Same mathematics as the CPU; exp and float32 rounding may differ slightly.
+    cpu = run(model, **raws[0])
+    assert rms(cpu[-1], batched[0][-1]) < 1e-3
