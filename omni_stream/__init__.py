@@ -8,7 +8,7 @@
 
 from __future__ import annotations
 
-from . import device, models, preview
+from . import client, device, models, preview
 from .config import timeout
 from .engine import Engine, EngineStatistics, FrameStream, Health
 from .errors import (
@@ -32,6 +32,7 @@ __version__ = "0.1.0"
 __all__ = [
     "__version__",
     "models",
+    "client",
     "device",
     "preview",
     "Engine",
