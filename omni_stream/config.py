@@ -24,6 +24,8 @@ __all__ = [
     "STEP_TIMEOUT_ENV",
     "DEFAULT_STEP_TIMEOUT_S",
     "timeout",
+    "TORCH_THREADS_ENV",
+    "torch_threads",
     "env_float",
     "env_int",
     "env_str",
@@ -33,6 +35,7 @@ logger = logging.getLogger("omni_stream.config")
 
 STEP_TIMEOUT_ENV = "OMNI_STREAM_STEP_TIMEOUT"
 DEFAULT_STEP_TIMEOUT_S = 600.0
+TORCH_THREADS_ENV = "OMNI_STREAM_TORCH_THREADS"
 
 _warned: set[tuple[str, str]] = set()
 _warned_lock = threading.Lock()
@@ -104,3 +107,16 @@ def timeout() -> float:
     value logs one warning naming the variable and the default applies.
     """
     return env_float(STEP_TIMEOUT_ENV, DEFAULT_STEP_TIMEOUT_S)
+
+
+def torch_threads() -> int:
+    """Torch intra-op threads for the producer thread on CPU devices; default 1.
+
+    Read from ``OMNI_STREAM_TORCH_THREADS`` when an engine starts. Why 1: a
+    second OpenMP team on the producer thread, beside the one the main
+    thread got when the user built the model, makes every parallel region
+    pay a futex wake-up on a small machine (measured ~3x slower on 2 cores;
+    docs/performance.md, "Threads"). Raise it on machines with many cores
+    and large batched CPU steps.
+    """
+    return env_int(TORCH_THREADS_ENV, 1)

@@ -8,11 +8,24 @@
     │   ├── StepFailedError          the model raised; __cause__ is its exception
     │   ├── StepTimeoutError         a step's output did not arrive within the bound
     │   └── RequestCancelledError    engine.cancel(), a disconnect, or shutdown of that request
-    └── EngineError                  the engine itself cannot serve
-        ├── EngineDeadError          its own machinery died; every request fails
-        ├── EngineStalledError       one step has run longer than timeout()
-        └── EngineClosedError        the engine was shut down (or never started)
+    ├── EngineError                  the engine itself cannot serve
+    │   ├── EngineDeadError          its own machinery died; every request fails
+    │   ├── EngineStalledError       one step has run longer than timeout()
+    │   └── EngineClosedError        the engine was shut down (or never started)
+    └── ClientError                  om.client: the server or the connection ended a call
+        │                            (.code, the server's error code, and .field, where known)
+        ├── ConnectError             the websocket could not be opened: refused, unreachable,
+        │                            timed out, or the handshake refused (.status: 401, 403, 503)
+        ├── ConnectionClosedError    the websocket closed under a request, or the client is
+        │                            used after closing (.close_code, .close_reason)
+        ├── ProtocolError            the server sent something docs/protocol.md does not allow
+        ├── RequestRejectedError     an ``error`` rejecting generate / attach: nothing started
+        │   └── ParamsRejectedError  also ParamsError: bad_params, invalid_field, limit_exceeded
+        ├── RequestFailedError       also RequestError: an ``error`` ending an accepted request
+        └── RemoteCancelledError     also RequestCancelledError: ``cancelled`` (.reason)
 
+The client's errors are also the engine's where the meaning is the same,
+so code written against ``engine.stream()`` reads the same remotely.
 The caller's own cancellation (``asyncio.CancelledError`` and anyio's
 cancel scopes) is never wrapped in, or swallowed by, any of these.
 Every error raised while serving a request carries its ``request_id``.
@@ -31,6 +44,14 @@ __all__ = [
     "EngineDeadError",
     "EngineStalledError",
     "EngineClosedError",
+    "ClientError",
+    "ConnectError",
+    "ConnectionClosedError",
+    "ProtocolError",
+    "RequestRejectedError",
+    "ParamsRejectedError",
+    "RequestFailedError",
+    "RemoteCancelledError",
 ]
 
 
@@ -107,3 +128,73 @@ class EngineStalledError(EngineError):
 
 class EngineClosedError(EngineError):
     """The engine was shut down, or was used outside ``async with``."""
+
+
+class ClientError(OmniStreamError):
+    """The server or the connection ended a client call.
+
+    ``code`` is the server's ``error`` code (or the handshake's, for
+    ConnectError) where there is one; ``field`` names the field at fault.
+    """
+
+    def __init__(
+        self,
+        message: str,
+        *,
+        code: str | None = None,
+        field: str | None = None,
+        request_id: str | None = None,
+    ) -> None:
+        # Explicit, not super(): subclasses also derive from ParamsError or
+        # RequestError, whose own __init__ signatures differ.
+        OmniStreamError.__init__(self, message, request_id=request_id)
+        self.code = code
+        self.field = field
+
+
+class ConnectError(ClientError):
+    """The websocket could not be opened; ``status`` is the HTTP status of a refused handshake."""
+
+    def __init__(self, message: str, *, code: str | None = None, status: int | None = None) -> None:
+        super().__init__(message, code=code)
+        self.status = status
+
+
+class ConnectionClosedError(ClientError):
+    """The websocket closed while a request was in flight, or the client was used after closing."""
+
+    def __init__(
+        self,
+        message: str,
+        *,
+        close_code: int | None = None,
+        close_reason: str = "",
+        request_id: str | None = None,
+    ) -> None:
+        super().__init__(message, request_id=request_id)
+        self.close_code = close_code
+        self.close_reason = close_reason
+
+
+class ProtocolError(ClientError):
+    """The server sent a message or frame that docs/protocol.md does not allow."""
+
+
+class RequestRejectedError(ClientError):
+    """The server rejected a ``generate`` or ``attach``; nothing was started."""
+
+
+class ParamsRejectedError(RequestRejectedError, ParamsError):
+    """The server rejected the request's params or fields; ``field`` names the one at fault."""
+
+
+class RequestFailedError(ClientError, RequestError):
+    """The server ended an accepted request with an ``error`` (step_failed, step_timeout, ...)."""
+
+
+class RemoteCancelledError(ClientError, RequestCancelledError):
+    """The request was cancelled; ``reason`` is client, disconnect, shutdown or engine."""
+
+    def __init__(self, message: str, *, reason: str, request_id: str | None = None) -> None:
+        super().__init__(message, code="cancelled", request_id=request_id)
+        self.reason = reason

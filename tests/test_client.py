@@ -33,7 +33,9 @@ from omni_stream.client import (
     RequestFailedError,
     RequestRejectedError,
     parse_preview_frame,
+    wire,
 )
+from omni_stream.client.stream import Inbox
 from omni_stream.server import Server
 from omni_stream.server import protocol as server_protocol
 
@@ -69,9 +71,9 @@ _DROP = object()
 
 def test_wire_constants_match_the_server() -> None:
     # The client restates them so it need not import the server package.
-    assert omc.ID_PATTERN.pattern == server_protocol.ID_PATTERN.pattern
-    assert omc.REQUEST_ENDING_CODES == server_protocol.REQUEST_ENDING_CODES
-    assert omc.REJECTION_CODES == server_protocol.REJECTION_CODES
+    assert wire.ID_PATTERN.pattern == server_protocol.ID_PATTERN.pattern
+    assert wire.REQUEST_ENDING_CODES == server_protocol.REQUEST_ENDING_CODES
+    assert wire.REJECTION_CODES == server_protocol.REJECTION_CODES
     from omni_stream.preview import FORMATS
 
     assert dict(omc.FORMATS) == dict(FORMATS)
@@ -163,25 +165,25 @@ def test_image_rejects_bytes_that_do_not_decode_as_the_header_says() -> None:
 )
 def test_text_parser_rejects_malformed_messages(text: str, message: str) -> None:
     with pytest.raises(ProtocolError, match=message):
-        omc._parse_text(text)
+        wire.parse_message(text)
 
 
 def test_text_parser_ignores_unknown_types() -> None:
-    assert omc._parse_text('{"type": "hello", "id": "a"}') is None
+    assert wire.parse_message('{"type": "hello", "id": "a"}') is None
 
 
 # ---- the per-request inbox (no I/O) -----------------------------------------------
 
 
-def _accepted(rid: str = RID) -> omc._Accepted:
-    return omc._Accepted(rid, 5, False, False, {"format": "png"})
+def _accepted(rid: str = RID) -> wire.Accepted:
+    return wire.Accepted(rid, 5, False, False, {"format": "png"})
 
 
 def _preview(step: int, *, final: bool = False) -> PreviewFrame:
     return PreviewFrame(RID, step, 5, final, "raw", 1, 1, b"\x00\x00\x00")
 
 
-async def _drain(inbox: omc._Inbox) -> list[Any]:
+async def _drain(inbox: Inbox) -> list[Any]:
     items: list[Any] = []
     with anyio.fail_after(5):
         while True:
@@ -193,14 +195,14 @@ async def _drain(inbox: omc._Inbox) -> list[Any]:
 
 @pytest.mark.asyncio
 async def test_inbox_keeps_finals_and_drops_oldest_intermediates_when_behind() -> None:
-    inbox = omc._Inbox(RID, want_progress=True, max_buffered=3)
+    inbox = Inbox(RID, want_progress=True, max_buffered=3)
     inbox.feed(_accepted())
     for step in range(1, 5):
         inbox.feed(Progress(RID, step, 5, 1.0))
         inbox.feed(_preview(step))
     inbox.feed(Progress(RID, 5, 5, 0.0))
     inbox.feed(_preview(5, final=True))
-    inbox.feed(omc._Done(RID, 5, 0.5))
+    inbox.feed(wire.Done(RID, 5, 0.5))
     items = await _drain(inbox)
     # Ten items arrived unread; the seven oldest intermediates made room.
     assert items == [_preview(4), Progress(RID, 5, 5, 0.0), _preview(5, final=True)]
@@ -209,11 +211,11 @@ async def test_inbox_keeps_finals_and_drops_oldest_intermediates_when_behind() -
 
 @pytest.mark.asyncio
 async def test_inbox_without_progress_only_records_the_latest() -> None:
-    inbox = omc._Inbox(RID, want_progress=False, max_buffered=64)
+    inbox = Inbox(RID, want_progress=False, max_buffered=64)
     inbox.feed(_accepted())
     inbox.feed(Progress(RID, 5, 5, 0.0))
     inbox.feed(_preview(5, final=True))
-    inbox.feed(omc._Done(RID, 5, 0.5))
+    inbox.feed(wire.Done(RID, 5, 0.5))
     assert await _drain(inbox) == [_preview(5, final=True)]
     assert inbox.last_progress == Progress(RID, 5, 5, 0.0)
 
@@ -224,17 +226,17 @@ async def test_inbox_without_progress_only_records_the_latest() -> None:
     [
         ([_preview(1)], ProtocolError, "before 'accepted'"),
         ([_accepted(), _accepted()], ProtocolError, "second 'accepted'"),
-        ([_accepted(), _preview(4), omc._Done(RID, 5, 1.0)], ProtocolError, "without a final"),
-        ([omc._Error("bad_params", "steps must be >= 1", RID, "steps")], ParamsRejectedError,
+        ([_accepted(), _preview(4), wire.Done(RID, 5, 1.0)], ProtocolError, "without a final"),
+        ([wire.ErrorMessage("bad_params", "steps must be >= 1", RID, "steps")], ParamsRejectedError,
          "steps"),
-        ([omc._Error("duplicate_id", "in use", RID, None)], RequestRejectedError, "in use"),
-        ([_accepted(), omc._Error("step_failed", "boom", RID, None)], RequestFailedError, "boom"),
-        ([_accepted(), omc._Error("brand_new_code", "?", RID, None)], RequestFailedError, r"\?"),
-        ([_accepted(), omc._Cancelled(RID, "shutdown")], RemoteCancelledError, "shutdown"),
+        ([wire.ErrorMessage("duplicate_id", "in use", RID, None)], RequestRejectedError, "in use"),
+        ([_accepted(), wire.ErrorMessage("step_failed", "boom", RID, None)], RequestFailedError, "boom"),
+        ([_accepted(), wire.ErrorMessage("brand_new_code", "?", RID, None)], RequestFailedError, r"\?"),
+        ([_accepted(), wire.Cancelled(RID, "shutdown")], RemoteCancelledError, "shutdown"),
     ],
 )
 async def test_inbox_outcomes(events: list[Any], error: type[Exception], match: str) -> None:
-    inbox = omc._Inbox(RID, want_progress=False, max_buffered=8)
+    inbox = Inbox(RID, want_progress=False, max_buffered=8)
     for event in events:
         inbox.feed(event)
     with pytest.raises(error, match=match) as info:
@@ -248,11 +250,11 @@ async def test_inbox_outcomes(events: list[Any], error: type[Exception], match: 
 async def test_inbox_ignores_a_rejection_about_a_running_request() -> None:
     # A cancel racing the request's end is answered not_found: that rejects
     # the cancel message, not the request, whose 'done' follows.
-    inbox = omc._Inbox(RID, want_progress=False, max_buffered=8)
+    inbox = Inbox(RID, want_progress=False, max_buffered=8)
     inbox.feed(_accepted())
-    inbox.feed(omc._Error("not_found", "no such request", RID, None))
+    inbox.feed(wire.ErrorMessage("not_found", "no such request", RID, None))
     inbox.feed(_preview(5, final=True))
-    inbox.feed(omc._Done(RID, 5, 0.1))
+    inbox.feed(wire.Done(RID, 5, 0.1))
     assert await _drain(inbox) == [_preview(5, final=True)]
 
 

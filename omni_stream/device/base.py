@@ -16,11 +16,12 @@ any thread (the copier waits on them through ``anyio.to_thread``).
 from __future__ import annotations
 
 import abc
+import time
 from typing import Protocol
 
 import torch
 
-__all__ = ["CopyEvent", "CompletedEvent", "Device"]
+__all__ = ["CopyEvent", "CompletedEvent", "Device", "wait_event"]
 
 
 class CopyEvent(Protocol):
@@ -33,6 +34,31 @@ class CopyEvent(Protocol):
     def synchronize(self) -> None:
         """Block the calling thread until the copy has landed."""
         ...
+
+
+def wait_event(event: CopyEvent, timeout: float) -> bool:
+    """Wait up to ``timeout`` seconds for ``event``; True once it completed.
+
+    Bounded, unlike ``synchronize()``: the copier's worker thread returns to
+    the loop regularly, so a wedged device can neither pin a thread past
+    shutdown nor keep the interpreter from exiting. Events with a timed
+    ``wait`` (the simulator's) use it; others (CUDA) are polled with a short
+    back-off, which releases the GIL while it sleeps.
+    """
+    timed_wait = getattr(event, "wait", None)
+    if timed_wait is not None:
+        return bool(timed_wait(timeout))
+    if event.query():
+        return True
+    deadline = time.monotonic() + timeout
+    pause = 20e-6
+    while not event.query():
+        now = time.monotonic()
+        if now >= deadline:
+            return False
+        time.sleep(min(pause, deadline - now))
+        pause = min(pause * 2, 1e-3)
+    return True
 
 
 class CompletedEvent:

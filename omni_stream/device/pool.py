@@ -141,6 +141,21 @@ class PinnedBufferPool:
             lease.buffer = None  # type: ignore[assignment]
             self._cond.notify()
 
+    def forget(self, lease: BufferLease) -> None:
+        """Drop ``lease`` without reusing its buffer (its copy may never complete).
+
+        The buffer stays referenced by the lease (so a late copy writes into
+        memory that is still allocated) and leaves the pool for good; the
+        pool may allocate a replacement.
+        """
+        with self._cond:
+            if lease._released:
+                return
+            lease._released = True
+            self._leases.pop(id(lease), None)
+            self._total -= 1
+            self._cond.notify()
+
     def statistics(self) -> PoolStatistics:
         with self._cond:
             leases = list(self._leases.values())

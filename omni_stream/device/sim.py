@@ -38,6 +38,9 @@ class SimEvent:
     def synchronize(self) -> None:
         self._done.wait()
 
+    def wait(self, timeout: float) -> bool:
+        return self._done.wait(timeout)
+
     def _complete(self) -> None:
         self._done.set()
 

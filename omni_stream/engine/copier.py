@@ -34,6 +34,7 @@ import anyio
 import torch
 
 from ..device import Device, PinnedBufferPool
+from ..device.base import wait_event
 from ..device.pool import BufferLease
 from .request import Request
 
@@ -41,6 +42,8 @@ __all__ = ["CopyTicket", "Copier"]
 
 # Above this many bytes per batch, cloning on the loop would stall it.
 _INLINE_MAX_BYTES = 1 << 20
+# Longest one worker-thread wait for copy events before it returns to the loop.
+_WAIT_SLICE_S = 0.25
 
 
 @dataclass(slots=True, eq=False)
@@ -78,6 +81,9 @@ class Copier:
         self._wakeup = anyio.Event()
         self._limiter = anyio.CapacityLimiter(1)
         self._loop: asyncio.AbstractEventLoop | None = None
+        #: issue time of the oldest copy being waited on, None when not waiting
+        #: (read by health: a copy that never completes means a hung device).
+        self.waiting_since: float | None = None
 
     # -- producer thread ---------------------------------------------------
 
@@ -93,6 +99,11 @@ class Copier:
     ) -> CopyTicket:
         """Issue the copy of one step's output; returns at once on async devices."""
         src = out.detach()
+        target = self._device.torch_device
+        if src.is_cuda and target.type == "cuda" and src.device != target:
+            # The copy must run on our device's copy stream for our event to
+            # cover it; a D2H copy is issued on the *source* device's stream.
+            src = src.to(target)
         if self._frame_dtype is not None and src.dtype != self._frame_dtype:
             # Cast on the device, before the copy: a dtype-changing .to("cpu")
             # silently goes through pageable memory.
@@ -141,11 +152,18 @@ class Copier:
                 if self._ready_inline(batch):
                     self._complete(batch)
                 else:
-                    # abandon_on_cancel: at shutdown a wedged device must not
-                    # hold the loop; the worker still releases every lease.
-                    await anyio.to_thread.run_sync(
-                        self._complete, batch, limiter=self._limiter, abandon_on_cancel=True
-                    )
+                    self.waiting_since = min(t.issued_at for t in batch)
+                    try:
+                        # Bounded waits, repeated: a worker never blocks for
+                        # long, so shutdown (and interpreter exit) never waits
+                        # on a wedged device. abandon_on_cancel: nor does the loop.
+                        while not await anyio.to_thread.run_sync(
+                            self._wait_and_complete, batch, limiter=self._limiter,
+                            abandon_on_cancel=True,
+                        ):
+                            pass
+                    finally:
+                        self.waiting_since = None
                 deliver(batch)
 
     @staticmethod
@@ -160,8 +178,19 @@ class Copier:
             nbytes += lease.buffer.numel() * lease.buffer.element_size()
         return nbytes <= _INLINE_MAX_BYTES
 
+    def _wait_and_complete(self, batch: list[CopyTicket]) -> bool:
+        """Worker thread: wait a bounded time for the batch's copies; complete it once all landed."""
+        for t in batch:
+            lease = t.lease
+            if lease is not None and lease.event is not None:
+                if not wait_event(lease.event, _WAIT_SLICE_S):
+                    return False
+        self._complete(batch)
+        return True
+
     def _complete(self, batch: list[CopyTicket]) -> None:
-        # Runs inline on the loop or on the copier's worker thread.
+        # Runs inline on the loop or on the copier's worker thread. A failure
+        # here belongs to one ticket (one request), never to the copier.
         for t in batch:
             lease = t.lease
             if lease is None:
@@ -170,18 +199,59 @@ class Copier:
                 if lease.event is not None:
                     lease.event.synchronize()
                 # finalized (not status): a request the producer just marked
-                    # failed still gets the frames computed before the failure.
-                    if not t.request.finalized:
-                        t.data = lease.buffer.clone()
+                # failed still gets the frames computed before the failure.
+                if not t.request.finalized:
+                    t.data = _owned_copy(lease.buffer)
                 t.copy_s = time.monotonic() - t.issued_at
+            except Exception as exc:
+                t.error = exc
             finally:
                 t.lease = None
                 t.src = None
-                self._pool.release(lease)
+                if lease.in_flight:
+                    # synchronize() raised: the copy may still write into
+                    # this buffer, so it must never be handed out again.
+                    self._pool.forget(lease)
+                else:
+                    self._pool.release(lease)
 
-    def drain(self) -> None:
-        """Finish every queued ticket without delivering (shutdown): leases go back."""
-        batch = list(self._inbox)
+    def drain(self) -> int:
+        """Release the leases of queued tickets whose copies completed; never blocks.
+
+        For shutdown. Returns how many tickets still had a copy in flight:
+        their buffers are abandoned (a late copy may still write into them).
+        """
+        stuck = 0
+        for t in self._inbox:
+            lease = t.lease
+            if lease is None:
+                continue
+            t.lease = None
+            t.src = None
+            if lease.in_flight:
+                stuck += 1
+                self._pool.forget(lease)
+            else:
+                self._pool.release(lease)
         self._inbox.clear()
-        if batch:
-            self._complete(batch)
+        return stuck
+
+
+# torch's grain size: below it a copy never starts an OpenMP parallel region.
+_PARALLEL_GRAIN = 32768
+
+
+def _owned_copy(buffer: torch.Tensor) -> torch.Tensor:
+    """A fresh CPU tensor with ``buffer``'s bytes.
+
+    Large frames go through a plain numpy memcpy, not ``torch.clone``: on a
+    CPU build a large torch copy runs as an OpenMP parallel region, and a
+    second thread running parallel torch ops gets its own OpenMP team, which
+    fights the producer's compute for the cores (docs/performance.md). Small
+    frames use ``clone`` (no parallel region; six fewer GIL hand-offs).
+    """
+    if buffer.numel() < _PARALLEL_GRAIN:
+        return buffer.clone()
+    flat = buffer.reshape(-1)
+    raw = flat.view(torch.uint8).numpy().copy()
+    return torch.from_numpy(raw).view(buffer.dtype).reshape(buffer.shape)

@@ -96,7 +96,10 @@ class Delivery:
             frame = self.get_nowait()
             if frame is not None:
                 return frame
-            self._wakeup = anyio.Event()
+            # Shared, not replaced: a second concurrent reader must not
+            # strand the first one's wake-up.
+            if self._wakeup is None:
+                self._wakeup = anyio.Event()
             await self._wakeup.wait()
 
     def _wake(self) -> None:

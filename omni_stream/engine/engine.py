@@ -19,6 +19,7 @@ under its lock.
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import logging
 import math
 import threading
@@ -31,7 +32,7 @@ from typing import Any
 import anyio
 import torch
 
-from ..config import STEP_TIMEOUT_ENV, timeout as default_timeout
+from ..config import STEP_TIMEOUT_ENV, timeout as default_timeout, torch_threads as default_torch_threads
 from ..device import Device, PinnedBufferPool, resolve_device
 from ..errors import (
     EngineClosedError,
@@ -40,6 +41,7 @@ from ..errors import (
     OmniStreamError,
     ParamsError,
     RequestCancelledError,
+    StepFailedError,
     StepTimeoutError,
 )
 from ..frame import Frame, StepTimings
@@ -74,7 +76,9 @@ class Engine:
     ``queue_size`` (frames a "all" reader may lag behind before its request
     pauses); ``max_buffers`` (host buffer pool cap); ``frame_dtype`` (cast on
     the device before copying); ``shutdown_timeout`` (seconds ``aclose``
-    waits for a step stuck on the device). Bad options raise ParamsError.
+    waits for a step stuck on the device); ``torch_threads`` (torch threads
+    of the producer on CPU devices; default ``OMNI_STREAM_TORCH_THREADS`` or
+    1). Bad options raise ParamsError.
     Enter and leave the engine from the same task.
     """
 
@@ -89,6 +93,7 @@ class Engine:
         max_buffers: int | None = None,
         frame_dtype: torch.dtype | None = None,
         shutdown_timeout: float = 10.0,
+        torch_threads: int | None = None,
     ) -> None:
         if not isinstance(model, StepModel):
             raise ParamsError(
@@ -104,6 +109,11 @@ class Engine:
         if max_buffers is None:
             max_buffers = max(16, 2 * limits.max_batch_size * limits.max_run_ahead)
         _positive_int("max_buffers", max_buffers)
+        # A batch holds one lease per output until it is posted: a batch
+        # larger than the pool would wait on itself forever.
+        limits = dataclasses.replace(
+            limits, max_batch_size=min(limits.max_batch_size, max_buffers)
+        )
         if frame_dtype is not None and not isinstance(frame_dtype, torch.dtype):
             raise ParamsError(f"frame_dtype must be a torch.dtype, got {frame_dtype!r}", field="frame_dtype")
         if not isinstance(shutdown_timeout, (int, float)) or not shutdown_timeout > 0:
@@ -111,13 +121,18 @@ class Engine:
                 f"shutdown_timeout must be a positive number, got {shutdown_timeout!r}",
                 field="shutdown_timeout",
             )
+        if torch_threads is None:
+            torch_threads = default_torch_threads()
+        _positive_int("torch_threads", torch_threads)
         self.model = model
         self.device = resolve_device(device)
         self._shutdown_timeout = float(shutdown_timeout)
         self._table = RequestTable(limits)
         self._pool = PinnedBufferPool(self.device.host_buffer, max_buffers=max_buffers)
         self._copier = Copier(self.device, self._pool, frame_dtype=frame_dtype)
-        self._producer = Producer(model, self.device, self._copier, self._table)
+        self._producer = Producer(
+            model, self.device, self._copier, self._table, torch_threads=torch_threads
+        )
         self._by_id: dict[str, Request] = {}
         self._counts = {s: 0 for s in Status if s.ended}
         self._frames_delivered = 0
@@ -173,30 +188,43 @@ class Engine:
             self._state = "closed"
             return
         self._state = "closing"
-        for r in list(self._by_id.values()):
-            self._end(r, Status.CANCELLED, EngineClosedError("the engine was shut down", request_id=r.id))
-        self._stop_producer()
-        with anyio.move_on_after(self._shutdown_timeout) as scope:
-            await self._producer_done.wait()
-        if scope.cancelled_caught:
-            logger.warning(
-                "shutdown: the producer thread is still inside a step after %.1f s "
-                "(requests %s); abandoning it",
-                self._shutdown_timeout,
-                ", ".join(self._producer.busy_with) or "-",
-            )
-        assert self._tg is not None
-        self._tg.cancel_scope.cancel()
-        await self._tg.__aexit__(None, None, None)
-        if self._producer_done.is_set():
-            # No copy can still be issued: finish the queued ones so every
-            # lease goes back. With the producer wedged, its device is too.
-            try:
-                self._copier.drain()
-            except Exception:
-                logger.exception("shutdown: finishing the queued copies failed")
-            self.device.close()
-        self._state = "closed"
+        try:
+            # Shielded: aclose often runs *because* an outer scope was
+            # cancelled, and leaving early would skip the task group's exit.
+            # Every wait inside is bounded (shutdown_timeout).
+            with anyio.CancelScope(shield=True):
+                for r in list(self._by_id.values()):
+                    self._end(
+                        r, Status.CANCELLED, EngineClosedError("the engine was shut down", request_id=r.id)
+                    )
+                self._stop_producer()
+                with anyio.move_on_after(self._shutdown_timeout) as scope:
+                    await self._producer_done.wait()
+                if scope.cancelled_caught:
+                    logger.warning(
+                        "shutdown: the producer thread is still inside model code after %.1f s "
+                        "(%s); abandoning it",
+                        self._shutdown_timeout,
+                        ", ".join(self._producer.busy_with) or "-",
+                    )
+            # Outside the shield: a task group must be exited from its own
+            # scope level. Its exit waits for its (cancelled) children even
+            # when an outer cancellation is pending, then re-raises it.
+            assert self._tg is not None
+            self._tg.cancel_scope.cancel()
+            await self._tg.__aexit__(None, None, None)
+        finally:
+            if self._producer_done.is_set():
+                # No copy can be issued any more: give back every lease whose
+                # copy completed. One still in flight means a wedged device.
+                stuck = self._copier.drain()
+                if stuck:
+                    logger.warning(
+                        "shutdown: %d device-to-host copies never completed; their buffers "
+                        "are abandoned", stuck,
+                    )
+                self.device.close()
+            self._state = "closed"
 
     def _stop_producer(self) -> None:
         with self._table.cond:
@@ -221,8 +249,13 @@ class Engine:
         )
         self._thread.start()
         await self._producer_done.wait()
-        if self._producer_error is not None and self._state == "running":
-            raise self._producer_error
+        error = self._producer_error
+        if error is not None and self._state == "running":
+            if not isinstance(error, Exception):
+                # SystemExit and friends from the thread must not cancel the
+                # task that owns the engine: the engine dies, visibly.
+                raise RuntimeError(f"the producer thread exited with {error!r}") from error
+            raise error
 
     def _producer_main(self) -> None:
         error: BaseException | None = None
@@ -317,6 +350,12 @@ class Engine:
             raise
         except (ValueError, TypeError, KeyError) as exc:
             raise ParamsError(f"{self.model.name}: {exc}", request_id=request_id) from exc
+        if isinstance(total, bool) or not isinstance(total, int) or total < 1:
+            raise ParamsError(
+                f"{self.model.name}.total_steps returned {total!r}; it must be a positive int",
+                field="steps",
+                request_id=request_id,
+            )
         with self._table.cond:
             self._table.arrivals += 1
             r = Request(
@@ -355,17 +394,21 @@ class Engine:
 
         Its reader gets RequestCancelledError. Safe to call from any thread.
         """
+        r = self._by_id.get(request_id)
+        if r is None or r.finalized:
+            return False
         if self._loop is not None and threading.get_ident() != self._loop_thread:
-            live = request_id in self._by_id
+            # Bound to this request object, not the name: a later request
+            # reusing the id must not be hit by this cancel.
             try:
-                self._loop.call_soon_threadsafe(self.cancel, request_id)
+                self._loop.call_soon_threadsafe(self._cancel_request, r)
             except RuntimeError:
                 return False
-            return live
-        r = self._by_id.get(request_id)
-        if r is None:
-            return False
-        return self._end(r, Status.CANCELLED, RequestCancelledError("cancelled", request_id=request_id))
+            return True
+        return self._cancel_request(r)
+
+    def _cancel_request(self, r: Request) -> bool:
+        return self._end(r, Status.CANCELLED, RequestCancelledError("cancelled", request_id=r.id))
 
     # -- health and statistics -----------------------------------------------------
 
@@ -387,9 +430,19 @@ class Engine:
             running = time.monotonic() - since
             if running > bound:
                 reason = (
-                    f"one step has been running for {running:.1f} s, longer than "
+                    f"model code has been running for {running:.1f} s, longer than "
                     f"{STEP_TIMEOUT_ENV}={bound:.1f} s; the device looks hung "
-                    f"(requests {', '.join(self._producer.busy_with)})"
+                    f"({', '.join(self._producer.busy_with)})"
+                )
+                return Health("stalled", reason, stats, name)
+        waiting = self._copier.waiting_since
+        if waiting is not None:
+            bound = default_timeout()
+            running = time.monotonic() - waiting
+            if running > bound:
+                reason = (
+                    f"a device-to-host copy issued {running:.1f} s ago has not completed "
+                    f"({STEP_TIMEOUT_ENV}={bound:.1f} s); the device looks hung"
                 )
                 return Health("stalled", reason, stats, name)
         return Health("ok", None, stats, name)
@@ -453,7 +506,15 @@ class Engine:
     def _dispatch(self, t: CopyTicket) -> None:
         r = t.request
         if t.error is not None:
-            self._end(r, Status.FAILED, t.error, drain=True)
+            err = t.error
+            if not isinstance(err, OmniStreamError):
+                err = StepFailedError(
+                    f"copying step {t.step}/{r.total} to the host failed: {err!r}",
+                    request_id=r.id,
+                    step=t.step,
+                )
+                err.__cause__ = t.error
+            self._end(r, Status.FAILED, err, drain=True)
             return
         with self._table.cond:
             r.delivered += 1

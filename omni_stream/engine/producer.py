@@ -11,20 +11,22 @@ request and nobody else's.
 Model errors fail only the requests they belong to: a batched ``step`` that
 raises is retried one state at a time (the model contract says a raising
 step leaves its states untouched), so one bad request in a batch cannot
-take its neighbours down. Anything else raised here is a bug in the
-machinery; it propagates, and the engine declares itself dead.
+take its neighbours down; a bad output, or one that cannot be copied, fails
+its own request. Anything else raised here is a bug in the machinery (or a
+device error); it propagates, and the engine declares itself dead.
 """
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import time
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from typing import Any
 
 import torch
 
-from ..device import Device
+from ..device import Device, PoolClosedError
 from ..errors import StepFailedError
 from ..model import StepModel
 from .copier import Copier, CopyTicket
@@ -40,8 +42,17 @@ logger = logging.getLogger("omni_stream.engine")
 class Producer:
     """Runs on its own thread; see the module docstring."""
 
-    def __init__(self, model: StepModel, device: Device, copier: Copier, table: RequestTable) -> None:
+    def __init__(
+        self,
+        model: StepModel,
+        device: Device,
+        copier: Copier,
+        table: RequestTable,
+        *,
+        torch_threads: int = 1,
+    ) -> None:
         self._model = model
+        self._torch_threads = torch_threads
         self._device = device
         self._copier = copier
         self._table = table
@@ -57,13 +68,38 @@ class Producer:
 
     def run(self) -> None:
         """The thread's body; returns when the table says stop."""
-        self._device.prepare_thread()
-        self._model.load(self._device.torch_device)
-        while True:
-            batch = self._next_batch()
-            if batch is None:
-                return
-            self._run_batch(batch)
+        try:
+            self._device.prepare_thread()
+            if self._device.kind in ("cpu", "sim"):
+                # The model's CPU compute runs here: one OpenMP team of the
+                # chosen size, never a second team fighting the main
+                # thread's for the cores (config.torch_threads says why).
+                torch.set_num_threads(self._torch_threads)
+            with self._busy(("model.load",)):
+                self._model.load(self._device.torch_device)
+            while True:
+                batch = self._next_batch()
+                if batch is None:
+                    return
+                self._run_batch(batch)
+        finally:
+            # Stopping or dying: every started state is closed here, on this
+            # thread, exactly once ("close" is part of the model contract).
+            with self._table.cond:
+                live = list(self._table.live.values())
+                self._table.live.clear()
+            for r in live:
+                self._close(r)
+
+    @contextlib.contextmanager
+    def _busy(self, what: tuple[str, ...]) -> Iterator[None]:
+        """Mark the thread as inside model code, for health's stall check."""
+        self.busy_with = what
+        self.busy_since = time.monotonic()
+        try:
+            yield
+        finally:
+            self.busy_since = None
 
     # -- choosing ------------------------------------------------------------
 
@@ -110,7 +146,8 @@ class Producer:
         if r.started and not r.closed:
             r.closed = True
             try:
-                self._model.close(r.state)
+                with self._busy((r.id,)):
+                    self._model.close(r.state)
             except Exception:
                 logger.exception("request %s: model.close() raised; ignored", r.id)
             r.state = None
@@ -120,48 +157,59 @@ class Producer:
     def _run_batch(self, batch: list[Request]) -> None:
         started_at = time.monotonic()
         tickets: list[CopyTicket] = []
-        ready: list[Request] = []
-        for r in batch:
-            if not r.started:
-                try:
-                    r.state = self._model.start(r.params, self._device.torch_device)
-                    r.started = True
-                except Exception as exc:
-                    tickets.append(self._failure(r, exc))
-                    continue
-            ready.append(r)
-        queued = {r.id: started_at - r.ready_at for r in ready}
-        if ready:
-            for r, out, exc, compute_s in self._step(ready):
+        try:
+            ready: list[Request] = []
+            for r in batch:
+                if not r.started:
+                    try:
+                        with self._busy((r.id,)):
+                            r.state = self._model.start(r.params, self._device.torch_device)
+                        r.started = True
+                    except Exception as exc:
+                        tickets.append(self._failure(r, exc))
+                        continue
+                ready.append(r)
+            queued = {r.id: started_at - r.ready_at for r in ready}
+            for r, out, exc, compute_s in self._step(ready) if ready else ():
+                n = r.issued + 1
+                if exc is None:
+                    try:
+                        ticket = self._copier.submit(
+                            r, n, out, queued_s=queued[r.id], compute_s=compute_s,
+                            batch_size=len(ready),
+                        )
+                    except PoolClosedError:
+                        raise  # shutting down
+                    except Exception as copy_exc:
+                        # This request's output cannot be copied (a sparse
+                        # tensor, an allocation failure): its failure, not ours.
+                        exc = copy_exc
                 if exc is not None:
                     tickets.append(self._failure(r, exc))
                     continue
-                n = r.issued + 1
-                tickets.append(
-                    self._copier.submit(
-                        r, n, out, queued_s=queued[r.id], compute_s=compute_s, batch_size=len(ready)
-                    )
-                )
+                tickets.append(ticket)
                 with self._table.cond:
                     r.issued = n
                     r.ready_at = time.monotonic()
-        if tickets:
-            self._copier.post(tickets)
+        finally:
+            # Issued copies must reach the copier whatever happens: it keeps
+            # their sources alive until their events complete, then frees
+            # their buffers.
+            if tickets:
+                self._copier.post(tickets)
 
     def _step(
         self, batch: list[Request]
     ) -> list[tuple[Request, Any, BaseException | None, float]]:
         t0 = time.monotonic()
-        self.busy_with = tuple(r.id for r in batch)
-        self.busy_since = t0
         try:
-            outs = self._model.step([r.state for r in batch])
-            self._check_outputs(outs, len(batch))
-            self._device.after_step()
+            with self._busy(tuple(r.id for r in batch)):
+                outs = self._model.step([r.state for r in batch])
         except Exception as exc:
-            self.busy_since = None
             if len(batch) == 1:
                 return [(batch[0], None, exc, 0.0)]
+            # The contract says a raising step left its states untouched, so
+            # each can be retried alone and only the one at fault fails.
             logger.warning(
                 "a batched step of %d requests raised %r; retrying each alone", len(batch), exc
             )
@@ -169,21 +217,25 @@ class Producer:
             for r in batch:
                 results.extend(self._step([r]))
             return results
-        finally:
-            self.busy_since = None
+        # A device error here is the machinery's, not a request's: propagate.
+        self._device.after_step()
         compute_s = time.monotonic() - t0
         self.steps += len(batch)
         self.batches += 1
         self.batch_sizes[len(batch)] = self.batch_sizes.get(len(batch), 0) + 1
-        return [(r, out, None, compute_s) for r, out in zip(batch, outs)]
+        # The states have advanced: a bad output fails its request, and
+        # nothing is ever stepped twice.
+        if not isinstance(outs, Sequence) or len(outs) != len(batch):
+            got = len(outs) if isinstance(outs, Sequence) else type(outs).__name__
+            err = TypeError(f"model.step returned {got} frames for {len(batch)} states")
+            return [(r, None, err, compute_s) for r in batch]
+        return [(r, out, self._check_output(out), compute_s) for r, out in zip(batch, outs)]
 
     @staticmethod
-    def _check_outputs(outs: Sequence[Any], n: int) -> None:
-        if len(outs) != n:
-            raise TypeError(f"model.step returned {len(outs)} frames for {n} states")
-        for out in outs:
-            if not isinstance(out, torch.Tensor):
-                raise TypeError(f"model.step must return tensors, got {type(out).__name__}")
+    def _check_output(out: Any) -> BaseException | None:
+        if isinstance(out, torch.Tensor):
+            return None
+        return TypeError(f"model.step must return tensors, got {type(out).__name__}")
 
     def _failure(self, r: Request, exc: BaseException) -> CopyTicket:
         n = r.issued + 1

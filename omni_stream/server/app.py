@@ -118,6 +118,7 @@ class Server:
         self._ws_server: _WSServer | None = None
         self._tg: anyio.abc.TaskGroup | None = None
         self._stack: AsyncExitStack | None = None
+        self._stopped_listening = False
         self._state = "new"  # new -> running -> closing -> closed
         self._shutdown_requested = anyio.Event()
         self._force_shutdown = anyio.Event()
@@ -276,6 +277,7 @@ class Server:
                 # (finish is idempotent; the consumer's own finish is ignored).
                 record.finish(protocol.cancelled(record.id, reason="shutdown"), now=time.monotonic())
             self._ws_server.server.close()  # stop listening
+            self._stopped_listening = True
             for conn in list(self._connections.values()):
                 conn.close_soon(protocol.CLOSE_GOING_AWAY, "server shutting down")
             with anyio.move_on_after(limits.close_timeout_s * 2):
@@ -330,6 +332,12 @@ class Server:
     # -- HTTP --------------------------------------------------------------------
 
     def _process_request(self, connection: ServerConnection, request: Request) -> Response | None:
+        if self._stopped_listening:
+            # A TCP connection accepted before we stopped listening (a browser
+            # preconnect) must not be answered after close: drop it, so the
+            # client sees the server gone, not a server still shutting down.
+            connection.transport.abort()
+            return routes.error_response(503, "shutting_down", "the server is shutting down")
         parts = urlsplit(request.path)
         path = parts.path
         if path == "/ws":

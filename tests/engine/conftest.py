@@ -37,3 +37,12 @@ async def settled(engine: om.Engine) -> om.EngineStatistics:
         what="buffers back in the pool",
     )
     return engine.statistics()
+
+
+async def wait_busy_with(engine: om.Engine, request_id: str) -> None:
+    """Wait until the producer is inside model code for ``request_id``."""
+    p = engine._producer
+    await wait_for(
+        lambda: p.busy_since is not None and request_id in p.busy_with,
+        what=f"a step of {request_id}",
+    )

@@ -11,7 +11,7 @@ import torch
 import omni_stream as om
 from omni_stream.models import Synthetic
 
-from .conftest import make_device, settled, wait_for
+from .conftest import make_device, settled, wait_busy_with, wait_for
 
 SMALL = {"shape": [4, 8, 8], "work": 0}
 
@@ -33,8 +33,8 @@ async def test_cancel_before_the_first_step(device_kind):
     model = Synthetic()
     async with om.Engine(model, device=make_device(device_kind)) as engine:
         # Occupy the producer so the second request cannot have started.
-        blocker = engine.stream(params(steps=2, hang_at=1, hang_s=0.2))
-        await wait_for(lambda: engine._producer.busy_since is not None, what="the blocker's step")
+        blocker = engine.stream(params(steps=2, hang_at=1, hang_s=0.2), request_id="blocker")
+        await wait_busy_with(engine, "blocker")
         stream = engine.stream(params(steps=5), request_id="early")
         assert engine.statistics().queued == 1
         assert engine.cancel("early") is True
@@ -53,7 +53,7 @@ async def test_cancel_during_a_step(device_kind):
         stream = engine.stream(params(steps=5, hang_at=2, hang_s=0.3), request_id="mid")
         first = await stream.__anext__()
         assert first.step == 1
-        await wait_for(lambda: engine._producer.busy_since is not None, what="step 2 to start")
+        await wait_busy_with(engine, "mid")
         assert engine.cancel("mid") is True
         with pytest.raises(om.RequestCancelledError):
             await stream.__anext__()

@@ -14,7 +14,7 @@ from omni_stream.config import STEP_TIMEOUT_ENV
 from omni_stream.engine.delivery import Delivery
 from omni_stream.models import Synthetic, SyntheticFault
 
-from .conftest import make_device, settled, wait_for
+from .conftest import make_device, settled, wait_busy_with, wait_for
 
 SMALL = {"shape": [4, 8, 8], "work": 0}
 
@@ -165,7 +165,8 @@ async def test_an_internal_failure_kills_the_engine_visibly(where, monkeypatch):
         if where == "copier":
             monkeypatch.setattr(engine._copier, "_complete", boom)
         else:
-            monkeypatch.setattr(engine._copier, "submit", boom)
+            # Handing tickets to the loop is machinery, not any request's output.
+            monkeypatch.setattr(engine._copier, "post", boom)
         for stream in pending:
             with pytest.raises(om.EngineDeadError) as info:
                 async for _ in stream:
@@ -196,7 +197,7 @@ async def test_shutdown_ends_pending_streams_within_a_bound(device_kind, caplog)
 
         tg.start_soon(reader, engine.stream(params(steps=5, hang_at=1, hang_s=3.0), request_id="stuck"))
         tg.start_soon(reader, engine.stream(params(steps=5), request_id="queued"))
-        await wait_for(lambda: engine._producer.busy_since is not None, what="the stuck step")
+        await wait_busy_with(engine, "stuck")
         t0 = time.monotonic()
         with caplog.at_level(logging.WARNING, logger="omni_stream"):
             await engine.aclose()

@@ -729,3 +729,25 @@ def test_bad_server_options_name_the_option() -> None:
     with pytest.raises(om.ParamsError) as info:
         Server("synthetic")  # type: ignore[arg-type]
     assert info.value.field == "engine_or_model"
+
+
+@pytest.mark.asyncio
+async def test_a_connection_accepted_before_close_is_not_answered_after_it():
+    # Browsers preconnect idle sockets; after aclose nothing may answer on them
+    # (a page then reported "shutting down" for a server that was gone).
+    import asyncio
+
+    async with Server(
+        Synthetic(), host="127.0.0.1", port=0, device="cpu", shutdown_timeout_s=0.5, close_timeout_s=1.0
+    ) as server:
+        reader, writer = await asyncio.open_connection("127.0.0.1", server.port)
+        await anyio.sleep(0.05)
+    writer.write(b"GET /health HTTP/1.1\r\nHost: x\r\n\r\n")
+    try:
+        await writer.drain()
+        with anyio.fail_after(5):
+            answer = await reader.read(100)
+    except ConnectionError:
+        answer = b""
+    writer.close()
+    assert answer == b""

@@ -1,0 +1,33 @@
+"""The omni_stream benchmark suite: every figure a ratio against a baseline run beside it.
+
+``python -m benchmarks [--quick] [--only NAME ...] [--json out.json] [--markdown]``
+runs it; ``docs/performance.md`` explains each figure. The figures, by name:
+
+``limit``      the engine against the same steps in a bare loop (main thread, worker thread)
+``threads``    where torch compute runs: OpenMP teams in the main and worker threads
+``naive``      the callback + thread + inline preview pattern users write today, against the engine
+``overlap``    per-step time on a simulated accelerator against max(compute, copy)
+``batching``   16 concurrent requests against the same 16 one at a time
+``loop_lag``   event-loop lag while 64 requests stream
+``fanout``     100 websocket clients through the server, against a ComfyUI-style publish loop
+``memory``     RSS after 1,000 requests against after 100, and a reader that never reads
+"""
+
+from __future__ import annotations
+
+# Nothing heavy is imported here: ``python -m benchmarks.fanout_client`` (the
+# load generator's process) must start without torch.
+
+__all__ = ["FIGURES"]
+
+#: Figure name -> the module whose ``async run(ctx) -> list[Figure]`` measures it.
+FIGURES: dict[str, str] = {
+    "limit": "benchmarks.limit",
+    "threads": "benchmarks.threads",
+    "naive": "benchmarks.naive",
+    "overlap": "benchmarks.overlap",
+    "batching": "benchmarks.batching",
+    "loop_lag": "benchmarks.loop_lag",
+    "fanout": "benchmarks.fanout",
+    "memory": "benchmarks.memory",
+}

@@ -1,0 +1,251 @@
+"""Figure 6, websocket fan-out: 100 clients on loopback through the server, against a ComfyUI-style peer.
+
+Each of 100 clients (in a separate process, see ``fanout_client.py``)
+connects, and then all at once each generates its own request with a JPEG
+preview of every step. Measured, for ``omni_stream.server.Server`` and for
+the peer (``naive_server.py``: one queue, one serial publish loop,
+permessage-deflate), side by side:
+
+* frames per second: previews received by all clients / wall time from the
+  generates to the last ``done``;
+* latency from a step's completion (stamped by the model on the producer
+  thread) to the client's receipt of that step's preview, p50 and p99;
+* server CPU per frame: the server process's CPU time (loop, producer,
+  preview thread) / previews received.
+
+Then with a 101st client watching a heavy request (1024 px frames sent
+raw, 3 MiB each, so that a stalled socket fills within a few frames):
+once reading everything, once reading two previews and then nothing (its
+request runs on). The ratio of the others' frame rate between the two is
+what the stuck reader costs everyone else: a slow reader must slow only
+itself.
+
+Generation and preview rendering are the same in both (the same Engine and
+Previewer), so the differences are the send path's.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import sys
+import time
+from collections.abc import Sequence
+from typing import Any
+
+import torch
+
+import omni_stream as om
+
+from .harness import Context, Figure, Target, interleave, median, percentile
+
+__all__ = ["StampedSynthetic", "run"]
+
+SHAPE = [3, 256, 256]
+PREVIEW = {"every": 1, "format": "jpeg", "max_size": 512}
+#: The 101st client's request: big raw frames, so its socket fills in a few steps.
+EXTRA_PARAMS = {"steps": 10_000, "shape": [3, 1024, 1024]}
+EXTRA_PREVIEW = {"every": 1, "format": "raw", "max_size": None}
+#: Our own bound: with one client stuck, the others keep this share of their frame rate.
+STUCK_TARGET = Target(">=", 0.8)
+
+
+class StampedSynthetic(om.models.Synthetic):
+    """Synthetic that records when each (seed, step) finished computing (``time.perf_counter``)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.stamps: dict[tuple[int, int], float] = {}
+
+    def step(self, states: Sequence[Any]) -> list[torch.Tensor]:
+        frames = super().step(states)
+        now = time.perf_counter()
+        for s in states:
+            self.stamps[(int(s.params["seed"]), s.step)] = now
+        return frames
+
+
+async def _clients(cfg: dict[str, Any]) -> dict[str, Any]:
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    proc = await asyncio.create_subprocess_exec(
+        sys.executable,
+        "-m",
+        "benchmarks.fanout_client",
+        cwd=root,
+        stdin=asyncio.subprocess.PIPE,
+        stdout=asyncio.subprocess.PIPE,
+        stderr=asyncio.subprocess.PIPE,
+    )
+    out, err = await proc.communicate(json.dumps(cfg).encode())
+    if proc.returncode != 0:
+        raise RuntimeError(f"the load generator failed:\n{err.decode()[-2000:]}")
+    return json.loads(out)
+
+
+def _summarise(
+    result: dict[str, Any], stamps: dict[tuple[int, int], float], cpu_s: float, deadline_s: float
+) -> dict[str, Any]:
+    normal = [c for c in result["clients"] if not c["extra"]]
+    frames = [f for c in normal for f in c["frames"]]
+    ends = [c["t_end"] for c in normal if c["outcome"] == "done"]
+    # Clients still waiting at the deadline had the whole deadline to get their frames.
+    wall = max(ends) - result["t_start"] if len(ends) == len(normal) else deadline_s
+    lat = [
+        (t - stamps[(c["client"], step)]) * 1e3
+        for c in normal
+        for step, t, _ in c["frames"]
+        if (c["client"], step) in stamps
+    ]
+    all_frames = sum(len(c["frames"]) for c in result["clients"])
+    return {
+        "frames": len(frames),
+        "fps": len(frames) / wall if wall > 0 else 0.0,
+        "wall_s": wall,
+        "finished": len(ends),
+        "clients": len(normal),
+        "p50_ms": percentile(lat, 50),
+        "p99_ms": percentile(lat, 99),
+        "max_ms": max(lat, default=float("nan")),
+        "server_cpu_ms_per_frame": cpu_s / max(1, all_frames) * 1e3,
+        "client_cpu_ms_per_frame": result["client_cpu_s"] / max(1, all_frames) * 1e3,
+        "bytes_per_frame": sum(f[2] for f in frames) / max(1, len(frames)),
+        "outcomes": sorted({c["outcome"] for c in result["clients"]}),
+    }
+
+
+async def _sample(
+    kind: str, extra: str | None, clients: int, steps: int, deadline_s: float
+) -> dict[str, Any]:
+    model = StampedSynthetic()
+    cfg = {
+        "clients": clients,
+        "extra": extra,
+        "extra_params": EXTRA_PARAMS,
+        "extra_preview": EXTRA_PREVIEW,
+        "params": {"steps": steps, "work": 0, "shape": SHAPE},
+        "preview": PREVIEW,
+        "deadline_s": deadline_s,
+    }
+    if kind == "ours":
+        from omni_stream.server import Server
+
+        async with Server(
+            model, host="127.0.0.1", port=0, device="cpu", max_connections=clients + 8
+        ) as server:
+            cpu0 = time.process_time()
+            result = await _clients(dict(cfg, url=server.url))
+            cpu = time.process_time() - cpu0
+    else:
+        from .naive_server import NaiveServer
+
+        async with om.Engine(model, device="cpu") as engine, NaiveServer(engine) as server:
+            cpu0 = time.process_time()
+            result = await _clients(dict(cfg, url=server.url))
+            cpu = time.process_time() - cpu0
+    return _summarise(result, model.stamps, cpu, deadline_s)
+
+
+async def run(ctx: Context) -> list[Figure]:
+    clients, steps = (5, 2) if ctx.quick else (100, 10)
+    reps = 1 if ctx.quick else max(1, min(ctx.reps, 2))
+    # A stalled peer never finishes: the deadline bounds that sample.
+    deadline = 10.0 if ctx.quick else 20.0
+    ctx.log(f"fanout: {clients} clients x {steps} steps of {SHAPE}, JPEG every step; deadline {deadline:g} s")
+
+    def sampler(kind: str, extra: str | None):
+        async def sample() -> dict[str, Any]:
+            s = await _sample(kind, extra, clients, steps, deadline)
+            ctx.log(
+                f"{kind}{' +' + extra if extra else ''}: {s['fps']:.0f} fps, p50 {s['p50_ms']:.1f} ms, "
+                f"p99 {s['p99_ms']:.1f} ms, {s['finished']}/{s['clients']} done, "
+                f"server {s['server_cpu_ms_per_frame']:.2f} ms CPU/frame"
+            )
+            return s
+
+        return sample
+
+    samples = await interleave(
+        {
+            "ours": sampler("ours", None),
+            "naive": sampler("naive", None),
+            "ours_reading": sampler("ours", "reading"),
+            "ours_stuck": sampler("ours", "stuck"),
+            "naive_reading": sampler("naive", "reading"),
+            "naive_stuck": sampler("naive", "stuck"),
+        },
+        reps,
+    )
+
+    def m(kind: str, key: str) -> float:
+        return median([s[key] for s in samples[kind]])
+
+    def raw(kind: str) -> dict[str, float]:
+        return {
+            "fps": m(kind, "fps"),
+            "p50_ms": m(kind, "p50_ms"),
+            "p99_ms": m(kind, "p99_ms"),
+            "cpu_ms_per_frame": m(kind, "server_cpu_ms_per_frame"),
+            "finished": m(kind, "finished"),
+        }
+
+    details = {
+        "clients": clients,
+        "steps": steps,
+        "shape": SHAPE,
+        "preview": PREVIEW,
+        "extra_params": EXTRA_PARAMS,
+        "extra_preview": EXTRA_PREVIEW,
+        "samples": samples,
+    }
+    limits_send = (
+        "the previews themselves (one preview thread renders every JPEG for both) and the 2 cores "
+        "the server, its producer and the clients' process share"
+    )
+    return [
+        Figure(
+            name="fanout.fps_vs_naive",
+            value=m("ours", "fps") / m("naive", "fps"),
+            target=None,
+            baseline=raw("naive"),
+            engine=raw("ours"),
+            limits=limits_send,
+            details=details,
+        ),
+        Figure(
+            name="fanout.p99_latency_naive_vs_ours",
+            value=m("naive", "p99_ms") / m("ours", "p99_ms"),
+            target=None,
+            baseline=raw("naive"),
+            engine=raw("ours"),
+            limits="naive: every message waits behind all queued ones; ours sends per connection, latest wins",
+            details=details,
+        ),
+        Figure(
+            name="fanout.cpu_per_frame_naive_vs_ours",
+            value=m("naive", "server_cpu_ms_per_frame") / m("ours", "server_cpu_ms_per_frame"),
+            target=None,
+            baseline=raw("naive"),
+            engine=raw("ours"),
+            limits="naive deflates every (already compressed) JPEG on the loop",
+            details=details,
+        ),
+        Figure(
+            name="fanout.stuck_client.fps_kept",
+            value=m("ours_stuck", "fps") / m("ours_reading", "fps"),
+            target=STUCK_TARGET,
+            baseline=raw("ours_reading"),
+            engine=raw("ours_stuck"),
+            limits="the same load with the 101st client reading; only the send path differs",
+            details=details,
+        ),
+        Figure(
+            name="fanout.stuck_client.naive_fps_kept",
+            value=m("naive_stuck", "fps") / m("naive_reading", "fps"),
+            target=None,
+            baseline=raw("naive_reading"),
+            engine=raw("naive_stuck"),
+            limits="the serial publish loop waits on the stuck socket; everyone's frames queue behind it",
+            details=details,
+        ),
+    ]

@@ -1,0 +1,316 @@
+"""One request's side of the client: its inbox (a pure state machine) and RequestStream.
+
+Who waits on whom: the connection's reader feeds an :class:`Inbox` and never
+waits on its consumer. Each inbox buffers what arrived for its request; when
+the consumer falls ``max_buffered`` items behind, the oldest intermediate
+progress and previews are dropped (latest wins, as on the server). The final
+preview and the outcome (``done``, ``cancelled``, ``error``) are never dropped.
+"""
+
+from __future__ import annotations
+
+import logging
+import weakref
+from collections import deque
+from types import TracebackType
+from typing import TYPE_CHECKING, Any, Generic, Literal, TypeVar
+
+import anyio
+
+from ..errors import ClientError, ProtocolError, RemoteCancelledError
+from .wire import (
+    REJECTION_CODES,
+    Accepted,
+    Cancelled,
+    Done,
+    ErrorMessage,
+    Event,
+    PreviewFrame,
+    Progress,
+    server_error,
+)
+
+if TYPE_CHECKING:
+    from .connection import Client
+
+__all__ = ["Inbox", "RequestStream"]
+
+logger = logging.getLogger("omni_stream.client")
+
+
+# ---- one request's inbox (pure state machine: the reader feeds, the consumer takes) ----
+
+
+class Inbox:
+    """What arrived for one request, waiting for its consumer; never blocks the feeder."""
+
+    def __init__(self, request_id: str, *, want_progress: bool, max_buffered: int) -> None:
+        self.id = request_id
+        self.want_progress = want_progress
+        self.max_buffered = max_buffered
+        self.items: deque[Progress | PreviewFrame] = deque()
+        self.accepted: Accepted | None = None
+        self.done: Done | None = None
+        self.last_progress: Progress | None = None
+        self.final_seen = False
+        self.dropped = 0
+        self.finished = False  # an outcome arrived (or the connection ended)
+        self.outcome: ClientError | None = None  # None with finished: done
+        self._raised = False
+        self._wakeup: anyio.Event | None = None
+
+    def feed(self, event: Event) -> None:
+        """Take one event routed to this request. Never raises, never waits."""
+        if self.finished:
+            logger.debug("request %s: ignoring %s after its outcome", self.id, type(event).__name__)
+            return
+        if isinstance(event, ErrorMessage):
+            self._feed_error(event)
+        elif isinstance(event, Accepted):
+            if self.accepted is not None:
+                self.fail(ProtocolError("second 'accepted' for one request", request_id=self.id))
+            else:
+                self.accepted = event
+        elif self.accepted is None:
+            # docs/protocol.md: accepted comes first. Anything else first means
+            # the server and this client disagree about the request's state.
+            self.fail(
+                ProtocolError(
+                    f"server sent {type(event).__name__} before 'accepted'", request_id=self.id
+                )
+            )
+        elif isinstance(event, Progress):
+            self.last_progress = event
+            if self.want_progress:
+                self._push(event)
+        elif isinstance(event, PreviewFrame):
+            self.final_seen = self.final_seen or event.final
+            self._push(event)
+        elif isinstance(event, Done):
+            if not self.final_seen:
+                self.fail(
+                    ProtocolError("server sent 'done' without a final preview", request_id=self.id)
+                )
+                return
+            self.done = event
+            self._finish(None)
+        elif isinstance(event, Cancelled):
+            self._finish(
+                RemoteCancelledError(
+                    f"request cancelled ({event.reason})", reason=event.reason, request_id=self.id
+                )
+            )
+
+    def _feed_error(self, event: ErrorMessage) -> None:
+        accepted = self.accepted is not None
+        if accepted and event.code in REJECTION_CODES:
+            # A rejection naming a running request rejects some later message
+            # about it (a cancel racing its end gets not_found): the request
+            # itself goes on, and its own outcome is still to come. Unknown
+            # codes end it: a newer server's new failure must not hang us.
+            logger.debug("request %s: server rejected a message about it: %s", self.id, event.message)
+            return
+        self._finish(
+            server_error(
+                event.code, event.message, field=event.field, request_id=self.id, accepted=accepted
+            )
+        )
+
+    def _push(self, item: Progress | PreviewFrame) -> None:
+        self.items.append(item)
+        if len(self.items) > self.max_buffered:
+            # Latest wins: drop the oldest intermediate item; finals stay.
+            for i, old in enumerate(self.items):
+                if not (isinstance(old, PreviewFrame) and old.final):
+                    del self.items[i]
+                    self.dropped += 1
+                    break
+        self._wake()
+
+    def fail(self, error: ClientError) -> None:
+        """End the request with ``error`` unless it already ended."""
+        if not self.finished:
+            self._finish(error)
+
+    def _finish(self, outcome: ClientError | None) -> None:
+        self.finished = True
+        self.outcome = outcome
+        self._wake()
+
+    def _wake(self) -> None:
+        if self._wakeup is not None:
+            self._wakeup.set()
+            self._wakeup = None
+
+    async def get(self) -> Progress | PreviewFrame:
+        """The next item; raises StopAsyncIteration after ``done``, the error once after others."""
+        while True:
+            if self.items:
+                return self.items.popleft()
+            if self.finished:
+                if self.outcome is not None and not self._raised:
+                    self._raised = True
+                    raise self.outcome
+                raise StopAsyncIteration
+            self._wakeup = anyio.Event()
+            await self._wakeup.wait()
+
+
+# ---- what the caller iterates -----------------------------------------------------
+
+T = TypeVar("T")
+
+
+class RequestStream(Generic[T]):
+    """One request's previews (and ``Progress`` items, if asked for), ending on ``done``.
+
+    Made by :meth:`Client.generate` and :meth:`Client.attach`; the message is
+    sent on the first ``__anext__`` (or ``async with``). Iteration raises
+    RemoteCancelledError on ``cancelled``, RequestFailedError /
+    RequestRejectedError / ParamsRejectedError on ``error``,
+    ConnectionClosedError when the connection ends first, and ParamsError
+    when this connection already watches a request with this id.
+
+    Leaving early cancels a generate that was not detached; an attach only
+    stops watching (the request runs on). Leaving ``async with`` or calling
+    ``aclose()`` cancels at once. A plain ``break`` (or an exception out of
+    the loop) cancels when the stream is garbage collected: in CPython right
+    after the loop, once nothing refers to it, but an exception's traceback
+    keeps it alive as long as the exception is kept; use ``async with``
+    where that matters.
+    """
+
+    def __init__(
+        self,
+        client: Client,
+        request_id: str,
+        message: str,
+        *,
+        kind: Literal["generate", "attach"],
+        cancel_on_exit: bool,
+        want_progress: bool,
+        max_buffered: int,
+    ) -> None:
+        self.id = request_id
+        self.kind = kind
+        self._client = client
+        self._message = message
+        self._cancel_on_exit = cancel_on_exit
+        self._inbox = Inbox(request_id, want_progress=want_progress, max_buffered=max_buffered)
+        self._state: Literal["new", "started", "closed"] = "new"
+        self._finalizer: weakref.finalize[[Inbox, bool], RequestStream[T]] | None = None
+
+    # -- what the server said about it --
+
+    @property
+    def accepted(self) -> bool:
+        """True once the server accepted the request."""
+        return self._inbox.accepted is not None
+
+    @property
+    def total(self) -> int | None:
+        """Steps in the request (from ``accepted``), or None before it."""
+        a = self._inbox.accepted
+        return None if a is None else a.total
+
+    @property
+    def preview_settings(self) -> dict[str, Any] | None:
+        """The effective preview settings from ``accepted``, or None before it."""
+        a = self._inbox.accepted
+        return None if a is None else dict(a.preview)
+
+    @property
+    def last_progress(self) -> Progress | None:
+        """The latest ``progress`` seen (kept even when progress items are not yielded)."""
+        return self._inbox.last_progress
+
+    @property
+    def elapsed_s(self) -> float | None:
+        """Server-side seconds from ``accepted`` to the final step, once ``done`` arrived."""
+        d = self._inbox.done
+        return None if d is None else d.elapsed_s
+
+    @property
+    def dropped(self) -> int:
+        """Intermediate items dropped because this consumer fell ``max_buffered`` behind."""
+        return self._inbox.dropped
+
+    @property
+    def finished(self) -> bool:
+        """True once the request's outcome arrived (or the connection ended)."""
+        return self._inbox.finished
+
+    # -- iteration --
+
+    def __aiter__(self) -> RequestStream[T]:
+        return self
+
+    async def __anext__(self) -> T:
+        if self._state == "new":
+            await self._start()
+        if self._state == "closed":
+            raise StopAsyncIteration
+        try:
+            item = await self._inbox.get()
+        except (StopAsyncIteration, ClientError):
+            self._settle()
+            raise
+        return item  # type: ignore[return-value]
+
+    async def result(self) -> PreviewFrame:
+        """Iterate to the end and return the final preview (the result); raises as iteration does."""
+        final: PreviewFrame | None = None
+        async with self:
+            async for item in self:
+                if isinstance(item, PreviewFrame) and item.final:
+                    final = item
+        if final is None:  # pragma: no cover - Inbox refuses 'done' without a final
+            raise ProtocolError("request ended without a final preview", request_id=self.id)
+        return final
+
+    async def __aenter__(self) -> RequestStream[T]:
+        if self._state == "new":
+            await self._start()
+        return self
+
+    async def __aexit__(
+        self,
+        exc_type: type[BaseException] | None,
+        exc: BaseException | None,
+        tb: TracebackType | None,
+    ) -> None:
+        await self.aclose()
+
+    async def aclose(self) -> None:
+        """Stop iterating; cancels an unfinished, non-detached generate. Never raises."""
+        if self._state != "started":
+            self._state = "closed"
+            return
+        unfinished = not self._inbox.finished
+        self._settle()
+        if unfinished and self._cancel_on_exit:
+            # Queued, not awaited: leaving `async with` inside a cancelled
+            # scope must still cancel, and closing must never block on a send.
+            self._client._queue_cancel(self.id)
+
+    async def _start(self) -> None:
+        self._state = "started"
+        try:
+            await self._client._open_request(self._inbox, self._message)
+        except BaseException:
+            self._state = "closed"
+            raise
+        # On garbage collection after an early ``break``: unregister, and
+        # cancel unless detached. Refers to the client and inbox, not to self.
+        self._finalizer = weakref.finalize(
+            self, self._client._abandon, self._inbox, self._cancel_on_exit
+        )
+        self._finalizer.atexit = False
+
+    def _settle(self) -> None:
+        """Done with this stream: unregister its inbox, without cancelling."""
+        self._state = "closed"
+        if self._finalizer is not None:
+            self._finalizer.detach()
+            self._finalizer = None
+        self._client._forget(self._inbox)

@@ -1,0 +1,101 @@
+"""The benchmark harness runs: figures come out finite, the table and JSON render.
+
+No timing assertions: speed is what ``python -m benchmarks`` reports, not
+what a test on a shared machine can check.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import math
+
+import pytest
+
+from benchmarks import FIGURES
+from benchmarks.harness import Context, Figure, Target, interleave, percentile
+from benchmarks.report import format_markdown, format_table
+from benchmarks.runner import main, run_suite
+
+
+def _check(figures: list[Figure], prefix: str) -> None:
+    assert figures, f"{prefix} produced no figures"
+    for f in figures:
+        assert f.name.startswith(prefix + ".")
+        assert math.isfinite(f.value) and f.value > 0, f
+        for raw in (*f.baseline.values(), *f.engine.values()):
+            assert math.isfinite(raw), f
+        assert f.limits
+
+
+@pytest.mark.parametrize("loop", ["asyncio", "uvloop"])
+def test_quick_overlap_and_memory_produce_finite_figures(loop):
+    figures, errors = run_suite(
+        ["overlap", "memory"], quick=True, loop=loop, reps=1, isolate=False, verbose=False
+    )
+    assert errors == {}
+    _check([f for f in figures if f.name.startswith("overlap.")], "overlap")
+    _check([f for f in figures if f.name.startswith("memory.")], "memory")
+    text = format_table(figures)
+    assert "overlap.sim" in text and "memory.never_read_held_vs_bound" in text
+    md = format_markdown(figures, {"machine": {"nproc": 2}, "elapsed_s": 1.0})
+    assert md.count("\n| ") == len(figures) + 1  # header row + one row per figure
+
+
+def test_a_failing_figure_is_reported_and_the_others_still_run(monkeypatch):
+    from benchmarks import memory
+
+    async def broken(ctx: Context) -> list[Figure]:
+        raise RuntimeError("boom")
+
+    monkeypatch.setattr(memory, "run", broken)
+    figures, errors = run_suite(
+        ["memory", "overlap"], quick=True, loop="asyncio", reps=1, isolate=False, verbose=False
+    )
+    assert errors == {"memory": "RuntimeError: boom"}
+    assert [f.name for f in figures] == ["overlap.sim"]
+
+
+def test_json_round_trip_and_from_json_rendering(tmp_path, capsys):
+    fig = Figure(
+        name="x.ratio", value=1.5, target=Target(">=", 1.4), baseline={"a": 2.0},
+        engine={"b": 1.0}, limits="nothing", details={"k": [1, 2]},
+    )
+    data = {"meta": {"machine": {"nproc": 2}, "elapsed_s": 3.0}, "figures": [fig.to_dict()]}
+    path = tmp_path / "bench.json"
+    path.write_text(json.dumps(data))
+    assert Figure.from_dict(json.loads(path.read_text())["figures"][0]).to_dict() == fig.to_dict()
+    assert main(["--from", str(path), "--markdown"]) == 0
+    out = capsys.readouterr().out
+    assert "x.ratio" in out and "| x.ratio | 1.50 x | >= 1.4 | pass |" in out
+
+
+def test_targets_and_percentiles():
+    assert Target("<=", 1.05).met(1.05) and not Target("<=", 1.05).met(1.06)
+    assert Target(">=", 4).met(4.0) and not Target(">=", 4).met(math.nan)
+    with pytest.raises(ValueError):
+        Target("<", 1.0)
+    assert percentile([1.0, 2.0, 3.0, 4.0], 50) == 2.5
+    assert percentile([5.0], 99) == 5.0 and math.isnan(percentile([], 50))
+
+
+def test_interleave_alternates_the_order_of_variants():
+    order: list[str] = []
+
+    def variant(name: str):
+        async def run() -> float:
+            order.append(name)
+            return 1.0
+
+        return run
+
+    samples = asyncio.run(interleave({"a": variant("a"), "b": variant("b")}, 3))
+    assert order == ["a", "b", "b", "a", "a", "b"]
+    assert samples == {"a": [1.0] * 3, "b": [1.0] * 3}
+
+
+def test_every_figure_module_has_a_run():
+    import importlib
+
+    for name, module in FIGURES.items():
+        assert callable(importlib.import_module(module).run), name
