@@ -424,27 +424,24 @@ class Engine:
             return Health("closed", "the engine was not started", stats, name)
         if self._thread is not None and not self._thread.is_alive() and self._producer_done.is_set():
             return Health("dead", "the producer thread exited", stats, name)
-        since = self._producer.busy_since
-        if since is not None:
-            bound = default_timeout()
-            running = time.monotonic() - since
-            if running > bound:
-                reason = (
-                    f"model code has been running for {running:.1f} s, longer than "
-                    f"{STEP_TIMEOUT_ENV}={bound:.1f} s; the device looks hung "
-                    f"({', '.join(self._producer.busy_with)})"
-                )
-                return Health("stalled", reason, stats, name)
-        waiting = self._copier.waiting_since
-        if waiting is not None:
-            bound = default_timeout()
-            running = time.monotonic() - waiting
-            if running > bound:
-                reason = (
-                    f"a device-to-host copy issued {running:.1f} s ago has not completed "
-                    f"({STEP_TIMEOUT_ENV}={bound:.1f} s); the device looks hung"
-                )
-                return Health("stalled", reason, stats, name)
+        # A wedged device shows as model code that never returns (CPU, or a
+        # synchronising CUDA call) or as a copy that never lands (CUDA kernels
+        # are queued asynchronously, so the hang surfaces at the copy).
+        bound = default_timeout()
+        now = time.monotonic()
+        busy, waiting = self._producer.busy_since, self._copier.waiting_since
+        if busy is not None and now - busy > bound:
+            reason = (
+                f"model code ({', '.join(self._producer.busy_with)}) has been running for "
+                f"{now - busy:.1f} s, longer than {STEP_TIMEOUT_ENV}={bound:.1f} s; the device looks hung"
+            )
+            return Health("stalled", reason, stats, name)
+        if waiting is not None and now - waiting > bound:
+            reason = (
+                f"a device-to-host copy issued {now - waiting:.1f} s ago has not completed "
+                f"({STEP_TIMEOUT_ENV}={bound:.1f} s); the device looks hung"
+            )
+            return Health("stalled", reason, stats, name)
         return Health("ok", None, stats, name)
 
     def check_health(self) -> None:
