@@ -78,7 +78,9 @@ class Copier:
         self._pool = pool
         self._frame_dtype = frame_dtype
         self._inbox: deque[CopyTicket] = deque()
-        self._wakeup = anyio.Event()
+        # asyncio.Event, not anyio's: loop-only and on the per-frame path,
+        # where anyio's backend look-up per Event costs measurable time.
+        self._wakeup = asyncio.Event()
         self._limiter = anyio.CapacityLimiter(1)
         self._loop: asyncio.AbstractEventLoop | None = None
         #: issue time of the oldest copy being waited on, None when not waiting
@@ -145,7 +147,7 @@ class Copier:
         self._loop = asyncio.get_running_loop()
         while True:
             await self._wakeup.wait()
-            self._wakeup = anyio.Event()
+            self._wakeup.clear()
             while self._inbox:
                 batch = list(self._inbox)
                 self._inbox.clear()

@@ -19,7 +19,7 @@ from __future__ import annotations
 
 from collections import deque
 
-import anyio
+import asyncio
 
 from ..frame import Frame
 
@@ -41,7 +41,8 @@ class Delivery:
         self._error: BaseException | None = None
         self._drain = True
         self._ended = False
-        self._wakeup: anyio.Event | None = None
+        # asyncio.Event: loop-only, per frame (anyio's costs a backend look-up).
+        self._wakeup: asyncio.Event | None = None
 
     @property
     def ended(self) -> bool:
@@ -99,7 +100,7 @@ class Delivery:
             # Shared, not replaced: a second concurrent reader must not
             # strand the first one's wake-up.
             if self._wakeup is None:
-                self._wakeup = anyio.Event()
+                self._wakeup = asyncio.Event()
             await self._wakeup.wait()
 
     def _wake(self) -> None:

@@ -25,6 +25,7 @@ import math
 import threading
 import time
 import uuid
+from collections import deque
 from collections.abc import Awaitable, Callable, Mapping
 from types import TracebackType
 from typing import Any
@@ -65,6 +66,27 @@ def _positive_int(name: str, value: Any) -> int:
     if isinstance(value, bool) or not isinstance(value, int) or value < 1:
         raise ParamsError(f"Engine option {name} must be a positive int, got {value!r}", field=name)
     return value
+
+
+class _Mailbox:
+    """An unbounded FIFO of ticket batches from the copier task to the consumer task (loop-only)."""
+
+    def __init__(self) -> None:
+        self._items: deque[list[CopyTicket]] = deque()
+        self._ready = asyncio.Event()
+
+    def extend(self, tickets: list[CopyTicket]) -> None:
+        self._items.append(tickets)
+        self._ready.set()
+
+    async def take(self) -> list[list[CopyTicket]]:
+        """Wait for at least one batch; return every batch queued, oldest first."""
+        while not self._items:
+            self._ready.clear()
+            await self._ready.wait()
+        items = list(self._items)
+        self._items.clear()
+        return items
 
 
 class Engine:
@@ -144,6 +166,11 @@ class Engine:
         self._tg: anyio.abc.TaskGroup | None = None
         self._thread: threading.Thread | None = None
         self._producer_done = anyio.Event()
+        # Copier -> consumer, loop-only. A deque and an event rather than an
+        # anyio memory stream: it is on the per-frame path, and the stream's
+        # checkpoints and backend look-ups cost tens of microseconds a frame.
+        # Its depth is bounded by max_run_ahead per live request.
+        self._copied = _Mailbox()
         self._producer_error: BaseException | None = None
 
     # -- lifecycle -------------------------------------------------------------
@@ -167,11 +194,10 @@ class Engine:
         self._loop = asyncio.get_running_loop()
         self._loop_thread = threading.get_ident()
         self._state = "running"
-        send, receive = anyio.create_memory_object_stream[list[CopyTicket]](math.inf)
         self._tg = anyio.create_task_group()
         await self._tg.__aenter__()
-        self._tg.start_soon(self._supervised, "copier", self._copier.run, send.send_nowait)
-        self._tg.start_soon(self._supervised, "consumer", self._consume, receive)
+        self._tg.start_soon(self._supervised, "copier", self._copier.run, self._copied.extend)
+        self._tg.start_soon(self._supervised, "consumer", self._consume)
         self._tg.start_soon(self._supervised, "producer", self._run_producer)
         # Let the copier bind to the loop before the producer can post.
         await anyio.sleep(0)
@@ -484,9 +510,9 @@ class Engine:
 
     # -- the consumer: frames to their readers (loop) -------------------------------
 
-    async def _consume(self, receive: anyio.abc.ObjectReceiveStream[list[CopyTicket]]) -> None:
-        async with receive:
-            async for tickets in receive:
+    async def _consume(self) -> None:
+        while True:
+            for tickets in await self._copied.take():
                 for t in tickets:
                     try:
                         self._dispatch(t)
