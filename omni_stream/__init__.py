@@ -8,7 +8,7 @@
 
 from __future__ import annotations
 
-from . import client, device, models, preview
+from . import device, models, preview
 from .config import timeout
 from .engine import Engine, EngineStatistics, FrameStream, Health
 from .errors import (
@@ -57,3 +57,14 @@ __all__ = [
     "EngineStalledError",
     "EngineClosedError",
 ]
+
+
+def __getattr__(name: str) -> object:
+    # The client needs websockets; importing it lazily keeps `import
+    # omni_stream` working where only the engine is wanted (a GPU box with
+    # torch and anyio alone runs scripts/gpu_check.sh that way).
+    if name == "client":
+        import importlib
+
+        return importlib.import_module(".client", __name__)
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
