@@ -69,14 +69,26 @@ _DROP = object()
 # ---- the wire constants and the frame parser (no I/O) -----------------------------
 
 
-def test_wire_constants_match_the_server() -> None:
-    # The client restates them so it need not import the server package.
-    assert wire.ID_PATTERN.pattern == server_protocol.ID_PATTERN.pattern
-    assert wire.REQUEST_ENDING_CODES == server_protocol.REQUEST_ENDING_CODES
-    assert wire.REJECTION_CODES == server_protocol.REJECTION_CODES
+def test_preview_formats_match_the_encoder() -> None:
+    # The client restates the MIME table; the id pattern and error codes it
+    # imports from the server's pure protocol module.
     from omni_stream.preview import FORMATS
 
     assert dict(omc.FORMATS) == dict(FORMATS)
+
+
+def test_the_client_does_not_load_the_server() -> None:
+    import subprocess
+    import sys
+
+    code = (
+        "import sys, omni_stream as om; om.client.connect; "
+        "print(sorted(m for m in ('omni_stream.server.app', 'prometheus_client', "
+        "'websockets.asyncio.server') if m in sys.modules))"
+    )
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.strip() == "[]"
 
 
 @pytest.mark.parametrize("fmt", ["png", "raw"])

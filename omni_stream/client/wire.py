@@ -54,32 +54,15 @@ __all__ = [
     "server_error",
 ]
 
-# The wire constants below restate omni_stream/server/protocol.py on purpose:
-# the client must not import the server package (and its engine). A test
-# (tests/test_client.py) keeps the two in step.
-MAX_ID_LENGTH: Final = 128
-ID_PATTERN: Final = re.compile(rf"[A-Za-z0-9._:\-]{{1,{MAX_ID_LENGTH}}}")
-#: ``error`` codes that end an accepted request.
-REQUEST_ENDING_CODES: Final = frozenset(
-    {"step_failed", "step_timeout", "engine_error", "preview_failed", "internal"}
+# One definition of the shared wire constants: the server's pure protocol
+# module (importing it loads neither the server nor the engine).
+from ..server.protocol import (  # noqa: E402
+    ID_PATTERN,
+    MAX_ID_LENGTH,
+    REJECTION_CODES,
+    REQUEST_ENDING_CODES,
 )
-#: ``error`` codes that reject one client message; nothing was started or changed.
-REJECTION_CODES: Final = frozenset(
-    {
-        "bad_json",
-        "bad_message",
-        "invalid_field",
-        "unknown_type",
-        "bad_params",
-        "limit_exceeded",
-        "duplicate_id",
-        "too_many_requests",
-        "not_found",
-        "already_attached",
-        "shutting_down",
-        "engine_unavailable",
-    }
-)
+
 #: Rejections that mean "your input is wrong": raised as ParamsRejectedError.
 PARAMS_CODES: Final = frozenset({"bad_params", "invalid_field", "limit_exceeded"})
 #: Preview formats and the MIME type each header must carry.

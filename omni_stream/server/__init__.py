@@ -9,7 +9,21 @@
 
 from __future__ import annotations
 
-from .app import Server, serve
-from .limits import ServerLimits
+import importlib
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from .app import Server, serve
+    from .limits import ServerLimits
 
 __all__ = ["Server", "ServerLimits", "serve"]
+
+_LAZY = {"Server": ".app", "serve": ".app", "ServerLimits": ".limits"}
+
+
+def __getattr__(name: str) -> Any:
+    # Lazy: the client imports the pure wire constants of .protocol and must
+    # not load the websockets server, prometheus-client and the engine.
+    if name in _LAZY:
+        return getattr(importlib.import_module(_LAZY[name], __name__), name)
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
