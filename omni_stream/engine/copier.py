@@ -139,9 +139,6 @@ class Copier:
         self._inbox.extend(tickets)
         self._wakeup.set()
 
-    def pending(self) -> int:
-        return len(self._inbox)
-
     async def run(self, deliver: Callable[[list[CopyTicket]], Any]) -> None:
         """Forever: wait for tickets, finish their copies, ``deliver`` them in order."""
         self._loop = asyncio.get_running_loop()

@@ -44,13 +44,6 @@ class Delivery:
         # asyncio.Event: loop-only, per frame (anyio's costs a backend look-up).
         self._wakeup: asyncio.Event | None = None
 
-    @property
-    def ended(self) -> bool:
-        return self._ended
-
-    def __len__(self) -> int:
-        return len(self._frames)
-
     def put(self, frame: Frame) -> Frame | None:
         """Queue ``frame``; returns the frame it replaced ("latest"), else None.
 

@@ -188,14 +188,17 @@ class Producer:
                     tickets.append(self._failure(r, exc))
                     continue
                 tickets.append(ticket)
-                with self._table.cond:
-                    r.issued = n
-                    r.ready_at = time.monotonic()
         finally:
             # Issued copies must reach the copier whatever happens: it keeps
             # their sources alive until their events complete, then frees
-            # their buffers.
+            # their buffers. One lock round for the whole batch (hot path).
             if tickets:
+                now = time.monotonic()
+                with self._table.cond:
+                    for t in tickets:
+                        if t.error is None:
+                            t.request.issued = t.step
+                            t.request.ready_at = now
                 self._copier.post(tickets)
 
     def _step(
