@@ -9,18 +9,22 @@ which no engine can beat. It runs two ways, side by side with the engine:
   (torch's default, and ``torch.set_num_threads(1)`` in that thread).
 
 The engine runs the same requests with ``max_batch_size`` equal to their
-count, so it advances them in the same batched calls the bare loop makes.
-A fifth variant, ``engine_1t``, is the engine with one line added to its
-producer thread (``torch.set_num_threads(1)`` before the model loads,
-emulated through :class:`~benchmarks.harness.ProducerThreads`): the change
-``threads.py`` argues for.
+count, so it advances them in the same batched calls the bare loop makes,
+twice: with its defaults (one producer torch thread) and with
+``torch_threads`` = the CPU count, the arrangement for compute-bound CPU
+serving (``Engine.start`` releases the loop thread's idle OpenMP team, so
+the producer's is the only one; ``threads.py`` shows why that matters).
 
-Values: ``engine / bare_main`` (what a user switching from a script sees)
-and ``engine / bare_worker`` (the engine's own overhead over the floor).
+Values: ``engine / floor`` (the engine's own overhead over the worker
+floor; the issue's targets: <= 1.03 at 10 ms, <= 1.10 at 1 ms),
+``engine / bare_main`` (what a user switching from a script sees with the
+defaults) and ``engine_all_cores / bare_main`` (the same with every core;
+target <= 1.10 at 10 ms).
 """
 
 from __future__ import annotations
 
+import os
 import time
 from collections.abc import Awaitable, Callable, Mapping, Sequence
 from typing import Any
@@ -32,7 +36,6 @@ import omni_stream as om
 from .harness import (
     Context,
     Figure,
-    ProducerThreads,
     Target,
     interleave,
     median,
@@ -46,6 +49,9 @@ __all__ = ["bare_steps", "engine_steps", "run"]
 #: copy into a pool buffer, the hand-over to the loop and the clone cost a
 #: few tens of microseconds a step, a few percent of a 1 ms step.
 OVERHEAD_TARGET = Target("<=", 1.10)
+#: The issue's bound for the engine against a user's plain loop in the main
+#: thread, 10 ms steps, with the arrangement that avoids the OpenMP trap.
+MAIN_TARGET = Target("<=", 1.10)
 
 
 def bare_steps(
@@ -97,12 +103,13 @@ async def engine_steps(
 def _variants(
     params: list[dict[str, Any]], cpu: dict[str, list[float]]
 ) -> dict[str, Callable[[], Awaitable[float]]]:
-    """The five ways of running ``params``, each returning seconds.
+    """The ways of running ``params``, each returning seconds.
 
     Each also appends the process CPU seconds of its timed part to
     ``cpu[name]`` (every thread: the producer's compute and the loop's work).
     """
-    for name in ("bare_main", "bare_worker", "bare_worker_1t", "engine", "engine_1t"):
+    cores = os.cpu_count() or 1
+    for name in ("bare_main", "bare_worker", "bare_worker_1t", "engine", "engine_all_cores"):
         cpu[name] = []
 
     async def bare_main() -> float:
@@ -119,31 +126,34 @@ def _variants(
     async def engine() -> float:
         return await engine_steps(om.models.Synthetic(), params, cpu_s=cpu["engine"])
 
-    async def engine_1t() -> float:
-        model = ProducerThreads(om.models.Synthetic(), 1)
-        try:
-            return await engine_steps(model, params, cpu_s=cpu["engine_1t"])
-        finally:
-            model.restore()
+    async def engine_all_cores() -> float:
+        # The arrangement for compute-bound CPU serving: a producer team as
+        # large as the machine (the engine releases the loop thread's idle
+        # team at start, so it is the only one).
+        return await engine_steps(
+            om.models.Synthetic(), params, cpu_s=cpu["engine_all_cores"], torch_threads=cores
+        )
 
     return {
         "bare_main": bare_main,
         "bare_worker": bare_worker,
         "bare_worker_1t": bare_worker_1t,
         "engine": engine,
-        "engine_1t": engine_1t,
+        "engine_all_cores": engine_all_cores,
     }
 
 
 async def run(ctx: Context) -> list[Figure]:
     steps_1ms, steps_10ms, steps_batch = (30, 8, 8) if ctx.quick else (200, 40, 40)
+    # (label, step seconds, requests, steps, target for engine / worker floor,
+    #  target for engine with all cores / the main thread's plain loop)
     configs = [
-        ("1ms", 0.001, 1, steps_1ms),
-        ("10ms", 0.010, 1, steps_10ms),
-        ("16x1ms", 0.001, 16, steps_batch),
+        ("1ms", 0.001, 1, steps_1ms, OVERHEAD_TARGET, None),
+        ("10ms", 0.010, 1, steps_10ms, Target("<=", 1.03), MAIN_TARGET),
+        ("16x1ms", 0.001, 16, steps_batch, OVERHEAD_TARGET, None),
     ]
     figures: list[Figure] = []
-    for label, step_s, n, steps in configs:
+    for label, step_s, n, steps, worker_target, main_target in configs:
         work = ctx.work_for(step_s)
         params = [{"steps": steps, "work": work, "seed": i} for i in range(n)]
         ctx.log(f"limit {label}: {n} request(s) x {steps} steps, work={work}")
@@ -154,7 +164,7 @@ async def run(ctx: Context) -> list[Figure]:
         floor = med[floor_name]
         per_step = {f"{k}_per_step_ms": v / steps * 1e3 for k, v in med.items()}
         cpu_ms = {k: median(v) / (steps * n) * 1e3 for k, v in cpu.items()}
-        cpu_extra_ms = cpu_ms["engine_1t"] - cpu_ms["bare_worker_1t"]
+        cpu_extra_ms = cpu_ms["engine"] - cpu_ms["bare_worker_1t"]
         details = {
             "requests": n,
             "steps": steps,
@@ -165,11 +175,25 @@ async def run(ctx: Context) -> list[Figure]:
             # Whole-process CPU per frame: the engine's minus the floor's is
             # what its machinery costs a frame (engine setup included).
             "cpu_ms_per_frame": cpu_ms,
-            "engine_1t_vs_main": med["engine_1t"] / med["bare_main"],
-            "engine_1t_vs_worker": med["engine_1t"] / floor,
         }
         baseline = {k: med[k] for k in ("bare_main", "bare_worker", "bare_worker_1t")}
-        engine_raw = {k: med[k] for k in ("engine", "engine_1t")}
+        engine_raw = {k: med[k] for k in ("engine", "engine_all_cores")}
+        figures.append(
+            Figure(
+                name=f"limit.{label}.vs_worker",
+                value=med["engine"] / floor,
+                target=worker_target,
+                baseline=baseline,
+                engine=engine_raw,
+                limits=(
+                    f"floor = {floor_name}; the engine (one producer torch thread, its default) "
+                    f"costs {cpu_extra_ms:.2f} ms of CPU a frame more than bare_worker_1t (the copy, "
+                    "the hand-over to the loop, delivery, the reader's wake-up), and the producer "
+                    "waits for the GIL while the loop does that work"
+                ),
+                details=details,
+            )
+        )
         figures.append(
             Figure(
                 name=f"limit.{label}.vs_main",
@@ -178,38 +202,24 @@ async def run(ctx: Context) -> list[Figure]:
                 baseline=baseline,
                 engine=engine_raw,
                 limits=(
-                    "where torch runs: the engine steps in a worker thread, whose OpenMP team "
-                    "contends with the main thread's (see threads); the worker floor below"
+                    "the default producer runs one torch thread; the user's script runs a team on "
+                    "every core (all_cores_vs_main below is the engine with torch_threads = cores)"
                 ),
                 details=details,
             )
         )
         figures.append(
             Figure(
-                name=f"limit.{label}.vs_worker",
-                value=med["engine"] / floor,
-                target=OVERHEAD_TARGET,
+                name=f"limit.{label}.all_cores_vs_main",
+                value=med["engine_all_cores"] / med["bare_main"],
+                target=main_target,
                 baseline=baseline,
                 engine=engine_raw,
                 limits=(
-                    f"floor = {floor_name}; the engine's producer uses torch's default threads "
-                    f"(with one: {med['engine_1t'] / floor:.2f}x); its machinery costs "
-                    f"{cpu_extra_ms:.2f} ms of CPU a frame (engine_1t against bare_worker_1t: "
-                    "copies, hand-over to the loop, delivery, the reader's wake-up)"
-                ),
-                details=details,
-            )
-        )
-        figures.append(
-            Figure(
-                name=f"limit.{label}.producer_1t_gain",
-                value=med["engine"] / med["engine_1t"],
-                target=None,
-                baseline={"engine": med["engine"]},
-                engine={"engine_1t": med["engine_1t"]},
-                limits=(
-                    "> 1 means torch.set_num_threads(1) on the producer thread makes the engine "
-                    "faster here; depends on how busy the other core is"
+                    f"torch_threads={os.cpu_count()}: the producer's team is the only one once the "
+                    "engine has released the loop thread's (device/openmp.py), so it runs as fast "
+                    "as the main thread's; the default is one thread because previews, the loop "
+                    "and the websockets need the other core (see naive, loop_lag)"
                 ),
                 details=details,
             )

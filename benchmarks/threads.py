@@ -18,7 +18,10 @@ takes milliseconds. A producer thread that runs torch with one thread has
 no team at all: it never spins, never sleeps on a barrier, and cannot be
 hurt by the main thread's team. The voluntary context switches per step
 say which mode a run was in (about 2 per parallel region when sleeping, 0
-when spinning or single-threaded).
+when spinning or single-threaded). ``worker_released`` is the way out that
+keeps every core: the main thread's idle team is released before the worker
+runs (``omni_stream.device.openmp``, called by ``Engine.start``), so the
+worker's team is the only one and spins like the main thread's did.
 
 Each arrangement runs in a fresh process (the state is per process and
 cannot be undone), interleaved, several times. ``python -m
@@ -41,18 +44,23 @@ from .harness import Context, Figure, interleave, median, warm_main_thread
 
 __all__ = ["ARRANGEMENTS", "run"]
 
-#: name -> (where the steps run, torch threads in that thread, main thread warm, extra env)
-ARRANGEMENTS: dict[str, tuple[str, int | None, bool, dict[str, str]]] = {
+#: name -> (where the steps run, torch threads in that thread, main thread warm,
+#: main thread's team released before the worker starts, extra env)
+ARRANGEMENTS: dict[str, tuple[str, int | None, bool, bool, dict[str, str]]] = {
     # A user's plain script: model built and stepped in the main thread.
-    "main": ("main", None, True, {}),
-    # An engine's worker thread today: the main thread built the model first.
-    "worker_after_main": ("worker", None, True, {}),
+    "main": ("main", None, True, False, {}),
+    # A worker thread with torch's defaults after the main thread built the model.
+    "worker_after_main": ("worker", None, True, False, {}),
     # The same, with nobody else ever running torch: one team only.
-    "worker_alone": ("worker", None, False, {}),
-    # The proposed producer setting: torch.set_num_threads(1) in the worker.
-    "worker_1t": ("worker", 1, True, {}),
+    "worker_alone": ("worker", None, False, False, {}),
+    # The engine's default producer setting: torch.set_num_threads(1) in the worker.
+    "worker_1t": ("worker", 1, True, False, {}),
+    # What the engine does at start: the main thread's idle team is released
+    # (omni_stream.device.openmp), then the worker runs with torch's defaults;
+    # the producer with torch_threads = the CPU count.
+    "worker_released": ("worker", None, True, True, {}),
     # The sleeping mode on purpose, in the main thread: same mechanism as worker_after_main.
-    "main_passive": ("main", None, True, {"OMP_WAIT_POLICY": "passive"}),
+    "main_passive": ("main", None, True, False, {"OMP_WAIT_POLICY": "passive"}),
 }
 
 
@@ -61,9 +69,13 @@ def _probe(arrangement: str, work: int, n: int, steps: int) -> dict[str, float]:
 
     from omni_stream.models import Synthetic
 
-    where, threads, warm, _ = ARRANGEMENTS[arrangement]
+    from omni_stream.device.openmp import release_idle_team
+
+    where, threads, warm, release, _ = ARRANGEMENTS[arrangement]
     if warm:
         warm_main_thread()
+    if release and not release_idle_team():
+        raise RuntimeError("this torch cannot release an OpenMP team (not GNU libgomp)")
     model = Synthetic()
     cpu = torch.device("cpu")
 
@@ -97,7 +109,7 @@ def _probe(arrangement: str, work: int, n: int, steps: int) -> dict[str, float]:
 
 
 async def _sample(arrangement: str, work: int, n: int, steps: int) -> dict[str, float]:
-    env = dict(os.environ, **ARRANGEMENTS[arrangement][3])
+    env = dict(os.environ, **ARRANGEMENTS[arrangement][4])
     cmd = [sys.executable, "-m", "benchmarks.threads", "probe", arrangement, str(work), str(n), str(steps)]
     root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
     proc = await asyncio.to_thread(subprocess.run, cmd, env=env, cwd=root, capture_output=True, text=True)
@@ -120,6 +132,11 @@ async def run(ctx: Context) -> list[Figure]:
     # Quick mode only checks that the probes run: the three arrangements that
     # make the point, once each.
     names = ["main", "worker_after_main", "worker_1t"] if ctx.quick else list(ARRANGEMENTS)
+    if not ctx.quick:
+        from omni_stream.device.openmp import supported
+
+        if not supported():
+            names.remove("worker_released")
     reps = 1 if ctx.quick else max(1, min(ctx.reps, 3))
     samples = await interleave({a: sampler(a) for a in names}, reps)
     step_ms = {a: median([s["step_ms"] for s in v]) for a, v in samples.items()}
@@ -140,8 +157,8 @@ async def run(ctx: Context) -> list[Figure]:
     baseline: dict[str, float] = {
         k: raw[k] for k in ("main_ms", "worker_alone_ms", "main_passive_ms") if k in raw
     }
-    engine_side = {k: raw[k] for k in ("worker_after_main_ms", "worker_1t_ms")}
-    return [
+    engine_side = {k: raw[k] for k in ("worker_after_main_ms", "worker_1t_ms", "worker_released_ms") if k in raw}
+    figures = [
         Figure(
             name="threads.worker_after_main_vs_main",
             value=step_ms["worker_after_main"] / step_ms["main"],
@@ -170,10 +187,26 @@ async def run(ctx: Context) -> list[Figure]:
             target=None,
             baseline={"worker_after_main_ms": raw["worker_after_main_ms"]},
             engine={"worker_1t_ms": raw["worker_1t_ms"]},
-            limits="< 1: torch.set_num_threads(1) in the producer thread beats today's default here",
+            limits="< 1: torch.set_num_threads(1) in the producer thread beats torch's default here",
             details=details,
         ),
     ]
+    if "worker_released" in step_ms:
+        figures.append(
+            Figure(
+                name="threads.worker_released_vs_main",
+                value=step_ms["worker_released"] / step_ms["main"],
+                target=None,
+                baseline=baseline,
+                engine=engine_side,
+                limits=(
+                    "the main thread's idle team released first (what Engine.start does): one team "
+                    f"in the process again ({cs['worker_released']:.0f} voluntary context switches a step)"
+                ),
+                details=details,
+            )
+        )
+    return figures
 
 
 if __name__ == "__main__":

@@ -107,5 +107,16 @@ class Device(abc.ABC):
         event completes.
         """
 
+    def copy_owned(self, src: torch.Tensor) -> torch.Tensor | None:
+        """A host tensor of ``src``'s bytes that the caller owns, or None.
+
+        Devices whose frames already live in host memory (the CPU) copy here,
+        synchronously, once: staging the frame in a pool buffer and copying it
+        out again on the loop would be a second full copy, and the loop's copy
+        holds the GIL that the producer's next step needs. Devices with a real
+        device-to-host transfer return None and go through ``copy_to_host``.
+        """
+        return None
+
     def close(self) -> None:
         """Release streams and worker threads; idempotent."""

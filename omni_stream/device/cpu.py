@@ -10,7 +10,7 @@ __all__ = ["CpuDevice"]
 
 
 class CpuDevice(Device):
-    """Steps run on the CPU; a "copy" is a plain ``copy_`` into a pool buffer."""
+    """Steps run on the CPU; a frame's "copy" is one clone on the producer thread."""
 
     kind = "cpu"
 
@@ -21,6 +21,13 @@ class CpuDevice(Device):
         # CPU-only torch cannot pin memory (pin_memory raises without an
         # accelerator), and nothing would gain from it here.
         return torch.empty(shape, dtype=dtype)
+
+    def copy_owned(self, src: torch.Tensor) -> torch.Tensor:
+        # Frames are already on the host: one copy on the producer thread,
+        # before its next step (a model may reuse its output tensor), and no
+        # pool buffer. With the producer's single torch thread a large clone
+        # starts no OpenMP team.
+        return src.clone(memory_format=torch.contiguous_format)
 
     def copy_to_host(self, src: torch.Tensor, dst: torch.Tensor) -> CopyEvent:
         # Synchronous: the producer thread copies before it runs the next

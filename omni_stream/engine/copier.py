@@ -10,9 +10,11 @@ the copy would read the next step's data.
 waits for their events and hands the owned frames on. Events are waited on
 through ``anyio.to_thread`` with a one-token limiter of our own: waiting
 never blocks the loop and never takes tokens from anyio's shared limiter.
-When every event in a batch has already completed and the bytes are few
-(always on the CPU device), the batch is finished inline instead: a thread
-hop costs a few hundred microseconds, more than such a copy.
+When every event in a batch has already completed and the bytes are few,
+the batch is finished inline instead: a thread hop costs a few hundred
+microseconds, more than such a copy. A device whose frames already live in
+host memory (the CPU) copies each frame once in ``submit`` and uses no pool
+buffer (``Device.copy_owned``); its tickets arrive complete.
 
 Per ticket, in this order: wait for the copy; clone the host buffer into a
 tensor the caller owns (unless the request already ended); release the
@@ -83,6 +85,12 @@ class Copier:
         self._wakeup = asyncio.Event()
         self._limiter = anyio.CapacityLimiter(1)
         self._loop: asyncio.AbstractEventLoop | None = None
+        self._deliver: Callable[[list[CopyTicket]], Any] | None = None
+        # True from taking a batch off the inbox until it is delivered: later
+        # tickets must not overtake it.
+        self._busy = False
+        # A failure of the inline hand-over, re-raised by ``run``.
+        self._failure: BaseException | None = None
         #: issue time of the oldest copy being waited on, None when not waiting
         #: (read by health: a copy that never completes means a hung device).
         self.waiting_since: float | None = None
@@ -110,8 +118,21 @@ class Copier:
             # Cast on the device, before the copy: a dtype-changing .to("cpu")
             # silently goes through pageable memory.
             src = src.to(self._frame_dtype)
-        lease = self._pool.acquire(tuple(src.shape), src.dtype)
         issued_at = time.monotonic()
+        owned = self._device.copy_owned(src)
+        if owned is not None:
+            # Host-resident frames (CPU): copied once, here; no lease to wait on.
+            return CopyTicket(
+                request=request,
+                step=step,
+                queued_s=queued_s,
+                compute_s=compute_s,
+                batch_size=batch_size,
+                issued_at=issued_at,
+                copy_s=time.monotonic() - issued_at,
+                data=owned,
+            )
+        lease = self._pool.acquire(tuple(src.shape), src.dtype)
         try:
             lease.event = self._device.copy_to_host(src, lease.buffer)
         except BaseException:
@@ -136,18 +157,42 @@ class Copier:
     # -- event loop ----------------------------------------------------------
 
     def _receive(self, tickets: list[CopyTicket]) -> None:
+        deliver = self._deliver
+        if (
+            deliver is not None
+            and not self._busy
+            and not self._inbox
+            and all(t.lease is None for t in tickets)
+        ):
+            # Nothing to wait for (host-resident frames, failed steps) and
+            # nothing queued ahead of them: hand them on from this callback.
+            # Waking the copier task would cost a task switch a frame, on the
+            # loop thread whose GIL the producer's next step is waiting for.
+            try:
+                deliver(tickets)
+            except BaseException as exc:
+                # Raised from the copier's task, so the engine dies visibly:
+                # in a callback it would only reach the loop's exception
+                # handler, and the engine would live on as a zombie.
+                self._failure = exc
+                self._wakeup.set()
+            return
         self._inbox.extend(tickets)
         self._wakeup.set()
 
     async def run(self, deliver: Callable[[list[CopyTicket]], Any]) -> None:
         """Forever: wait for tickets, finish their copies, ``deliver`` them in order."""
         self._loop = asyncio.get_running_loop()
+        self._deliver = deliver
         while True:
             await self._wakeup.wait()
             self._wakeup.clear()
+            if self._failure is not None:
+                raise self._failure
             while self._inbox:
                 batch = list(self._inbox)
                 self._inbox.clear()
+                self._busy = True
                 if self._ready_inline(batch):
                     self._complete(batch)
                 else:
@@ -164,6 +209,7 @@ class Copier:
                     finally:
                         self.waiting_since = None
                 deliver(batch)
+                self._busy = False
 
     @staticmethod
     def _ready_inline(batch: list[CopyTicket]) -> bool:

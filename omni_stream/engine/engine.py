@@ -35,6 +35,7 @@ import torch
 
 from ..config import STEP_TIMEOUT_ENV, timeout as default_timeout, torch_threads as default_torch_threads
 from ..device import Device, PinnedBufferPool, resolve_device
+from ..device.openmp import release_idle_team
 from ..errors import (
     EngineClosedError,
     EngineDeadError,
@@ -194,6 +195,12 @@ class Engine:
         self._loop = asyncio.get_running_loop()
         self._loop_thread = threading.get_ident()
         self._state = "running"
+        if self.device.kind in ("cpu", "sim"):
+            # The loop thread usually built the model, so it may keep an idle
+            # OpenMP team; beside the producer's, that makes libgomp sleep on
+            # a futex at every parallel region. Freed here, the producer's is
+            # the only team (device/openmp.py, docs/performance.md).
+            release_idle_team()
         self._tg = anyio.create_task_group()
         await self._tg.__aenter__()
         self._tg.start_soon(self._supervised, "copier", self._copier.run, self._copied.extend)

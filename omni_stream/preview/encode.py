@@ -1,6 +1,8 @@
 """Encoders: an RGB ``uint8`` array to JPEG, PNG, WebP or raw bytes (pure, no I/O).
 
-The defaults favour speed, because a preview is encoded on every step (or
+JPEG goes through simplejpeg (libjpeg-turbo) when it is installed, because
+it releases the GIL while it encodes (``_encode_jpeg``); Pillow does the
+rest (and JPEG without simplejpeg). The defaults favour speed, because a preview is encoded on every step (or
 every Nth) while the next step computes. Pillow, measured on one of our
 2-core x86-64 machines (more in ``docs/previews.md``):
 
@@ -25,6 +27,11 @@ from typing import Any
 
 import numpy as np
 from PIL import Image
+
+try:  # libjpeg-turbo without the GIL; Pillow is the fallback (see _encode_jpeg)
+    import simplejpeg
+except ImportError:  # pragma: no cover - exercised by tests that hide it
+    simplejpeg = None
 
 from ..errors import ParamsError
 
@@ -145,20 +152,46 @@ def encode(
     rgb = _check_rgb(rgb)
     height, width = rgb.shape[:2]
     size = fit_size(width, height, max_size)
-    if format == "raw" and size == (width, height):
-        return EncodedImage(rgb.tobytes(), "raw", width, height, FORMATS["raw"])
+    if size == (width, height):
+        if format == "raw":
+            return EncodedImage(rgb.tobytes(), "raw", width, height, FORMATS["raw"])
+        if format == "jpeg" and simplejpeg is not None:
+            # Straight from the array: Image.fromarray alone costs ~1 ms at 512 px.
+            data = _encode_jpeg(rgb, quality or DEFAULT_QUALITY["jpeg"])
+            return EncodedImage(data, format, width, height, FORMATS[format])
     image = Image.fromarray(rgb)
     if size != (width, height):
         image = image.resize(size, _RESAMPLE, reducing_gap=_REDUCING_GAP)
     if format == "raw":
         data = image.tobytes()
+    elif format == "jpeg":
+        data = _encode_jpeg(image, quality or DEFAULT_QUALITY["jpeg"])
     else:
         buf = io.BytesIO()
-        if format == "jpeg":
-            image.save(buf, "JPEG", quality=quality or DEFAULT_QUALITY["jpeg"])
-        elif format == "webp":
+        if format == "webp":
             image.save(buf, "WEBP", quality=quality or DEFAULT_QUALITY["webp"], method=_WEBP_METHOD)
         else:
             image.save(buf, "PNG", compress_level=_PNG_COMPRESS_LEVEL)
         data = buf.getvalue()
     return EncodedImage(data, format, image.width, image.height, FORMATS[format])
+
+
+def _encode_jpeg(image: Image.Image | np.ndarray, quality: int) -> bytes:
+    """JPEG bytes of an RGB image, 4:2:0 chroma (Pillow's default too).
+
+    simplejpeg (libjpeg-turbo) releases the GIL for the whole encode; Pillow's
+    JPEG encoder holds it for most of the encode (measured: a pure-Python
+    thread beside a Pillow encode loop ran at 40% of its solo speed, beside
+    simplejpeg at 99%). A preview thread that holds the GIL stalls the
+    producer thread between its torch ops and the event loop between frames,
+    so the preview no longer overlaps the next step (docs/performance.md).
+    Same speed, same size, same pixels to within JPEG noise.
+    """
+    if simplejpeg is not None:
+        rgb = np.ascontiguousarray(image)
+        return simplejpeg.encode_jpeg(rgb, quality=quality, colorspace="RGB", colorsubsampling="420")
+    if isinstance(image, np.ndarray):
+        image = Image.fromarray(image)
+    buf = io.BytesIO()
+    image.save(buf, "JPEG", quality=quality)
+    return buf.getvalue()

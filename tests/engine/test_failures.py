@@ -153,22 +153,28 @@ async def test_an_error_delivering_to_one_request_is_contained(device_kind):
 
 
 @pytest.mark.asyncio
-@pytest.mark.parametrize("where", ["copier", "producer"])
+@pytest.mark.parametrize("where", ["copier-wait", "copier-inline", "producer"])
 async def test_an_internal_failure_kills_the_engine_visibly(where, monkeypatch):
-    async with om.Engine(Synthetic(), device="cpu") as engine:
+    # copier-wait: the copier task finishing copies it waited for (sim);
+    # copier-inline: the loop callback handing on CPU frames that need no wait.
+    device = om.device.SimDevice(compute_s=0.0, copy_s=0.001) if where == "copier-wait" else "cpu"
+    async with om.Engine(Synthetic(), device=device) as engine:
         pending = [engine.stream(params(steps=50, hang_at=3, hang_s=0.1), request_id=f"p{i}") for i in range(3)]
         await pending[0].__anext__()
 
         def boom(*args, **kwargs):
             raise RuntimeError(f"injected {where} failure")
 
-        if where == "copier":
+        if where == "copier-wait":
             monkeypatch.setattr(engine._copier, "_complete", boom)
+        elif where == "copier-inline":
+            monkeypatch.setattr(engine._copier, "_deliver", boom)
         else:
             # Handing tickets to the loop is machinery, not any request's output.
             monkeypatch.setattr(engine._copier, "post", boom)
         for stream in pending:
-            with pytest.raises(om.EngineDeadError) as info:
+            # Bounded: without the fix the engine is a zombie and this would hang.
+            with anyio.fail_after(20), pytest.raises(om.EngineDeadError) as info:
                 async for _ in stream:
                     pass
             assert info.value.request_id == stream.request_id

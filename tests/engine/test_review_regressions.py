@@ -80,6 +80,9 @@ class _NeverEvent:
 class _HungCopyDevice(CpuDevice):
     """Like a GPU whose queue hung: steps return at once, copies never land."""
 
+    def copy_owned(self, src):
+        return None  # take the asynchronous path, as a GPU does
+
     def copy_to_host(self, src, dst):
         return _NeverEvent()
 

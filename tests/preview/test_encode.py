@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import io
+import sys
 
 import numpy as np
 import pytest
@@ -145,3 +146,47 @@ def test_encoded_image_is_frozen_and_its_repr_is_short():
     with pytest.raises(AttributeError):
         out.width = 3  # type: ignore[misc]
     assert repr(out) == "EncodedImage(format='raw', 4x4, 48 bytes)"
+
+
+def _decoded(data: bytes) -> np.ndarray:
+    return np.asarray(Image.open(io.BytesIO(data)).convert("RGB")).astype(np.int16)
+
+
+@pytest.mark.parametrize("shape, max_size", [((96, 128), None), ((200, 300), 120)])
+def test_jpeg_encodes_through_simplejpeg_when_installed(shape, max_size, monkeypatch):
+    # simplejpeg releases the GIL for the whole encode (Pillow's encoder holds
+    # it), which is what lets a preview overlap the producer's next step.
+    encode_module = sys.modules["omni_stream.preview.encode"]  # the package exports a function of that name
+
+    simplejpeg = pytest.importorskip("simplejpeg")
+    calls = []
+    real = simplejpeg.encode_jpeg
+
+    def spy(image, **kwargs):
+        calls.append((image.shape, kwargs))
+        return real(image, **kwargs)
+
+    monkeypatch.setattr(encode_module.simplejpeg, "encode_jpeg", spy)
+    out = encode(_image(*shape), format="jpeg", max_size=max_size)
+    assert len(calls) == 1
+    (got_shape, kwargs) = calls[0]
+    assert got_shape == (out.height, out.width, 3)
+    assert kwargs["quality"] == DEFAULT_QUALITY["jpeg"] and kwargs["colorspace"] == "RGB"
+    assert _decoded(out.data).shape == (out.height, out.width, 3)
+
+
+def test_jpeg_falls_back_to_pillow_with_the_same_picture(monkeypatch):
+    encode_module = sys.modules["omni_stream.preview.encode"]  # the package exports a function of that name
+
+    pytest.importorskip("simplejpeg")
+    rgb = _image(64, 96)
+    fast = encode(rgb, format="jpeg", quality=90)
+    monkeypatch.setattr(encode_module, "simplejpeg", None)
+    pillow = encode(rgb, format="jpeg", quality=90)
+    assert (fast.width, fast.height) == (pillow.width, pillow.height) == (96, 64)
+    a, b = _decoded(fast.data), _decoded(pillow.data)
+    # Two libjpeg builds at the same quality and subsampling: the same picture
+    # to within JPEG noise, and both close to the source.
+    assert np.abs(a - b).mean() < 2.0
+    assert np.abs(a - rgb.astype(np.int16)).mean() < 4.0
+    assert 0.5 < len(fast.data) / len(pillow.data) < 2.0

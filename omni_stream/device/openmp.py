@@ -1,0 +1,86 @@
+"""Release the calling thread's idle OpenMP team (GNU libgomp, as in torch's CPU wheels).
+
+Every thread that runs a parallel torch op gets its own OpenMP team, kept
+for the thread's lifetime. libgomp picks how a team's helpers wait by
+counting every helper in the process: once they outnumber the CPUs, each
+wait spins briefly and then sleeps on a futex, so every parallel region of
+every team pays a wake-up. A user builds a model in the main thread (one
+team) and the engine steps it in its producer thread (a second team): on a
+small machine that is over the line for good, and the producer's steps run
+up to 3x slower than the same steps in the main thread
+(docs/performance.md, benchmarks/threads.py).
+
+``omp_pause_resource_all(omp_pause_soft)`` (OpenMP 5.0) makes libgomp free
+the *calling* thread's pool: its helpers exit, and the count drops back. The
+team is rebuilt, transparently, the next time that thread runs a parallel
+region. Nothing else is touched: other threads' teams, thread counts and
+results are unchanged. The engine calls this on the event-loop thread when
+it starts, so the producer's team is the only one in a serving process.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import glob
+import logging
+import os
+import threading
+
+import torch
+
+__all__ = ["release_idle_team", "supported"]
+
+logger = logging.getLogger("omni_stream.device")
+
+_OMP_PAUSE_SOFT = 1
+_lock = threading.Lock()
+_pause: object = None  # None: not looked up yet; False: unavailable; else the C function
+
+
+def _find_pause() -> object:
+    """``omp_pause_resource_all`` from the libgomp torch loaded, or False."""
+    libdir = os.path.join(os.path.dirname(torch.__file__), "lib")
+    # Only GNU libgomp: it frees the calling thread's pool alone. Other
+    # runtimes (LLVM's libomp, Intel's libiomp5) pause process-wide.
+    # RTLD_NOLOAD: only a library already in the process (the one torch uses).
+    candidates = sorted(glob.glob(os.path.join(libdir, "libgomp*.so*"))) + ["libgomp.so.1"]
+    for path in candidates:
+        try:
+            lib = ctypes.CDLL(path, mode=ctypes.RTLD_GLOBAL | os.RTLD_NOLOAD)
+        except OSError:
+            continue  # not the library torch loaded
+        fn = getattr(lib, "omp_pause_resource_all", None)
+        if fn is not None:
+            fn.argtypes = [ctypes.c_int]
+            fn.restype = ctypes.c_int
+            return fn
+    return False
+
+
+def _lookup() -> object:
+    global _pause
+    with _lock:
+        if _pause is None:
+            try:
+                _pause = _find_pause()
+            except Exception:  # a performance nicety must never stop an engine
+                logger.debug("looking up omp_pause_resource_all failed", exc_info=True)
+                _pause = False
+        return _pause
+
+
+def supported() -> bool:
+    """True where torch runs on a GNU libgomp that can release a thread's team."""
+    return _lookup() is not False
+
+
+def release_idle_team() -> bool:
+    """Free the calling thread's idle OpenMP team; True if one was released.
+
+    A no-op (False) where torch does not run on GNU libgomp, on libgomp
+    older than OpenMP 5.0, or inside a parallel region.
+    """
+    fn = _lookup()
+    if fn is False:
+        return False
+    return fn(_OMP_PAUSE_SOFT) == 0  # type: ignore[operator]

@@ -1,0 +1,93 @@
+"""Frames that already live in host memory (the CPU device): one copy, no pool, no copier hop."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+import omni_stream as om
+from omni_stream.model import StepModel
+from omni_stream.params import Param
+
+
+class _InPlace(StepModel):
+    """Returns the same tensor every step, updated in place: the copy must snapshot it."""
+
+    name = "in-place"
+    params = (Param("steps", "int", 5, "frames", minimum=1),)
+
+    def total_steps(self, params):
+        return int(params["steps"])
+
+    def start(self, params, device):
+        return {"x": torch.zeros(4, 8, 8), "n": 0}
+
+    def step(self, states):
+        outs = []
+        for s in states:
+            s["n"] += 1
+            s["x"].fill_(float(s["n"]))
+            outs.append(s["x"])
+        return outs
+
+
+@pytest.mark.asyncio
+async def test_cpu_frames_are_snapshots_of_a_model_output_reused_in_place():
+    async with om.Engine(_InPlace(), device="cpu", queue_size=16) as engine:
+        stream = engine.stream({"steps": 6})
+        # Let the producer run ahead before reading, so a frame that aliased
+        # the model's tensor would already show a later step's value.
+        frames = [f async for f in stream]
+    assert [float(f.data.max()) for f in frames] == [1.0, 2.0, 3.0, 4.0, 5.0, 6.0]
+    assert len({f.data.data_ptr() for f in frames}) == 6
+
+
+@pytest.mark.asyncio
+async def test_cpu_frames_take_no_pool_buffer_and_skip_the_copier_task():
+    model = om.models.Synthetic()
+    async with om.Engine(model, device="cpu") as engine:
+        woken = 0
+        wakeup = engine._copier._wakeup
+        original_set = wakeup.set
+
+        def counting_set() -> None:
+            nonlocal woken
+            woken += 1
+            original_set()
+
+        wakeup.set = counting_set  # type: ignore[method-assign]
+        p = {"steps": 8, "seed": 4}
+        frames = [f.data async for f in engine.stream(p)]
+        stats = engine.statistics()
+    assert all(torch.equal(a, b) for a, b in zip(frames, model.expected_frames(p), strict=True))
+    # Host-resident frames are copied once on the producer thread: no staging
+    # buffer, and the loop hands them on without waking the copier task.
+    assert stats.buffers_total == 0
+    assert woken == 0
+
+
+@pytest.mark.asyncio
+async def test_sim_frames_still_go_through_pool_buffers_and_the_copier():
+    model = om.models.Synthetic()
+    device = om.device.SimDevice(compute_s=0.0, copy_s=0.002)
+    async with om.Engine(model, device=device) as engine:
+        p = {"steps": 5, "seed": 2}
+        frames = [f.data async for f in engine.stream(p)]
+        stats = engine.statistics()
+    assert all(torch.equal(a, b) for a, b in zip(frames, model.expected_frames(p), strict=True))
+    assert stats.buffers_total >= 1
+
+
+@pytest.mark.asyncio
+@pytest.mark.parametrize("kind", ["cpu", "sim"])
+async def test_start_releases_the_loop_threads_idle_openmp_team(kind, monkeypatch):
+    import threading
+
+    from omni_stream.engine import engine as engine_module
+
+    calls: list[int] = []
+    monkeypatch.setattr(engine_module, "release_idle_team", lambda: calls.append(threading.get_ident()) or True)
+    device = "cpu" if kind == "cpu" else om.device.SimDevice(compute_s=0.0, copy_s=0.0)
+    async with om.Engine(om.models.Synthetic(), device=device) as engine:
+        await engine.generate({"steps": 2})
+    assert calls == [threading.get_ident()]
