@@ -70,9 +70,20 @@ async def _client(
         async with connect(
             cfg["url"], max_size=1 << 24, max_queue=max_queue, open_timeout=60, close_timeout=1
         ) as ws:
+            message = {"type": "generate", "id": f"c{i}", "params": params, "preview": preview}
+            if extra:
+                # The extra client's request runs first: its two previews are
+                # in (and a stuck client has stopped reading) before the
+                # others start, so every sample measures the same situation.
+                await ws.send(json.dumps(message))
+                reader = asyncio.create_task(_read(ws, extra, stop, frames))
+                while len(frames) < 2 and not reader.done():
+                    await asyncio.sleep(0.005)
+                ready.append(i)
+                outcome, t_end = await reader
+                return {"client": i, "extra": extra, "frames": frames, "outcome": outcome, "t_end": t_end}
             ready.append(i)
             await start.wait()
-            message = {"type": "generate", "id": f"c{i}", "params": params, "preview": preview}
             await ws.send(json.dumps(message))
             try:
                 async with asyncio.timeout(None if extra else cfg["deadline_s"]):

@@ -72,6 +72,27 @@ class FrameStream:
             self._done = True
         return frame
 
+    def poll(self) -> Frame | None:
+        """The next frame if one is ready now, else None; never waits, never raises.
+
+        With ``policy="latest"`` that is the newest step computed since the
+        last frame was taken: a reader that was busy (rendering a preview,
+        say) calls it to skip ahead to the freshest frame. An ending error or
+        the end itself is left for the next ``__anext__`` to report.
+        """
+        if self._done:
+            return None
+        try:
+            frame = self._request.delivery.get_nowait()
+        except BaseException:
+            return None  # the ending: __anext__ raises it
+        if frame is None:
+            return None
+        self._engine._consumed(self._request)
+        if frame.final:
+            self._done = True
+        return frame
+
     async def aclose(self) -> None:
         """Stop the request if it has not finished; idempotent."""
         if not self._done:

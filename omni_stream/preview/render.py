@@ -8,7 +8,8 @@ and the producer thread keeps computing the next step meanwhile.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Mapping
+import contextlib
+from collections.abc import AsyncIterator, Awaitable, Callable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -131,6 +132,7 @@ class Previewer:
             )
         self._threads = threads
         self._limiter = anyio.CapacityLimiter(threads)
+        self._reserved = anyio.CapacityLimiter(threads)
 
     @property
     def threads(self) -> int:
@@ -147,6 +149,26 @@ class Previewer:
         hand its token back while it still runs, breaking the thread bound.
         """
         return await anyio.to_thread.run_sync(render_sync, frame, spec, limiter=self._limiter)
+
+    @contextlib.asynccontextmanager
+    async def reserve(
+        self,
+    ) -> AsyncIterator[Callable[[Frame | torch.Tensor, PreviewSpec], Awaitable[EncodedImage]]]:
+        """Wait for a free preview thread, then yield a ``render`` that uses it.
+
+        For callers that pick the frame only once a thread is free: a server
+        behind on its previews renders the newest step it has, not the one
+        it held while it queued (which would reach the client already stale).
+        The returned callable may be awaited any number of times while the
+        reservation is held; each call renders in the reserved thread slot.
+        """
+        async with self._limiter:
+            yield self._render_reserved
+
+    async def _render_reserved(self, frame: Frame | torch.Tensor, spec: PreviewSpec) -> EncodedImage:
+        # The reservation holds one of self._limiter's tokens; this limiter
+        # only keeps the call off anyio's shared one (same bound).
+        return await anyio.to_thread.run_sync(render_sync, frame, spec, limiter=self._reserved)
 
     def __repr__(self) -> str:
         return f"Previewer(threads={self._threads}, busy={self._limiter.borrowed_tokens})"

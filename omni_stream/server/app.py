@@ -102,7 +102,7 @@ class Server:
         self._requested_port = port
         self._token = resolve_token(token)
         self._allow_origins = resolve_origins(allow_origins)
-        self._previewer = previewer or Previewer()
+        self._previewer = previewer or Previewer(threads=self.limits.preview_threads)
         # The default preview for this model (the wire may override "decoder").
         self._default_decoder = admission.default_decoder(self.model)
         self._default_preview = admission.cap_preview(

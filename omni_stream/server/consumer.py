@@ -52,7 +52,7 @@ async def stream_request(
     try:
         async with stream:
             async for frame in stream:
-                await _publish(record, frame, spec, previewer=previewer, metrics=metrics)
+                await _publish(record, frame, spec, stream=stream, previewer=previewer, metrics=metrics)
     except RequestCancelledError:
         return protocol.cancelled(rid, reason=record.cancel_reason or "engine")
     except StepFailedError as exc:
@@ -74,20 +74,26 @@ async def _publish(
     frame: Frame,
     spec: PreviewSpec,
     *,
+    stream: FrameStream,
     previewer: Previewer,
     metrics: ServerMetrics,
 ) -> None:
-    metrics.observe_timings(frame.timings)
-    elapsed = time.monotonic() - record.created_at
-    eta = elapsed / frame.step * (frame.total - frame.step)
-    record.publish_progress(
-        frame.step, protocol.progress(record.id, step=frame.step, total=frame.total, eta_s=eta)
-    )
+    _progress(record, frame, metrics)
     if not should_preview(frame.step, frame.total, spec.every):
         return
     started = time.perf_counter()
     try:
-        image = await previewer.render(frame, spec)
+        async with previewer.reserve() as render:
+            if spec.every == 1:
+                # While this request queued for a preview thread (under load,
+                # behind every other request's preview), newer steps may have
+                # arrived: render the newest, so the preview a client gets is
+                # as fresh as the thread allows. (With every > 1 only some
+                # steps are previewed, and skipping could miss them.)
+                while (newer := stream.poll()) is not None:
+                    frame = newer
+                    _progress(record, frame, metrics)
+            image = await render(frame, spec)
     except Exception as exc:
         raise _PreviewFailed() from exc
     metrics.preview_encode.observe(time.perf_counter() - started)
@@ -103,3 +109,12 @@ async def _publish(
     )
     # Encoded once, shared by every watcher (and kept for attach replays).
     record.publish_preview(protocol.pack_preview(header, image.data), final=frame.final)
+
+
+def _progress(record: RequestRecord, frame: Frame, metrics: ServerMetrics) -> None:
+    metrics.observe_timings(frame.timings)
+    elapsed = time.monotonic() - record.created_at
+    eta = elapsed / frame.step * (frame.total - frame.step)
+    record.publish_progress(
+        frame.step, protocol.progress(record.id, step=frame.step, total=frame.total, eta_s=eta)
+    )

@@ -41,6 +41,7 @@ _ENV: dict[str, tuple[str, type]] = {
     "max_retained": ("OMNI_STREAM_MAX_RETAINED", int),
     "shutdown_timeout_s": ("OMNI_STREAM_SHUTDOWN_TIMEOUT", float),
     "close_timeout_s": ("OMNI_STREAM_CLOSE_TIMEOUT", float),
+    "preview_threads": ("OMNI_STREAM_PREVIEW_THREADS", int),
 }
 
 
@@ -59,6 +60,11 @@ class ServerLimits:
     max_retained: int = 64
     shutdown_timeout_s: float = 10.0
     close_timeout_s: float = 5.0
+    #: Previews rendered at once. One by default: on a small CPU box the
+    #: producer needs the other core. With the model on a GPU, or many
+    #: clients each watching its own request, more keep previews fresh
+    #: (docs/performance.md, fanout).
+    preview_threads: int = 1
 
     def __post_init__(self) -> None:
         for f in fields(self):

@@ -9,6 +9,8 @@ import omni_stream as om
 from omni_stream.model import StepModel
 from omni_stream.params import Param
 
+from .conftest import wait_for
+
 
 class _InPlace(StepModel):
     """Returns the same tensor every step, updated in place: the copy must snapshot it."""
@@ -91,3 +93,28 @@ async def test_start_releases_the_loop_threads_idle_openmp_team(kind, monkeypatc
     async with om.Engine(om.models.Synthetic(), device=device) as engine:
         await engine.generate({"steps": 2})
     assert calls == [threading.get_ident()]
+
+
+@pytest.mark.asyncio
+async def test_poll_returns_the_newest_frame_without_waiting_and_leaves_the_end_to_anext():
+    async with om.Engine(om.models.Synthetic(), device="cpu") as engine:
+        stream = engine.stream({"steps": 4}, policy="latest")
+        first = await stream.__anext__()
+        # Let the request finish computing: "latest" keeps only the newest frame.
+        await wait_for(lambda: engine.statistics().steps >= 4, what="all steps")
+        await wait_for(lambda: engine.statistics().completed == 1, what="the final frame delivered")
+        newest = stream.poll()
+        assert newest is not None and newest.final and newest.step == 4 and first.step < 4
+        assert stream.poll() is None  # nothing after the final frame
+        with pytest.raises(StopAsyncIteration):
+            await stream.__anext__()
+
+
+@pytest.mark.asyncio
+async def test_poll_leaves_a_failure_for_anext():
+    async with om.Engine(om.models.Synthetic(), device="cpu") as engine:
+        stream = engine.stream({"steps": 5, "fail_at": 1})
+        await wait_for(lambda: engine.statistics().failed == 1, what="the failure")
+        assert stream.poll() is None
+        with pytest.raises(om.StepFailedError):
+            await stream.__anext__()

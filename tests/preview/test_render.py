@@ -223,3 +223,29 @@ def test_previewer_rejects_bad_thread_counts(threads):
     with pytest.raises(ParamsError) as info:
         Previewer(threads=threads)
     assert info.value.field == "threads"
+
+
+@pytest.mark.asyncio
+async def test_reserve_holds_a_preview_thread_for_its_renders():
+    import anyio
+
+    from omni_stream.preview import Previewer, PreviewSpec
+
+    previewer = Previewer(threads=1)
+    spec = PreviewSpec(format="jpeg", max_size=32)
+    frame = torch.zeros(3, 16, 16)
+    order: list[str] = []
+
+    async def other() -> None:
+        await previewer.render(frame, spec)
+        order.append("other")
+
+    async with anyio.create_task_group() as tg:
+        async with previewer.reserve() as render:
+            tg.start_soon(other)
+            await anyio.sleep(0.05)  # "other" must wait: the only thread is reserved
+            first = await render(frame, spec)
+            second = await render(frame, spec)
+            order.append("reserved")
+    assert order == ["reserved", "other"]
+    assert first.format == second.format == "jpeg" and (first.width, first.height) == (16, 16)

@@ -1,0 +1,65 @@
+"""A request that queued for a preview thread renders its newest step, not the one it held."""
+
+from __future__ import annotations
+
+import threading
+
+import anyio
+import anyio.to_thread
+import pytest
+from websockets.asyncio.client import connect
+
+from omni_stream.models import Synthetic
+from omni_stream.preview import Previewer
+
+from .conftest import SMALL, check_stream, is_end, recv, running, send, wait_for
+
+
+class _Gated(Previewer):
+    """One preview thread; request "a"'s first preview blocks it until the gate opens."""
+
+    def __init__(self) -> None:
+        super().__init__(threads=1)
+        self.gate = threading.Event()
+        self.rendered: list[tuple[str, int]] = []
+
+    async def _render_reserved(self, frame, spec):
+        if frame.request_id == "a" and not self.gate.is_set():
+            await anyio.to_thread.run_sync(self.gate.wait, 20)
+        self.rendered.append((frame.request_id, frame.step))
+        return await super()._render_reserved(frame, spec)
+
+
+@pytest.mark.asyncio
+async def test_a_request_that_waited_for_the_preview_thread_renders_its_newest_step():
+    previewer = _Gated()
+    async with running(Synthetic(), previewer=previewer) as server:
+        async with connect(server.url) as ws:
+            await send(ws, type="generate", id="a", params=dict(SMALL, steps=3))
+            await wait_for(lambda: ("a", 1) in previewer.rendered or previewer._limiter.borrowed_tokens == 1,
+                           what="a's first preview holding the thread")
+            await send(ws, type="generate", id="b", params=dict(SMALL, steps=6))
+            # Both requests compute to the end (policy "latest": the engine
+            # never waits for previews) while "b" queues for the thread.
+            await wait_for(lambda: server.engine.statistics().steps >= 9, what="all steps computed")
+            previewer.gate.set()
+            by_id: dict[str, list] = {"a": [], "b": []}
+            while not all(any(is_end(m, rid) for m in ms) for rid, ms in by_id.items()):
+                msg = await recv(ws)
+                if msg.get("id") in by_id:
+                    by_id[msg["id"]].append(msg)
+    msgs = by_id["b"]
+    check_stream(msgs, "b", 6)
+    b_previews = [m["step"] for m in msgs if m["type"] == "preview"]
+    # Without the refresh, "b" would render step 1 (the frame it held while it
+    # queued, by then six steps stale) before its final one.
+    assert b_previews == [6]
+    assert [r for r in previewer.rendered if r[0] == "b"] == [("b", 6)]
+
+
+@pytest.mark.asyncio
+async def test_preview_threads_is_a_server_limit_from_the_environment(monkeypatch):
+    monkeypatch.setenv("OMNI_STREAM_PREVIEW_THREADS", "3")
+    async with running(Synthetic()) as server:
+        assert server.limits.preview_threads == 3
+        assert server._previewer.threads == 3
