@@ -35,6 +35,7 @@ __all__ = [
     "Context",
     "Figure",
     "ProducerThreads",
+    "reset_main_thread",
     "Target",
     "calibrate_work",
     "interleave",
@@ -204,6 +205,23 @@ def warm_main_thread() -> None:
     a = torch.randn(256, 256)
     (a @ a).sum()
     torch.tanh(torch.randn(1 << 17)).sum()
+
+
+#: torch's intra-op threads when the harness was imported (its default here).
+DEFAULT_TORCH_THREADS = torch.get_num_threads()
+
+
+def reset_main_thread() -> None:
+    """Put the process back in the state a user's script is in: call on the main thread.
+
+    An engine changes two things a later variant would inherit: its producer's
+    ``torch.set_num_threads`` also sets the count new threads start with (and
+    MKL's), and ``Engine.start`` releases the main thread's OpenMP team. So
+    each variant starts from torch's default count and a main thread that
+    has a team, as after building a model.
+    """
+    torch.set_num_threads(DEFAULT_TORCH_THREADS)
+    warm_main_thread()
 
 
 @contextlib.contextmanager

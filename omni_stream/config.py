@@ -112,11 +112,14 @@ def timeout() -> float:
 def torch_threads() -> int:
     """Torch intra-op threads for the producer thread on CPU devices; default 1.
 
-    Read from ``OMNI_STREAM_TORCH_THREADS`` when an engine starts. Why 1: a
-    second OpenMP team on the producer thread, beside the one the main
-    thread got when the user built the model, makes every parallel region
-    pay a futex wake-up on a small machine (measured ~3x slower on 2 cores;
-    docs/performance.md, "Threads"). Raise it on machines with many cores
-    and large batched CPU steps.
+    Read from ``OMNI_STREAM_TORCH_THREADS`` when an engine starts. Why 1: on
+    a small CPU box the other cores serve the event loop, the preview threads
+    and the websockets; a producer team on every core leaves them none
+    (measured on 2 cores: with previews the engine went from 1.39x faster
+    than the callback pattern to 0.87x, loop-lag p99 from 0.7 to 3.6 ms). For
+    compute-bound CPU serving without previews set it to the core count: the
+    engine releases the loop thread's idle OpenMP team when it starts, so the
+    producer's team is the only one and steps as fast as a plain script in
+    the main thread (docs/performance.md, "Where torch runs").
     """
     return env_int(TORCH_THREADS_ENV, 1)

@@ -22,15 +22,20 @@ class CpuDevice(Device):
         # accelerator), and nothing would gain from it here.
         return torch.empty(shape, dtype=dtype)
 
-    def copy_owned(self, src: torch.Tensor) -> torch.Tensor:
+    def copy_owned(self, src: torch.Tensor) -> torch.Tensor | None:
         # Frames are already on the host: one copy on the producer thread,
         # before its next step (a model may reuse its output tensor), and no
         # pool buffer. With the producer's single torch thread a large clone
         # starts no OpenMP team.
+        if src.device.type != "cpu" or src.layout is not torch.strided:
+            # An output on another device (or sparse) goes the general way:
+            # copy_to_host moves it into a dense CPU buffer, or fails its
+            # request with the reason.
+            return None
         return src.clone(memory_format=torch.contiguous_format)
 
     def copy_to_host(self, src: torch.Tensor, dst: torch.Tensor) -> CopyEvent:
-        # Synchronous: the producer thread copies before it runs the next
+        # For what copy_owned declines. Synchronous: the producer thread copies before it runs the next
         # step, so a model that reuses its output tensor cannot race us.
         dst.copy_(src)
         return COMPLETED

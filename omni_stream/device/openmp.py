@@ -28,7 +28,7 @@ import threading
 
 import torch
 
-__all__ = ["release_idle_team", "supported"]
+__all__ = ["release_idle_team", "set_torch_threads_here", "supported"]
 
 logger = logging.getLogger("omni_stream.device")
 
@@ -39,14 +39,20 @@ _pause: object = None  # None: not looked up yet; False: unavailable; else the C
 
 def _find_pause() -> object:
     """``omp_pause_resource_all`` from the libgomp torch loaded, or False."""
-    libdir = os.path.join(os.path.dirname(torch.__file__), "lib")
-    # Only GNU libgomp: it frees the calling thread's pool alone. Other
-    # runtimes (LLVM's libomp, Intel's libiomp5) pause process-wide.
-    # RTLD_NOLOAD: only a library already in the process (the one torch uses).
-    candidates = sorted(glob.glob(os.path.join(libdir, "libgomp*.so*"))) + ["libgomp.so.1"]
+    here = os.path.dirname(torch.__file__)
+    # Only the GNU libgomp shipped with torch (torch/lib on x86-64 wheels,
+    # torch.libs beside it on others): it frees the calling thread's pool
+    # alone. Other runtimes (LLVM's libomp, Intel's libiomp5) pause
+    # process-wide, and some other libgomp in the process is not torch's.
+    candidates = sorted(
+        glob.glob(os.path.join(here, "lib", "libgomp*.so*"))
+        + glob.glob(os.path.join(os.path.dirname(here), "torch.libs", "libgomp*.so*"))
+    )
     for path in candidates:
         try:
-            lib = ctypes.CDLL(path, mode=ctypes.RTLD_GLOBAL | os.RTLD_NOLOAD)
+            # NOLOAD: only a library already in the process (the one torch
+            # loaded); LOCAL: leave its symbol scope as it was.
+            lib = ctypes.CDLL(path, mode=os.RTLD_LOCAL | os.RTLD_NOLOAD)
         except OSError:
             continue  # not the library torch loaded
         fn = getattr(lib, "omp_pause_resource_all", None)
@@ -75,12 +81,32 @@ def supported() -> bool:
 
 
 def release_idle_team() -> bool:
-    """Free the calling thread's idle OpenMP team; True if one was released.
+    """Free the calling thread's idle OpenMP team, if it has one.
 
-    A no-op (False) where torch does not run on GNU libgomp, on libgomp
-    older than OpenMP 5.0, or inside a parallel region.
+    True when libgomp accepted the call (also when there was no team to
+    free); False where torch does not run on GNU libgomp, on libgomp older
+    than OpenMP 5.0, or inside a parallel region (nothing is done then).
     """
     fn = _lookup()
     if fn is False:
         return False
     return fn(_OMP_PAUSE_SOFT) == 0  # type: ignore[operator]
+
+
+def set_torch_threads_here(n: int) -> None:
+    """``torch.set_num_threads(n)`` for the calling thread only.
+
+    torch's call also sets the count that every thread started afterwards
+    begins with: an engine whose producer took one thread would make every
+    later thread of the user's process (their own workers included) run torch
+    on one thread. A throwaway thread sets that count back; the calling
+    thread's own OpenMP and MKL settings are thread-local and stay at ``n``.
+    """
+    before = torch.get_num_threads()
+    torch.set_num_threads(n)
+    if before != n:
+        restore = threading.Thread(
+            target=torch.set_num_threads, args=(before,), name="omni-stream-torch-threads"
+        )
+        restore.start()
+        restore.join()

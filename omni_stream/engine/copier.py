@@ -1,13 +1,16 @@
 """Device-to-host copies: issued on the producer thread, awaited off the loop.
 
 ``submit`` (producer thread) casts on the device if asked, leases a pool
-buffer and issues the copy on the device's copy stream; it returns a
-ticket that keeps the source tensor referenced, because a tensor freed while
+buffer and issues the copy on the device's copy stream (or, for frames
+already in host memory, copies once into a tensor the caller will own); it
+returns a ticket that keeps the source tensor referenced, because a tensor freed while
 the copy stream still reads it is recycled by the caching allocator and
 the copy would read the next step's data.
 
 ``run`` (an event-loop task) takes tickets in the order they were issued,
-waits for their events and hands the owned frames on. Events are waited on
+waits for their events and hands the owned frames on. Tickets with nothing
+to wait for, arriving while nothing is queued or in progress, are handed on
+directly from the loop callback that receives them (``_receive``). Events are waited on
 through ``anyio.to_thread`` with a one-token limiter of our own: waiting
 never blocks the loop and never takes tokens from anyio's shared limiter.
 When every event in a batch has already completed and the bytes are few,
@@ -160,6 +163,7 @@ class Copier:
         deliver = self._deliver
         if (
             deliver is not None
+            and self._failure is None
             and not self._busy
             and not self._inbox
             and all(t.lease is None for t in tickets)
@@ -170,13 +174,14 @@ class Copier:
             # loop thread whose GIL the producer's next step is waiting for.
             try:
                 deliver(tickets)
-            except BaseException as exc:
+            except Exception as exc:
                 # Raised from the copier's task, so the engine dies visibly:
                 # in a callback it would only reach the loop's exception
                 # handler, and the engine would live on as a zombie.
                 self._failure = exc
                 self._wakeup.set()
             return
+        # Behind a failed hand-over too: nothing may be delivered after a gap.
         self._inbox.extend(tickets)
         self._wakeup.set()
 

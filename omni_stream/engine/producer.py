@@ -27,6 +27,7 @@ from typing import Any
 import torch
 
 from ..device import Device, PoolClosedError
+from ..device.openmp import set_torch_threads_here
 from ..errors import StepFailedError
 from ..model import StepModel
 from .copier import Copier, CopyTicket
@@ -71,10 +72,11 @@ class Producer:
         try:
             self._device.prepare_thread()
             if self._device.kind in ("cpu", "sim"):
-                # The model's CPU compute runs here: one OpenMP team of the
-                # chosen size, never a second team fighting the main
-                # thread's for the cores (config.torch_threads says why).
-                torch.set_num_threads(self._torch_threads)
+                # The model's CPU compute runs here, on a team of the chosen
+                # size (config.torch_threads says why one by default); the
+                # engine released the loop thread's idle team when it started.
+                # Only this thread's setting changes, not the process default.
+                set_torch_threads_here(self._torch_threads)
             with self._busy(("model.load",)):
                 self._model.load(self._device.torch_device)
             while True:

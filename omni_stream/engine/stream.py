@@ -84,7 +84,7 @@ class FrameStream:
             return None
         try:
             frame = self._request.delivery.get_nowait()
-        except BaseException:
+        except (Exception, StopAsyncIteration):
             return None  # the ending: __anext__ raises it
         if frame is None:
             return None

@@ -82,20 +82,21 @@ async def _publish(
     if not should_preview(frame.step, frame.total, spec.every):
         return
     started = time.perf_counter()
-    try:
-        async with previewer.reserve() as render:
-            if spec.every == 1:
-                # While this request queued for a preview thread (under load,
-                # behind every other request's preview), newer steps may have
-                # arrived: render the newest, so the preview a client gets is
-                # as fresh as the thread allows. (With every > 1 only some
-                # steps are previewed, and skipping could miss them.)
-                while (newer := stream.poll()) is not None:
-                    frame = newer
-                    _progress(record, frame, metrics)
+    async with previewer.reserve() as render:
+        if spec.every == 1:
+            # While this request queued for a preview thread (under load,
+            # behind every other request's preview), newer steps may have
+            # arrived: render the newest, so the preview a client gets is as
+            # fresh as the thread allows; their progress goes out first.
+            # (With every > 1 only some steps are previewed, and skipping
+            # ahead could miss them.)
+            while (newer := stream.poll()) is not None:
+                frame = newer
+                _progress(record, frame, metrics)
+        try:
             image = await render(frame, spec)
-    except Exception as exc:
-        raise _PreviewFailed() from exc
+        except Exception as exc:
+            raise _PreviewFailed() from exc
     metrics.preview_encode.observe(time.perf_counter() - started)
     header = protocol.PreviewHeader(
         id=record.id,

@@ -1,96 +1,103 @@
-"""release_idle_team: the calling thread's OpenMP helpers exit; results and other threads are untouched."""
+"""release_idle_team: the calling thread's OpenMP helpers exit; results and other threads are untouched.
+
+The thread counting runs in a fresh interpreter: in the test process, idle
+worker threads of earlier tests come and go and would blur the count.
+"""
 
 from __future__ import annotations
 
+import json
 import os
-import threading
-import time
+import subprocess
+import sys
+import textwrap
 
 import pytest
-import torch
 
 from omni_stream.device.openmp import release_idle_team, supported
 
 gnu_openmp = pytest.mark.skipif(
-    not supported()
-    or not os.path.isdir("/proc/self/task")
-    or (os.cpu_count() or 1) < 2,
+    not supported() or not os.path.isdir("/proc/self/task") or (os.cpu_count() or 1) < 2,
     reason="needs torch on GNU libgomp, Linux and 2+ CPUs",
 )
 
+_PRELUDE = """
+import json, os, threading, time
+import torch
+from omni_stream.device.openmp import release_idle_team
 
-def _threads() -> int:
+def threads():
     return len(os.listdir("/proc/self/task"))
 
-
-def _parallel_op() -> torch.Tensor:
-    # Far above torch's grain size: runs as an OpenMP parallel region.
+def parallel_op():
+    # Far above torch's grain size: an OpenMP parallel region.
     x = torch.arange(1 << 20, dtype=torch.float32)
     return (x * 2 + 1).sum()
 
-
-def _settle(expected: int, timeout: float = 5.0) -> int:
+def settle(expected, timeout=5.0):
     deadline = time.monotonic() + timeout
-    while _threads() != expected and time.monotonic() < deadline:
+    while threads() != expected and time.monotonic() < deadline:
         time.sleep(0.01)
-    return _threads()
+    return threads()
+"""
+
+
+def _run(body: str) -> dict:
+    code = _PRELUDE + textwrap.dedent(body)
+    out = subprocess.run(
+        [sys.executable, "-c", code], capture_output=True, text=True, timeout=120, check=False
+    )
+    assert out.returncode == 0, out.stderr[-2000:]
+    return json.loads(out.stdout.strip().splitlines()[-1])
 
 
 @gnu_openmp
 def test_release_frees_the_calling_threads_helpers_and_they_come_back_on_demand():
-    result: dict[str, object] = {}
-
-    def body() -> None:
-        # A fresh thread, so the team we count is this thread's own.
+    result = _run(
+        """
         torch.set_num_threads(2)
-        before = _threads()
-        expected = _parallel_op()
-        with_team = _threads()
-        result["grew"] = with_team - before
-        result["released"] = release_idle_team()
-        result["after_release"] = _settle(before)
-        result["before"] = before
-        result["same"] = torch.equal(_parallel_op(), expected)  # the team is rebuilt
-        result["rebuilt"] = _threads() - before
-        release_idle_team()
-
-    t = threading.Thread(target=body)
-    t.start()
-    t.join()
+        before = threads()
+        expected = parallel_op()
+        grew = threads() - before
+        released = release_idle_team()
+        after = settle(before)
+        same = bool(torch.equal(parallel_op(), expected))  # the team is rebuilt
+        print(json.dumps({"grew": grew, "released": released, "after": after,
+                          "before": before, "same": same, "rebuilt": threads() - before}))
+        """
+    )
     assert result["grew"] == 1  # one helper beside the thread itself
     assert result["released"] is True
-    assert result["after_release"] == result["before"]
+    assert result["after"] == result["before"]
     assert result["same"] is True
     assert result["rebuilt"] == 1
 
 
 @gnu_openmp
 def test_release_leaves_other_threads_teams_alone():
-    ready, done = threading.Event(), threading.Event()
-    counts: dict[str, int] = {}
-
-    def other() -> None:
+    result = _run(
+        """
         torch.set_num_threads(2)
-        _parallel_op()
-        ready.set()
-        done.wait(10)
-        release_idle_team()
+        ready, done = threading.Event(), threading.Event()
 
-    t = threading.Thread(target=other)
-    t.start()
-    assert ready.wait(10)
-    counts["with_other_team"] = _threads()
+        def other():
+            torch.set_num_threads(2)
+            parallel_op()
+            ready.set()
+            done.wait(10)
 
-    def releaser() -> None:
-        counts["released"] = int(release_idle_team())  # this thread has no team
-
-    r = threading.Thread(target=releaser)
-    r.start()
-    r.join()
-    counts["after"] = _settle(counts["with_other_team"])
-    done.set()
-    t.join()
-    assert counts["after"] == counts["with_other_team"]
+        t = threading.Thread(target=other)
+        t.start()
+        ready.wait(10)
+        with_team = threads()
+        release_idle_team()  # the main thread has no team: nothing to free
+        after = settle(with_team - 1, timeout=0.5)
+        done.set()
+        t.join()
+        print(json.dumps({"with_team": with_team, "after": after}))
+        """
+    )
+    assert result["after"] == result["with_team"]
 
 
 def test_release_is_safe_to_call_anywhere():

@@ -118,3 +118,30 @@ async def test_poll_leaves_a_failure_for_anext():
         assert stream.poll() is None
         with pytest.raises(om.StepFailedError):
             await stream.__anext__()
+
+
+def test_cpu_device_copies_only_dense_cpu_tensors_itself():
+    device = om.device.CpuDevice()
+    src = torch.arange(12.0).reshape(3, 4).t()  # non-contiguous
+    owned = device.copy_owned(src)
+    assert owned is not None and torch.equal(owned, src) and owned.is_contiguous()
+    src.add_(1)
+    assert not torch.equal(owned, src)  # a copy, not a view
+    assert device.copy_owned(torch.eye(3).to_sparse()) is None
+    assert device.copy_owned(torch.empty(2, device="meta")) is None
+
+
+@pytest.mark.asyncio
+async def test_the_producers_torch_threads_do_not_change_the_process_default():
+    import threading
+
+    before = torch.get_num_threads()
+    seen: list[int] = []
+    async with om.Engine(om.models.Synthetic(), device="cpu", torch_threads=1) as engine:
+        await engine.generate({"steps": 2})
+        # A thread the user starts after the engine: torch's default count,
+        # not the producer's one thread.
+        t = threading.Thread(target=lambda: seen.append(torch.get_num_threads()))
+        t.start()
+        t.join()
+    assert seen == [before]
