@@ -85,6 +85,7 @@ def machine_info() -> dict[str, Any]:
         "torch_threads": torch.get_num_threads(),
         "numpy": _version("numpy"),
         "pillow": _version("PIL"),
+        "simplejpeg": _version("simplejpeg"),
         "websockets": _version("websockets"),
         "uvloop": _version("uvloop"),
         "anyio": _version("anyio"),
@@ -142,6 +143,7 @@ def format_markdown(figures: Iterable[Figure], meta: Mapping[str, Any]) -> str:
     machine = (
         f"Machine: {m.get('nproc')} CPUs ({m.get('cpu_model')}), Python {m.get('python')}, "
         f"torch {m.get('torch')}, numpy {m.get('numpy')}, Pillow {m.get('pillow')}, "
+        f"simplejpeg {m.get('simplejpeg')}, "
         f"websockets {m.get('websockets')}, uvloop {m.get('uvloop')}; "
         f"load average at start {m.get('loadavg')}, at end {meta.get('loadavg_end')}; "
         f"parallel capacity (2 threads / 1 thread of GIL-free numpy) at start "

@@ -2,13 +2,14 @@
 
 Three implementations share this interface and the same copier code:
 ``cuda`` (real streams and ``torch.cuda.Event(blocking=True)``), ``cpu``
-(synchronous copies, events that are born complete) and ``sim`` (worker
+(frames already on the host: one owned copy on the producer, through
+``copy_owned``) and ``sim`` (worker
 threads standing in for a compute stream and a copy stream, with
 configurable latencies, so the asynchronous path is exercised without a
 GPU).
 
-Threading: ``prepare_thread``, ``after_step``, ``host_buffer`` and
-``copy_to_host`` run on the producer thread, the one thread that owns the
+Threading: ``prepare_thread``, ``after_step``, ``host_buffer``,
+``copy_owned`` and ``copy_to_host`` run on the producer thread, the one thread that owns the
 accelerator. ``CopyEvent.query`` and ``CopyEvent.synchronize`` may run on
 any thread (the copier waits on them through ``anyio.to_thread``).
 """

@@ -3,8 +3,9 @@
 The data path (``docs/design.md`` draws it)::
 
     producer thread ──tickets──▶ copier task ──frames──▶ consumer task ──▶ Delivery ──▶ FrameStream
-    (model.step, copy issue)     (waits on events,       (per-request,       (all | latest)  (fail_after
-                                  clones, releases)       contained errors)                   per step)
+    (model.step, copy issue;     (waits on events,       (per-request,       (all | latest)  (fail_after
+     CPU: the owned copy)         clones, releases;       contained errors)                   per step)
+                                  CPU frames skip it)
 
 One anyio task group runs the producer's supervisor, the copier and the
 consumer. If any of them dies, the engine is dead: every pending and every
@@ -70,7 +71,7 @@ def _positive_int(name: str, value: Any) -> int:
 
 
 class _Mailbox:
-    """An unbounded FIFO of ticket batches from the copier task to the consumer task (loop-only)."""
+    """An unbounded FIFO of ticket batches from the copier to the consumer task (loop-only)."""
 
     def __init__(self) -> None:
         self._items: deque[list[CopyTicket]] = deque()

@@ -30,7 +30,7 @@ from PIL import Image
 
 try:  # libjpeg-turbo without the GIL; Pillow is the fallback (see _encode_jpeg)
     import simplejpeg
-except ImportError:  # pragma: no cover - exercised by tests that hide it
+except ImportError:  # pragma: no cover - tests set it to None for the fallback
     simplejpeg = None
 
 from ..errors import ParamsError

@@ -113,7 +113,8 @@ class Previewer:
     would stall every connection if done on the loop, and would slow
     generation 2-2.5x if done between steps on the producer thread (the
     AUTOMATIC1111 experience). In a worker thread they overlap the next step:
-    numpy ufuncs and Pillow's codecs release the GIL.
+    numpy ufuncs and simplejpeg's JPEG encoder release the GIL (Pillow's JPEG
+    encoder mostly holds it, which is why JPEG goes through simplejpeg).
 
     One ``Previewer`` is shared by all requests: its own ``CapacityLimiter``
     bounds how many previews render at once (default 1). Our target boxes
@@ -160,7 +161,9 @@ class Previewer:
         behind on its previews renders the newest step it has, not the one
         it held while it queued (which would reach the client already stale).
         The returned callable may be awaited any number of times while the
-        reservation is held; each call renders in the reserved thread slot.
+        reservation is held, and only then; each call renders in the reserved
+        slot. Calling ``render`` itself inside the reservation raises (anyio:
+        the task already holds a token of this previewer).
         """
         async with self._limiter:
             yield self._render_reserved

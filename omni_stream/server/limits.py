@@ -63,7 +63,7 @@ class ServerLimits:
     #: Previews rendered at once. One by default: on a small CPU box the
     #: producer needs the other core. With the model on a GPU, or many
     #: clients each watching its own request, more keep previews fresh
-    #: (docs/performance.md, fanout).
+    #: (docs/performance.md, "fanout").
     preview_threads: int = 1
 
     def __post_init__(self) -> None:
