@@ -104,18 +104,20 @@ class ClientConnection:
                 except OutboxOverflowError as exc:
                     await self._close_slow(f"client not reading: {exc}")
                     return
-                try:
-                    with anyio.CancelScope() as scope:
-                        self._send_scope = scope
-                        with anyio.fail_after(timeout):
-                            await self.ws.send(item.data)
-                except TimeoutError:
+                # One scope for both ways a send ends early: its deadline (the
+                # client stopped reading) and an overflowing outbox, which
+                # cancels it (_overflowed). One scope, not two, a message.
+                with anyio.CancelScope(deadline=anyio.current_time() + timeout) as scope:
+                    self._send_scope = scope
+                    try:
+                        await self.ws.send(item.data)
+                    finally:
+                        self._send_scope = None
+                if scope.cancelled_caught:
+                    if self.outbox.overflowed:
+                        continue  # get() raises OutboxOverflowError next
                     await self._close_slow(f"client not reading: a send was blocked for {timeout:g} s")
                     return
-                finally:
-                    self._send_scope = None
-                if scope.cancelled_caught:
-                    continue  # the outbox overflowed: get() raises next
                 sent.labels(item.kind).inc()
         except ConnectionClosed:
             return
