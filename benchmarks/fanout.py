@@ -217,9 +217,9 @@ async def run(ctx: Context) -> list[Figure]:
             baseline=raw("naive"),
             engine=raw("ours"),
             limits=(
-                "CPU: 100 requests at work=0 make previews the whole load; the server (loop, "
-                "producer, preview thread) takes ~1.5 of the 2 cores and the clients' process the "
-                "rest, so frames queue for the one preview thread; fresh intermediate frames "
+                "render capacity: at work=0 all 100 final frames come out of the producer's last "
+                "round together and one preview thread renders about one a millisecond, so the last "
+                "of them (the slowest 1%) wait ~100 ms; fresh intermediate frames "
                 f"{m('ours', 'p50_ms'):.0f} ms p50; with preview_threads=2: p99 "
                 f"{m('ours_2_preview_threads', 'p99_ms'):.0f} ms"
             ),
