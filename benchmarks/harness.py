@@ -23,18 +23,16 @@ import statistics
 import sys
 import threading
 import time
-from collections.abc import Awaitable, Callable, Hashable, Iterator, Mapping, Sequence
+from collections.abc import Awaitable, Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any, TypeVar
 
 import torch
 
-from omni_stream.model import StepModel
 
 __all__ = [
     "Context",
     "Figure",
-    "ProducerThreads",
     "reset_main_thread",
     "Target",
     "calibrate_work",
@@ -356,47 +354,3 @@ async def stream_all(
     return time.perf_counter() - t0
 
 
-class ProducerThreads(StepModel):
-    """Wraps a StepModel so that the engine's producer thread runs torch with ``threads`` threads.
-
-    ``load`` runs once on the producer thread before any step, so setting
-    the thread count there is exactly the one-line engine change the
-    ``limit`` and ``threads`` figures evaluate (``torch.set_num_threads`` at
-    the top of ``Producer.run``) without editing the engine. Call
-    ``restore()`` on the main thread after the engine closed: the setting is
-    partly process-wide (MKL's count, and the count threads started later
-    begin with), and one variant must not change the next one's conditions.
-    """
-
-    def __init__(self, model: StepModel, threads: int) -> None:
-        self.inner = model
-        self.threads = threads
-        self.name = model.name
-        self.params = model.params
-        self.max_batch_size = model.max_batch_size
-        self._before = torch.get_num_threads()
-
-    def validate(self, params: Mapping[str, Any] | None) -> dict[str, Any]:
-        return self.inner.validate(params)
-
-    def total_steps(self, params: Mapping[str, Any]) -> int:
-        return self.inner.total_steps(params)
-
-    def batch_key(self, params: Mapping[str, Any]) -> Hashable | None:
-        return self.inner.batch_key(params)
-
-    def load(self, device: torch.device) -> None:
-        torch.set_num_threads(self.threads)
-        self.inner.load(device)
-
-    def start(self, params: Mapping[str, Any], device: torch.device) -> Any:
-        return self.inner.start(params, device)
-
-    def step(self, states: Sequence[Any]) -> Sequence[torch.Tensor]:
-        return self.inner.step(states)
-
-    def close(self, state: Any) -> None:
-        self.inner.close(state)
-
-    def restore(self) -> None:
-        torch.set_num_threads(self._before)

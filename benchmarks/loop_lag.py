@@ -26,7 +26,6 @@ import omni_stream as om
 from .harness import (
     Context,
     Figure,
-    ProducerThreads,
     Target,
     interleave,
     median,
@@ -60,24 +59,16 @@ class LagSample:
     statistics: dict[str, Any]
 
 
-async def _measure(
-    load: bool, params: list[dict[str, object]], idle_s: float, *, threads: int | None = None
-) -> LagSample:
+async def _measure(load: bool, params: list[dict[str, object]], idle_s: float) -> LagSample:
     stop = asyncio.Event()
     async with asyncio.TaskGroup() as tg:
         tick = tg.create_task(ticker(stop))
         if load:
-            model: om.StepModel = om.models.Synthetic()
-            if threads is not None:
-                model = ProducerThreads(model, threads)
-            try:
-                async with om.Engine(model, device="cpu") as engine:
-                    await engine.generate(dict(params[0], steps=1))
-                    elapsed = await stream_all(engine, params)
-                    stats = engine.statistics().to_dict()
-            finally:
-                if isinstance(model, ProducerThreads):
-                    model.restore()
+            model = om.models.Synthetic()
+            async with om.Engine(model, device="cpu") as engine:
+                await engine.generate(dict(params[0], steps=1))
+                elapsed = await stream_all(engine, params)
+                stats = engine.statistics().to_dict()
         else:
             await asyncio.sleep(idle_s)
             elapsed, stats = idle_s, {}
@@ -98,13 +89,7 @@ async def run(ctx: Context) -> list[Figure]:
     async def loaded() -> LagSample:
         return await _measure(True, params, idle_s)
 
-    async def loaded_1t() -> LagSample:
-        return await _measure(True, params, idle_s, threads=1)
-
-    variants = {"idle": idle, "loaded": loaded}
-    if not ctx.quick:
-        variants["loaded_1t"] = loaded_1t
-    samples = await interleave(variants, ctx.reps)
+    samples = await interleave({"idle": idle, "loaded": loaded}, ctx.reps)
 
     def stat(kind: str, q: float) -> float:
         return median([percentile(s.lags, q) * 1e3 for s in samples[kind]])
@@ -113,15 +98,6 @@ async def run(ctx: Context) -> list[Figure]:
         return max(max(s.lags, default=0.0) for s in samples[kind]) * 1e3
 
     loaded_p99, idle_p99 = stat("loaded", 99), stat("idle", 99)
-    extra = {}
-    if "loaded_1t" in samples:
-        extra = {
-            "producer_1t_p50_ms": stat("loaded_1t", 50),
-            "producer_1t_p99_ms": stat("loaded_1t", 99),
-            "producer_1t_max_ms": worst("loaded_1t"),
-            "producer_1t_stream_s": median([s.elapsed_s for s in samples["loaded_1t"]]),
-        }
-        ctx.log("with the producer at one torch thread: " + ", ".join(f"{k} {v:.2f}" for k, v in extra.items()))
     ctx.log(
         f"lag ms: idle p50 {stat('idle', 50):.2f} p99 {idle_p99:.2f} max {worst('idle'):.2f}; "
         f"loaded p50 {stat('loaded', 50):.2f} p99 {loaded_p99:.2f} max {worst('loaded'):.2f}"
@@ -153,7 +129,6 @@ async def run(ctx: Context) -> list[Figure]:
                 "loaded_p99_per_rep_ms": [percentile(s.lags, 99) * 1e3 for s in samples["loaded"]],
                 "statistics": samples["loaded"][-1].statistics,
                 "switch_interval_s": sys.getswitchinterval(),
-                **extra,
             },
         )
     ]
