@@ -152,7 +152,7 @@ async def _sample(
 
 async def run(ctx: Context) -> list[Figure]:
     clients, steps = (5, 2) if ctx.quick else (100, 10)
-    reps = 1 if ctx.quick else max(1, min(ctx.reps, 2))
+    reps = 1 if ctx.quick else max(1, min(ctx.reps, 3))
     # A stalled peer never finishes: the deadline bounds that sample.
     deadline = 10.0 if ctx.quick else 20.0
     ctx.log(f"fanout: {clients} clients x {steps} steps of {SHAPE}, JPEG every step; deadline {deadline:g} s")
