@@ -98,8 +98,8 @@ class Engine:
     ``max_batch_size`` (requests advanced in one model call); ``max_run_ahead``
     (steps a request may compute before its earlier copies reach its reader);
     ``queue_size`` (frames a "all" reader may lag behind before its request
-    pauses); ``max_buffers`` (host buffer pool cap; CPU devices use no pool); ``frame_dtype`` (cast on
-    the device before copying); ``shutdown_timeout`` (seconds ``aclose``
+    pauses); ``max_buffers`` (host buffer pool cap; CPU devices use no
+    pool); ``frame_dtype`` (cast on the device before copying); ``shutdown_timeout`` (seconds ``aclose``
     waits for a step stuck on the device); ``torch_threads`` (torch threads
     of the producer on CPU devices; default ``OMNI_STREAM_TORCH_THREADS`` or
     1). Bad options raise ParamsError.
