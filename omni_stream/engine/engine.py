@@ -99,8 +99,9 @@ class Engine:
     (steps a request may compute before its earlier copies reach its reader);
     ``queue_size`` (frames a "all" reader may lag behind before its request
     pauses); ``max_buffers`` (host buffer pool cap; CPU devices use no
-    pool); ``frame_dtype`` (cast on the device before copying); ``shutdown_timeout`` (seconds ``aclose``
-    waits for a step stuck on the device); ``torch_threads`` (torch threads
+    pool); ``frame_dtype`` (cast on the device before copying);
+    ``shutdown_timeout`` (seconds ``aclose`` waits for a step stuck on the
+    device); ``torch_threads`` (torch threads
     of the producer on CPU devices; default ``OMNI_STREAM_TORCH_THREADS`` or
     1). Bad options raise ParamsError.
     Enter and leave the engine from the same task.
