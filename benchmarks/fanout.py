@@ -208,91 +208,87 @@ async def run(ctx: Context) -> list[Figure]:
         "the previews themselves (one preview thread renders every JPEG for both) and the 2 cores "
         "the server, its producer and the clients' process share"
     )
+    def fig(
+        name: str, value: float, base: str, ours: str, limits: str, *,
+        target: Target | None = None, unit: str = "x",
+    ) -> Figure:
+        return Figure(
+            name=name, value=value, target=target, unit=unit,
+            baseline=raw(base), engine=raw(ours), limits=limits, details=details,
+        )
+
     return [
-        Figure(
-            name="fanout.p99_ms",
-            value=m("ours", "p99_ms"),
-            target=LATENCY_TARGET,
-            unit="ms",
-            baseline=raw("naive"),
-            engine=raw("ours"),
-            limits=(
+        fig(
+            "fanout.p99_ms",
+            m("ours", "p99_ms"),
+            "naive",
+            "ours",
+            (
                 "render capacity: at work=0 all 100 final frames come out of the producer's last "
                 "round together and one preview thread renders about one a millisecond, so the last "
                 "of them (the slowest 1%) wait ~100 ms; fresh intermediate frames "
                 f"{m('ours', 'p50_ms'):.0f} ms p50; with preview_threads=2: p99 "
                 f"{m('ours_2_preview_threads', 'p99_ms'):.0f} ms"
             ),
-            details=details,
-        ),
-        Figure(
-            name="fanout.p99_ms_2_preview_threads",
-            value=m("ours_2_preview_threads", "p99_ms"),
-            target=None,
+            target=LATENCY_TARGET,
             unit="ms",
-            baseline=raw("ours"),
-            engine=raw("ours_2_preview_threads"),
-            limits="OMNI_STREAM_PREVIEW_THREADS=2: JPEG encoding releases the GIL, so a second thread uses the second core",
-            details=details,
         ),
-        Figure(
-            name="fanout.stuck_client.fps_vs_naive",
-            # A peer that delivered nothing counts as one frame in the whole
-            # deadline, so the ratio stays finite (and is then a lower bound).
-            value=m("ours_stuck", "fps") / max(m("naive_stuck", "fps"), 1.0 / deadline),
-            target=STUCK_VS_NAIVE_TARGET,
-            baseline=raw("naive_stuck"),
-            engine=raw("ours_stuck"),
-            limits=(
+        fig(
+            "fanout.p99_ms_2_preview_threads",
+            m("ours_2_preview_threads", "p99_ms"),
+            "ours",
+            "ours_2_preview_threads",
+            "OMNI_STREAM_PREVIEW_THREADS=2: JPEG encoding releases the GIL, so a second thread uses the second core",
+            unit="ms",
+        ),
+        # A peer that delivered nothing counts as one frame in the whole
+        # deadline, so the ratio stays finite (and is then a lower bound).
+        fig(
+            "fanout.stuck_client.fps_vs_naive",
+            m("ours_stuck", "fps") / max(m("naive_stuck", "fps"), 1.0 / deadline),
+            "naive_stuck",
+            "ours_stuck",
+            (
                 "the peer's serial publish loop blocks on the stuck socket (its other clients got "
                 f"{m('naive_stuck', 'frames'):.0f} frames in {deadline:g} s); ours holds that "
                 "client's frames in its own outbox and closes it, nobody else waits"
             ),
-            details=details,
+            target=STUCK_VS_NAIVE_TARGET,
         ),
-        Figure(
-            name="fanout.fps_vs_naive",
-            value=m("ours", "fps") / m("naive", "fps"),
-            target=None,
-            baseline=raw("naive"),
-            engine=raw("ours"),
-            limits=limits_send,
-            details=details,
+        fig(
+            "fanout.fps_vs_naive",
+            m("ours", "fps") / m("naive", "fps"),
+            "naive",
+            "ours",
+            limits_send,
         ),
-        Figure(
-            name="fanout.p99_latency_naive_vs_ours",
-            value=m("naive", "p99_ms") / m("ours", "p99_ms"),
-            target=None,
-            baseline=raw("naive"),
-            engine=raw("ours"),
-            limits="naive: every message waits behind all queued ones; ours sends per connection, latest wins",
-            details=details,
+        fig(
+            "fanout.p99_latency_naive_vs_ours",
+            m("naive", "p99_ms") / m("ours", "p99_ms"),
+            "naive",
+            "ours",
+            "naive: every message waits behind all queued ones; ours sends per connection, latest wins",
         ),
-        Figure(
-            name="fanout.cpu_per_frame_naive_vs_ours",
-            value=m("naive", "server_cpu_ms_per_frame") / m("ours", "server_cpu_ms_per_frame"),
-            target=None,
-            baseline=raw("naive"),
-            engine=raw("ours"),
-            limits="naive deflates every (already compressed) JPEG on the loop",
-            details=details,
+        fig(
+            "fanout.cpu_per_frame_naive_vs_ours",
+            m("naive", "server_cpu_ms_per_frame") / m("ours", "server_cpu_ms_per_frame"),
+            "naive",
+            "ours",
+            "naive deflates every (already compressed) JPEG on the loop",
         ),
-        Figure(
-            name="fanout.stuck_client.fps_kept",
-            value=m("ours_stuck", "fps") / m("ours_reading", "fps"),
+        fig(
+            "fanout.stuck_client.fps_kept",
+            m("ours_stuck", "fps") / m("ours_reading", "fps"),
+            "ours_reading",
+            "ours_stuck",
+            "the same load with the 101st client reading; only the send path differs",
             target=STUCK_TARGET,
-            baseline=raw("ours_reading"),
-            engine=raw("ours_stuck"),
-            limits="the same load with the 101st client reading; only the send path differs",
-            details=details,
         ),
-        Figure(
-            name="fanout.stuck_client.naive_fps_kept",
-            value=m("naive_stuck", "fps") / m("naive_reading", "fps"),
-            target=None,
-            baseline=raw("naive_reading"),
-            engine=raw("naive_stuck"),
-            limits="the serial publish loop waits on the stuck socket; everyone's frames queue behind it",
-            details=details,
+        fig(
+            "fanout.stuck_client.naive_fps_kept",
+            m("naive_stuck", "fps") / m("naive_reading", "fps"),
+            "naive_reading",
+            "naive_stuck",
+            "the serial publish loop waits on the stuck socket; everyone's frames queue behind it",
         ),
     ]

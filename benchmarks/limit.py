@@ -203,52 +203,46 @@ async def run(ctx: Context) -> list[Figure]:
         baseline = {k: med[k] for k in ("bare_main", *BARE_WORKERS)}
         engine_raw = {k: med[k] for k in ("engine", "engine_all_cores")}
         settings = {"engine": "torch_threads=1, the default", "engine_all_cores": f"torch_threads={os.cpu_count()}"}
-        figures.append(
+        best_setting = settings[best_name]
+        rows = [
+            (
+                "vs_worker",
+                best / floor,
+                worker_target,
+                f"the engine at its best setting ({best_setting}) against the best worker "
+                f"arrangement ({floor_name}); what is left is the per-frame work on the loop "
+                "(hand-over, delivery, the reader's wake-up), which holds the GIL the producer's "
+                "next torch call needs",
+            ),
+            (
+                "default_vs_worker_1t",
+                med["engine"] / med["bare_worker_1t"],
+                None,
+                "same thread setting on both sides (one torch thread): the machinery alone, "
+                f"{cpu_extra_ms:.2f} ms more CPU a frame",
+            ),
+            (
+                "vs_main",
+                best / med["bare_main"],
+                main_target,
+                f"the engine at its best setting ({best_setting}) against the user's plain "
+                f"loop in the main thread (torch's default threads); the default engine: "
+                f"{med['engine'] / med['bare_main']:.2f}x. With every core the producer's team is the "
+                "only one (Engine.start released the loop thread's), so it steps as fast as the "
+                "main thread; one thread is the default because previews, the loop and the "
+                "websockets need a core (naive, loop_lag)",
+            ),
+        ]
+        figures.extend(
             Figure(
-                name=f"limit.{label}.vs_worker",
-                value=best / floor,
-                target=worker_target,
+                name=f"limit.{label}.{suffix}",
+                value=value,
+                target=target,
                 baseline=baseline,
                 engine=engine_raw,
-                limits=(
-                    f"the engine at its best setting ({settings[best_name]}) against the best worker "
-                    f"arrangement ({floor_name}); what is left is the per-frame work on the loop "
-                    "(hand-over, delivery, the reader's wake-up), which holds the GIL the producer's "
-                    "next torch call needs"
-                ),
+                limits=limits,
                 details=details,
             )
-        )
-        figures.append(
-            Figure(
-                name=f"limit.{label}.default_vs_worker_1t",
-                value=med["engine"] / med["bare_worker_1t"],
-                target=None,
-                baseline=baseline,
-                engine=engine_raw,
-                limits=(
-                    f"same thread setting on both sides (one torch thread): the machinery alone, "
-                    f"{cpu_extra_ms:.2f} ms more CPU a frame"
-                ),
-                details=details,
-            )
-        )
-        figures.append(
-            Figure(
-                name=f"limit.{label}.vs_main",
-                value=best / med["bare_main"],
-                target=main_target,
-                baseline=baseline,
-                engine=engine_raw,
-                limits=(
-                    f"the engine at its best setting ({settings[best_name]}) against the user's plain "
-                    f"loop in the main thread (torch's default threads); the default engine: "
-                    f"{med['engine'] / med['bare_main']:.2f}x. With every core the producer's team is the "
-                    "only one (Engine.start released the loop thread's), so it steps as fast as the "
-                    "main thread; one thread is the default because previews, the loop and the "
-                    "websockets need a core (naive, loop_lag)"
-                ),
-                details=details,
-            )
+            for suffix, value, target, limits in rows
         )
     return figures

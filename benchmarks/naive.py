@@ -120,18 +120,23 @@ async def run(ctx: Context) -> list[Figure]:
         "512 px JPEG every step"
     )
 
-    async def naive() -> float:
+    async def peer_sample(run_params: Mapping[str, Any], device_s: float = 0.0) -> float:
         reset_main_thread()
         model = om.models.Synthetic()
         model.load(torch.device("cpu"))
         t0 = time.perf_counter()
         n = 0
-        async for image in naive_previews(model, params, SPEC):
+        async for image in naive_previews(model, run_params, SPEC, device_s=device_s):
             n += len(image.data) > 0
         assert n == steps, f"the peer produced {n} previews for {steps} steps"
         return time.perf_counter() - t0
 
-    async def engine_sample(model: om.StepModel, run_params: Mapping[str, Any] = params, device: Any = "cpu") -> float:
+    async def naive() -> float:
+        return await peer_sample(params)
+
+    async def engine_sample(
+        model: om.StepModel, run_params: Mapping[str, Any] = params, device: Any = "cpu"
+    ) -> float:
         rendered = 0
 
         async def on_frame(frame: om.Frame) -> None:
@@ -166,15 +171,7 @@ async def run(ctx: Context) -> list[Figure]:
     accel_params = dict(params, work=0)
 
     async def naive_accelerator() -> float:
-        reset_main_thread()
-        model = om.models.Synthetic()
-        model.load(torch.device("cpu"))
-        t0 = time.perf_counter()
-        n = 0
-        async for image in naive_previews(model, accel_params, SPEC, device_s=device_s):
-            n += len(image.data) > 0
-        assert n == steps, f"the peer produced {n} previews for {steps} steps"
-        return time.perf_counter() - t0
+        return await peer_sample(accel_params, device_s)
 
     async def engine_accelerator() -> float:
         device = om.device.SimDevice(compute_s=device_s, copy_s=0.0005)

@@ -3,14 +3,13 @@
 Three implementations share this interface and the same copier code:
 ``cuda`` (real streams and ``torch.cuda.Event(blocking=True)``), ``cpu``
 (frames already on the host: one owned copy on the producer, through
-``copy_owned``) and ``sim`` (worker
-threads standing in for a compute stream and a copy stream, with
-configurable latencies, so the asynchronous path is exercised without a
-GPU).
+``copy_owned``) and ``sim`` (worker threads standing in for a compute
+stream and a copy stream, with configurable latencies, so the asynchronous
+path is exercised without a GPU).
 
 Threading: ``prepare_thread``, ``after_step``, ``host_buffer``,
-``copy_owned`` and ``copy_to_host`` run on the producer thread, the one thread that owns the
-accelerator. ``CopyEvent.query`` and ``CopyEvent.synchronize`` may run on
+``copy_owned`` and ``copy_to_host`` run on the producer thread, the one
+thread that owns the accelerator. ``CopyEvent.query`` and ``CopyEvent.synchronize`` may run on
 any thread (the copier waits on them through ``anyio.to_thread``).
 """
 
@@ -84,6 +83,10 @@ class Device(abc.ABC):
     kind: str
     #: Where models put their tensors.
     torch_device: torch.device
+
+    #: The model's compute runs on host cores, so torch threads and OpenMP
+    #: teams matter: true for ``cpu`` and ``sim`` (whose kernels are CPU ops).
+    computes_on_cpu: bool = False
 
     @property
     def name(self) -> str:

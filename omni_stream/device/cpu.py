@@ -13,6 +13,7 @@ class CpuDevice(Device):
     """Steps run on the CPU; a frame's "copy" is one clone on the producer thread."""
 
     kind = "cpu"
+    computes_on_cpu = True
 
     def __init__(self) -> None:
         self.torch_device = torch.device("cpu")
@@ -35,7 +36,8 @@ class CpuDevice(Device):
         return src.clone(memory_format=torch.contiguous_format)
 
     def copy_to_host(self, src: torch.Tensor, dst: torch.Tensor) -> CopyEvent:
-        # For what copy_owned declines. Synchronous: the producer thread copies before it runs the next
-        # step, so a model that reuses its output tensor cannot race us.
+        # For what copy_owned declines. Synchronous: the producer thread
+        # copies before it runs the next step, so a model that reuses its
+        # output tensor cannot race us.
         dst.copy_(src)
         return COMPLETED

@@ -91,6 +91,7 @@ class SimDevice(Device):
     """
 
     kind = "sim"
+    computes_on_cpu = True
 
     def __init__(self, *, compute_s: float = 0.0, copy_s: float = 0.0) -> None:
         if compute_s < 0 or copy_s < 0:

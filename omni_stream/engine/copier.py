@@ -3,15 +3,15 @@
 ``submit`` (producer thread) casts on the device if asked, leases a pool
 buffer and issues the copy on the device's copy stream (or, for frames
 already in host memory, copies once into a tensor the caller will own); it
-returns a ticket that keeps the source tensor referenced, because a tensor freed while
-the copy stream still reads it is recycled by the caching allocator and
-the copy would read the next step's data.
+returns a ticket that keeps the source tensor referenced, because a tensor
+freed while the copy stream still reads it is recycled by the caching
+allocator and the copy would read the next step's data.
 
 ``run`` (an event-loop task) takes tickets in the order they were issued,
 waits for their events and hands the owned frames on. Tickets with nothing
 to wait for, arriving while nothing is queued or in progress, are handed on
-directly from the loop callback that receives them (``_receive``). Events are waited on
-through ``anyio.to_thread`` with a one-token limiter of our own: waiting
+directly from the loop callback that receives them (``_receive``). Events
+are waited on through ``anyio.to_thread`` with a one-token limiter of our own: waiting
 never blocks the loop and never takes tokens from anyio's shared limiter.
 When every event in a batch has already completed and the bytes are few,
 the batch is finished inline instead: a thread hop costs a few hundred

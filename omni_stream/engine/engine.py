@@ -197,7 +197,7 @@ class Engine:
         self._loop = asyncio.get_running_loop()
         self._loop_thread = threading.get_ident()
         self._state = "running"
-        if self.device.kind in ("cpu", "sim"):
+        if self.device.computes_on_cpu:
             # The loop thread usually built the model, so it may keep an idle
             # OpenMP team; beside the producer's, that makes libgomp sleep on
             # a futex at every parallel region. Freed here, the producer's is

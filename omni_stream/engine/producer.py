@@ -71,7 +71,7 @@ class Producer:
         """The thread's body; returns when the table says stop."""
         try:
             self._device.prepare_thread()
-            if self._device.kind in ("cpu", "sim"):
+            if self._device.computes_on_cpu:
                 # The model's CPU compute runs here, on a team of the chosen
                 # size (config.torch_threads says why one by default); the
                 # engine released the loop thread's idle team when it started.

@@ -67,7 +67,11 @@ class FrameStream:
             self._done = True
             self._engine._abandon(request)
             raise
-        self._engine._consumed(request)
+        return self._took(frame)
+
+    def _took(self, frame: Frame) -> Frame:
+        """Count ``frame`` as read (the producer's backpressure) and note the end."""
+        self._engine._consumed(self._request)
         if frame.final:
             self._done = True
         return frame
@@ -88,10 +92,7 @@ class FrameStream:
             return None  # the ending: __anext__ raises it
         if frame is None:
             return None
-        self._engine._consumed(self._request)
-        if frame.final:
-            self._done = True
-        return frame
+        return self._took(frame)
 
     async def aclose(self) -> None:
         """Stop the request if it has not finished; idempotent."""

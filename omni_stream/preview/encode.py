@@ -155,7 +155,7 @@ def encode(
     if size == (width, height):
         if format == "raw":
             return EncodedImage(rgb.tobytes(), "raw", width, height, FORMATS["raw"])
-        if format == "jpeg" and simplejpeg is not None:
+        if format == "jpeg":
             # Straight from the array: Image.fromarray alone costs ~1 ms at 512 px.
             data = _encode_jpeg(rgb, quality or DEFAULT_QUALITY["jpeg"])
             return EncodedImage(data, format, width, height, FORMATS[format])
