@@ -148,7 +148,7 @@ def main() -> None:
 
         # The real VAE decode, after the engine has shut down, so its torch
         # work never competes with the engine's producer thread.
-        rgb = model.decode(latents)
+        rgb = model.decode_latents(latents)
         pixels = ((rgb + 1) * 127.5).round().to(torch.uint8).permute(1, 2, 0).numpy()
         path = args.out / "final.png"
         Image.fromarray(pixels).save(path)

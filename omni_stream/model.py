@@ -26,20 +26,60 @@ afterwards: return a fresh tensor (or a clone) each step. The engine keeps
 the tensor referenced until its copy has completed. A ``step`` that raises
 must leave the states it was given unchanged: the engine then retries each
 state alone, so one request's failure does not fail the others in its batch.
+
+The result of a request (``output``): every request carries a param
+``output``, ``"image"`` (the default) or ``"latent"``, which the engine
+checks and adds to the params a model sees unless the model declares an
+``output`` param itself. With ``"image"`` the engine calls
+``decode(state, frame)`` on the final frame, on the producer thread, as part
+of the last step (the accelerator is touched by that thread only); what it
+returns is the final frame, copied like any other. A latent model returns its
+decoded image there (``[3, H, W]``, floats in ``[-1, 1]`` or ``uint8``) or
+video (``[T, 3, H, W]``); the default returns the frame itself, for models
+whose frames are pictures already. ``Frame.decoded`` then tells a reader
+which frames are decoded output.
+
+Whole-request models: a model that cannot stop between steps on its own (a
+library pipeline that runs its loop in one call, with a per-step callback)
+sets ``runs_whole_requests = True`` and implements ``run(state, emit)``
+instead of ``step``. The producer calls ``run`` for one request at a time;
+``run`` calls ``emit(frame)`` once per step, and for the last frame
+``emit(frame, decoded=...)`` with the request's output. ``emit`` hands the
+frame to the copier and returns when the request may take its next step; if
+the request was cancelled, timed out or the engine is stopping, it raises
+:class:`RequestStopped`, which ``run`` must let propagate (it ends the
+pipeline's loop within one step). Such models are never batched.
 """
 
 from __future__ import annotations
 
 import abc
 from collections.abc import Callable, Hashable, Iterator, Mapping, Sequence
-from typing import Any
+from typing import Any, Protocol
 
 import torch
 
 from .errors import ParamsError, StepFailedError
 from .params import Param, validate
 
-__all__ = ["StepModel", "GeneratorModel", "from_generator"]
+__all__ = ["StepModel", "GeneratorModel", "from_generator", "RequestStopped", "Emit", "OUTPUTS"]
+
+#: The values of the ``output`` param every request has.
+OUTPUTS = ("image", "latent")
+
+
+class RequestStopped(Exception):
+    """Raised by ``emit`` inside :meth:`StepModel.run`: stop this request now.
+
+    The request was cancelled, timed out, or the engine is shutting down.
+    A model lets it propagate out of ``run`` (through the library's loop).
+    """
+
+
+class Emit(Protocol):
+    """``emit(frame, *, decoded=False)``: hand one step's frame to the engine (see ``run``)."""
+
+    def __call__(self, frame: torch.Tensor, *, decoded: bool = False) -> None: ...
 
 
 class StepModel(abc.ABC):
@@ -84,6 +124,31 @@ class StepModel(abc.ABC):
 
     def close(self, state: Any) -> None:
         """Release one request's state; called exactly once, however it ended."""
+
+    def decode(self, state: Any, frame: torch.Tensor) -> torch.Tensor:
+        """The request's output, made from its final frame (producer thread).
+
+        Called once per request with ``output: "image"``, right after the step
+        that produced ``frame`` (the final one), on the model's device. Return
+        the decoded image ``[3, H, W]`` or video ``[T, 3, H, W]`` (floats in
+        ``[-1, 1]`` or ``uint8``), a fresh tensor; it becomes the final
+        frame. The default returns ``frame`` itself: the frame is the
+        picture already. Raising fails the request like a raising step.
+        """
+        return frame
+
+    #: True for a model that runs a whole request in one ``run`` call.
+    runs_whole_requests: bool = False
+
+    def run(self, state: Any, emit: Emit) -> None:
+        """Run a whole request, calling ``emit`` once per step (producer thread).
+
+        Only called when ``runs_whole_requests`` is True (see the module
+        docstring). ``emit`` raises :class:`RequestStopped` when the request
+        must stop; let it propagate. Emitting more frames than
+        ``total_steps`` or returning after fewer fails the request.
+        """
+        raise NotImplementedError(f"{type(self).__name__} sets runs_whole_requests but has no run()")
 
 
 class GeneratorModel(StepModel):

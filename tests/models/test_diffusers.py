@@ -34,6 +34,7 @@ from diffusers import (  # noqa: E402
 
 import omni_stream as om  # noqa: E402
 from omni_stream.models.diffusers import Diffusers, PromptEmbeddings  # noqa: E402
+from omni_stream.models.diffusers.unet import UNetDiffusers  # noqa: E402
 
 pytestmark = [
     pytest.mark.diffusers,
@@ -324,7 +325,7 @@ def test_a_shared_scheduler_would_corrupt_interleaved_requests():
     same_size = dict(REQUEST_B, height=16, steps=5)
     solo_b = run(Diffusers(pipe, encode_prompt=fixed_embeddings), same_size)
 
-    class SharedScheduler(Diffusers):
+    class SharedScheduler(UNetDiffusers):
         def start(self, params, device):
             state = super().start(params, device)
             shared = pipe.scheduler
@@ -422,7 +423,7 @@ async def test_cancelling_stops_the_denoise_loop():
     unet_calls: list[int] = []
     calls_at_close: list[int] = []
 
-    class Recorded(Diffusers):
+    class Recorded(UNetDiffusers):
         def close(self, state):
             calls_at_close.append(len(unet_calls))
             super().close(state)
@@ -517,6 +518,8 @@ def test_unsupported_pipelines_are_refused():
         transformer = object()
 
     with pytest.raises(ValueError, match="no UNet"):
+        UNetDiffusers(TransformerPipeline())
+    with pytest.raises(ValueError, match="callback_on_step_end"):
         Diffusers(TransformerPipeline())
     pipe = sd_pipe()
     pipe.unet.register_to_config(in_channels=9)  # an inpainting UNet's channel count
@@ -566,7 +569,7 @@ def test_decode_matches_the_pipelines_image():
     pipe = sd_pipe()
     model = Diffusers(pipe, encode_prompt=fixed_embeddings)
     raw = dict(prompt="a cat", steps=2, seed=3, height=16, width=16)
-    image = model.decode(run(model, raw)[-1])
+    image = model.decode_latents(run(model, raw)[-1])
     emb = fixed_embeddings("a cat", "")
     expected = pipe(prompt_embeds=emb.prompt_embeds, negative_prompt_embeds=emb.negative_prompt_embeds,
                     num_inference_steps=2, height=16, width=16,
@@ -574,4 +577,4 @@ def test_decode_matches_the_pipelines_image():
     assert image.shape == (3, 16, 16) and image.dtype == torch.float32
     torch.testing.assert_close(image * 0.5 + 0.5, expected, rtol=0, atol=1e-6)
     with pytest.raises(ValueError, match="latents"):
-        model.decode(torch.zeros(3, 8, 8))
+        model.decode_latents(torch.zeros(3, 8, 8))

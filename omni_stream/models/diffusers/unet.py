@@ -1,4 +1,4 @@
-"""Diffusers: stream every denoise step of a diffusers pipeline through the engine.
+"""The native adapter for UNet pipelines: Stable Diffusion 1.x/2.x and SDXL.
 
 ``pipe(...)`` runs its whole denoise loop in one call, so the engine cannot
 drive it. This adapter rebuilds the loop of ``StableDiffusionPipeline`` and
@@ -36,35 +36,14 @@ from typing import Any
 
 import torch
 
-from ..errors import ParamsError
-from ..model import StepModel
-from ..params import Param
+from ...errors import ParamsError
+from ...params import Param
+from .base import INSTALL_HINT as _INSTALL_HINT
+from .base import Diffusers, EncodePrompt, PromptEmbeddings, vae_image
 
-__all__ = ["Diffusers", "PromptEmbeddings", "EncodePrompt"]
-
-_INSTALL_HINT = 'the diffusers adapter needs the diffusers extra: pip install "omni-stream[diffusers]"'
+__all__ = ["UNetDiffusers"]
 _MAX_PROMPT_CHARS = 10_000
 _MAX_SIDE = 8192
-
-
-@dataclass(frozen=True, slots=True)
-class PromptEmbeddings:
-    """One prompt's text conditioning, the way the UNet consumes it.
-
-    ``prompt_embeds`` is ``[1, seq, dim]`` (the leading 1 may be left out);
-    ``negative_prompt_embeds`` has the same shape and is needed whenever a
-    request uses classifier-free guidance (``guidance_scale > 1``). SDXL
-    also needs the pooled embeddings, ``[1, dim]`` (or ``[dim]``).
-    """
-
-    prompt_embeds: torch.Tensor
-    negative_prompt_embeds: torch.Tensor | None = None
-    pooled_prompt_embeds: torch.Tensor | None = None
-    negative_pooled_prompt_embeds: torch.Tensor | None = None
-
-
-#: ``encode_prompt(prompt, negative_prompt) -> PromptEmbeddings``; runs on the producer thread.
-EncodePrompt = Callable[[str, str], PromptEmbeddings]
 
 
 @dataclass
@@ -87,15 +66,22 @@ class _State:
         return 2 if self.guided else 1
 
 
-class Diffusers(StepModel):
+class UNetDiffusers(Diffusers):
     """A diffusers Stable Diffusion / SDXL pipeline, one denoise step per engine step."""
 
     name = "diffusers"
+    mode = "native"
+
+    @staticmethod
+    def fits(pipe: Any) -> bool:
+        """Pipelines with a UNet (SD 1.x/2.x, SDXL and their kin)."""
+        return getattr(pipe, "unet", None) is not None
 
     def __init__(
         self,
         pipe: Any,
         *,
+        mode: str = "native",
         encode_prompt: EncodePrompt | None = None,
         scheduler: Any | None = None,
         defaults: Mapping[str, Any] | None = None,
@@ -184,23 +170,6 @@ class Diffusers(StepModel):
         self.name = name or "diffusers"
         self.params = self._declare(defaults)
         self._timestep_counts: dict[int, int] = {}
-
-    @classmethod
-    def from_pretrained(
-        cls, model_id: str, *, torch_dtype: torch.dtype | None = None, **pipeline_kwargs: Any
-    ) -> Diffusers:
-        """Load ``model_id`` with ``DiffusionPipeline.from_pretrained`` and wrap it.
-
-        Raises ImportError without diffusers, and whatever diffusers raises
-        for a model it cannot load; ValueError as :class:`Diffusers` does.
-        """
-        try:
-            from diffusers import DiffusionPipeline
-        except ImportError as exc:
-            raise ImportError(_INSTALL_HINT) from exc
-        if torch_dtype is not None:
-            pipeline_kwargs["torch_dtype"] = torch_dtype
-        return cls(DiffusionPipeline.from_pretrained(model_id, **pipeline_kwargs))
 
     # -- declarations and checks (event loop) --------------------------------
 
@@ -558,14 +527,25 @@ class Diffusers(StepModel):
 
     # -- decoding ---------------------------------------------------------------
 
-    def decode(self, latents: torch.Tensor) -> torch.Tensor:
-        """Decode one frame's latents with the VAE: float32 RGB ``[3, H, W]`` in ``[-1, 1]``.
+    def decode(self, state: _State, frame: torch.Tensor) -> torch.Tensor:
+        """The request's image: the final latent through the VAE, on the producer's device.
 
-        Runs the full VAE on the calling thread: call it once the engine is
-        done, not beside a running engine on a small CPU box, where its torch
-        threads would fight the producer's. Raises ValueError without a VAE
-        or for latents of the wrong shape.
+        The engine calls this for ``output: "image"`` (see ``StepModel.decode``).
         """
+        return self._vae_decode(frame)
+
+    def decode_latents(self, latents: torch.Tensor) -> torch.Tensor:
+        """Decode one frame's latents with the VAE: float32 RGB ``[3, H, W]`` in ``[-1, 1]``, on the CPU.
+
+        For latents a request returned with ``output: "latent"``. Runs the
+        full VAE on the calling thread: call it once the engine is done, not
+        beside a running engine on a small CPU box, where its torch threads
+        would fight the producer's. Raises ValueError without a VAE or for
+        latents of the wrong shape.
+        """
+        return self._vae_decode(latents).cpu()
+
+    def _vae_decode(self, latents: torch.Tensor) -> torch.Tensor:
         vae = getattr(self._pipe, "vae", None)
         if vae is None:
             raise ValueError(f"{type(self._pipe).__name__} has no VAE to decode with")
@@ -589,7 +569,7 @@ class Diffusers(StepModel):
             else:
                 x = x / vae.config.scaling_factor
             image = vae.decode(x, return_dict=False)[0]
-        return image[0].float().clamp(-1.0, 1.0).cpu()
+        return vae_image(image)
 
 
 @dataclass(slots=True)
