@@ -67,6 +67,9 @@ class CopyTicket:
     data: torch.Tensor | None = None
     #: The step failed: deliver this error after the frames before it.
     error: BaseException | None = None
+    #: The frame is decoded pixels (Frame.decoded), and what decoding cost.
+    decoded: bool = False
+    decode_s: float = 0.0
 
 
 class Copier:
@@ -109,6 +112,8 @@ class Copier:
         queued_s: float,
         compute_s: float,
         batch_size: int,
+        decoded: bool = False,
+        decode_s: float = 0.0,
     ) -> CopyTicket:
         """Issue the copy of one step's output; returns at once on async devices."""
         src = out.detach()
@@ -134,6 +139,8 @@ class Copier:
                 issued_at=issued_at,
                 copy_s=time.monotonic() - issued_at,
                 data=owned,
+                decoded=decoded,
+                decode_s=decode_s,
             )
         lease = self._pool.acquire(tuple(src.shape), src.dtype)
         try:
@@ -150,6 +157,8 @@ class Copier:
             src=src,
             lease=lease,
             issued_at=issued_at,
+            decoded=decoded,
+            decode_s=decode_s,
         )
 
     def post(self, tickets: list[CopyTicket]) -> None:

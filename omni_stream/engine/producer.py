@@ -29,7 +29,7 @@ import torch
 from ..device import Device, PoolClosedError
 from ..device.openmp import set_torch_threads_here
 from ..errors import StepFailedError
-from ..model import StepModel
+from ..model import RequestStopped, StepModel
 from .copier import Copier, CopyTicket
 from .request import Request, Status
 from .scheduler import BatchLimits, pick_batch
@@ -171,14 +171,23 @@ class Producer:
                         tickets.append(self._failure(r, exc))
                         continue
                 ready.append(r)
+            if ready and self._model.runs_whole_requests:
+                # A whole-request model posts its own tickets from emit().
+                for r in ready:
+                    self._run_whole(r, started_at)
+                return
             queued = {r.id: started_at - r.ready_at for r in ready}
             for r, out, exc, compute_s in self._step(ready) if ready else ():
                 n = r.issued + 1
+                decoded, decode_s = False, 0.0
+                if exc is None and n == r.total and r.params.get("output") == "image":
+                    out, decoded, exc, decode_s = self._decode(r, out)
+                    compute_s += decode_s
                 if exc is None:
                     try:
                         ticket = self._copier.submit(
                             r, n, out, queued_s=queued[r.id], compute_s=compute_s,
-                            batch_size=len(ready),
+                            batch_size=len(ready), decoded=decoded, decode_s=decode_s,
                         )
                     except PoolClosedError:
                         raise  # shutting down
@@ -236,14 +245,90 @@ class Producer:
             return [(r, None, err, compute_s) for r in batch]
         return [(r, out, self._check_output(out), compute_s) for r, out in zip(batch, outs)]
 
+    def _decode(
+        self, r: Request, frame: torch.Tensor
+    ) -> tuple[Any, bool, BaseException | None, float]:
+        """Run ``model.decode`` on a request's final frame, here on the producer thread.
+
+        Returns (output, decoded, error, seconds). When the model returns the
+        frame itself (its frames are pictures already) the frame goes out as
+        it is, not marked decoded.
+        """
+        t0 = time.monotonic()
+        try:
+            with self._busy((r.id,)):
+                out = self._model.decode(r.state, frame)
+        except Exception as exc:
+            return None, False, exc, time.monotonic() - t0
+        if out is frame:
+            return frame, False, None, 0.0
+        self._device.after_step()
+        decode_s = time.monotonic() - t0
+        if not isinstance(out, torch.Tensor):
+            err = TypeError(f"model.decode must return a tensor, got {type(out).__name__}")
+            return None, False, err, decode_s
+        return out, True, None, decode_s
+
+    # -- whole-request models ----------------------------------------------------
+
+    def _run_whole(self, r: Request, started_at: float) -> None:
+        """Run one request of a ``runs_whole_requests`` model to its end (or its stop)."""
+        emit = _Emitter(self, r, queued_s=started_at - r.ready_at)
+        try:
+            with self._busy((r.id,)):
+                emit.mark()
+                self._model.run(r.state, emit)
+        except RequestStopped:
+            return  # cancelled, timed out or stopping: nothing more to deliver
+        except PoolClosedError:
+            raise
+        except Exception as exc:
+            if not emit.stopped:
+                self._copier.post([self._failure(r, exc, held=emit.final)])
+            return
+        if emit.stopped:
+            return
+        if emit.final is None:
+            err = RuntimeError(f"model.run returned after {r.issued} of {r.total} frames")
+            self._copier.post([self._failure(r, err)])
+            return
+        self._post_one(emit.final)
+
+    def _post_one(self, ticket: CopyTicket) -> None:
+        with self._table.cond:
+            ticket.request.issued = ticket.step
+            ticket.request.ready_at = time.monotonic()
+        self._copier.post([ticket])
+
+    def _wait_runnable(self, r: Request) -> bool:
+        """Block until ``r`` may take its next step; False when it must stop instead."""
+        table = self._table
+        limits = table.limits
+        with table.cond:
+            while True:
+                if table.stopping or r.status.ended:
+                    return False
+                if r.runnable(max_run_ahead=limits.max_run_ahead, queue_size=limits.queue_size):
+                    return True
+                table.producer_waiting = True
+                try:
+                    table.cond.wait()
+                finally:
+                    table.producer_waiting = False
+
     @staticmethod
     def _check_output(out: Any) -> BaseException | None:
         if isinstance(out, torch.Tensor):
             return None
         return TypeError(f"model.step must return tensors, got {type(out).__name__}")
 
-    def _failure(self, r: Request, exc: BaseException) -> CopyTicket:
-        n = r.issued + 1
+    def _failure(
+        self, r: Request, exc: BaseException, *, held: CopyTicket | None = None
+    ) -> CopyTicket:
+        # A held ticket (a copy issued but not posted) carries the error
+        # instead of its frame: the copier still waits for its copy and
+        # returns its buffer to the pool.
+        n = held.step if held is not None else r.issued + 1
         err = StepFailedError(
             f"{self._model.name} raised at step {n}/{r.total}: {type(exc).__name__}: {exc}",
             request_id=r.id,
@@ -255,4 +340,75 @@ class Producer:
                 r.status = Status.FAILED
         # INFO: the caller gets the error itself; this is for the operator's trail.
         logger.info("request %s failed at step %d: %r", r.id, n, exc)
+        if held is not None:
+            held.error = err
+            return held
         return CopyTicket(request=r, step=n, error=err)
+
+
+class _Emitter:
+    """The ``emit`` a whole-request model calls once per step (producer thread).
+
+    Each call is one step of the request as the engine counts them: the
+    frame goes to the copier, the request's counters advance, and the call
+    returns once the request may take another step (its reader keeps up,
+    its copies land), so backpressure works as for stepped models. A
+    request that has ended (cancelled, timed out, failed) or an engine that
+    is stopping makes it raise RequestStopped, which unwinds the model's
+    loop within one step.
+    """
+
+    def __init__(self, producer: Producer, r: Request, *, queued_s: float) -> None:
+        self._producer = producer
+        self._r = r
+        self._queued_s = queued_s
+        self._last = time.monotonic()
+        #: Set once this request must not be delivered to any more.
+        self.stopped = False
+        #: The final frame's ticket, held until run() returns.
+        self.final: CopyTicket | None = None
+        self.emitted = 0
+
+    def mark(self) -> None:
+        self._last = time.monotonic()
+
+    def __call__(self, frame: torch.Tensor, *, decoded: bool = False) -> None:
+        producer, r = self._producer, self._r
+        if self.stopped:
+            raise RequestStopped(f"request {r.id} was stopped")
+        n = self.emitted + 1
+        if n > r.total:
+            raise RuntimeError(f"model.run emitted frame {n} of a request with {r.total} steps")
+        self.emitted = n
+        err = producer._check_output(frame)
+        if err is not None:
+            raise err
+        producer._device.after_step()
+        now = time.monotonic()
+        compute_s = now - self._last
+        producer.steps += 1
+        producer.batches += 1
+        producer.batch_sizes[1] = producer.batch_sizes.get(1, 0) + 1
+        ticket = producer._copier.submit(
+            r, n, frame, queued_s=self._queued_s, compute_s=compute_s, batch_size=1,
+            decoded=decoded,
+        )
+        if n == r.total:
+            # The final frame goes out once run() returns: a model that then
+            # emits again or raises fails its request instead of having
+            # delivered a "final" frame that was not its last word.
+            self.final = ticket
+            self.mark()
+            return
+        producer._post_one(ticket)
+        # Waiting for the reader is not model time: health must not call it a stall.
+        producer.busy_since = None
+        waited_from = time.monotonic()
+        go_on = producer._wait_runnable(r)
+        now = time.monotonic()
+        if not go_on:
+            self.stopped = True
+            raise RequestStopped(f"request {r.id} was stopped")
+        producer.busy_since = now
+        self._queued_s = now - waited_from
+        self._last = now

@@ -1,0 +1,167 @@
+"""Image inputs of requests: a data URL, a file path or a PIL image, checked and decoded.
+
+A request carries an input image (img2img, ControlNet, image-to-video) as a
+string param: a ``data:image/png;base64,...`` or ``data:image/jpeg;base64,...``
+URL, or the path of a PNG or JPEG file on the machine running the engine; a
+Python caller may also pass a ``PIL.Image.Image``. :func:`load_image` turns
+any of them into an RGB PIL image or raises :class:`ParamsError` naming the
+field. Bounds come first, before anything is decoded: the encoded size
+(``max_bytes``) and the pixel count the file's header declares
+(``max_pixels``), so a small file that claims a huge image (a decompression
+bomb) is refused without being expanded.
+
+Paths read files from the engine's machine: a server that exposes a model
+with an image param to untrusted clients should pass ``allow_paths=False``
+(the callback adapter's ``image_paths=False``), or any PNG/JPEG the server
+can read becomes a request's input.
+"""
+
+from __future__ import annotations
+
+import base64
+import binascii
+import io
+import os
+import stat
+from typing import Any
+
+from ...errors import ParamsError
+
+__all__ = ["load_image", "MAX_IMAGE_PIXELS", "MAX_IMAGE_BYTES"]
+
+#: Default bound on an input image's decoded pixel count (width * height).
+MAX_IMAGE_PIXELS = 4096 * 4096
+#: Default bound on an input image's encoded size in bytes (the PNG/JPEG file).
+MAX_IMAGE_BYTES = 16 * 2**20
+
+_PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
+_JPEG_MAGIC = b"\xff\xd8\xff"
+_MEDIA_TYPES = ("image/png", "image/jpeg", "image/jpg")
+
+
+def load_image(
+    value: Any,
+    *,
+    field: str = "image",
+    max_pixels: int = MAX_IMAGE_PIXELS,
+    max_bytes: int = MAX_IMAGE_BYTES,
+    allow_paths: bool = True,
+) -> Any:
+    """Return ``value`` as an RGB ``PIL.Image.Image``.
+
+    ``value`` is a PNG/JPEG ``data:`` URL (base64), a path to a PNG/JPEG
+    file (unless ``allow_paths`` is False) or a PIL image. Alpha is dropped,
+    not composited; a JPEG's EXIF orientation is applied, as diffusers'
+    ``load_image`` does. Raises ParamsError (``field``) for anything else:
+    not base64, neither PNG nor JPEG, larger than ``max_bytes`` encoded or
+    ``max_pixels`` decoded, a missing file, or data that does not decode.
+    """
+    from PIL import Image
+
+    where = f"param {field!r}"
+    if isinstance(value, Image.Image):
+        _check_pixels(value.size, max_pixels, where, field)
+        try:
+            return value.convert("RGB")
+        except Exception as exc:  # an unconvertible mode, a lazily opened broken file
+            raise ParamsError(f"{where}: cannot convert the image to RGB: {exc}", field=field) from None
+    if not isinstance(value, str):
+        raise ParamsError(
+            f"{where} must be a data:image/png;base64 or data:image/jpeg;base64 URL"
+            f"{', a file path' if allow_paths else ''} or a PIL image, got {type(value).__name__}",
+            field=field,
+        )
+    if value[:5].lower() == "data:":
+        data = _data_url_bytes(value, max_bytes, where, field)
+    elif allow_paths:
+        data = _file_bytes(value, max_bytes, where, field)
+    else:
+        raise ParamsError(
+            f"{where} must be a data:image/png;base64 or data:image/jpeg;base64 URL "
+            "(file paths are not accepted here)",
+            field=field,
+        )
+    return _decode(data, max_pixels, where, field)
+
+
+def _data_url_bytes(url: str, max_bytes: int, where: str, field: str) -> bytes:
+    header, comma, payload = url[5:].partition(",")
+    if not comma:
+        raise ParamsError(f"{where}: a data URL needs a ',' before its data", field=field)
+    parts = [p.strip().lower() for p in header.split(";")]
+    if parts[0] not in _MEDIA_TYPES:
+        raise ParamsError(
+            f"{where}: the data URL's media type must be image/png or image/jpeg, "
+            f"got {parts[0] or 'none'!r}",
+            field=field,
+        )
+    if "base64" not in parts[1:]:
+        raise ParamsError(f"{where}: the data URL must be base64 (data:{parts[0]};base64,...)",
+                          field=field)
+    # Checked on the encoded text, before decoding: 4 characters per 3 bytes.
+    if len(payload) > 4 * ((max_bytes + 2) // 3):
+        raise ParamsError(
+            f"{where}: the image is larger than {max_bytes} bytes encoded", field=field
+        )
+    try:
+        return base64.b64decode(payload, validate=True)
+    except (binascii.Error, ValueError):
+        raise ParamsError(f"{where}: the data URL's data is not valid base64", field=field) from None
+
+
+def _file_bytes(path: str, max_bytes: int, where: str, field: str) -> bytes:
+    if not path:
+        raise ParamsError(f"{where} is empty; give a data URL or a file path", field=field)
+    try:
+        info = os.stat(path)
+        # Only regular files: a FIFO or a device (/dev/zero) would block or never end.
+        if not stat.S_ISREG(info.st_mode):
+            raise ParamsError(f"{where}: {path!r} is not a regular file", field=field)
+        if info.st_size > max_bytes:
+            raise ParamsError(f"{where}: {path!r} is larger than {max_bytes} bytes", field=field)
+        with open(path, "rb") as f:
+            data = f.read(max_bytes + 1)  # the file may have grown since stat
+    except OSError as exc:
+        raise ParamsError(
+            f"{where}: cannot read {path[:200]!r} ({exc.strerror or exc}); give a "
+            "data:image/png;base64 URL or the path of a PNG/JPEG file",
+            field=field,
+        ) from None
+    if len(data) > max_bytes:
+        raise ParamsError(f"{where}: {path!r} is larger than {max_bytes} bytes", field=field)
+    return data
+
+
+def _decode(data: bytes, max_pixels: int, where: str, field: str) -> Any:
+    from PIL import Image, ImageOps
+
+    if data.startswith(_PNG_MAGIC):
+        kind = "PNG"
+    elif data.startswith(_JPEG_MAGIC):
+        kind = "JPEG"
+    else:
+        raise ParamsError(f"{where}: the data is neither a PNG nor a JPEG image", field=field)
+    try:
+        # open() reads the header only; restricting the formats keeps PIL
+        # from trying its other parsers on untrusted bytes.
+        image = Image.open(io.BytesIO(data), formats=(kind,))
+        _check_pixels(image.size, max_pixels, where, field)
+        image.load()
+        image = ImageOps.exif_transpose(image)
+        return image.convert("RGB")
+    except ParamsError:
+        raise
+    except Exception as exc:  # untrusted bytes: truncated, corrupt, PIL's own bomb check
+        raise ParamsError(f"{where}: cannot decode the {kind} image: {exc}", field=field) from None
+
+
+def _check_pixels(size: tuple[int, int], max_pixels: int, where: str, field: str) -> None:
+    width, height = size
+    if width < 1 or height < 1:
+        raise ParamsError(f"{where}: the image is empty ({width}x{height})", field=field)
+    if width * height > max_pixels:
+        raise ParamsError(
+            f"{where}: the image is {width}x{height} = {width * height} pixels; at most "
+            f"{max_pixels} are accepted",
+            field=field,
+        )
