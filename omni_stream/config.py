@@ -25,6 +25,8 @@ __all__ = [
     "DEFAULT_STEP_TIMEOUT_S",
     "timeout",
     "TORCH_THREADS_ENV",
+    "PREVIEW_VAE_ENV",
+    "preview_vae",
     "torch_threads",
     "env_float",
     "env_int",
@@ -36,6 +38,8 @@ logger = logging.getLogger("omni_stream.config")
 STEP_TIMEOUT_ENV = "OMNI_STREAM_STEP_TIMEOUT"
 DEFAULT_STEP_TIMEOUT_S = 600.0
 TORCH_THREADS_ENV = "OMNI_STREAM_TORCH_THREADS"
+#: A tiny autoencoder (path or model id) that decodes previews on the producer's device.
+PREVIEW_VAE_ENV = "OMNI_STREAM_PREVIEW_VAE"
 
 _warned: set[tuple[str, str]] = set()
 _warned_lock = threading.Lock()
@@ -123,3 +127,8 @@ def torch_threads() -> int:
     the main thread (docs/performance.md, "Where torch runs").
     """
     return env_int(TORCH_THREADS_ENV, 1)
+
+
+def preview_vae() -> str | None:
+    """The tiny autoencoder for previews (``OMNI_STREAM_PREVIEW_VAE``): a path or model id, or None."""
+    return env_str(PREVIEW_VAE_ENV)

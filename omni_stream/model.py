@@ -137,6 +137,19 @@ class StepModel(abc.ABC):
         """
         return frame
 
+    def decode_preview(self, state: Any, frame: torch.Tensor) -> torch.Tensor | None:
+        """Pixels for a step a reader will preview, or None (producer thread).
+
+        For models with a cheap decoder network (a tiny autoencoder): called
+        on the steps the reader asked to preview (``Engine.stream(...,
+        preview_every=N)``), not on the final one, right after the step, on
+        the model's device. Return an image ``[3, H, W]`` (floats in
+        ``[-1, 1]``) to replace the frame, marked ``decoded``; None keeps the
+        frame (the default: previews then use the linear decoders). Raising
+        fails the request like a raising step.
+        """
+        return None
+
     #: True for a model that runs a whole request in one ``run`` call.
     runs_whole_requests: bool = False
 

@@ -344,11 +344,17 @@ class Engine:
         request_id: str | None = None,
         policy: str = "all",
         timeout: float | None = None,
+        preview_every: int | None = None,
     ) -> FrameStream:
         """Submit a request; returns its frames as an async iterator.
 
-        Raises ParamsError (bad params, policy, timeout or a duplicate
-        request_id), EngineDeadError or EngineClosedError at once. Iterating
+        ``preview_every``: the steps a reader will preview (every Nth, as
+        ``PreviewSpec.every``); on those the model's preview decoder network,
+        if it has one (``StepModel.decode_preview``, e.g. a tiny VAE), turns
+        the frame into pixels on the producer's device. None decodes none.
+
+        Raises ParamsError (bad params, policy, timeout, preview_every or a
+        duplicate request_id), EngineDeadError or EngineClosedError at once. Iterating
         raises StepFailedError, StepTimeoutError, RequestCancelledError,
         EngineDeadError or EngineClosedError.
         """
@@ -376,6 +382,14 @@ class Engine:
             raise ParamsError(
                 f"timeout must be a positive number of seconds, got {timeout!r}",
                 field="timeout",
+                request_id=request_id,
+            )
+        if preview_every is not None and (
+            isinstance(preview_every, bool) or not isinstance(preview_every, int) or preview_every < 1
+        ):
+            raise ParamsError(
+                f"preview_every must be a positive int or None, got {preview_every!r}",
+                field="preview_every",
                 request_id=request_id,
             )
         if request_id in self._by_id:
@@ -409,6 +423,7 @@ class Engine:
                 batch_key=key,
                 policy=policy,
                 timeout=None if timeout is None else float(timeout),
+                preview_every=preview_every,
                 arrival=self._table.arrivals,
                 delivery=Delivery(policy),
             )
@@ -440,10 +455,13 @@ class Engine:
         request_id: str | None = None,
         policy: str = "latest",
         timeout: float | None = None,
+        preview_every: int | None = None,
     ) -> Frame:
         """Run a request to its end; returns the final Frame. Raises as ``stream`` does."""
         final: Frame | None = None
-        async with self.stream(params, request_id=request_id, policy=policy, timeout=timeout) as frames:
+        async with self.stream(
+            params, request_id=request_id, policy=policy, timeout=timeout, preview_every=preview_every
+        ) as frames:
             async for frame in frames:
                 final = frame
         assert final is not None and final.final

@@ -21,7 +21,7 @@ from __future__ import annotations
 import contextlib
 import logging
 import time
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from typing import Any
 
 import torch
@@ -181,7 +181,10 @@ class Producer:
                 n = r.issued + 1
                 decoded, decode_s = False, 0.0
                 if exc is None and n == r.total and r.params.get("output") == "image":
-                    out, decoded, exc, decode_s = self._decode(r, out)
+                    out, decoded, exc, decode_s = self._decode(r, out, self._model.decode)
+                    compute_s += decode_s
+                elif exc is None and r.previewed(n):
+                    out, decoded, exc, decode_s = self._decode(r, out, self._model.decode_preview)
                     compute_s += decode_s
                 if exc is None:
                     try:
@@ -246,26 +249,26 @@ class Producer:
         return [(r, out, self._check_output(out), compute_s) for r, out in zip(batch, outs)]
 
     def _decode(
-        self, r: Request, frame: torch.Tensor
+        self, r: Request, frame: torch.Tensor, decode: Callable[[Any, torch.Tensor], Any]
     ) -> tuple[Any, bool, BaseException | None, float]:
-        """Run ``model.decode`` on a request's final frame, here on the producer thread.
+        """Run ``model.decode`` (the final frame) or ``model.decode_preview`` here.
 
-        Returns (output, decoded, error, seconds). When the model returns the
-        frame itself (its frames are pictures already) the frame goes out as
-        it is, not marked decoded.
+        Returns (frame, decoded, error, seconds). When the model returns the
+        frame itself (its frames are pictures already) or None (no preview
+        network) the frame goes out as it is, not marked decoded.
         """
         t0 = time.monotonic()
         try:
             with self._busy((r.id,)):
-                out = self._model.decode(r.state, frame)
+                out = decode(r.state, frame)
         except Exception as exc:
             return None, False, exc, time.monotonic() - t0
-        if out is frame:
+        if out is frame or out is None:
             return frame, False, None, 0.0
         self._device.after_step()
         decode_s = time.monotonic() - t0
         if not isinstance(out, torch.Tensor):
-            err = TypeError(f"model.decode must return a tensor, got {type(out).__name__}")
+            err = TypeError(f"{decode.__name__} must return a tensor, got {type(out).__name__}")
             return None, False, err, decode_s
         return out, True, None, decode_s
 
@@ -383,6 +386,16 @@ class _Emitter:
         err = producer._check_output(frame)
         if err is not None:
             raise err
+        decode_s = 0.0
+        if not decoded and r.previewed(n):
+            t0 = time.monotonic()
+            pixels = producer._model.decode_preview(r.state, frame)
+            if pixels is not None:
+                if not isinstance(pixels, torch.Tensor):
+                    raise TypeError(
+                        f"model.decode_preview must return a tensor or None, got {type(pixels).__name__}"
+                    )
+                frame, decoded, decode_s = pixels, True, time.monotonic() - t0
         producer._device.after_step()
         now = time.monotonic()
         compute_s = now - self._last
@@ -391,7 +404,7 @@ class _Emitter:
         producer.batch_sizes[1] = producer.batch_sizes.get(1, 0) + 1
         ticket = producer._copier.submit(
             r, n, frame, queued_s=self._queued_s, compute_s=compute_s, batch_size=1,
-            decoded=decoded,
+            decoded=decoded, decode_s=decode_s,
         )
         if n == r.total:
             # The final frame goes out once run() returns: a model that then

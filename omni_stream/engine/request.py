@@ -37,7 +37,7 @@ class Request:
     """See the module docstring for which side owns which field."""
 
     __slots__ = (
-        "id", "params", "total", "batch_key", "policy", "timeout", "arrival",
+        "id", "params", "total", "batch_key", "policy", "timeout", "preview_every", "arrival",
         "submitted_at", "delivery",
         # (lock)
         "status", "issued", "delivered", "consumed", "last_scheduled", "ready_at",
@@ -56,6 +56,7 @@ class Request:
         policy: str,
         timeout: float | None,
         arrival: int,
+        preview_every: int | None = None,
         delivery: Delivery,
     ) -> None:
         self.id = request_id
@@ -64,6 +65,7 @@ class Request:
         self.batch_key = batch_key
         self.policy = policy
         self.timeout = timeout
+        self.preview_every = preview_every
         self.arrival = arrival
         self.submitted_at = time.monotonic()
         self.delivery = delivery
@@ -87,6 +89,11 @@ class Request:
     def unconsumed(self) -> int:
         """Frames computed that the reader has not taken (nor were replaced)."""
         return self.issued - self.consumed
+
+    def previewed(self, step: int) -> bool:
+        """Whether a reader will preview this (non-final) step: decode it for them."""
+        every = self.preview_every
+        return every is not None and step < self.total and step % every == 0
 
     def runnable(self, *, max_run_ahead: int, queue_size: int) -> bool:
         if self.status.ended or self.issued >= self.total:

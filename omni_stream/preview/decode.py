@@ -13,8 +13,14 @@ Built-in decoders, by name:
 ``flux``
     16-channel latents ``[16, h, w]``, or diffusers' packed form ``[seq, 64]``
     (see :func:`unpack_flux`).
+``auto``
+    Picks one of the above from the shape, and previews any other channel
+    count too (see :func:`decode_auto`); what :func:`default_decoder` returns
+    for a model that names no decoder.
 
-Every decoder also takes a leading batch dimension of 1. The latent decoders
+Every decoder also takes a leading batch dimension of 1. Videos (``[C, T,
+h, w]`` latents, ``[T, 3, H, W]`` pixels) go through :func:`decode_frame`,
+which applies a decoder to each of the T frames. The latent decoders
 are the linear latent-to-RGB approximations ComfyUI uses: each output pixel
 is ``latent[:, y, x] @ factors + bias``, mapped from ``[-1, 1]`` to
 ``[0, 255]`` and clamped (NaN becomes 0), one pixel per latent pixel (so an
@@ -31,6 +37,7 @@ views (bfloat16 by reinterpreting its bits), never through torch compute.
 
 from __future__ import annotations
 
+import functools
 import math
 from collections.abc import Callable
 from typing import Any, TypeAlias
@@ -39,12 +46,17 @@ import numpy as np
 import torch
 
 from ..errors import ParamsError
+from ..frame import Frame
 
 __all__ = [
     "Decoder",
     "DECODERS",
     "LATENT_FACTORS",
     "decoder_for",
+    "default_decoder",
+    "decode_frame",
+    "is_video",
+    "decode_auto",
     "decode_rgb",
     "decode_sd15",
     "decode_sdxl",
@@ -54,7 +66,8 @@ __all__ = [
     "tensor_to_numpy",
 ]
 
-#: A decoder: a frame tensor in, a C-contiguous ``uint8`` array ``[H, W, 3]`` out.
+#: A decoder: a frame tensor in, a C-contiguous ``uint8`` array ``[H, W, 3]`` out
+#: (a user's callable may also return ``[T, H, W, 3]`` for a video).
 Decoder: TypeAlias = Callable[[torch.Tensor], np.ndarray]
 
 _Factors: TypeAlias = tuple[tuple[tuple[float, float, float], ...], tuple[float, float, float]]
@@ -160,8 +173,7 @@ def tensor_to_numpy(t: torch.Tensor) -> np.ndarray:
     )
 
 
-def _floats(t: torch.Tensor, decoder: str) -> np.ndarray:
-    a = tensor_to_numpy(t)
+def _float_array(a: np.ndarray, decoder: str) -> np.ndarray:
     if a.dtype == np.uint8:
         raise ParamsError(
             f"the {decoder} decoder needs a floating-point latent, got uint8", field="frame"
@@ -182,14 +194,7 @@ def _to_uint8(planes: np.ndarray) -> np.ndarray:
     return rgb
 
 
-def decode_rgb(t: torch.Tensor) -> np.ndarray:
-    """An RGB image frame to ``uint8 [H, W, 3]``.
-
-    Takes ``[3, H, W]`` or ``[H, W, 3]`` (either with a leading batch of 1);
-    floats map ``[-1, 1]`` to ``[0, 255]`` (clamped, NaN -> 0), ``uint8`` is
-    taken as pixels. Raises ParamsError (field ``frame``) for any other shape.
-    """
-    a = tensor_to_numpy(t)
+def _rgb_array(a: np.ndarray) -> np.ndarray:
     if a.ndim == 4 and a.shape[0] == 1:
         a = a[0]
     if a.ndim == 3 and a.shape[0] == 3:
@@ -211,6 +216,16 @@ def decode_rgb(t: torch.Tensor) -> np.ndarray:
     return _to_uint8(out)
 
 
+def decode_rgb(t: torch.Tensor) -> np.ndarray:
+    """An RGB image frame to ``uint8 [H, W, 3]``.
+
+    Takes ``[3, H, W]`` or ``[H, W, 3]`` (either with a leading batch of 1);
+    floats map ``[-1, 1]`` to ``[0, 255]`` (clamped, NaN -> 0), ``uint8`` is
+    taken as pixels. Raises ParamsError (field ``frame``) for any other shape.
+    """
+    return _rgb_array(tensor_to_numpy(t))
+
+
 def _linear(x: np.ndarray, family: str) -> np.ndarray:
     """``x`` ``[C, h, w]`` floats -> uint8 ``[h, w, 3]`` with the family's factors."""
     factors, bias = LATENT_FACTORS[family]
@@ -229,9 +244,9 @@ def _linear(x: np.ndarray, family: str) -> np.ndarray:
     return _to_uint8(planes)
 
 
-def _latent(t: torch.Tensor, family: str) -> np.ndarray:
+def _latent_array(x: np.ndarray, family: str) -> np.ndarray:
     channels = len(LATENT_FACTORS[family][0])
-    x = _floats(t, family)
+    x = _float_array(x, family)
     if x.ndim == 4 and x.shape[0] == 1:
         x = x[0]
     if x.ndim != 3 or x.shape[0] != channels:
@@ -245,17 +260,17 @@ def _latent(t: torch.Tensor, family: str) -> np.ndarray:
 
 def decode_sd15(t: torch.Tensor) -> np.ndarray:
     """SD 1.x latent ``[4, h, w]`` -> uint8 ``[h, w, 3]``; raises ParamsError on shape."""
-    return _latent(t, "sd15")
+    return _latent_array(tensor_to_numpy(t), "sd15")
 
 
 def decode_sdxl(t: torch.Tensor) -> np.ndarray:
     """SDXL latent ``[4, h, w]`` -> uint8 ``[h, w, 3]``; raises ParamsError on shape."""
-    return _latent(t, "sdxl")
+    return _latent_array(tensor_to_numpy(t), "sdxl")
 
 
 def decode_sd3(t: torch.Tensor) -> np.ndarray:
     """SD3 latent ``[16, h, w]`` -> uint8 ``[h, w, 3]``; raises ParamsError on shape."""
-    return _latent(t, "sd3")
+    return _latent_array(tensor_to_numpy(t), "sd3")
 
 
 def unpack_flux(packed: np.ndarray, latent_size: tuple[int, int] | None = None) -> np.ndarray:
@@ -298,15 +313,8 @@ def unpack_flux(packed: np.ndarray, latent_size: tuple[int, int] | None = None) 
     )
 
 
-def decode_flux(t: torch.Tensor, *, latent_size: tuple[int, int] | None = None) -> np.ndarray:
-    """Flux.1 latent -> uint8 ``[h, w, 3]``.
-
-    Takes the unpacked ``[16, h, w]`` or diffusers' packed ``[seq, 64]``
-    (see :func:`unpack_flux`; ``latent_size`` gives ``(h, w)`` of non-square
-    packed latents), each with an optional leading batch of 1. Raises
-    ParamsError (field ``frame``) when the shape fits neither.
-    """
-    x = _floats(t, "flux")
+def _flux_array(x: np.ndarray, latent_size: tuple[int, int] | None = None) -> np.ndarray:
+    x = _float_array(x, "flux")
     if x.ndim in (3, 4) and x.shape[0] == 1:
         x = x[0]
     if x.ndim == 2 and x.shape[1] == 64:
@@ -320,13 +328,168 @@ def decode_flux(t: torch.Tensor, *, latent_size: tuple[int, int] | None = None) 
     return _linear(x, "flux")
 
 
+def decode_flux(t: torch.Tensor, *, latent_size: tuple[int, int] | None = None) -> np.ndarray:
+    """Flux.1 latent -> uint8 ``[h, w, 3]``.
+
+    Takes the unpacked ``[16, h, w]`` or diffusers' packed ``[seq, 64]``
+    (see :func:`unpack_flux`; ``latent_size`` gives ``(h, w)`` of non-square
+    packed latents), each with an optional leading batch of 1. Raises
+    ParamsError (field ``frame``) when the shape fits neither.
+    """
+    return _flux_array(tensor_to_numpy(t), latent_size)
+
+
+# -- auto ----------------------------------------------------------------------
+
+# The projection for channel counts no family has. RandomState, not
+# default_rng: its stream is frozen across numpy versions, so a given channel
+# count gets the same colours everywhere.
+_PROJECTION_SEED = 20240607
+# Normalise each projected colour to mean +- 2 std: a Gaussian latent then
+# fills the range with ~5% clipped; min/max would let one outlier grey out
+# the whole frame, and 3 std leaves most pixels in the middle third.
+_SPREAD = 2.0
+
+
+@functools.lru_cache(maxsize=64)
+def _projection(channels: int) -> tuple[tuple[float, float, float], ...]:
+    rng = np.random.RandomState(_PROJECTION_SEED)
+    weights = rng.standard_normal((max(channels, 1), 3))
+    return tuple(tuple(float(v) for v in row) for row in weights[:channels])
+
+
+def _grey(a: np.ndarray) -> np.ndarray:
+    """``[H, W]`` to ``[H, W, 3]`` grey: uint8 as pixels, floats ``[-1, 1] -> [0, 255]``."""
+    if a.dtype != np.uint8:
+        plane = np.multiply(a, np.float32(127.5), dtype=np.float32)
+        plane += np.float32(128.0)
+        np.fmax(plane, 0.0, out=plane)
+        np.fmin(plane, 255.0, out=plane)
+        a = plane.astype(np.uint8)
+    rgb = np.empty((a.shape[0], a.shape[1], 3), dtype=np.uint8)
+    for k in range(3):
+        rgb[..., k] = a
+    return rgb
+
+
+def _project(x: np.ndarray) -> np.ndarray:
+    """``[C, h, w]`` (any C) -> uint8 ``[h, w, 3]``: a fixed projection, normalised."""
+    weights = _projection(x.shape[0])
+    h, w = x.shape[1:]
+    planes = np.empty((3, h, w), dtype=np.float32)
+    tmp = np.empty((h, w), dtype=np.float32)
+    for k in range(3):
+        # Explicit multiply-adds, as in _linear: np.dot/matmul may start BLAS threads.
+        acc = planes[k]
+        np.multiply(x[0], np.float32(weights[0][k]), out=acc, dtype=np.float32)
+        for c in range(1, x.shape[0]):
+            np.multiply(x[c], np.float32(weights[c][k]), out=tmp, dtype=np.float32)
+            acc += tmp
+        _normalise(acc)
+    return _to_uint8(planes)
+
+
+def _normalise(plane: np.ndarray) -> None:
+    """Map ``plane``'s own mean +- _SPREAD std to ``[0, 255]`` (+0.5), in place.
+
+    Statistics over the finite values only: NaN stays NaN (and becomes 0 in
+    _to_uint8), infinities clamp. A flat or all-NaN plane becomes mid-grey.
+    """
+    finite = np.isfinite(plane)
+    values = plane if finite.all() else plane[finite]
+    if values.size == 0:
+        plane[finite] = 128.0  # nothing finite: leave the NaNs, they map to 0
+        return
+    # float64 statistics: float32 sums of a large plane lose the mean.
+    mean = float(values.mean(dtype=np.float64))
+    std = float(values.std(dtype=np.float64))
+    if not std > 0.0 or not math.isfinite(std):
+        plane[finite] = 128.0
+        return
+    scale = 255.0 / (2.0 * _SPREAD * std)
+    offset = 0.5 - (mean - _SPREAD * std) * scale
+    plane *= np.float32(scale)
+    plane += np.float32(offset)
+
+
+def _is_packed_flux(a: np.ndarray) -> bool:
+    # [seq, 64] with a square token count. [64, 64] itself stays a grey
+    # image: a square single-channel picture is likelier than an 8x8-token
+    # (128 px) Flux image.
+    seq = a.shape[0]
+    return (
+        a.dtype != np.uint8
+        and a.shape[1] == 64
+        and seq != 64
+        and math.isqrt(seq) ** 2 == seq
+    )
+
+
+def _auto_array(a: np.ndarray) -> np.ndarray:
+    """One image (any supported layout, no time axis) -> uint8 ``[H, W, 3]``."""
+    if a.ndim == 4 and a.shape[0] == 1:
+        a = a[0]
+    if a.ndim == 3 and a.shape[0] == 1:
+        a = a[0]
+    if a.ndim == 2:
+        return _flux_array(a) if _is_packed_flux(a) else _grey(a)
+    if a.ndim != 3:
+        raise ParamsError(
+            f"the auto decoder expects an image shaped [H, W], [C, H, W] or [H, W, 3] "
+            f"(optionally with a leading batch of 1), got {_shape(a)}",
+            field="frame",
+        )
+    channels = a.shape[0]
+    if channels == 3 or a.shape[2] == 3:
+        return _rgb_array(a)
+    if a.shape[2] == 1:
+        return _grey(a[..., 0])
+    if a.dtype == np.uint8:
+        # Pixels with a channel count of their own: RGBA drops its alpha.
+        if channels == 4:
+            return _rgb_array(a[:3])
+        return _project(a)
+    if channels == 4:
+        return _linear(a, "sd15")
+    if channels == 16:
+        return _linear(a, "sd3")
+    return _project(a)
+
+
+def decode_auto(t: torch.Tensor) -> np.ndarray:
+    """Any supported frame -> uint8 ``[H, W, 3]``, the decoder chosen from its shape.
+
+    3 channels (first or last) -> ``rgb``; 4 -> ``sd15``; 16 -> ``sd3``;
+    packed ``[seq, 64]`` -> ``flux``; 1 channel or ``[H, W]`` -> grey;
+    any other count -> a fixed projection normalised per frame. A video
+    (see :func:`decode_frame`) comes back as one strip of its frames side by
+    side. Raises ParamsError (field ``frame``) for an unsupported rank, an
+    empty frame, a dtype no decoder reads or a non-CPU tensor.
+    """
+    frames, video = _decode(t, None, "auto")
+    if video:
+        return np.concatenate(frames, axis=1)
+    return frames[0]
+
+
 #: Built-in decoders by name (``decoder_for`` also takes any callable).
 DECODERS: dict[str, Decoder] = {
+    "auto": decode_auto,
     "rgb": decode_rgb,
     "sd15": decode_sd15,
     "sdxl": decode_sdxl,
     "sd3": decode_sd3,
     "flux": decode_flux,
+}
+
+# The same decoders on numpy arrays, for the frames of a video.
+_ARRAY_DECODERS: dict[str, Callable[[np.ndarray], np.ndarray]] = {
+    "auto": _auto_array,
+    "rgb": _rgb_array,
+    "sd15": functools.partial(_latent_array, family="sd15"),
+    "sdxl": functools.partial(_latent_array, family="sdxl"),
+    "sd3": functools.partial(_latent_array, family="sd3"),
+    "flux": _flux_array,
 }
 
 
@@ -338,8 +501,9 @@ def _checked(fn: Callable[[torch.Tensor], Any]) -> Decoder:
         if (
             not isinstance(out, np.ndarray)
             or out.dtype != np.uint8
-            or out.ndim != 3
-            or out.shape[2] != 3
+            or out.ndim not in (3, 4)
+            or out.shape[-1] != 3
+            or 0 in out.shape
         ):
             got = (
                 f"{out.dtype} array shaped {_shape(out)}"
@@ -347,13 +511,15 @@ def _checked(fn: Callable[[torch.Tensor], Any]) -> Decoder:
                 else type(out).__name__
             )
             raise ParamsError(
-                f"decoder {name} must return a uint8 numpy array shaped [H, W, 3], got {got}",
+                f"decoder {name} must return a uint8 numpy array shaped [H, W, 3] "
+                f"(or [T, H, W, 3] for a video), got {got}",
                 field="decoder",
             )
         return np.ascontiguousarray(out)
 
     decode.__name__ = name
     decode.__wrapped__ = fn  # type: ignore[attr-defined]
+    decode._omni_checked = True  # type: ignore[attr-defined]
     return decode
 
 
@@ -361,9 +527,10 @@ def decoder_for(spec: str | Callable[[torch.Tensor], Any]) -> Decoder:
     """Return the decoder named ``spec``, or wrap a user's callable.
 
     A callable (a VAE, a tiny autoencoder) takes the frame tensor and must
-    return a ``uint8`` numpy array ``[H, W, 3]``; the wrapper raises
-    ParamsError (field ``decoder``) when it returns anything else. Raises
-    ParamsError (field ``decoder``) for an unknown name, listing the known ones.
+    return a ``uint8`` numpy array ``[H, W, 3]`` (or ``[T, H, W, 3]`` for a
+    video); the wrapper raises ParamsError (field ``decoder``) when it
+    returns anything else. Raises ParamsError (field ``decoder``) for an
+    unknown name, listing the known ones.
     """
     if isinstance(spec, str):
         try:
@@ -375,6 +542,8 @@ def decoder_for(spec: str | Callable[[torch.Tensor], Any]) -> Decoder:
                 field="decoder",
             ) from None
     if callable(spec):
+        if getattr(spec, "_omni_checked", False):
+            return spec
         return _checked(spec)
     raise ParamsError(
         f"decoder must be a name ({', '.join(DECODERS)}) or a callable, "
@@ -382,3 +551,117 @@ def decoder_for(spec: str | Callable[[torch.Tensor], Any]) -> Decoder:
         field="decoder",
     )
 
+
+def default_decoder(model: Any) -> str:
+    """The preview decoder for ``model``: its ``preview_decoder`` name, else ``"auto"``.
+
+    The one place that decides it: the CLI, the server and ``Frame.image()``
+    all start from here. Raises nothing; an unknown name fails later, where
+    the decoder is resolved (``decoder_for``, ``PreviewSpec``).
+    """
+    name = getattr(model, "preview_decoder", None)
+    return name if isinstance(name, str) and name else "auto"
+
+
+# -- frames and videos -----------------------------------------------------------
+
+
+def is_video(data: torch.Tensor | np.ndarray) -> bool:
+    """True when ``data``'s shape is a video: 4-D (or 5-D with a leading 1) and
+    its first dimension is not 1.
+
+    A 4-D frame whose first dimension is 1 is one image with a batch of 1 (a
+    one-frame video is the same picture).
+    """
+    shape = tuple(data.shape)
+    if len(shape) == 5 and shape[0] == 1:
+        shape = shape[1:]
+    return len(shape) == 4 and shape[0] != 1
+
+
+def _time_axis(a: np.ndarray, decoded: bool | None, name: str) -> int:
+    """Which axis of a 4-D video array is time: 0 for ``[T, 3, H, W]``, 1 for ``[C, T, h, w]``."""
+    if decoded:
+        return 0
+    if name == "rgb":
+        # Pixels by definition; a pixel-space video model's [T, 3, H, W].
+        return 1 if a.shape[0] == 3 and a.shape[1] != 3 else 0
+    if decoded is None and name == "auto" and a.shape[1] == 3:
+        # A bare tensor: [T, 3, H, W] is the decoded-video convention.
+        return 0
+    return 1
+
+
+def _video_frames(
+    a: np.ndarray, decoded: bool | None, name: str, first_only: bool
+) -> list[np.ndarray]:
+    axis = _time_axis(a, decoded, name)
+    count = 1 if first_only else a.shape[axis]
+    if axis == 1 and name == "auto" and not first_only and a.shape[0] not in (1, 3, 4, 16):
+        # Project the whole video at once, so that one normalisation covers
+        # all its frames: per-frame statistics would make them flicker.
+        channels, frames, h, w = a.shape
+        rgb = _project(a.reshape(channels, frames * h, w))
+        return list(rgb.reshape(frames, h, w, 3))
+    decode = _ARRAY_DECODERS[name]
+    return [decode(a[i] if axis == 0 else a[:, i]) for i in range(count)]
+
+
+def _decode(
+    data: Any,
+    decoded: bool | None,
+    decoder: str | Callable[[torch.Tensor], Any] | None,
+    *,
+    first_only: bool = False,
+) -> tuple[list[np.ndarray], bool]:
+    """Decode a frame's tensor to its RGB images and whether it is a video."""
+    if decoded or decoder is None:
+        # Decoded output is pixels: a latent decoder (or a VAE) on it is always wrong.
+        decoder = "auto"
+    if not isinstance(decoder, str):
+        out = decoder_for(decoder)(data)
+        if out.ndim == 4:
+            return list(out[:1] if first_only else out), True
+        return [out], False
+    if decoder not in _ARRAY_DECODERS:
+        decoder_for(decoder)  # raises, naming the known ones
+    a = tensor_to_numpy(data)
+    if 0 in a.shape:
+        raise ParamsError(f"cannot preview an empty frame shaped {_shape(a)}", field="frame")
+    if a.ndim == 5:
+        if a.shape[0] != 1:
+            raise ParamsError(
+                f"a 5-D frame must have a leading batch of 1 ([1, C, T, h, w] or "
+                f"[1, T, 3, H, W]), got {_shape(a)}",
+                field="frame",
+            )
+        a = a[0]
+    if a.ndim == 4 and a.shape[0] != 1:
+        return _video_frames(a, decoded, decoder, first_only), True
+    return [_ARRAY_DECODERS[decoder](a)], False
+
+
+def decode_frame(
+    frame: Any,
+    decoder: str | Callable[[torch.Tensor], Any] | None = "auto",
+) -> np.ndarray:
+    """A frame (a ``Frame`` or a bare tensor) to uint8 ``[H, W, 3]``, or ``[T, H, W, 3]`` for a video.
+
+    Which frames are videos: 4-D (or 5-D with a leading batch of 1) whose
+    first dimension is not 1 (see :func:`is_video`). A ``Frame`` with
+    ``decoded=True`` is ``[T, 3, H, W]`` pixels, one with ``decoded=False``
+    a latent ``[C, T, h, w]``; for a bare tensor, ``auto`` reads ``[T, 3, H,
+    W]`` when the second dimension is 3, ``rgb`` always reads pixels, and the
+    latent decoders read ``[C, T, h, w]``. The named decoder runs on each
+    video frame; a callable gets the whole tensor. Decoded frames always use
+    ``auto`` (they are pixels, whatever ``decoder`` says); None means
+    ``auto``. Raises ParamsError: field ``frame`` when the frame fits no
+    reading, ``decoder`` for an unknown name or a callable's bad result.
+    """
+    if isinstance(frame, Frame):
+        frames, video = _decode(frame.data, frame.decoded, decoder)
+    else:
+        frames, video = _decode(frame, None, decoder)
+    if video:
+        return np.stack(frames)
+    return frames[0]

@@ -1,5 +1,8 @@
 """Encoders: an RGB ``uint8`` array to JPEG, PNG, WebP or raw bytes (pure, no I/O).
 
+Videos preview as one strip of their frames (``video_strip``, then
+``encode``) or as an animated WebP (``encode_animation``).
+
 JPEG goes through simplejpeg (libjpeg-turbo) when it is installed, because
 it releases the GIL while it encodes (``_encode_jpeg``); Pillow does the
 rest (and JPEG without simplejpeg). The defaults favour speed, because a preview is encoded on every step (or
@@ -22,6 +25,7 @@ cheapest speed-up of all: encode time scales with the pixel count.
 from __future__ import annotations
 
 import io
+import math
 from dataclasses import dataclass
 from typing import Any
 
@@ -40,8 +44,12 @@ __all__ = [
     "DEFAULT_QUALITY",
     "EncodedImage",
     "encode",
+    "encode_animation",
+    "video_strip",
     "check_options",
     "fit_size",
+    "DEFAULT_FPS",
+    "check_fps",
 ]
 
 #: Format name -> MIME type of the bytes ``encode`` returns.
@@ -55,6 +63,10 @@ FORMATS: dict[str, str] = {
 
 #: Quality used when none is given, for the formats that take one.
 DEFAULT_QUALITY: dict[str, int] = {"jpeg": 85, "webp": 80}
+
+#: Frames a second of animated previews and saved videos when none is given
+#: (the rate Wan and similar video models output).
+DEFAULT_FPS = 16
 
 # Lossless/no-op formats take no quality; PNG's only knob is speed (level 1).
 _PNG_COMPRESS_LEVEL = 1
@@ -71,17 +83,22 @@ _REDUCING_GAP = 2.0
 
 @dataclass(frozen=True, slots=True)
 class EncodedImage:
-    """An encoded preview: ``data`` in ``format`` (``mime``), ``width`` x ``height`` pixels."""
+    """An encoded preview: ``data`` in ``format`` (``mime``), ``width`` x ``height`` pixels.
+
+    ``frames`` is above 1 for an animation or a video (each frame ``width`` x ``height``).
+    """
 
     data: bytes
     format: str
     width: int
     height: int
     mime: str
+    frames: int = 1
 
     def __repr__(self) -> str:
+        frames = f", {self.frames} frames" if self.frames != 1 else ""
         return (
-            f"EncodedImage(format={self.format!r}, {self.width}x{self.height}, "
+            f"EncodedImage(format={self.format!r}, {self.width}x{self.height}{frames}, "
             f"{len(self.data)} bytes)"
         )
 
@@ -195,3 +212,90 @@ def _encode_jpeg(image: Image.Image | np.ndarray, quality: int) -> bytes:
     buf = io.BytesIO()
     image.save(buf, "JPEG", quality=quality)
     return buf.getvalue()
+
+
+def _check_frames(frames: Any) -> list[np.ndarray]:
+    if isinstance(frames, np.ndarray) and frames.ndim == 4:
+        frames = list(frames)
+    if not isinstance(frames, (list, tuple)) or not frames:
+        raise ParamsError(
+            "frames must be a non-empty list of uint8 [H, W, 3] arrays or a [T, H, W, 3] array",
+            field="frames",
+        )
+    out = [_check_rgb(f) for f in frames]
+    if any(f.shape != out[0].shape for f in out):
+        raise ParamsError("every frame must have the same size", field="frames")
+    return out
+
+
+def _shrink(rgb: np.ndarray, size: tuple[int, int]) -> np.ndarray:
+    if size == (rgb.shape[1], rgb.shape[0]):
+        return rgb
+    image = Image.fromarray(rgb).resize(size, _RESAMPLE, reducing_gap=_REDUCING_GAP)
+    return np.asarray(image)
+
+
+def video_strip(frames: Any, max_size: int | None = None) -> np.ndarray:
+    """A video's frames side by side, left to right: uint8 ``[H, T * W, 3]``.
+
+    With ``max_size``, each frame is shrunk first so that the whole strip's
+    longer side is at most ``max_size`` (cheaper than shrinking the strip,
+    which may be tens of thousands of pixels wide); a strip of more frames
+    than ``max_size`` pixels stays 1 pixel a frame, for ``encode`` to shrink.
+    Raises ParamsError (field ``frames``, ``rgb`` or ``max_size``) for bad input.
+    """
+    check_options("raw", None, max_size)
+    frames = _check_frames(frames)
+    height, width = frames[0].shape[:2]
+    longer = max(len(frames) * width, height)
+    if max_size is not None and longer > max_size:
+        scale = max_size / longer
+        # Floor the width: rounding up could push T frames past max_size.
+        size = (max(1, math.floor(width * scale)), max(1, round(height * scale)))
+        frames = [_shrink(f, size) for f in frames]
+    return np.ascontiguousarray(np.concatenate(frames, axis=1))
+
+
+def encode_animation(
+    frames: Any,
+    *,
+    quality: int | None = None,
+    max_size: int | None = None,
+    fps: float = DEFAULT_FPS,
+) -> EncodedImage:
+    """An animated WebP of ``frames`` (uint8 ``[T, H, W, 3]`` or a list of ``[H, W, 3]``).
+
+    Each frame is shrunk to fit ``max_size`` (the animation's canvas is the
+    frame size); ``quality`` 1-100 (default 80, method 0 as for stills);
+    looped, ``fps`` frames a second. Raises ParamsError naming ``frames``,
+    ``rgb``, ``quality``, ``max_size`` or ``fps``.
+    """
+    check_options("webp", quality, max_size)
+    check_fps(fps)
+    frames = _check_frames(frames)
+    height, width = frames[0].shape[:2]
+    size = fit_size(width, height, max_size)
+    images = [Image.fromarray(_shrink(f, size)) for f in frames]
+    buf = io.BytesIO()
+    images[0].save(
+        buf,
+        "WEBP",
+        save_all=True,
+        append_images=images[1:],
+        duration=max(1, round(1000 / fps)),
+        loop=0,
+        quality=quality or DEFAULT_QUALITY["webp"],
+        method=_WEBP_METHOD,
+    )
+    return EncodedImage(buf.getvalue(), "webp", size[0], size[1], FORMATS["webp"], len(images))
+
+
+def check_fps(fps: Any) -> None:
+    """Raise ParamsError (field ``fps``) unless ``fps`` is a positive finite number."""
+    if (
+        isinstance(fps, bool)
+        or not isinstance(fps, (int, float))
+        or not math.isfinite(fps)
+        or fps <= 0
+    ):
+        raise ParamsError(f"fps must be a positive number, got {fps!r}", field="fps")

@@ -19,19 +19,32 @@ import torch
 
 from ..errors import ParamsError
 from ..frame import Frame
-from .decode import DECODERS, Decoder, decoder_for
-from .encode import EncodedImage, check_options, encode
+from .decode import DECODERS, Decoder, _decode, decoder_for
+from .encode import (
+    DEFAULT_FPS,
+    EncodedImage,
+    check_options,
+    encode,
+    encode_animation,
+    video_strip,
+)
 
-__all__ = ["PreviewSpec", "Previewer", "should_preview", "render_sync"]
+__all__ = ["PreviewSpec", "Previewer", "should_preview", "render_sync", "VIDEO_MODES"]
 
-_WIRE_KEYS = ("every", "format", "max_size", "quality", "decoder")
+_WIRE_KEYS = ("every", "format", "max_size", "quality", "decoder", "video")
+
+#: How a video frame previews: all its frames side by side in one image,
+#: its first frame, or an animated WebP of its frames.
+VIDEO_MODES = ("strip", "first", "animated")
 
 
 @dataclass(frozen=True, slots=True)
 class PreviewSpec:
     """How to preview a request: every ``every``-th step (and the final one),
     as ``format`` with ``quality``, shrunk to ``max_size`` on the longer side,
-    decoded by ``decoder`` (a name from ``DECODERS`` or a callable).
+    decoded by ``decoder`` (a name from ``DECODERS`` or a callable; None
+    means ``"auto"``); a video frame as ``video`` says (``VIDEO_MODES``:
+    ``"animated"`` is an animated WebP whatever ``format`` says).
 
     Raises ParamsError naming the field when constructed with a bad value.
     """
@@ -40,7 +53,8 @@ class PreviewSpec:
     format: str = "jpeg"
     max_size: int | None = 512
     quality: int | None = None
-    decoder: str | Callable[[torch.Tensor], Any] = "rgb"
+    decoder: str | Callable[[torch.Tensor], Any] = "auto"
+    video: str = "strip"
     # Resolved once here, not on every step.
     decode: Decoder = field(init=False, repr=False, compare=False)
 
@@ -49,18 +63,25 @@ class PreviewSpec:
         if isinstance(every, bool) or not isinstance(every, int) or every < 1:
             raise ParamsError(f"every must be an integer >= 1, got {every!r}", field="every")
         check_options(self.format, self.quality, self.max_size)
+        if not isinstance(self.video, str) or self.video not in VIDEO_MODES:
+            raise ParamsError(
+                f"video must be one of {', '.join(VIDEO_MODES)}; got {self.video!r}",
+                field="video",
+            )
+        if self.decoder is None:
+            object.__setattr__(self, "decoder", "auto")
         object.__setattr__(self, "decode", decoder_for(self.decoder))
 
     @classmethod
     def from_dict(
-        cls, data: Any, *, decoder: str | Callable[[torch.Tensor], Any] = "rgb"
+        cls, data: Any, *, decoder: str | Callable[[torch.Tensor], Any] | None = "auto"
     ) -> PreviewSpec:
         """Build a spec from its wire form: ``{"every": 1, "format": "jpeg", "max_size": 512}``.
 
         Missing keys take the defaults; ``decoder`` is used when ``data``
-        names none (the wire form may only name a built-in decoder). Raises
-        ParamsError for a non-object, an unknown key (listing the known ones)
-        or a bad value, naming the field.
+        names none (the wire form may only name a built-in decoder, ``auto``
+        included). Raises ParamsError for a non-object, an unknown key
+        (listing the known ones) or a bad value, naming the field.
         """
         if not isinstance(data, Mapping):
             raise ParamsError(
@@ -97,12 +118,30 @@ def should_preview(step: int, total: int, every: int) -> bool:
 def render_sync(frame: Frame | torch.Tensor, spec: PreviewSpec) -> EncodedImage:
     """Decode, shrink and encode one frame in the calling thread.
 
-    Raises ParamsError when the frame does not fit the spec's decoder (field
+    A video frame (``decode.is_video``: ``[C, T, h, w]`` latents, ``[T, 3,
+    H, W]`` pixels) renders per ``spec.video``; ``max_size`` bounds the whole
+    strip, or each frame of an animation. A ``Frame`` says whether it is
+    decoded pixels; for a bare 4-D tensor the ``auto`` decoder takes a second
+    dimension of 3 as ``[T, 3, H, W]`` (``decode.decode_frame``). Raises
+    ParamsError when the frame does not fit the spec's decoder (field
     ``frame``) or a custom decoder returns something other than an RGB array
     (field ``decoder``).
     """
-    data = frame.data if isinstance(frame, Frame) else frame
-    rgb = spec.decode(data)
+    if isinstance(frame, Frame):
+        data, decoded = frame.data, frame.decoded
+    else:
+        data, decoded = frame, None
+    # A name goes through the per-frame path; a callable is the resolved,
+    # result-checked wrapper.
+    decoder = spec.decoder if isinstance(spec.decoder, str) else spec.decode
+    images, video = _decode(data, decoded, decoder, first_only=spec.video == "first")
+    if not video or spec.video == "first":
+        rgb = images[0]
+    elif spec.video == "strip":
+        rgb = video_strip(images, spec.max_size)
+    else:
+        quality = spec.quality if spec.format == "webp" else None
+        return encode_animation(images, quality=quality, max_size=spec.max_size, fps=DEFAULT_FPS)
     return encode(rgb, format=spec.format, quality=spec.quality, max_size=spec.max_size)
 
 

@@ -255,3 +255,48 @@ async def test_whole_requests_run_one_at_a_time_and_queue_behind_each_other():
                 tg.start_soon(one, name)
         assert results == {"a": [1, 2, 3], "b": [1, 2, 3], "c": [1, 2, 3]}
         assert engine._producer.batch_sizes == {1: 9}
+
+
+# -- preview decoder networks ----------------------------------------------------------
+
+
+class Previewing(Latents):
+    """Has a decoder network for previews: [4, 2, 2] -> [3, 2, 2] pixels."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.preview_steps: list[int] = []
+
+    def decode_preview(self, state, frame):
+        self.preview_steps.append(state["done"])
+        assert threading.current_thread().name == "omni-stream-producer"
+        return frame[:3].clone() / 10
+
+
+@pytest.mark.asyncio
+async def test_only_the_steps_a_reader_previews_are_decoded_on_the_producer(device_kind):
+    model = Previewing()
+    async with om.Engine(model, device=make_device(device_kind)) as engine:
+        frames = [f async for f in engine.stream({"steps": 7}, preview_every=3)]
+        assert model.preview_steps == [3, 6]  # not the final: that gets the full decode
+        assert [f.decoded for f in frames] == [False, False, True, False, False, True, True]
+        assert frames[2].data.shape == (3, 2, 2) and frames[1].data.shape == (4, 2, 2)
+        assert frames[2].timings.decode_s > 0 and frames[1].timings.decode_s == 0
+        model.preview_steps.clear()
+        await engine.generate({"steps": 4})  # no preview_every: no preview decodes
+        assert model.preview_steps == []
+        with pytest.raises(om.ParamsError, match="preview_every") as info:
+            engine.stream({"steps": 2}, preview_every=0)
+        assert info.value.field == "preview_every"
+
+
+@pytest.mark.asyncio
+async def test_whole_request_models_get_preview_decodes_too():
+    class PreviewingPipeline(Pipeline):
+        def decode_preview(self, state, frame):
+            return torch.ones(3, 1, 1)
+
+    async with om.Engine(PreviewingPipeline(), device="cpu") as engine:
+        frames = [f async for f in engine.stream({"steps": 4}, preview_every=2)]
+        assert [f.decoded for f in frames] == [False, True, False, True]
+        assert frames[1].data.shape == (3, 1, 1)

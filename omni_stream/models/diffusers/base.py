@@ -159,7 +159,74 @@ class Diffusers(StepModel):
         return cls(pipe)
 
     def describe(self) -> str:
-        return f"{type(self._pipe).__name__ if hasattr(self, '_pipe') else 'diffusers'} ({self.mode} mode)"
+        pipe = getattr(self, "_pipe", None)
+        kind = type(pipe).__name__ if pipe is not None else "diffusers pipeline"
+        return f"{kind}, {self.mode} mode"
+
+    # -- previews by a tiny autoencoder ------------------------------------------
+
+    #: The tiny autoencoder that decodes previews, or None (see ``use_preview_vae``).
+    preview_vae: Any = None
+
+    def use_preview_vae(self, vae: Any) -> None:
+        """Decode previewed steps with ``vae``: an ``AutoencoderTiny``, or a path / model id of one.
+
+        TAESD-family weights fit their pipelines: taesd (SD 1.x/2.x),
+        taesdxl (SDXL), taesd3 (SD3), taef1 (Flux). The decode runs on the
+        producer's device, only on the steps a reader previews (see
+        ``Engine.stream(preview_every=)``), and its time is in
+        ``Frame.timings.decode_s``. Raises ValueError for a VAE whose latent
+        channels do not fit this pipeline's latents, ImportError without
+        diffusers, and what ``from_pretrained`` raises for a path it cannot load.
+        """
+        if isinstance(vae, str):
+            try:
+                from diffusers import AutoencoderTiny
+            except ImportError as exc:
+                raise ImportError(INSTALL_HINT) from exc
+            vae = AutoencoderTiny.from_pretrained(vae)
+        config = getattr(vae, "config", None)
+        if config is None or not callable(getattr(vae, "decode", None)):
+            raise ValueError(f"preview VAE must be an AutoencoderTiny, got {type(vae).__name__}")
+        want = self.latent_channels
+        if want is not None and int(config.latent_channels) != want:
+            raise ValueError(
+                f"preview VAE has {config.latent_channels} latent channels; this pipeline's latents "
+                f"have {want} (taesd/taesdxl: 4, taesd3/taef1: 16)"
+            )
+        vae.eval()
+        self.preview_vae = vae
+
+    #: Channels of this pipeline's latent frames ([C, h, w]); None when unknown.
+    @property
+    def latent_channels(self) -> int | None:
+        vae = getattr(getattr(self, "_pipe", None), "vae", None)
+        channels = getattr(getattr(vae, "config", None), "latent_channels", None)
+        return int(channels) if channels is not None else None
+
+    def decode_preview(self, state: Any, frame: torch.Tensor) -> torch.Tensor | None:
+        """A previewed step through the tiny autoencoder: ``[3, H, W]`` in [-1, 1], or None without one.
+
+        Only image latents ``[C, h, w]`` are decoded; other frames (video
+        latents) are left to the linear preview decoders.
+        """
+        vae = self.preview_vae
+        if vae is None or frame.dim() != 3:
+            return None
+        param = next(vae.parameters())
+        if param.device != frame.device:
+            # First use on the producer's device: move it here, on the
+            # producer thread, like every other module of the model.
+            vae.to(frame.device)
+            param = next(vae.parameters())
+        x = frame[None].to(dtype=param.dtype)
+        # The pipelines' own rule with the tiny VAE's constants: taesd and
+        # taesdxl take the denoiser's latents as they are (scale 1, shift 0);
+        # taesd3 and taef1 the VAE's scale and shift.
+        x = x / float(vae.config.scaling_factor) + float(getattr(vae.config, "shift_factor", 0.0) or 0.0)
+        with torch.no_grad():
+            image = vae.decode(x, return_dict=False)[0]
+        return vae_image(image)
 
 
 def vae_image(image: torch.Tensor) -> torch.Tensor:
