@@ -2,9 +2,16 @@
 
 from __future__ import annotations
 
+import os
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
 
 import torch
+
+if TYPE_CHECKING:  # Pillow is imported by the methods that need it, not here.
+    from PIL import Image
 
 __all__ = ["Frame", "StepTimings"]
 
@@ -62,4 +69,69 @@ class Frame:
         return (
             f"Frame(request_id={self.request_id!r}, step={self.step}/{self.total}, "
             f"data={shape} {self.data.dtype}{', decoded' if self.decoded else ''})"
+        )
+
+    # The methods below import omni_stream.preview when called: the engine
+    # imports this module, and should not load Pillow to do so.
+
+    @property
+    def is_video(self) -> bool:
+        """True when ``data`` is a video: ``[C, T, h, w]`` latents or ``[T, 3, H, W]``
+        pixels (4-D, or 5-D with a leading batch of 1, first dimension not 1)."""
+        from .preview.decode import is_video
+
+        return is_video(self.data)
+
+    def image(
+        self, *, decoder: str | Callable[[torch.Tensor], Any] | None = "auto"
+    ) -> Image.Image:
+        """This frame as a PIL RGB image, at full size.
+
+        Decoded pixels are read as they are; a latent goes through
+        ``decoder`` (default ``"auto"``; pass
+        ``omni_stream.preview.default_decoder(model)`` for the model's own).
+        Raises ValueError for a video frame (use :meth:`images` or
+        :meth:`save`), ParamsError (a ValueError) when the frame does not
+        fit ``decoder``.
+        """
+        from .preview.save import frame_picture
+
+        return frame_picture(self, decoder)
+
+    def images(
+        self, *, decoder: str | Callable[[torch.Tensor], Any] | None = "auto"
+    ) -> list[Image.Image]:
+        """This frame's images, one per video frame (one for an image frame).
+
+        Raises ParamsError when the frame does not fit ``decoder``.
+        """
+        from .preview.save import frame_pictures
+
+        return frame_pictures(self, decoder)
+
+    def save(
+        self,
+        path: str | os.PathLike[str],
+        *,
+        params: Mapping[str, Any] | None = None,
+        quality: int | None = None,
+        fps: float | None = None,
+        decoder: str | Callable[[torch.Tensor], Any] | None = "auto",
+    ) -> Path:
+        """Write this frame at full size to ``path``; return the path.
+
+        The format comes from the suffix: ``.png``, ``.jpg``/``.jpeg``,
+        ``.webp`` for an image; ``.mp4`` (needs the ``video`` extra),
+        ``.webp`` (animated), ``.gif`` for a video (``fps``, default 16).
+        A PNG carries ``params`` (AUTOMATIC1111's ``parameters`` text and
+        JSON under ``omni_stream``). ``quality`` 1-100 for jpeg, webp, mp4.
+        Raises ValueError for an unknown suffix or one for the other kind
+        (naming the known ones), ImportError for ``.mp4`` without PyAV,
+        ParamsError for a bad ``quality``/``fps`` or a frame that does not
+        fit ``decoder``.
+        """
+        from .preview.save import save_frame
+
+        return save_frame(
+            self, path, params=params, quality=quality, fps=fps, decoder=decoder
         )

@@ -62,10 +62,19 @@ import torch
 from .errors import ParamsError, StepFailedError
 from .params import Param, validate
 
-__all__ = ["StepModel", "GeneratorModel", "from_generator", "RequestStopped", "Emit", "OUTPUTS"]
+__all__ = [
+    "StepModel", "GeneratorModel", "from_generator", "RequestStopped", "Emit", "OUTPUTS",
+    "OUTPUT_PARAM", "split_output",
+]
 
 #: The values of the ``output`` param every request has.
 OUTPUTS = ("image", "latent")
+#: Every request's ``output`` param (see the module docstring).
+OUTPUT_PARAM = Param(
+    "output", "str", "image",
+    "the final frame: the decoded image (or video), or the final latent",
+    choices=OUTPUTS,
+)
 
 
 class RequestStopped(Exception):
@@ -242,6 +251,23 @@ class GeneratorModel(StepModel):
         close = getattr(state, "close", None)
         if close is not None:
             close()
+
+
+def split_output(
+    model: StepModel, params: Mapping[str, Any] | None
+) -> tuple[Mapping[str, Any] | None, str | None]:
+    """Split the ``output`` param off ``params`` unless ``model`` declares it itself.
+
+    Returns the params for ``model.validate`` and the checked output (None
+    when the model checks it). Raises ParamsError naming ``output``.
+    """
+    if any(p.name == "output" for p in model.params):
+        return params, None
+    if params is None or not isinstance(params, Mapping):
+        return params, "image"  # validate reports a non-mapping
+    rest = dict(params)
+    output = OUTPUT_PARAM.check(rest.pop("output", "image"), model=model.name)
+    return rest, output
 
 
 def from_generator(

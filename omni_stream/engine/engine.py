@@ -48,8 +48,7 @@ from ..errors import (
     StepTimeoutError,
 )
 from ..frame import Frame, StepTimings
-from ..model import OUTPUTS, StepModel
-from ..params import Param
+from ..model import StepModel, split_output
 from .copier import Copier, CopyTicket
 from .delivery import POLICIES, Delivery
 from .producer import Producer
@@ -63,11 +62,6 @@ __all__ = ["Engine"]
 logger = logging.getLogger("omni_stream.engine")
 
 _MAX_ID_LEN = 256
-#: Every request's ``output`` param (see ``omni_stream.model``).
-_OUTPUT_PARAM = Param(
-    "output", "str", "image", "the final frame: the decoded image (or video), or the final latent",
-    choices=OUTPUTS,
-)
 
 
 def _positive_int(name: str, value: Any) -> int:
@@ -397,7 +391,7 @@ class Engine:
                 f"request_id {request_id!r} is already running", field="request_id", request_id=request_id
             )
         try:
-            params, output = self._take_output(params)
+            params, output = split_output(self.model, params)
             checked = self.model.validate(params)
             if output is not None:
                 checked["output"] = output
@@ -431,22 +425,6 @@ class Engine:
             self._table.wake_producer()
         self._by_id[request_id] = r
         return FrameStream(self, r)
-
-    def _take_output(
-        self, params: Mapping[str, Any] | None
-    ) -> tuple[Mapping[str, Any] | None, str | None]:
-        """Split the ``output`` param off ``params`` unless the model declares it itself.
-
-        Returns the params for ``model.validate`` and the checked output
-        (None when the model checks it). Raises ParamsError naming ``output``.
-        """
-        if any(p.name == "output" for p in self.model.params):
-            return params, None
-        if params is None or not isinstance(params, Mapping):
-            return params, "image"  # validate reports a non-mapping
-        rest = dict(params)
-        output = _OUTPUT_PARAM.check(rest.pop("output", "image"), model=self.model.name)
-        return rest, output
 
     async def generate(
         self,

@@ -13,8 +13,9 @@ loop), so the producer stops within one step.
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from types import TracebackType
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 import anyio
 
@@ -42,6 +43,11 @@ class FrameStream:
     @property
     def total(self) -> int:
         return self._request.total
+
+    @property
+    def params(self) -> Mapping[str, Any]:
+        """The request's params as the model checked them, defaults filled in."""
+        return self._request.params
 
     def __aiter__(self) -> FrameStream:
         return self

@@ -3,6 +3,9 @@
 >>> from omni_stream.preview import PreviewSpec, Previewer
 >>> spec = PreviewSpec.from_dict({"every": 2, "format": "jpeg", "max_size": 512})
 >>> image = await Previewer().render(frame, spec)       # doctest: +SKIP
+
+Outputs at full size (files, the server's final message) are in ``save``:
+``save_image``, ``save_video``, ``encode_output``, ``PreviewWriter``.
 """
 
 from __future__ import annotations
@@ -11,23 +14,56 @@ from .decode import (
     DECODERS,
     LATENT_FACTORS,
     Decoder,
+    decode_auto,
     decode_flux,
+    decode_frame,
     decode_rgb,
     decode_sd3,
     decode_sd15,
     decode_sdxl,
     decoder_for,
+    default_decoder,
+    is_video,
     tensor_to_numpy,
     unpack_flux,
 )
-from .encode import DEFAULT_QUALITY, FORMATS, EncodedImage, check_options, encode, fit_size
-from .render import PreviewSpec, Previewer, render_sync, should_preview
+from .encode import (
+    DEFAULT_FPS,
+    DEFAULT_QUALITY,
+    FORMATS,
+    EncodedImage,
+    check_fps,
+    check_options,
+    encode,
+    encode_animation,
+    fit_size,
+    video_strip,
+)
+from .render import VIDEO_MODES, PreviewSpec, Previewer, render_sync, should_preview
+from .save import (
+    IMAGE_OUTPUTS,
+    IMAGE_SUFFIXES,
+    OUTPUT_QUALITY,
+    PREVIEW_SUFFIXES,
+    VIDEO_OUTPUTS,
+    VIDEO_SUFFIXES,
+    PreviewWriter,
+    check_output,
+    encode_output,
+    parameters_text,
+    save_image,
+    save_video,
+)
 
 __all__ = [
     "Decoder",
     "DECODERS",
     "LATENT_FACTORS",
     "decoder_for",
+    "default_decoder",
+    "decode_frame",
+    "is_video",
+    "decode_auto",
     "decode_rgb",
     "decode_sd15",
     "decode_sdxl",
@@ -37,12 +73,29 @@ __all__ = [
     "tensor_to_numpy",
     "FORMATS",
     "DEFAULT_QUALITY",
+    "DEFAULT_FPS",
     "EncodedImage",
     "encode",
+    "encode_animation",
+    "video_strip",
     "check_options",
+    "check_fps",
     "fit_size",
+    "VIDEO_MODES",
     "PreviewSpec",
     "Previewer",
     "render_sync",
     "should_preview",
+    "IMAGE_SUFFIXES",
+    "VIDEO_SUFFIXES",
+    "IMAGE_OUTPUTS",
+    "VIDEO_OUTPUTS",
+    "OUTPUT_QUALITY",
+    "PREVIEW_SUFFIXES",
+    "PreviewWriter",
+    "check_output",
+    "encode_output",
+    "parameters_text",
+    "save_image",
+    "save_video",
 ]

@@ -19,7 +19,6 @@ from __future__ import annotations
 
 import io
 import json
-import math
 import os
 from collections.abc import Callable, Mapping
 from fractions import Fraction
@@ -54,7 +53,6 @@ __all__ = [
     "PreviewWriter",
     "check_output",
     "encode_output",
-    "frame_images",
     "parameters_text",
     "save_frame",
     "save_image",
@@ -299,7 +297,7 @@ def _mp4(
             crf = _DEFAULT_CRF if quality is None else round((100 - quality) * 50 / 99)
             stream.options = {"crf": str(crf)}
         else:
-            stream.bit_rate = 8 * even_w * even_h * max(1, round(fps))  # ~1 byte a pixel a frame
+            stream.bit_rate = even_w * even_h * max(1, round(fps))  # ~1 bit a pixel a frame
         for index, rgb in enumerate(frames):
             if pad != ((0, 0), (0, 0), (0, 0)):
                 rgb = np.pad(rgb, pad, mode="edge")
@@ -391,12 +389,29 @@ def save_video(
 _DecoderSpec = str | Callable[[torch.Tensor], Any] | None
 
 
-def frame_images(frame: Frame, decoder: _DecoderSpec = "auto") -> tuple[list[np.ndarray], bool]:
-    """``frame``'s RGB images (uint8 ``[H, W, 3]``) and whether it is a video.
+def frame_pictures(frame: Frame, decoder: _DecoderSpec = "auto") -> list[Image.Image]:
+    """``Frame.images``: the frame's images, one per video frame (see there)."""
+    images, _ = _decode(frame.data, frame.decoded, decoder)
+    return [Image.fromarray(rgb) for rgb in images]
 
-    Raises ParamsError when the frame does not fit ``decoder``.
-    """
-    return _decode(frame.data, frame.decoded, decoder)
+
+def frame_picture(frame: Frame, decoder: _DecoderSpec = "auto") -> Image.Image:
+    """``Frame.image``: the frame as one image (see there)."""
+    if is_video(frame.data):
+        raise _video_frame_error(frame)
+    images, video = _decode(frame.data, frame.decoded, decoder)
+    if video:  # a callable decoder made a video of it
+        raise _video_frame_error(frame, len(images))
+    return Image.fromarray(images[0])
+
+
+def _video_frame_error(frame: Frame, count: int | None = None) -> ValueError:
+    shape = "x".join(str(s) for s in frame.data.shape)
+    what = f"{count} frames" if count is not None else f"frames ({shape})"
+    return ValueError(
+        f"this frame is a video of {what}; use Frame.images() for its frames "
+        "or Frame.save('out.mp4') (.webp, .gif) to write it"
+    )
 
 
 def save_frame(
@@ -412,7 +427,7 @@ def save_frame(
     path = Path(path)
     # Check the suffix before decoding: a mistyped name should cost nothing.
     _suffix_format(path, video=is_video(frame.data))
-    images, video = frame_images(frame, decoder)
+    images, video = _decode(frame.data, frame.decoded, decoder)
     if video:
         return save_video(images, path, fps=fps, quality=quality)
     if fps is not None:

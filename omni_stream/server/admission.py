@@ -9,17 +9,67 @@ from __future__ import annotations
 
 import dataclasses
 from collections.abc import Callable, Mapping
+from dataclasses import dataclass
 from typing import Any
 
 import torch
 
 from ..errors import ParamsError
-from ..model import StepModel
+from ..model import StepModel, split_output
 from ..preview import PreviewSpec
 from .limits import ServerLimits, check_request_limits
 from .protocol import MessageError
 
-__all__ = ["cap_preview", "check_params", "default_decoder", "preview_spec"]
+__all__ = [
+    "cap_preview", "check_params", "default_decoder", "preview_spec", "OutputSpec", "output_spec",
+    "IMAGE_FORMATS", "VIDEO_FORMATS",
+]
+
+#: What the final message of a request may be encoded as; the first is the default.
+IMAGE_FORMATS = ("png", "jpeg", "webp", "raw")
+VIDEO_FORMATS = ("mp4", "webp", "gif")
+_QUALITY_FORMATS = ("jpeg", "webp", "mp4")
+_OUTPUT_KEYS = ("format", "quality")
+
+
+@dataclass(frozen=True, slots=True)
+class OutputSpec:
+    """How a request's result goes out: ``format`` and ``quality`` (None: the encoder's default)."""
+
+    format: str
+    quality: int | None = None
+
+    def wire(self) -> dict[str, Any]:
+        return {"format": self.format, "quality": self.quality}
+
+
+def output_spec(wire: Mapping[str, Any] | None, *, video: bool, request_id: str) -> OutputSpec:
+    """The request's ``output`` settings from their wire form; ``video`` when the model makes videos.
+
+    Raises MessageError ``invalid_field`` naming ``output.<option>``.
+    """
+    formats = VIDEO_FORMATS if video else IMAGE_FORMATS
+    if wire is None:
+        return OutputSpec(formats[0])
+
+    def bad(field: str, message: str) -> MessageError:
+        return MessageError("invalid_field", f"output: {message}", field=f"output.{field}",
+                            request_id=request_id)
+
+    unknown = sorted(str(k) for k in wire if k not in _OUTPUT_KEYS)
+    if unknown:
+        raise bad(unknown[0], f"unknown option {unknown[0]!r}; known: {', '.join(_OUTPUT_KEYS)}")
+    fmt = wire.get("format", formats[0])
+    if fmt not in formats:
+        kind = "a video" if video else "an image"
+        raise bad("format", f"format must be one of {', '.join(formats)} for {kind}; got {fmt!r}")
+    quality = wire.get("quality")
+    if quality is not None:
+        if isinstance(quality, bool) or not isinstance(quality, int) or not 1 <= quality <= 100:
+            raise bad("quality", f"quality must be an integer from 1 to 100, got {quality!r}")
+        if fmt not in _QUALITY_FORMATS:
+            raise bad("quality", f"{fmt} takes no quality (only {', '.join(_QUALITY_FORMATS)} do)")
+    return OutputSpec(fmt, quality)
 
 
 def default_decoder(model: StepModel) -> str | Callable[[torch.Tensor], Any]:
@@ -72,7 +122,8 @@ def check_params(
     names the param) or ``limit_exceeded`` (beyond this server's limits).
     """
     try:
-        checked = model.validate(params)
+        rest, _ = split_output(model, params)
+        checked = model.validate(rest)
     except ParamsError as exc:
         raise MessageError("bad_params", exc.message, field=exc.field, request_id=request_id) from None
     except (ValueError, TypeError, KeyError) as exc:

@@ -495,10 +495,15 @@ class Server:
             limits=self.limits,
             request_id=request_id,
         )
+        output = admission.output_spec(
+            msg.output, video=bool(getattr(self.model, "produces_video", False)), request_id=request_id
+        )
         total = admission.check_params(self.model, msg.params, self.limits, request_id=request_id)
         try:
             # The raw params: the engine validates them itself (the same checks).
-            stream = self._engine.stream(msg.params, request_id=request_id, policy="latest")
+            stream = self._engine.stream(
+                msg.params, request_id=request_id, policy="latest", preview_every=spec.every
+            )
         except ParamsError as exc:
             raise protocol.MessageError(
                 "bad_params", exc.message, field=exc.field, request_id=request_id
@@ -513,12 +518,16 @@ class Server:
             detach=msg.detach,
             total=total,
             preview=routes.preview_wire(spec),
+            output=output.wire(),
             created_at=time.monotonic(),
         )
         self._registry.add(record)
         record.watch(conn.id, conn.outbox, attached=False)
         assert self._tg is not None
-        self._tg.start_soon(self._consume, record, stream, spec, name=f"omni_stream request {request_id}")
+        self._tg.start_soon(
+            self._consume, record, stream, spec, output,
+            name=f"omni_stream request {request_id}",
+        )
 
     def _cancel(self, conn: ClientConnection, msg: protocol.Cancel) -> None:
         record = self._registry.lookup(msg.id, conn.id, authenticated=self._token is not None)
@@ -540,11 +549,18 @@ class Server:
 
     # -- one consumer per request ------------------------------------------------
 
-    async def _consume(self, record: RequestRecord, stream: FrameStream, spec: PreviewSpec) -> None:
+    async def _consume(
+        self,
+        record: RequestRecord,
+        stream: FrameStream,
+        spec: PreviewSpec,
+        output: admission.OutputSpec,
+    ) -> None:
         message: dict[str, Any] | None = None
         try:
             message = await stream_request(
-                record, stream, spec, previewer=self._previewer, metrics=self.metrics
+                record, stream, spec, output=output, params={"model": self.model.name, **stream.params},
+                previewer=self._previewer, metrics=self.metrics,
             )
         except Exception as exc:
             logger.exception("request %s: the server failed while streaming it", record.id)

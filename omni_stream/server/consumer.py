@@ -5,6 +5,10 @@ never waits for the server, and when a preview takes longer to render than a
 step, the frames in between are replaced in the engine's single slot (the
 final frame never is). Each preview is rendered once, here, and shared by
 every client watching the request through its :class:`RequestRecord`.
+
+The final frame is not a preview: it is the request's result, encoded at
+full size in the request's ``output`` format (PNG by default, with the
+params in its metadata), never shrunk by ``preview.max_size``.
 """
 
 from __future__ import annotations
@@ -20,8 +24,9 @@ from ..errors import (
     StepTimeoutError,
 )
 from ..frame import Frame
-from ..preview import Previewer, PreviewSpec, should_preview
+from ..preview import Previewer, PreviewSpec, encode_output, should_preview
 from . import protocol
+from .admission import OutputSpec
 from .metrics import ServerMetrics
 from .session import RequestRecord
 
@@ -37,6 +42,8 @@ async def stream_request(
     stream: FrameStream,
     spec: PreviewSpec,
     *,
+    output: OutputSpec,
+    params: dict[str, Any] | None = None,
     previewer: Previewer,
     metrics: ServerMetrics,
 ) -> dict[str, Any]:
@@ -52,7 +59,15 @@ async def stream_request(
     try:
         async with stream:
             async for frame in stream:
-                await _publish(record, frame, spec, stream=stream, previewer=previewer, metrics=metrics)
+                if not frame.final:
+                    # A preview may poll the result ahead of it: then that comes next.
+                    frame = await _publish(
+                        record, frame, spec, stream=stream, previewer=previewer, metrics=metrics
+                    )
+                if frame is not None:
+                    await _publish_result(
+                        record, frame, output, params=params, previewer=previewer, metrics=metrics
+                    )
     except RequestCancelledError:
         return protocol.cancelled(rid, reason=record.cancel_reason or "engine")
     except StepFailedError as exc:
@@ -77,10 +92,11 @@ async def _publish(
     stream: FrameStream,
     previewer: Previewer,
     metrics: ServerMetrics,
-) -> None:
+) -> Frame | None:
+    """Publish a step's progress and, if due, its preview; return a result polled meanwhile."""
     _progress(record, frame, metrics)
     if not should_preview(frame.step, frame.total, spec.every):
-        return
+        return None
     started = time.perf_counter()
     async with previewer.reserve() as render:
         if spec.every == 1:
@@ -91,6 +107,10 @@ async def _publish(
             # (With every > 1 only some steps are previewed, and skipping
             # ahead could miss them.)
             while (newer := stream.poll()) is not None:
+                if newer.final:
+                    # The result is here: a preview of an older step would
+                    # only delay it. (It is never rendered as a preview.)
+                    return newer
                 frame = newer
                 _progress(record, frame, metrics)
         try:
@@ -102,14 +122,46 @@ async def _publish(
         id=record.id,
         step=frame.step,
         total=frame.total,
-        final=frame.final,
+        final=False,
         format=image.format,
         width=image.width,
         height=image.height,
         mime=image.mime,
     )
     # Encoded once, shared by every watcher (and kept for attach replays).
-    record.publish_preview(protocol.pack_preview(header, image.data), final=frame.final)
+    record.publish_preview(protocol.pack_preview(header, image.data), final=False)
+    return None
+
+
+async def _publish_result(
+    record: RequestRecord,
+    frame: Frame,
+    output: OutputSpec,
+    *,
+    params: dict[str, Any] | None,
+    previewer: Previewer,
+    metrics: ServerMetrics,
+) -> None:
+    _progress(record, frame, metrics)
+    started = time.perf_counter()
+    try:
+        image = await previewer.run_sync(
+            encode_output, frame, output.format, output.quality, params
+        )
+    except Exception as exc:
+        raise _PreviewFailed() from exc
+    metrics.preview_encode.observe(time.perf_counter() - started)
+    header = protocol.PreviewHeader(
+        id=record.id,
+        step=frame.step,
+        total=frame.total,
+        final=True,
+        format=image.format,
+        width=image.width,
+        height=image.height,
+        mime=image.mime,
+    )
+    record.publish_preview(protocol.pack_preview(header, image.data), final=True)
 
 
 def _progress(record: RequestRecord, frame: Frame, metrics: ServerMetrics) -> None:

@@ -108,12 +108,13 @@ class MessageError(ParamsError):
 
 @dataclass(frozen=True, slots=True)
 class Generate:
-    """``{"type": "generate", ...}``; ``preview`` is None when the client sent none."""
+    """``{"type": "generate", ...}``; ``preview`` and ``output`` are None when the client sent none."""
 
     id: str | None
     params: dict[str, Any]
     preview: dict[str, Any] | None
     detach: bool
+    output: dict[str, Any] | None = None
 
 
 @dataclass(frozen=True, slots=True)
@@ -134,7 +135,7 @@ ClientMessage = Generate | Cancel | Attach
 
 _FIELDS: Final[dict[str, tuple[frozenset[str], frozenset[str]]]] = {
     # type: (required, optional) besides "type"
-    "generate": (frozenset({"params"}), frozenset({"id", "preview", "detach"})),
+    "generate": (frozenset({"params"}), frozenset({"id", "preview", "detach", "output"})),
     "cancel": (frozenset({"id"}), frozenset()),
     "attach": (frozenset({"id"}), frozenset()),
 }
@@ -240,6 +241,14 @@ def _parse_object(obj: dict[str, Any]) -> ClientMessage:
             field="preview",
             request_id=request_id,
         )
+    output = obj.get("output")
+    if output is not None and not isinstance(output, dict):
+        raise MessageError(
+            "invalid_field",
+            f"output must be a JSON object, got {_type_name(output)}",
+            field="output",
+            request_id=request_id,
+        )
     detach = obj.get("detach", False)
     if not isinstance(detach, bool):
         raise MessageError(
@@ -248,7 +257,7 @@ def _parse_object(obj: dict[str, Any]) -> ClientMessage:
             field="detach",
             request_id=request_id,
         )
-    return Generate(id=request_id, params=params, preview=preview, detach=detach)
+    return Generate(id=request_id, params=params, preview=preview, detach=detach, output=output)
 
 
 def _type_name(value: Any) -> str:
@@ -280,10 +289,16 @@ def dumps(message: Mapping[str, Any]) -> str:
 
 
 def accepted(
-    request_id: str, *, total: int, detach: bool, attached: bool, preview: Mapping[str, Any]
+    request_id: str,
+    *,
+    total: int,
+    detach: bool,
+    attached: bool,
+    preview: Mapping[str, Any],
+    output: Mapping[str, Any] | None = None,
 ) -> dict[str, Any]:
-    """``accepted``: a generate started, or an attach succeeded."""
-    return {
+    """``accepted``: a generate started, or an attach succeeded; echoes the effective settings."""
+    message = {
         "type": "accepted",
         "id": request_id,
         "total": total,
@@ -291,6 +306,9 @@ def accepted(
         "attached": attached,
         "preview": dict(preview),
     }
+    if output is not None:
+        message["output"] = dict(output)
+    return message
 
 
 def progress(request_id: str, *, step: int, total: int, eta_s: float) -> dict[str, Any]:

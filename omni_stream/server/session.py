@@ -39,12 +39,14 @@ class RequestRecord:
         total: int,
         preview: Mapping[str, Any],
         created_at: float,
+        output: Mapping[str, Any] | None = None,
     ) -> None:
         self.id = request_id
         self.owner = owner
         self.detach = detach
         self.total = total
         self.preview = dict(preview)
+        self.output = dict(output) if output is not None else None
         self.created_at = created_at
         self.cancel_reason: str | None = None
         self.ended_at: float | None = None
@@ -76,6 +78,7 @@ class RequestRecord:
                 detach=self.detach,
                 attached=attached,
                 preview=self.preview,
+                output=self.output,
             )
         )
 

@@ -310,7 +310,8 @@ def test_flux_non_square_packed_needs_latent_size():
 
 
 def test_decoder_for_names():
-    assert set(D.DECODERS) == {"rgb", "sd15", "sdxl", "sd3", "flux"}
+    assert set(D.DECODERS) == {"auto", "rgb", "sd15", "sdxl", "sd3", "flux"}
+    assert D.decoder_for("auto") is D.decode_auto
     assert D.decoder_for("sd15") is D.decode_sd15
     assert D.decoder_for("rgb") is D.decode_rgb
 

@@ -50,7 +50,7 @@ def test_should_preview_rejects_every_below_one(every):
 
 def test_spec_defaults_and_wire_form():
     assert PreviewSpec() == PreviewSpec(
-        every=1, format="jpeg", max_size=512, quality=None, decoder="rgb"
+        every=1, format="jpeg", max_size=512, quality=None, decoder="auto", video="strip"
     )
     spec = PreviewSpec.from_dict({"every": 1, "format": "jpeg", "max_size": 512})
     assert spec == PreviewSpec()
@@ -214,7 +214,7 @@ async def test_previewer_bounds_concurrent_renders_by_its_limiter(threads):
 @pytest.mark.asyncio
 async def test_previewer_raises_decode_errors_to_the_caller():
     with pytest.raises(ParamsError) as info:
-        await Previewer().render(_frame(torch.zeros(5, 8, 8)), PreviewSpec())
+        await Previewer().render(_frame(torch.zeros(5, 8, 8)), PreviewSpec(decoder="rgb"))
     assert info.value.field == "frame"
 
 

@@ -104,9 +104,14 @@ def _data_url_bytes(url: str, max_bytes: int, where: str, field: str) -> bytes:
             f"{where}: the image is larger than {max_bytes} bytes encoded", field=field
         )
     try:
-        return base64.b64decode(payload, validate=True)
+        data = base64.b64decode(payload, validate=True)
     except (binascii.Error, ValueError):
         raise ParamsError(f"{where}: the data URL's data is not valid base64", field=field) from None
+    if len(data) > max_bytes:  # the text bound above allows up to 2 bytes over
+        raise ParamsError(
+            f"{where}: the image is larger than {max_bytes} bytes encoded", field=field
+        )
+    return data
 
 
 def _file_bytes(path: str, max_bytes: int, where: str, field: str) -> bytes:
@@ -151,6 +156,13 @@ def _decode(data: bytes, max_pixels: int, where: str, field: str) -> Any:
         return image.convert("RGB")
     except ParamsError:
         raise
+    except Image.DecompressionBombError:
+        # PIL's own bound (far above ours by default) tripped in open().
+        raise ParamsError(
+            f"{where}: the image declares more pixels than PIL decodes; at most {max_pixels} "
+            "are accepted",
+            field=field,
+        ) from None
     except Exception as exc:  # untrusted bytes: truncated, corrupt, PIL's own bomb check
         raise ParamsError(f"{where}: cannot decode the {kind} image: {exc}", field=field) from None
 
