@@ -11,6 +11,7 @@ runs it; ``docs/performance.md`` explains each figure. The figures, by name:
 ``loop_lag``   event-loop lag while 64 requests stream
 ``fanout``     100 websocket clients through the server, against a ComfyUI-style publish loop
 ``memory``     RSS after 1,000 requests against after 100, and a reader that never reads
+``diffusers_stream``  a random SD pipeline streamed (native, callback, TAESD previews) against ``pipe()``
 """
 
 from __future__ import annotations
@@ -30,4 +31,5 @@ FIGURES: dict[str, str] = {
     "loop_lag": "benchmarks.loop_lag",
     "fanout": "benchmarks.fanout",
     "memory": "benchmarks.memory",
+    "diffusers_stream": "benchmarks.diffusers_stream",
 }

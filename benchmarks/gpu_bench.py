@@ -13,6 +13,23 @@ side by side in one run, baseline and engine interleaved:
   the device) with every step's latent streamed to the host, against the
   same steps with no streaming. Target <= 1.02. One SD-sized latent
   (4x64x64) and one video-sized latent (16x21x90x160, bf16).
+* ``diffusers_*`` (needs diffusers; skipped, saying why, without it):
+  random-weight pipelines built from configs, no downloads. ``sd15``: a
+  ``StableDiffusionPipeline`` with SD 1.5's UNet and VAE sizes (UNet
+  block_out_channels (320, 640, 1280, 1280), ~860M parameters), fp16, 512 px,
+  20 Euler steps with guidance. ``flux``: a ``FluxPipeline`` with a
+  ``FluxTransformer2DModel`` at Flux.1's width (24 heads x 128 = 3072) and
+  ``--flux-layers`` double/single blocks (default 19/38: Flux.1 dev's depth,
+  ~12B parameters), bf16, 1024 px, 10 steps. Each streams through the
+  engine with every step read and rendered to a JPEG preview
+  (``Previewer``), once with a random-weight TAESD (the real taesd / taef1
+  sizes) decoding every step on the GPU (``use_preview_vae``,
+  ``preview_every=1``) and once without (latent previews): on / off, target
+  <= 1.03. Beside them, ``pipe(..., output_type="pt")`` itself, and the
+  TAESD and VAE decodes alone in milliseconds.
+
+``--dry-run`` runs the diffusers rows on the CPU with toy sizes (no CUDA
+needed): a check that the code runs, not a measurement.
 """
 
 from __future__ import annotations
@@ -20,10 +37,12 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
+import math
 import platform
 import statistics
 import sys
 import time
+import warnings
 from pathlib import Path
 
 import torch
@@ -146,25 +165,347 @@ def bench_overhead(name, shape, dtype, steps, reps) -> dict:
             "bare_step_ms": b / steps * 1e3, "engine_step_ms": e / steps * 1e3}
 
 
+# -- diffusers: SD- and Flux-sized random-weight pipelines, TAESD previews on vs off --
+
+TAESD_TARGET = "<= 1.03"
+
+
+def _sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def _sd15_case(device: torch.device, dtype: torch.dtype, dry_run: bool, steps: int) -> dict:
+    """A random ``StableDiffusionPipeline`` at SD 1.5's sizes (toy sizes with ``dry_run``)."""
+    from diffusers import (
+        AutoencoderKL,
+        EulerDiscreteScheduler,
+        StableDiffusionPipeline,
+        UNet2DConditionModel,
+    )
+
+    if dry_run:
+        unet_cfg = dict(block_out_channels=(32, 64), layers_per_block=1, norm_num_groups=32,
+                        down_block_types=("CrossAttnDownBlock2D", "DownBlock2D"),
+                        up_block_types=("UpBlock2D", "CrossAttnUpBlock2D"))
+        vae_cfg = dict(block_out_channels=(32, 32, 32, 32), layers_per_block=1)
+        px, embed_dim, seq = 64, 32, 7
+    else:
+        # UNet2DConditionModel's defaults are SD 1.5's blocks; its text width is CLIP-L's 768.
+        unet_cfg = dict(block_out_channels=(320, 640, 1280, 1280), layers_per_block=2)
+        vae_cfg = dict(block_out_channels=(128, 256, 512, 512), layers_per_block=2)
+        px, embed_dim, seq = 512, 768, 77
+    torch.manual_seed(0)
+    with torch.device(device):  # random init on the device: seconds, not minutes
+        unet = UNet2DConditionModel(sample_size=px // 8, in_channels=4, out_channels=4,
+                                    cross_attention_dim=embed_dim, attention_head_dim=8, **unet_cfg)
+        vae = AutoencoderKL(in_channels=3, out_channels=3, latent_channels=4,
+                            down_block_types=["DownEncoderBlock2D"] * 4,
+                            up_block_types=["UpDecoderBlock2D"] * 4, force_upcast=False,
+                            sample_size=px, **vae_cfg)
+    pipe = StableDiffusionPipeline(
+        vae=_cast(vae, dtype), text_encoder=None, tokenizer=None, unet=_cast(unet, dtype),
+        scheduler=EulerDiscreteScheduler(beta_start=0.00085, beta_end=0.012,
+                                         beta_schedule="scaled_linear", steps_offset=1),
+        safety_checker=None, feature_extractor=None, requires_safety_checker=False,
+    )
+    pipe.set_progress_bar_config(disable=True)
+    g = torch.Generator().manual_seed(3)
+    emb = torch.randn(1, seq, embed_dim, generator=g).to(device, dtype)
+    neg = torch.randn(1, seq, embed_dim, generator=g).to(device, dtype)
+    return dict(
+        name="sd15",
+        pipe=pipe,
+        embeddings=dict(prompt_embeds=emb, negative_prompt_embeds=neg),
+        bare_kwargs=dict(prompt_embeds=emb, negative_prompt_embeds=neg, num_inference_steps=steps,
+                         height=px, width=px, guidance_scale=7.5),
+        params=dict(prompt="bench", steps=steps, seed=0, height=px, width=px, guidance_scale=7.5),
+        latent_channels=4,
+        latent_side=px // 8,
+        sizes=dict(unet=unet_cfg["block_out_channels"], vae=vae_cfg["block_out_channels"], px=px,
+                   dtype=str(dtype), steps=steps,
+                   unet_params_M=round(sum(p.numel() for p in unet.parameters()) / 1e6, 1)),
+    )
+
+
+def _flux_case(
+    device: torch.device, dtype: torch.dtype, dry_run: bool, steps: int, layers: tuple[int, int]
+) -> dict:
+    """A random ``FluxPipeline`` at Flux.1's width, ``layers`` (double, single) deep."""
+    from diffusers import AutoencoderKL, FlowMatchEulerDiscreteScheduler, FluxPipeline, FluxTransformer2DModel
+
+    if dry_run:
+        tf_cfg = dict(num_layers=1, num_single_layers=1, attention_head_dim=8, num_attention_heads=2,
+                      joint_attention_dim=16, pooled_projection_dim=8, axes_dims_rope=(2, 2, 4))
+        vae_cfg = dict(block_out_channels=(32, 32, 32, 32), layers_per_block=1)
+        px, seq, seq_bounds = 32, 7, (4, 64)
+    else:
+        # FluxTransformer2DModel's defaults are Flux.1's: 24 heads x 128, T5-XXL and CLIP-L widths.
+        tf_cfg = dict(num_layers=layers[0], num_single_layers=layers[1], attention_head_dim=128,
+                      num_attention_heads=24, joint_attention_dim=4096, pooled_projection_dim=768,
+                      axes_dims_rope=(16, 56, 56))
+        vae_cfg = dict(block_out_channels=(128, 256, 512, 512), layers_per_block=2)
+        px, seq, seq_bounds = 1024, 512, (256, 4096)
+    torch.manual_seed(0)
+    with torch.device(device):
+        transformer = FluxTransformer2DModel(patch_size=1, in_channels=64, guidance_embeds=True, **tf_cfg)
+        vae = AutoencoderKL(in_channels=3, out_channels=3, latent_channels=16,
+                            down_block_types=["DownEncoderBlock2D"] * 4,
+                            up_block_types=["UpDecoderBlock2D"] * 4, scaling_factor=0.3611,
+                            shift_factor=0.1159, use_quant_conv=False, use_post_quant_conv=False,
+                            force_upcast=False, sample_size=px, **vae_cfg)
+    pipe = FluxPipeline(
+        scheduler=FlowMatchEulerDiscreteScheduler(
+            shift=3.0, use_dynamic_shifting=True, base_shift=0.5, max_shift=1.15,
+            base_image_seq_len=seq_bounds[0], max_image_seq_len=seq_bounds[1],
+        ),
+        vae=_cast(vae, dtype), transformer=_cast(transformer, dtype),
+        text_encoder=None, tokenizer=None, text_encoder_2=None, tokenizer_2=None,
+    )
+    pipe.set_progress_bar_config(disable=True)
+    g = torch.Generator().manual_seed(3)
+    emb = torch.randn(1, seq, tf_cfg["joint_attention_dim"], generator=g).to(device, dtype)
+    pooled = torch.randn(1, tf_cfg["pooled_projection_dim"], generator=g).to(device, dtype)
+    return dict(
+        name="flux",
+        pipe=pipe,
+        embeddings=dict(prompt_embeds=emb, pooled_prompt_embeds=pooled),
+        bare_kwargs=dict(prompt_embeds=emb, pooled_prompt_embeds=pooled, num_inference_steps=steps,
+                         height=px, width=px, guidance_scale=3.5),
+        params=dict(prompt="bench", steps=steps, seed=0, height=px, width=px, guidance_scale=3.5),
+        latent_channels=16,
+        latent_side=px // 8,
+        sizes=dict(width=tf_cfg["num_attention_heads"] * tf_cfg["attention_head_dim"],
+                   layers=[tf_cfg["num_layers"], tf_cfg["num_single_layers"]], px=px,
+                   dtype=str(dtype), steps=steps,
+                   transformer_params_M=round(sum(p.numel() for p in transformer.parameters()) / 1e6, 1)),
+    )
+
+
+def _taesd(device: torch.device, dtype: torch.dtype, latent_channels: int):
+    """A random-weight AutoencoderTiny with the real taesd (4 ch) / taef1 (16 ch) sizes."""
+    from diffusers import AutoencoderTiny
+
+    torch.manual_seed(2)
+    with torch.device(device):
+        vae = AutoencoderTiny(encoder_block_out_channels=(64, 64, 64, 64),
+                              decoder_block_out_channels=(64, 64, 64, 64),
+                              latent_channels=latent_channels)
+    return _cast(vae, dtype).eval()
+
+
+def _cast(module, dtype: torch.dtype):
+    # diffusers logs a warning for every .to(dtype), even a no-op one.
+    return module if dtype == torch.float32 else module.to(dtype)
+
+
+def _decode_ms(decode, device: torch.device, reps: int) -> list[float]:
+    with torch.no_grad():
+        decode()
+        _sync(device)
+        out = []
+        for _ in range(reps):
+            t0 = time.perf_counter()
+            decode()
+            _sync(device)
+            out.append((time.perf_counter() - t0) * 1e3)
+    return out
+
+
+def bench_diffusers_case(case: dict, device: torch.device, reps: int) -> list[dict]:
+    """pipe() against the engine streaming with previews, TAESD on and off, interleaved."""
+    from omni_stream.models.diffusers import Diffusers, PromptEmbeddings
+    from omni_stream.preview import PreviewSpec, Previewer, default_decoder
+
+    name, pipe, params = case["name"], case["pipe"], case["params"]
+    dtype = next(pipe.vae.parameters()).dtype
+    embeddings = PromptEmbeddings(**case["embeddings"])
+    model = Diffusers(pipe, encode_prompt=lambda prompt, negative: embeddings)
+    taesd = _taesd(device, dtype, case["latent_channels"])
+    model.use_preview_vae(taesd)
+    previewer = Previewer()
+    spec = PreviewSpec(every=1, format="jpeg", max_size=512, decoder=default_decoder(model))
+    total = model.total_steps(model.validate(params))
+
+    def bare() -> float:
+        _sync(device)
+        t0 = time.perf_counter()
+        with torch.no_grad():
+            image = pipe(**case["bare_kwargs"], generator=torch.Generator("cpu").manual_seed(0),
+                         output_type="pt").images
+            image = image.cpu()  # on the host, as the engine delivers it
+        return time.perf_counter() - t0
+
+    decodes: list[float] = []
+    nonfinite = 0
+
+    async def stream(engine, preview_every) -> float:
+        nonlocal nonfinite
+        frames = 0
+        _sync(device)
+        t0 = time.perf_counter()
+        async with engine.stream(params, policy="all", preview_every=preview_every) as s:
+            async for frame in s:
+                frames += 1
+                if frame.final:
+                    nonfinite += int(not torch.isfinite(frame.data).all())
+                    continue  # the result: on the host, not encoded (pipe() does not encode either)
+                if preview_every is not None:
+                    assert frame.decoded, f"{name}: step {frame.step} was not decoded by the TAESD"
+                    decodes.append(frame.timings.decode_s)
+                await previewer.render(frame, spec)
+        elapsed = time.perf_counter() - t0
+        assert frames == total, f"{name}: {frames} frames for {total} steps"
+        return elapsed
+
+    samples: dict[str, list[float]] = {"bare": [], "off": [], "on": []}
+
+    async def measure() -> None:
+        async with om.Engine(model, device=str(device)) as engine:
+            # Untimed: the producer's first calls, the TAESD's first decode, cuDNN's plans.
+            await engine.generate(dict(params, steps=2, output="latent"), policy="all", preview_every=1)
+            bare()
+            order = ["bare", "off", "on"]
+            for rep in range(reps):
+                for variant in order if rep % 2 == 0 else order[::-1]:
+                    if variant == "bare":
+                        samples["bare"].append(bare())
+                    else:
+                        samples[variant].append(await stream(engine, 1 if variant == "on" else None))
+                print(f"  {name} rep {rep + 1}/{reps}: "
+                      + ", ".join(f"{k}={v[-1]:.3f}s" for k, v in samples.items()), flush=True)
+
+    asyncio.run(measure())
+    g = torch.Generator().manual_seed(4)
+    side = case["latent_side"]
+    latents = torch.randn(1, case["latent_channels"], side, side, generator=g).to(device, dtype)
+    taesd_ms = _decode_ms(lambda: taesd.decode(latents), device, max(reps, 3))
+    vae_ms = _decode_ms(lambda: pipe.vae.decode(latents), device, max(reps, 3))
+    med = {k: statistics.median(v) for k, v in samples.items()}
+    step_ms = (med["bare"] - statistics.median(vae_ms) / 1e3) / total * 1e3
+    common = dict(
+        **{f"{k}_s": v for k, v in med.items()},
+        step_ms=step_ms,
+        taesd_ms=statistics.median(taesd_ms),
+        taesd_in_stream_ms=statistics.median(decodes) * 1e3 if decodes else math.nan,
+        vae_ms=statistics.median(vae_ms),
+        steps=total,
+        final_nonfinite=nonfinite,
+        sizes=case["sizes"],
+        samples_s=samples,
+    )
+    return [
+        {"figure": f"diffusers_{name}_taesd_on_vs_off", "value": med["on"] / med["off"],
+         "target": TAESD_TARGET, **common},
+        {"figure": f"diffusers_{name}_stream_vs_pipe", "value": med["off"] / med["bare"],
+         "target": "-", **common},
+    ]
+
+
+def bench_diffusers(args, device: torch.device, rows: list[dict]) -> str:
+    """Append the diffusers rows to ``rows`` (written to ``--json`` as each model ends).
+
+    Returns why nothing was measured ("" when it was): diffusers is missing.
+    """
+    try:
+        import diffusers  # noqa: F401
+    except ImportError as exc:
+        return (f"diffusers is not importable ({exc}); scripts/gpu_check.sh installs it from "
+                    "wheels in .whl (see the script), skipping the diffusers rows")
+    warnings.filterwarnings("ignore", message="__array__ implementation", category=DeprecationWarning)
+    dry = args.dry_run
+    cases = [
+        ("sd15", lambda: _sd15_case(device, torch.float32 if dry else torch.float16, dry,
+                                    2 if dry else args.sd_steps), 1 if dry else max(args.reps, 5)),
+        ("flux", lambda: _flux_case(device, torch.float32 if dry else torch.bfloat16, dry,
+                                    2 if dry else args.flux_steps, args.flux_layers), 1 if dry else args.reps),
+    ]
+    for name, build, reps in cases:
+        if args.diffusers_models and name not in args.diffusers_models:
+            continue
+        t0 = time.perf_counter()
+        case = build()
+        print(f"  {name}: built {case['sizes']} in {time.perf_counter() - t0:.1f} s", flush=True)
+        rows += bench_diffusers_case(case, device, reps)
+        _print_rows(rows[-2:])
+        if args.json:
+            args.json.write_text(json.dumps({"meta": _meta(device), "figures": rows}, indent=2))
+        del case
+        if device.type == "cuda":
+            torch.cuda.empty_cache()
+    return ""
+
+
+def _meta(device: torch.device) -> dict:
+    meta = {"device": str(device), "torch": torch.__version__, "python": platform.python_version()}
+    if device.type == "cuda":
+        meta["gpu"] = torch.cuda.get_device_name(device)
+    try:
+        import diffusers
+
+        meta["diffusers"] = diffusers.__version__
+    except ImportError:
+        meta["diffusers"] = None
+    return meta
+
+
+def _print_rows(rows: list[dict]) -> None:
+    for r in rows:
+        extra = ", ".join(f"{k}={v:.3g}" if isinstance(v, float) else f"{k}={v}"
+                          for k, v in r.items()
+                          if k not in ("figure", "value", "target", "samples_s"))
+        print(f"{r['figure']:<28} {r['value']:.3f}  (target {r['target']})  {extra}", flush=True)
+
+
+def _layers(text: str) -> tuple[int, int]:
+    double, single = (int(x) for x in text.split(","))
+    return double, single
+
+
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--json", type=Path)
     ap.add_argument("--reps", type=int, default=3)
+    ap.add_argument("--only", choices=("core", "diffusers", "all"), default="all",
+                    help="core: bandwidth and stream overhead; diffusers: the pipeline rows")
+    ap.add_argument("--diffusers-models", nargs="+", choices=("sd15", "flux"),
+                    help="which diffusers models (default both)")
+    ap.add_argument("--flux-layers", type=_layers, default=(19, 38), metavar="DOUBLE,SINGLE",
+                    help="Flux transformer depth (default 19,38: Flux.1's)")
+    ap.add_argument("--sd-steps", type=int, default=20)
+    ap.add_argument("--flux-steps", type=int, default=10)
+    ap.add_argument("--dry-run", action="store_true",
+                    help="the diffusers rows on the CPU at toy sizes: checks the code runs, measures nothing")
     args = ap.parse_args(argv)
+    if args.dry_run:
+        device = torch.device("cpu")
+        torch.set_num_threads(1)
+        why = bench_diffusers(args, device, [])
+        if why:
+            print(why, file=sys.stderr)
+            return 2
+        print(json.dumps(_meta(device)))
+        return 0
     if not torch.cuda.is_available():
         print("no CUDA device: nothing to measure", file=sys.stderr)
         return 2
-    rows = [
-        bench_bandwidth(args.reps),
-        bench_overhead("sd_latent", (4, 64, 64), torch.float16, 40, args.reps),
-        bench_overhead("video_latent", (16, 21, 90, 160), torch.bfloat16, 40, args.reps),
-    ]
-    meta = {"gpu": torch.cuda.get_device_name(), "torch": torch.__version__,
-            "python": platform.python_version()}
-    for r in rows:
-        extra = ", ".join(f"{k}={v:.3g}" if isinstance(v, float) else f"{k}={v}"
-                          for k, v in r.items() if k not in ("figure", "value", "target"))
-        print(f"{r['figure']:<28} {r['value']:.3f}  (target {r['target']})  {extra}")
+    device = torch.device("cuda")
+    rows: list[dict] = []
+    why = ""
+    if args.only in ("core", "all"):
+        rows += [
+            bench_bandwidth(args.reps),
+            bench_overhead("sd_latent", (4, 64, 64), torch.float16, 40, args.reps),
+            bench_overhead("video_latent", (16, 21, 90, 160), torch.bfloat16, 40, args.reps),
+        ]
+        _print_rows(rows)
+        if args.json:
+            args.json.write_text(json.dumps({"meta": _meta(device), "figures": rows}, indent=2))
+    if args.only in ("diffusers", "all"):
+        why = bench_diffusers(args, device, rows)
+        if why:
+            print(why, flush=True)
+    meta = dict(_meta(device), diffusers_skipped=why or None)
     print(json.dumps(meta))
     if args.json:
         args.json.write_text(json.dumps({"meta": meta, "figures": rows}, indent=2))

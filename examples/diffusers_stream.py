@@ -87,26 +87,27 @@ def stand_in_encoder(prompt: str, negative_prompt: str) -> PromptEmbeddings:
     return PromptEmbeddings(embed(prompt), embed("negative: " + negative_prompt))
 
 
-async def stream(model: Diffusers, params: dict, out: Path | None) -> torch.Tensor:
-    spec = PreviewSpec(every=1, format="png", max_size=256, decoder=model.preview_decoder or "sd15")
+async def stream(model: Diffusers, params: dict, out: Path | None) -> om.Frame:
+    spec = PreviewSpec(every=1, format="png", max_size=256, decoder=model.preview_decoder or "auto")
     previewer = Previewer()
     final = None
     async with om.Engine(model) as engine:
         async with engine.stream(params) as frames:
             async for frame in frames:
                 note = ""
-                if out is not None:
+                if out is not None and not frame.final:
                     # The fast latent-to-RGB approximation, rendered off the
                     # event loop while the engine computes the next step.
                     image = await previewer.render(frame, spec)
                     path = out / f"step_{frame.step:03d}.png"
                     path.write_bytes(image.data)
                     note = f" -> {path}"
+                what = "image" if frame.decoded else "latents"
                 print(
-                    f"step {frame.step:>3}/{frame.total}: latents {tuple(frame.data.shape)} "
+                    f"step {frame.step:>3}/{frame.total}: {what} {tuple(frame.data.shape)} "
                     f"{frame.data.dtype}, computed in {frame.timings.compute_s * 1000:.1f} ms{note}"
                 )
-                final = frame.data
+                final = frame
     assert final is not None
     return final
 
@@ -139,20 +140,16 @@ def main() -> None:
     if args.out is not None:
         args.out.mkdir(parents=True, exist_ok=True)
     try:
-        latents = asyncio.run(stream(model, params, args.out))
+        final = asyncio.run(stream(model, params, args.out))
     except om.OmniStreamError as exc:
         sys.exit(f"error: {exc}")
 
     if args.out is not None:
-        from PIL import Image
-
-        # The real VAE decode, after the engine has shut down, so its torch
-        # work never competes with the engine's producer thread.
-        rgb = model.decode_latents(latents)
-        pixels = ((rgb + 1) * 127.5).round().to(torch.uint8).permute(1, 2, 0).numpy()
-        path = args.out / "final.png"
-        Image.fromarray(pixels).save(path)
-        print(f"final image: {path} ({pixels.shape[1]}x{pixels.shape[0]})")
+        # The final frame is the VAE's image, decoded on the engine's producer
+        # thread as part of the last step; a PNG that records its params.
+        path = final.save(args.out / "final.png", params=params)
+        image = final.image()
+        print(f"final image: {path} ({image.width}x{image.height})")
 
 
 if __name__ == "__main__":

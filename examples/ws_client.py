@@ -40,8 +40,10 @@ def _param(text: str) -> tuple[str, Any]:
 async def watch(args: argparse.Namespace) -> omc.PreviewFrame:
     params = dict(args.param or [])
     preview = {"format": args.format, "every": args.every}
+    # The result comes full size in the format the output file's suffix names.
+    output = {"format": _OUTPUT_FORMATS.get(os.path.splitext(args.output)[1].lower(), "png")}
     async with omc.connect(args.url, token=args.token) as client:
-        stream = client.generate(params, preview=preview, progress=True)
+        stream = client.generate(params, preview=preview, output=output, progress=True)
         started = time.perf_counter()
         final = None
         async for item in stream:
@@ -58,13 +60,17 @@ async def watch(args: argparse.Namespace) -> omc.PreviewFrame:
     return final
 
 
+_OUTPUT_FORMATS = {".png": "png", ".jpg": "jpeg", ".jpeg": "jpeg", ".webp": "webp",
+                   ".mp4": "mp4", ".gif": "gif"}
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("url", nargs="?", default="ws://127.0.0.1:8765/ws")
     parser.add_argument("-p", "--param", type=_param, action="append", metavar="KEY=VALUE")
     parser.add_argument("--token", default=os.environ.get("OMNI_STREAM_TOKEN") or None)
     parser.add_argument("--format", default="jpeg", choices=["jpeg", "png", "webp", "raw"],
-                        help="preview encoding (the result comes in it too)")
+                        help="preview encoding")
     parser.add_argument("--every", type=int, default=1, help="preview every Nth step")
     parser.add_argument("-o", "--output", default="ws_result.png",
                         help="where to save the result (format from the extension)")
@@ -80,8 +86,8 @@ def main(argv: list[str] | None = None) -> int:
     except KeyboardInterrupt:  # leaving the iteration cancels the request on the server
         print("\ninterrupted", file=sys.stderr)
         return 130
-    final.image().save(args.output)
-    print(f"saved {final.width}x{final.height} to {args.output}")
+    final.save(args.output)
+    print(f"saved {final.width}x{final.height} {final.format} to {args.output}")
     return 0
 
 

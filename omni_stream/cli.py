@@ -21,20 +21,28 @@ from collections.abc import Coroutine, Sequence
 from pathlib import Path
 from typing import Any, NoReturn, TextIO
 
-import numpy as np
 
 from . import __version__
 from .config import env_str
 from .errors import OmniStreamError, ParamsError
 from .model import StepModel
 
-__all__ = ["main", "build_parser", "default_decoder", "ProgressBar", "TOKEN_ENV"]
+__all__ = ["main", "build_parser", "ProgressBar", "TOKEN_ENV"]
 
 PROG = "omni-stream"
 #: Where ``serve`` reads its bearer token when ``--token`` is not given.
 TOKEN_ENV = "OMNI_STREAM_TOKEN"
 
 # CLI flag -> the model param it sets; passed only when the model declares it.
+_MODEL_HELP = (
+    "mixture (the embedded default), synthetic, diffusers:ID|PATH (a diffusers pipeline: "
+    "a hub id or a saved folder; the diffusers extra), or module:attr"
+)
+_PREVIEW_VAE_HELP = (
+    "decode previews with a tiny autoencoder (taesd, taesdxl, taesd3, taef1: a folder or "
+    "model id) on the model's device; diffusers models only (default: $OMNI_STREAM_PREVIEW_VAE, else none)"
+)
+
 _PARAM_FLAGS = (
     ("prompt", "PROMPT"),
     ("steps", "--steps"),
@@ -53,6 +61,17 @@ class _Parser(argparse.ArgumentParser):
 
     def error(self, message: str) -> NoReturn:
         self.exit(2, f"{self.prog}: error: {message} (see {self.prog} --help)\n")
+
+
+class _DefaultsFormatter(argparse.HelpFormatter):
+    """Shows each option's default, where it has one."""
+
+    def _get_help_string(self, action: argparse.Action) -> str:
+        text = action.help or ""
+        default = action.default
+        if default is None or default is argparse.SUPPRESS or default is False or "%(default)" in text:
+            return text
+        return f"{text} (default: %(default)s)"
 
 
 def _one_line(text: str) -> str:
@@ -235,23 +254,6 @@ class ProgressBar:
 # -- generate ------------------------------------------------------------------
 
 
-def default_decoder(model: StepModel, params: dict[str, Any] | None = None) -> str:
-    """The decoder for ``model``'s frames: its ``preview_decoder``, else ``rgb``.
-
-    Synthetic declares none; its frames have ``params["shape"]``, latent-shaped
-    ``[4, 64, 64]`` by default, so the decoder follows their channel count.
-    """
-    name = getattr(model, "preview_decoder", None)
-    if isinstance(name, str):
-        return name
-    from .models.synthetic import Synthetic
-
-    if isinstance(model, Synthetic):
-        shape = (params or {}).get("shape") or (4,)
-        return {3: "rgb", 16: "sd3"}.get(shape[0], "sd15")
-    return "rgb"
-
-
 def _model_params(model: StepModel, args: argparse.Namespace) -> dict[str, Any]:
     declared = [p.name for p in model.params]
     params: dict[str, Any] = {}
@@ -259,6 +261,12 @@ def _model_params(model: StepModel, args: argparse.Namespace) -> dict[str, Any]:
     given += [(key, f"--param {key}=...", value) for key, value in args.param or ()]
     for name, flag, value in given:
         if value is None:
+            continue
+        if name == "output":
+            params[name] = value  # every request has it (omni_stream.model)
+            continue
+        if name == "size" and name not in declared and {"height", "width"} <= set(declared):
+            params["height"] = params["width"] = value  # pipelines take the two sides
             continue
         if name not in declared:
             raise _UsageError(
@@ -269,55 +277,13 @@ def _model_params(model: StepModel, args: argparse.Namespace) -> dict[str, Any]:
     return params
 
 
-class _PreviewSink:
-    """Collects previews as numbered PNGs in a folder or frames of one GIF."""
-
-    def __init__(self, path: Path, total_hint: int) -> None:
-        self.path = path
-        self.gif = path.suffix.lower() == ".gif"
-        self.frames: list[np.ndarray] = []
-        self.written = 0
-        self._digits = max(4, len(str(total_hint)))
-        if self.gif:
-            path.parent.mkdir(parents=True, exist_ok=True)
-        else:
-            if path.exists() and not path.is_dir():
-                raise _UsageError(f"--previews {str(path)!r} exists and is not a folder")
-            path.mkdir(parents=True, exist_ok=True)
-
-    @property
-    def format(self) -> str:
-        return "raw" if self.gif else "png"
-
-    def add(self, step: int, image: Any) -> None:
-        if self.gif:
-            rgb = np.frombuffer(image.data, dtype=np.uint8).reshape(image.height, image.width, 3)
-            self.frames.append(rgb)
-        else:
-            (self.path / f"step_{step:0{self._digits}d}.png").write_bytes(image.data)
-            self.written += 1
-
-    def close(self) -> None:
-        if not self.gif or not self.frames:
-            return
-        from PIL import Image
-
-        images = [Image.fromarray(f) for f in self.frames]
-        # 100 ms a step, and hold the final image for a second before looping.
-        durations = [100] * (len(images) - 1) + [1000]
-        images[0].save(
-            self.path, save_all=True, append_images=images[1:], duration=durations, loop=0
-        )
-        self.written = len(images)
-
-
 async def _generate(
     model: StepModel,
     params: dict[str, Any],
     *,
     device: str,
     decoder: str,
-    sink: _PreviewSink | None,
+    sink: Any,
     every: int,
     preview_size: int | None,
     progress: ProgressBar,
@@ -331,12 +297,17 @@ async def _generate(
         spec = PreviewSpec(every=every, format=sink.format, max_size=preview_size, decoder=decoder)
     final = None
     async with Engine(model, device=device) as engine:
-        stream = engine.stream(params, policy="all")
+        stream = engine.stream(
+            params, policy="all", preview_every=every if sink is not None else None
+        )
         async with stream:
             async for frame in stream:
                 progress.update(frame.step, frame.total)
-                if spec is not None and sink is not None and should_preview(
-                    frame.step, frame.total, every
+                if (
+                    spec is not None
+                    and sink is not None
+                    and not (frame.final and frame.decoded)
+                    and should_preview(frame.step, frame.total, every)
                 ):
                     # Rendered in a worker thread while the engine computes on.
                     try:
@@ -356,61 +327,53 @@ def _decoder_mismatch(decoder: str, exc: ParamsError) -> ParamsError:
     )
 
 
-def _check_image_path(path: Path, flag: str) -> None:
-    from PIL import Image
-
-    if path.suffix.lower() not in Image.registered_extensions():
-        raise _UsageError(
-            f"{flag} {str(path)!r}: cannot tell the image format from its extension "
-            "(use .png, .jpg, .webp, ...)"
-        )
-
-
-def _save_final(frame: Any, path: Path, decoder: str) -> tuple[int, int]:
-    from PIL import Image
-
-    from .preview import decoder_for
-
-    try:
-        rgb = decoder_for(decoder)(frame.data)
-    except ParamsError as exc:
-        raise _decoder_mismatch(decoder, exc) from None
-    path.parent.mkdir(parents=True, exist_ok=True)
-    image = Image.fromarray(rgb)
-    kind = Image.registered_extensions()[path.suffix.lower()]
-    options = {"quality": 95} if kind in ("JPEG", "WEBP") else {}
-    image.save(path, **options)
-    return image.width, image.height
-
-
-def _load_model(spec: str) -> StepModel:
+def _load_model(spec: str, preview_vae: str | None = None) -> StepModel:
+    """The model named by ``spec``, with the tiny preview autoencoder if one is given."""
+    from .config import PREVIEW_VAE_ENV, preview_vae as env_preview_vae
     from .models.registry import load_model
 
     try:
-        return load_model(spec)
+        model = load_model(spec)
     except OmniStreamError:
         raise
     except Exception as exc:  # noqa: BLE001 - a user's factory may raise anything
         raise ParamsError(
             f"model {spec!r} failed to load: {type(exc).__name__}: {exc}", field="model"
         ) from exc
+    flag = "--preview-vae" if preview_vae else PREVIEW_VAE_ENV
+    vae = preview_vae or env_preview_vae()
+    if vae:
+        use = getattr(model, "use_preview_vae", None)
+        if use is None:
+            raise _UsageError(f"{flag}: model {spec!r} has no latents for a tiny autoencoder to decode; "
+                              "it works with diffusers:... models")
+        try:
+            use(vae)
+        except (ImportError, ValueError, OSError) as exc:
+            raise _UsageError(f"{flag} {vae!r}: {_describe_error(exc)}") from exc
+    return model
 
 
 def _cmd_generate(args: argparse.Namespace) -> int:
-    from .preview import decoder_for
+    from .preview import PreviewWriter, check_output_path, decoder_for, default_decoder
 
     output = Path(args.output)
-    _check_image_path(output, "-o")
-    previews = Path(args.previews) if args.previews else None
-    if args.every is not None and previews is None:
+    try:
+        check_output_path(output)
+    except ValueError as exc:
+        raise _UsageError(f"-o {str(output)!r}: {exc}") from None
+    if args.every is not None and not args.previews:
         raise _UsageError("--every needs --previews")
-    if args.decoder is not None:
-        decoder_for(args.decoder)  # fail before the model loads
-    model = _load_model(args.model)
+    decoder_for(args.decoder)  # fail before the model loads
+    sink = None
+    if args.previews:
+        try:
+            sink = PreviewWriter(args.previews)
+        except (ValueError, ImportError) as exc:
+            raise _UsageError(f"--previews: {_describe_error(exc)}") from None
+    model = _load_model(args.model, args.preview_vae)
     params = model.validate(_model_params(model, args))
-    decoder = args.decoder or default_decoder(model, params)
-    decoder_for(decoder)
-    sink = _PreviewSink(previews, model.total_steps(params)) if previews else None
+    decoder = default_decoder(model) if args.decoder == "auto" else args.decoder
     progress = ProgressBar(sys.stderr, live=sys.stderr.isatty())
     try:
         final = _run(
@@ -425,8 +388,14 @@ def _cmd_generate(args: argparse.Namespace) -> int:
                 progress=progress,
             )
         )
-        width, height = _save_final(final, output, decoder)
-        note = f"-> {output} ({width}x{height})"
+        try:
+            # The result at full size; a PNG says how it was made.
+            saved = final.save(output, params={"model": args.model, **params}, decoder=decoder)
+        except ParamsError as exc:
+            raise _decoder_mismatch(decoder, exc) from None
+        except ValueError as exc:
+            raise _UsageError(f"-o {str(output)!r}: {exc}") from None
+        note = f"-> {saved} ({_picture_size(final)})"
         if sink is not None:
             sink.close()
             note += f", {sink.written} previews -> {sink.path}"
@@ -435,6 +404,13 @@ def _cmd_generate(args: argparse.Namespace) -> int:
         raise
     progress.finish(note)
     return 0
+
+
+def _picture_size(frame: Any) -> str:
+    images = frame.images()
+    first = images[0]
+    size = f"{first.width}x{first.height}"
+    return f"{len(images)} frames of {size}" if frame.is_video else size
 
 
 # -- models --------------------------------------------------------------------
@@ -460,6 +436,12 @@ def _format_param(row: dict[str, Any]) -> str:
     if row.get("help"):
         parts.append(f"  {row['help']}")
     return " ".join(parts)
+
+
+def _preview_default(model: StepModel) -> str:
+    from .preview import default_decoder
+
+    return default_decoder(model)
 
 
 def _cmd_models(args: argparse.Namespace) -> int:
@@ -488,7 +470,7 @@ def _cmd_models(args: argparse.Namespace) -> int:
                 "name": name,
                 "default": name == default,
                 "description": model.describe(),
-                "preview_decoder": default_decoder(model),
+                "preview_decoder": _preview_default(model),
                 "params": describe(model.params),
             }
         )
@@ -511,7 +493,7 @@ def _cmd_models(args: argparse.Namespace) -> int:
 
 def _cmd_serve(args: argparse.Namespace) -> int:
     token = args.token or env_str(TOKEN_ENV)
-    model = _load_model(args.model)
+    model = _load_model(args.model, args.preview_vae)
     # A server's operator wants its lifecycle lines (the URL it listens on,
     # shutdown), not only warnings.
     root = logging.getLogger("omni_stream")
@@ -572,8 +554,10 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("-v", "--verbose", action="store_true",
                         help="log more, with tracebacks (give it before COMMAND)")
     sub = parser.add_subparsers(dest="command", metavar="COMMAND", parser_class=_Parser)
+    # Every subcommand's --help shows the defaults.
+    helpful = {"formatter_class": _DefaultsFormatter}
 
-    gen = sub.add_parser("generate", help="run one request and write the final image")
+    gen = sub.add_parser("generate", help="run one request and write its result", **helpful)
     gen.add_argument("prompt", nargs="?", metavar="PROMPT",
                      help="the prompt (for models with a 'prompt' param)")
     gen.add_argument("--steps", type=_positive_int, help="denoising steps")
@@ -582,34 +566,37 @@ def build_parser() -> argparse.ArgumentParser:
     gen.add_argument("--sampler", metavar="NAME", help="sampler name")
     gen.add_argument("-p", "--param", type=_key_value, action="append", metavar="KEY=JSON",
                      help="any other model param, e.g. -p 'shape=[3,64,64]' (repeatable)")
-    gen.add_argument("--model", default="mixture",
-                     help="mixture (default), synthetic, or module:attr")
+    gen.add_argument("--model", default="mixture", metavar="SPEC", help=_MODEL_HELP)
     gen.add_argument("--device", default="auto", help="auto, cpu, cuda, cuda:N or sim")
-    gen.add_argument("--decoder", help="frame decoder: rgb, sd15, sdxl, sd3, flux "
-                     "(default: the model's)")
-    gen.add_argument("--previews", metavar="OUT.gif|DIR",
-                     help="write previews: an animated GIF, or a folder of numbered PNGs")
+    gen.add_argument("--decoder", default="auto",
+                     help="preview decoder: auto (the model's, else by the frame's shape), "
+                     "rgb, sd15, sdxl, sd3, flux")
+    gen.add_argument("--preview-vae", metavar="PATH|ID", default=None, help=_PREVIEW_VAE_HELP)
+    gen.add_argument("--previews", metavar="OUT.gif|.webp|.mp4|DIR",
+                     help="write previews: an animated GIF or WebP, an MP4 (the video extra), "
+                     "or a folder of numbered PNGs (a path without a suffix)")
     gen.add_argument("--every", type=_positive_int, metavar="N",
                      help="preview every Nth step (and the last); default 1")
     gen.add_argument("--preview-size", type=_non_negative_int, default=512, metavar="PX",
-                     help="shrink previews to fit PX on the longer side; 0 keeps full size "
-                     "(default 512)")
-    gen.add_argument("-o", "--output", default="out.png", metavar="OUT.png",
-                     help="the final image (default out.png)")
+                     help="shrink previews to fit PX on the longer side; 0 keeps full size")
+    gen.add_argument("-o", "--output", default="out.png", metavar="OUT",
+                     help="the result: .png (with the params in its metadata), .jpg, .webp; "
+                     "a video model's: .mp4, .webp, .gif; -p output=latent saves the "
+                     "final latent's preview instead")
     gen.set_defaults(handler=_cmd_generate)
 
-    srv = sub.add_parser("serve", help="serve the websocket API and the preview page")
-    srv.add_argument("--model", default="mixture",
-                     help="mixture (default), synthetic, or module:attr")
-    srv.add_argument("--host", default="127.0.0.1")
-    srv.add_argument("--port", type=_port, default=8765)
+    srv = sub.add_parser("serve", help="serve the websocket API and the preview page", **helpful)
+    srv.add_argument("--model", default="mixture", metavar="SPEC", help=_MODEL_HELP)
+    srv.add_argument("--preview-vae", metavar="PATH|ID", default=None, help=_PREVIEW_VAE_HELP)
+    srv.add_argument("--host", default="127.0.0.1", help="address to listen on")
+    srv.add_argument("--port", type=_port, default=8765, help="port to listen on; 0 picks a free one")
     srv.add_argument("--token", help=f"bearer token clients must send (default: ${TOKEN_ENV})")
     srv.add_argument("--allow-origin", action="append", metavar="ORIGIN",
                      help="a browser Origin allowed to connect (repeatable)")
     srv.add_argument("--device", default="auto", help="auto, cpu, cuda, cuda:N or sim")
     srv.set_defaults(handler=_cmd_serve)
 
-    mod = sub.add_parser("models", help="list the built-in models and their params")
+    mod = sub.add_parser("models", help="list the models and their params", **helpful)
     mod.add_argument("names", nargs="*", metavar="NAME", help="only these models")
     mod.add_argument("--json", action="store_true", help="print JSON")
     mod.set_defaults(handler=_cmd_models)

@@ -100,6 +100,9 @@ class StepModel(abc.ABC):
     params: tuple[Param, ...] = ()
     #: Largest batch ``step`` accepts; the engine never exceeds it.
     max_batch_size: int = 64
+    #: True when the request's output is a video ``[T, 3, H, W]`` (the server
+    #: then encodes results as MP4 by default).
+    produces_video: bool = False
     #: Name of the ``omni_stream.preview`` decoder for this model's frames
     #: ("rgb", "sd15", "sdxl", "sd3", "flux"); None lets tools guess from the shape.
     preview_decoder: str | None = None

@@ -42,6 +42,31 @@ def test_quick_overlap_and_memory_produce_finite_figures(loop):
     assert md.count("\n| ") == len(figures) + 1  # header row + one row per figure
 
 
+def test_quick_diffusers_stream_produces_finite_figures():
+    pytest.importorskip("diffusers")
+    figures, errors = run_suite(
+        ["diffusers_stream"], quick=True, loop="asyncio", reps=1, isolate=False, verbose=False
+    )
+    assert errors == {}
+    _check(figures, "diffusers_stream")
+    names = {f.name for f in figures}
+    assert {
+        "diffusers_stream.native_previews_vs_pipe",
+        "diffusers_stream.taesd_previews_vs_none",
+        "diffusers_stream.taesd_decode_ms",
+        "diffusers_stream.vae_decode_ms",
+    } <= names
+    try:
+        import omni_stream.models.diffusers.callback  # noqa: F401
+    except ImportError:
+        pass
+    else:
+        assert "diffusers_stream.callback_vs_pipe" in names
+    # The engine's final frame is pipe()'s image (native mode: the same operations).
+    diffs = figures[0].details["max_abs_diff_vs_pipe"]
+    assert diffs["native_previews"] < 1e-4, diffs
+
+
 def test_a_failing_figure_is_reported_and_the_others_still_run(monkeypatch):
     from benchmarks import memory
 

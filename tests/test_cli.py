@@ -85,7 +85,9 @@ def test_python_dash_m_runs_the_cli():
         (["generate", "--model", "json:JSONDecodeError"], ["failed to load"]),
         (["generate", "--model", "synthetic", "--device", "tpu"], ["'tpu'"]),
         (["generate", "--model", "synthetic", "--decoder", "vae"], ["'vae'", "sd15"]),
-        (["generate", "--model", "synthetic", "-o", "out.xyz"], ["out.xyz", "extension"]),
+        (["generate", "--model", "synthetic", "-o", "out.xyz"], ["out.xyz", "suffix", ".png"]),
+        (["generate", "--model", "synthetic", "--previews", "p.avi"], ["--previews", ".avi", ".gif"]),
+        (["generate", "--model", "synthetic", "--preview-vae", "x"], ["--preview-vae", "diffusers"]),
         (["generate", "--model", "synthetic", "--every", "2"], ["--every needs --previews"]),
         (["generate", "--model", "synthetic", "-p", "noequals"], ["KEY=VALUE"]),
     ],
@@ -205,16 +207,15 @@ def test_generate_default_model_rejects_its_own_bad_params(capsys, tmp_path):
 # -- default_decoder ---------------------------------------------------------------
 
 
-def test_default_decoder():
-    synthetic = Synthetic()
-    assert cli.default_decoder(synthetic) == "sd15"
-    assert cli.default_decoder(synthetic, {"shape": (3, 8, 8)}) == "rgb"
-    assert cli.default_decoder(synthetic, {"shape": (16, 8, 8)}) == "sd3"
+def test_default_decoder_is_the_models_else_auto():
+    from omni_stream.preview import default_decoder
+
+    assert default_decoder(Synthetic()) == "auto"
 
     class Declares(Synthetic):
         preview_decoder = "flux"
 
-    assert cli.default_decoder(Declares()) == "flux"
+    assert default_decoder(Declares()) == "flux"
 
 
 # -- the progress bar ---------------------------------------------------------------
@@ -295,7 +296,7 @@ def test_models_one_name_json(capsys):
         "name": "steps", "kind": "int", "default": 20, "help": "frames to produce",
         "minimum": 1, "maximum": 100_000,
     }
-    assert rows[0]["preview_decoder"] == "sd15"
+    assert rows[0]["preview_decoder"] == "auto"
 
 
 def test_models_instantiates_only_the_named_model(capsys, monkeypatch):

@@ -74,7 +74,10 @@ def test_preview_formats_match_the_encoder() -> None:
     # imports from the server's pure protocol module.
     from omni_stream.preview import FORMATS
 
-    assert dict(omc.FORMATS) == dict(FORMATS)
+    from omni_stream.preview import IMAGE_OUTPUTS, VIDEO_OUTPUTS
+
+    # Previews, and the formats a result may come in.
+    assert dict(omc.FORMATS) == {**FORMATS, **IMAGE_OUTPUTS, **VIDEO_OUTPUTS}
 
 
 def test_the_client_does_not_load_the_server() -> None:
@@ -133,7 +136,8 @@ def test_parser_allows_extra_header_fields() -> None:
         (_frame(_header(step=6), _png()), "step 6 of 5"),
         (_frame(_header(total=_DROP), _png()), "has no 'total'"),
         (_frame(_header(final=1), _png()), "'final' must be a bool"),
-        (_frame(_header(format="gif"), _png()), "not one of"),
+        (_frame(_header(format="tiff"), _png()), "not one of"),
+        (_frame(_header(format="gif", mime="image/gif"), _png()), "do not start like one"),
         (_frame(_header(width=0), _png()), "not positive"),
         (_frame(_header(height=2.5), _png()), "'height' must be a int"),
         (_frame(_header(mime=_DROP), _png()), "has no 'mime'"),
@@ -341,7 +345,7 @@ async def _eventually(cond: Callable[[], bool], what: str) -> None:
 
 
 @pytest.mark.asyncio
-async def test_generate_yields_progress_and_frames_in_order_final_last() -> None:
+async def test_generate_yields_progress_and_frames_in_order_final_last(tmp_path) -> None:
     async with serving() as server, omc.connect(server.url) as client:
         stream = client.generate(dict(SMALL, steps=6, seed=4), preview={"format": "raw"},
                                  progress=True)
@@ -352,7 +356,8 @@ async def test_generate_yields_progress_and_frames_in_order_final_last() -> None
         frames = [i for i in items if isinstance(i, PreviewFrame)]
         assert frames[-1] is items[-1] and frames[-1].final and frames[-1].step == 6
         assert not any(f.final for f in frames[:-1])
-        assert all(f.id == stream.id and f.total == 6 and f.format == "raw" for f in frames)
+        assert all(f.id == stream.id and f.total == 6 and f.format == "raw" for f in frames[:-1])
+        assert frames[-1].format == "png"  # the result: the request's output format
         steps = [(i.step, isinstance(i, PreviewFrame)) for i in items]
         assert steps == sorted(steps), "steps went backwards, or a preview came before its progress"
         assert stream.last_progress == Progress(stream.id, 6, 6, 0.0)
@@ -362,6 +367,13 @@ async def test_generate_yields_progress_and_frames_in_order_final_last() -> None
         # The same request, the plain way: frames only, and result().
         final = await client.generate(dict(SMALL, steps=6, seed=4), preview={"format": "raw"}).result()
         assert final.final and final.data == frames[-1].data
+
+        # The result in another format, saved as the server sent it.
+        final = await client.generate(dict(SMALL, steps=2), output={"format": "jpeg"}).result()
+        assert final.format == "jpeg" and final.image().size == (6, 8)
+        with pytest.raises(ValueError, match="cannot be saved as '.png'"):
+            final.save(tmp_path / "result.png")
+        assert final.save(tmp_path / "result.jpg").read_bytes() == final.data
 
 
 @pytest.mark.asyncio

@@ -184,6 +184,7 @@ class Client:
         params: Mapping[str, Any] | None = ...,
         *,
         preview: Mapping[str, Any] | None = ...,
+        output: Mapping[str, Any] | None = ...,
         id: str | None = ...,
         detach: bool = ...,
         progress: Literal[False] = ...,
@@ -195,6 +196,7 @@ class Client:
         params: Mapping[str, Any] | None = ...,
         *,
         preview: Mapping[str, Any] | None = ...,
+        output: Mapping[str, Any] | None = ...,
         id: str | None = ...,
         detach: bool = ...,
         progress: Literal[True],
@@ -205,6 +207,7 @@ class Client:
         params: Mapping[str, Any] | None = None,
         *,
         preview: Mapping[str, Any] | None = None,
+        output: Mapping[str, Any] | None = None,
         id: str | None = None,
         detach: bool = False,
         progress: bool = False,
@@ -212,7 +215,9 @@ class Client:
         """Start a request (on first iteration) and stream its previews, the final one last.
 
         ``preview``: ``every``, ``format``, ``max_size``, ``quality``,
-        ``decoder`` (docs/protocol.md); None for the server's defaults.
+        ``decoder``, ``video`` (docs/protocol.md); None for the server's defaults.
+        ``output``: ``format`` and ``quality`` of the result (the final frame,
+        full size; PNG by default, MP4 for video models).
         ``id``: None makes a random one (``uuid4``; needed to ``attach`` to a
         detached request from another connection). ``detach``: the request
         survives this connection and leaving the iteration early.
@@ -225,7 +230,7 @@ class Client:
             raise ParamsError(f"detach must be a bool, got {detach!r}", field="detach")
         if not isinstance(progress, bool):
             raise ParamsError(f"progress must be a bool, got {progress!r}", field="progress")
-        message = generate_message(request_id, params, preview, detach=detach)
+        message = generate_message(request_id, params, preview, detach=detach, output=output)
         return RequestStream(
             self,
             request_id,

@@ -13,9 +13,10 @@ from __future__ import annotations
 import io
 import json
 import math
-import re
+import os
 from collections.abc import Mapping
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any, Final
 
 from PIL import Image
@@ -71,8 +72,11 @@ FORMATS: Final[Mapping[str, str]] = {
     "png": "image/png",
     "webp": "image/webp",
     "raw": "application/octet-stream",
+    # Results of video models (docs/protocol.md, ``output``).
+    "mp4": "video/mp4",
+    "gif": "image/gif",
 }
-_PILLOW_FORMATS: Final = {"jpeg": "JPEG", "png": "PNG", "webp": "WEBP"}
+_PILLOW_FORMATS: Final = {"jpeg": "JPEG", "png": "PNG", "webp": "WEBP", "gif": "GIF"}
 # A real header is ~150 bytes; a length far beyond that is a corrupt frame
 # (or not a preview at all), not a header worth allocating for.
 MAX_HEADER_BYTES: Final = 64 * 1024
@@ -114,6 +118,10 @@ class PreviewFrame:
         size = (self.width, self.height)
         if self.format == "raw":
             return Image.frombytes("RGB", size, self.data)
+        if self.format == "mp4":
+            raise ValueError(
+                f"request {self.id}: the result is an MP4 video; write .data to a file (save())"
+            )
         try:
             image = Image.open(io.BytesIO(self.data), formats=[_PILLOW_FORMATS[self.format]])
             image.load()
@@ -129,6 +137,32 @@ class PreviewFrame:
                 request_id=self.id,
             )
         return image
+
+    def save(self, path: str | os.PathLike[str]) -> Path:
+        """Write the image or video as the server encoded it (raw: as a PNG); returns the path.
+
+        Raises ValueError when the suffix does not fit the format (``.png``
+        for png and raw, ``.jpg``/``.jpeg``, ``.webp``, ``.gif``, ``.mp4``).
+        """
+        path = Path(path)
+        suffix = path.suffix.lower()
+        fits = _SUFFIXES.get(self.format, ())
+        if suffix not in fits:
+            raise ValueError(
+                f"request {self.id}: a {self.format} result cannot be saved as {suffix or 'no suffix'!r}; "
+                f"use {', '.join(fits)} (or ask the server for another output format)"
+            )
+        if self.format == "raw":
+            self.image().save(path, format="PNG")
+        else:
+            path.write_bytes(self.data)
+        return path
+
+
+_SUFFIXES: Final[Mapping[str, tuple[str, ...]]] = {
+    "png": (".png",), "raw": (".png",), "jpeg": (".jpg", ".jpeg"), "webp": (".webp",),
+    "gif": (".gif",), "mp4": (".mp4",),
+}
 
 
 @dataclass(frozen=True, slots=True)
@@ -278,6 +312,10 @@ def _has_signature(fmt: str, data: bytes) -> bool:
         return data[:3] == b"\xff\xd8\xff"
     if fmt == "png":
         return data[:8] == b"\x89PNG\r\n\x1a\n"
+    if fmt == "gif":
+        return data[:4] == b"GIF8"
+    if fmt == "mp4":
+        return data[4:8] == b"ftyp"
     return data[:4] == b"RIFF" and data[8:12] == b"WEBP"
 
 
@@ -369,11 +407,13 @@ def generate_message(
     preview: Mapping[str, Any] | None,
     *,
     detach: bool,
+    output: Mapping[str, Any] | None = None,
 ) -> str:
     """A ``generate`` message for a checked id.
 
-    Raises ParamsError (field ``params`` or ``preview``) for a value that is
-    not a mapping or holds what JSON cannot carry (NaN, infinities, other types).
+    Raises ParamsError (field ``params``, ``preview`` or ``output``) for a
+    value that is not a mapping or holds what JSON cannot carry (NaN,
+    infinities, other types).
     """
     message: dict[str, Any] = {
         "type": "generate",
@@ -383,6 +423,8 @@ def generate_message(
     }
     if preview is not None:
         message["preview"] = _json_object(preview, "preview")
+    if output is not None:
+        message["output"] = _json_object(output, "output")
     return json.dumps(message, separators=(",", ":"), allow_nan=False)
 
 

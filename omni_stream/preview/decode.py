@@ -378,14 +378,16 @@ def _project(x: np.ndarray) -> np.ndarray:
     h, w = x.shape[1:]
     planes = np.empty((3, h, w), dtype=np.float32)
     tmp = np.empty((h, w), dtype=np.float32)
-    for k in range(3):
-        # Explicit multiply-adds, as in _linear: np.dot/matmul may start BLAS threads.
-        acc = planes[k]
-        np.multiply(x[0], np.float32(weights[0][k]), out=acc, dtype=np.float32)
-        for c in range(1, x.shape[0]):
-            np.multiply(x[c], np.float32(weights[c][k]), out=tmp, dtype=np.float32)
-            acc += tmp
-        _normalise(acc)
+    # inf - inf is NaN here, by design (a NaN pixel previews black): no warning.
+    with np.errstate(invalid="ignore", over="ignore"):
+        for k in range(3):
+            # Explicit multiply-adds, as in _linear: np.dot/matmul may start BLAS threads.
+            acc = planes[k]
+            np.multiply(x[0], np.float32(weights[0][k]), out=acc, dtype=np.float32)
+            for c in range(1, x.shape[0]):
+                np.multiply(x[c], np.float32(weights[c][k]), out=tmp, dtype=np.float32)
+                acc += tmp
+            _normalise(acc)
     return _to_uint8(planes)
 
 
@@ -618,13 +620,15 @@ def _decode(
     if decoded or decoder is None:
         # Decoded output is pixels: a latent decoder (or a VAE) on it is always wrong.
         decoder = "auto"
+    if isinstance(decoder, str) and decoder not in _ARRAY_DECODERS:
+        # Raises for an unknown name, naming the known ones; a function put
+        # into DECODERS by hand runs like a user's callable.
+        decoder = decoder_for(decoder)
     if not isinstance(decoder, str):
         out = decoder_for(decoder)(data)
         if out.ndim == 4:
             return list(out[:1] if first_only else out), True
         return [out], False
-    if decoder not in _ARRAY_DECODERS:
-        decoder_for(decoder)  # raises, naming the known ones
     a = tensor_to_numpy(data)
     if 0 in a.shape:
         raise ParamsError(f"cannot preview an empty frame shaped {_shape(a)}", field="frame")
@@ -645,7 +649,7 @@ def decode_frame(
     frame: Any,
     decoder: str | Callable[[torch.Tensor], Any] | None = "auto",
 ) -> np.ndarray:
-    """A frame (a ``Frame`` or a bare tensor) to uint8 ``[H, W, 3]``, or ``[T, H, W, 3]`` for a video.
+    """A ``Frame`` (or a bare tensor) to uint8 ``[H, W, 3]``; ``[T, H, W, 3]`` for a video.
 
     Which frames are videos: 4-D (or 5-D with a leading batch of 1) whose
     first dimension is not 1 (see :func:`is_video`). A ``Frame`` with

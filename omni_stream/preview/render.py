@@ -11,7 +11,7 @@ from __future__ import annotations
 import contextlib
 from collections.abc import AsyncIterator, Awaitable, Callable, Mapping
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, TypeVar
 
 import anyio
 import anyio.to_thread
@@ -32,6 +32,8 @@ from .encode import (
 __all__ = ["PreviewSpec", "Previewer", "should_preview", "render_sync", "VIDEO_MODES"]
 
 _WIRE_KEYS = ("every", "format", "max_size", "quality", "decoder", "video")
+
+_T = TypeVar("_T")
 
 #: How a video frame previews: all its frames side by side in one image,
 #: its first frame, or an animated WebP of its frames.
@@ -189,6 +191,16 @@ class Previewer:
         hand its token back while it still runs, breaking the thread bound.
         """
         return await anyio.to_thread.run_sync(render_sync, frame, spec, limiter=self._limiter)
+
+    async def run_sync(self, fn: Callable[..., _T], *args: Any) -> _T:
+        """Run ``fn(*args)`` in a preview thread, under the same bound as ``render``.
+
+        For other image work of the same kind, such as encoding a request's
+        full-size output (``save.encode_output``), so that it neither runs
+        on the loop nor adds a thread beside the previews. Raises what
+        ``fn`` raises; cancellation as for ``render``.
+        """
+        return await anyio.to_thread.run_sync(fn, *args, limiter=self._limiter)
 
     @contextlib.asynccontextmanager
     async def reserve(

@@ -52,7 +52,9 @@ __all__ = [
     "PREVIEW_SUFFIXES",
     "PreviewWriter",
     "check_output",
+    "check_output_path",
     "encode_output",
+    "has_video_encoder",
     "parameters_text",
     "save_frame",
     "save_image",
@@ -176,6 +178,11 @@ def _require_av() -> Any:
     return av
 
 
+def has_video_encoder() -> bool:
+    """Whether MP4 can be written here (PyAV, the ``video`` extra, is installed)."""
+    return _has_av()
+
+
 def _has_av() -> bool:
     try:
         _require_av()
@@ -206,6 +213,22 @@ def check_output(format: Any, quality: Any = None) -> None:
     _check_quality(format, quality)
 
 
+def check_output_path(path: str | os.PathLike[str], *, video: bool | None = None) -> str:
+    """The format ``path``'s suffix saves as: for an image (``video=False``), a video
+    (True), or either (None, when the model's output is not known yet).
+
+    For a CLI to check ``--output`` before any model work. Raises ValueError
+    naming the suffix and the known ones.
+    """
+    path = Path(path)
+    if video is not None:
+        return _suffix_format(path, video)
+    suffix = path.suffix.lower()
+    if suffix in IMAGE_SUFFIXES:
+        return IMAGE_SUFFIXES[suffix]
+    return _suffix_format(path, video=True)
+
+
 def _suffix_format(path: Path, video: bool) -> str:
     suffix = path.suffix.lower()
     table = VIDEO_SUFFIXES if video else IMAGE_SUFFIXES
@@ -234,7 +257,10 @@ def _image_bytes(
     buf = io.BytesIO()
     if format == "png":
         image.save(
-            buf, "PNG", pnginfo=_png_info(params, image.width, image.height), compress_level=_PNG_LEVEL
+            buf,
+            "PNG",
+            pnginfo=_png_info(params, image.width, image.height),
+            compress_level=_PNG_LEVEL,
         )
     elif format == "jpeg":
         image.save(buf, "JPEG", quality=quality or OUTPUT_QUALITY["jpeg"])
@@ -251,7 +277,12 @@ def _durations(count: int, fps: float, hold_s: float) -> list[int]:
 
 
 def _animation(
-    frames: list[np.ndarray], format: str, target: Any, fps: float, quality: int | None, hold_s: float
+    frames: list[np.ndarray],
+    format: str,
+    target: Any,
+    fps: float,
+    quality: int | None,
+    hold_s: float,
 ) -> None:
     images = [Image.fromarray(f) for f in frames]
     options: dict[str, Any] = {
@@ -439,8 +470,8 @@ def encode_output(
     frame: Frame | torch.Tensor,
     format: str | None = None,
     quality: int | None = None,
-    *,
     params: Mapping[str, Any] | None = None,
+    *,
     decoder: _DecoderSpec = "auto",
     fps: float | None = None,
 ) -> EncodedImage:

@@ -16,7 +16,8 @@ import torch
 
 from ..errors import ParamsError
 from ..model import StepModel, split_output
-from ..preview import PreviewSpec
+from ..preview import PreviewSpec, check_output, has_video_encoder
+from ..preview import default_decoder as preview_default_decoder
 from .limits import ServerLimits, check_request_limits
 from .protocol import MessageError
 
@@ -49,6 +50,8 @@ def output_spec(wire: Mapping[str, Any] | None, *, video: bool, request_id: str)
     Raises MessageError ``invalid_field`` naming ``output.<option>``.
     """
     formats = VIDEO_FORMATS if video else IMAGE_FORMATS
+    if video and not has_video_encoder():
+        formats = tuple(f for f in formats if f != "mp4")  # animated WebP by default
     if wire is None:
         return OutputSpec(formats[0])
 
@@ -69,12 +72,16 @@ def output_spec(wire: Mapping[str, Any] | None, *, video: bool, request_id: str)
             raise bad("quality", f"quality must be an integer from 1 to 100, got {quality!r}")
         if fmt not in _QUALITY_FORMATS:
             raise bad("quality", f"{fmt} takes no quality (only {', '.join(_QUALITY_FORMATS)} do)")
+    try:
+        check_output(fmt, quality)  # mp4 needs PyAV: say so now, not after the render
+    except ParamsError as exc:
+        raise bad(exc.field or "format", exc.message) from None
     return OutputSpec(fmt, quality)
 
 
-def default_decoder(model: StepModel) -> str | Callable[[torch.Tensor], Any]:
-    """The preview decoder for ``model``: its ``preview_decoder`` attribute, else ``"rgb"``."""
-    return getattr(model, "preview_decoder", None) or "rgb"
+def default_decoder(model: StepModel) -> str:
+    """The preview decoder for ``model``: its ``preview_decoder``, else ``"auto"`` (by the frame's shape)."""
+    return preview_default_decoder(model)
 
 
 def cap_preview(spec: PreviewSpec, limits: ServerLimits) -> PreviewSpec:
@@ -128,6 +135,16 @@ def check_params(
         raise MessageError("bad_params", exc.message, field=exc.field, request_id=request_id) from None
     except (ValueError, TypeError, KeyError) as exc:
         raise MessageError("bad_params", f"{model.name}: {exc}", request_id=request_id) from None
+    for spec in model.params:
+        value = params.get(spec.name) if isinstance(params, Mapping) else None
+        if spec.name == "image" and isinstance(value, str) and not value.startswith("data:"):
+            # A path would let any client read the server's files.
+            raise MessageError(
+                "bad_params",
+                f"{model.name} param 'image' must be a data: URL (PNG or JPEG, base64) over the wire",
+                field="image",
+                request_id=request_id,
+            )
     try:
         return check_request_limits(model, checked, limits)
     except MessageError as exc:

@@ -13,6 +13,7 @@ params in its metadata), never shrunk by ``preview.max_size``.
 
 from __future__ import annotations
 
+import functools
 import time
 from typing import Any
 
@@ -66,7 +67,8 @@ async def stream_request(
                     )
                 if frame is not None:
                     await _publish_result(
-                        record, frame, output, params=params, previewer=previewer, metrics=metrics
+                        record, frame, output, decoder=spec.decoder, params=params,
+                        previewer=previewer, metrics=metrics,
                     )
     except RequestCancelledError:
         return protocol.cancelled(rid, reason=record.cancel_reason or "engine")
@@ -138,6 +140,7 @@ async def _publish_result(
     frame: Frame,
     output: OutputSpec,
     *,
+    decoder: Any,
     params: dict[str, Any] | None,
     previewer: Previewer,
     metrics: ServerMetrics,
@@ -145,9 +148,12 @@ async def _publish_result(
     _progress(record, frame, metrics)
     started = time.perf_counter()
     try:
-        image = await previewer.run_sync(
-            encode_output, frame, output.format, output.quality, params
+        # Full size, in the request's format; a latent result (output:
+        # "latent") is drawn by the request's preview decoder.
+        encode = functools.partial(
+            encode_output, frame, output.format, output.quality, params, decoder=decoder
         )
+        image = await previewer.run_sync(encode)
     except Exception as exc:
         raise _PreviewFailed() from exc
     metrics.preview_encode.observe(time.perf_counter() - started)

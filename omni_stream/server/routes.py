@@ -98,6 +98,7 @@ def preview_wire(spec: PreviewSpec) -> dict[str, Any]:
         "max_size": spec.max_size,
         "quality": quality,
         "decoder": name,
+        "video": spec.video,
     }
 
 

@@ -412,10 +412,13 @@ async def test_frames_arrive_per_step_through_the_engine():
     raw = dict(REQUEST_A)
     solo = run(model, raw)
     async with om.Engine(model, device="cpu") as engine:
-        frames = [f async for f in engine.stream(raw)]
+        frames = [f async for f in engine.stream({**raw, "output": "latent"})]
+        image = await engine.generate(raw)
     assert [f.step for f in frames] == list(range(1, len(solo) + 1))
     assert all(f.total == len(solo) for f in frames) and frames[-1].final
     assert all(torch.equal(f.data, s) for f, s in zip(frames, solo, strict=True))
+    # By default the result is the VAE's image of that final latent.
+    assert image.decoded and torch.equal(image.data, model.decode_latents(solo[-1]))
 
 
 @pytest.mark.asyncio

@@ -24,8 +24,16 @@ from diffusers import (  # noqa: E402
     AutoencoderKLWan,
     DDIMScheduler,
     EulerAncestralDiscreteScheduler,
+    AutoencoderKLLTXVideo,
     FlowMatchEulerDiscreteScheduler,
+    FluxPipeline,
+    FluxTransformer2DModel,
     HeunDiscreteScheduler,
+    AutoencoderKLQwenImage,
+    LTXPipeline,
+    LTXVideoTransformer3DModel,
+    QwenImagePipeline,
+    QwenImageTransformer2DModel,
     PNDMScheduler,
     StableDiffusionImg2ImgPipeline,
     UNet2DConditionModel,
@@ -146,6 +154,64 @@ def wan_pipe() -> WanPipeline:
     return pipe
 
 
+def flux_pipe() -> FluxPipeline:
+    torch.manual_seed(0)
+    transformer = FluxTransformer2DModel(
+        patch_size=1, in_channels=16, num_layers=1, num_single_layers=1, attention_head_dim=16,
+        num_attention_heads=2, joint_attention_dim=32, pooled_projection_dim=32, axes_dims_rope=[4, 4, 8],
+    )
+    torch.manual_seed(1)
+    vae = AutoencoderKL(
+        block_out_channels=(4, 4), in_channels=3, out_channels=3, layers_per_block=1, latent_channels=4,
+        norm_num_groups=1, use_quant_conv=False, use_post_quant_conv=False, shift_factor=0.0609,
+        scaling_factor=1.5035, down_block_types=["DownEncoderBlock2D"] * 2,
+        up_block_types=["UpDecoderBlock2D"] * 2,
+    )
+    pipe = FluxPipeline(scheduler=FlowMatchEulerDiscreteScheduler(), vae=vae, transformer=transformer,
+                        text_encoder=None, tokenizer=None, text_encoder_2=None, tokenizer_2=None)
+    pipe.set_progress_bar_config(disable=True)
+    return pipe
+
+
+def ltx_pipe() -> LTXPipeline:
+    torch.manual_seed(0)
+    vae = AutoencoderKLLTXVideo(
+        in_channels=3, out_channels=3, latent_channels=8, block_out_channels=(8, 8, 8, 8),
+        decoder_block_out_channels=(8, 8, 8, 8), layers_per_block=(1, 1, 1, 1, 1),
+        decoder_layers_per_block=(1, 1, 1, 1, 1), spatio_temporal_scaling=(True, True, False, False),
+        decoder_spatio_temporal_scaling=(True, True, False, False),
+        decoder_inject_noise=(False, False, False, False, False),
+        upsample_residual=(False, False, False, False), upsample_factor=(1, 1, 1, 1),
+        timestep_conditioning=False, patch_size=1, patch_size_t=1, encoder_causal=True,
+        decoder_causal=False,
+    )
+    torch.manual_seed(0)
+    transformer = LTXVideoTransformer3DModel(
+        in_channels=8, out_channels=8, patch_size=1, patch_size_t=1, num_attention_heads=4,
+        attention_head_dim=8, cross_attention_dim=32, num_layers=1, caption_channels=32,
+    )
+    pipe = LTXPipeline(scheduler=FlowMatchEulerDiscreteScheduler(), vae=vae, transformer=transformer,
+                       text_encoder=None, tokenizer=None)
+    pipe.set_progress_bar_config(disable=True)
+    return pipe
+
+
+def qwen_pipe() -> QwenImagePipeline:
+    torch.manual_seed(0)
+    transformer = QwenImageTransformer2DModel(
+        patch_size=2, in_channels=16, out_channels=4, num_layers=2, attention_head_dim=16,
+        num_attention_heads=3, joint_attention_dim=16, guidance_embeds=False, axes_dims_rope=(8, 4, 4),
+    )
+    torch.manual_seed(1)
+    vae = AutoencoderKLQwenImage(base_dim=24, z_dim=4, dim_mult=[1, 2, 4], num_res_blocks=1,
+                                 temperal_downsample=[False, True], latents_mean=[0.0] * 4,
+                                 latents_std=[1.0] * 4)
+    pipe = QwenImagePipeline(scheduler=FlowMatchEulerDiscreteScheduler(), vae=vae, transformer=transformer,
+                             text_encoder=None, tokenizer=None)
+    pipe.set_progress_bar_config(disable=True)
+    return pipe
+
+
 def wan_embeddings() -> dict[str, torch.Tensor]:
     """Stands in for Wan's UMT5 encoder: fixed text conditioning, passed as call_kwargs."""
     g = torch.Generator().manual_seed(7)
@@ -228,7 +294,7 @@ def test_img2img_frames_are_the_latents_the_pipelines_callback_sees(text_encoder
     pipe = img2img_pipe(text_encoder)
     model = Diffusers(pipe, mode="callback")
     assert isinstance(model, CallbackDiffusers) and model.mode == "callback"
-    assert model.runs_whole_requests and model.max_batch_size == 1
+    assert model.runs_whole_requests and model.max_batch_size == 1 and not model.produces_video
     assert model.preview_decoder == "sd15"
     image = picture()
     raw = dict(IMG2IMG, image=data_url(image))
@@ -287,11 +353,20 @@ def test_a_stopped_request_ends_the_pipelines_loop_within_one_step(text_encoder)
     model = Diffusers(pipe, mode="callback")
     unet_calls: list[int] = []
     pipe.unet.register_forward_pre_hook(lambda m, args: unet_calls.append(1))
+    freed: list[int] = []
+    real_free = pipe.maybe_free_model_hooks
+
+    def free():
+        freed.append(1)
+        real_free()
+
+    pipe.maybe_free_model_hooks = free
     with pytest.raises(RequestStopped):
         run_direct(model, dict(steps=20, strength=1.0, image=picture()), emit=Recorder(stop_after=2))
     # Steps 1 and 2 emitted; step 3's emit raised inside the callback: no 4th UNet call.
     assert len(unet_calls) == 3
-    assert pipe._interrupt is False
+    # What the end of __call__ would have done: stateful hooks reset, offload re-armed.
+    assert freed == [1] and pipe._interrupt is False
     # The pipeline serves the next call as if nothing happened.
     raw = dict(IMG2IMG, image=picture())
     got = run_direct(model, raw, output="latent")
@@ -299,16 +374,21 @@ def test_a_stopped_request_ends_the_pipelines_loop_within_one_step(text_encoder)
     assert torch.equal(got.frames[-1], expected.images[0])
 
 
-def test_more_callbacks_than_predicted_fail_the_request(text_encoder):
+def test_a_miscounted_step_total_fails_the_request(text_encoder):
     pipe = img2img_pipe(text_encoder)
 
     class Miscounting(CallbackDiffusers):
+        off_by = -1
+
         def total_steps(self, params):
-            return super().total_steps(params) - 1
+            return super().total_steps(params) + self.off_by
 
     model = Miscounting(pipe)
     with pytest.raises(RuntimeError, match="more than the 2 steps"):
         run_direct(model, dict(IMG2IMG, image=picture()))
+    model.off_by = 1
+    with pytest.raises(RuntimeError, match="ran 3 steps, total_steps predicted 4"):
+        run_direct(model, dict(IMG2IMG, image=picture()), output="latent")
 
 
 # -- through the engine -----------------------------------------------------------------
@@ -372,7 +452,7 @@ async def test_a_video_pipeline_streams_its_latents_and_its_video():
     pipe = wan_pipe()
     embeds = wan_embeddings()
     model = Diffusers(pipe, mode="callback", call_kwargs=embeds)
-    assert model.preview_decoder is None
+    assert model.preview_decoder is None and model.produces_video
     raw = dict(size=16, num_frames=5, steps=3, seed=1)
     seen: list[torch.Tensor] = []
 
@@ -392,6 +472,73 @@ async def test_a_video_pipeline_streams_its_latents_and_its_video():
     video = frames[-1].data
     assert frames[-1].decoded and video.shape == (5, 3, 16, 16)  # [T, 3, H, W]
     torch.testing.assert_close(video, expected[0] * 2 - 1, rtol=0, atol=1e-5)
+
+
+# -- packed latents ------------------------------------------------------------------------
+
+
+def latents_seen(pipe, **kwargs) -> tuple[object, list[torch.Tensor]]:
+    seen: list[torch.Tensor] = []
+
+    def on_step_end(pipe, i, t, tensors):
+        seen.append(tensors["latents"].clone())
+        return tensors
+
+    return pipe(**kwargs, callback_on_step_end=on_step_end), seen
+
+
+def test_flux_latents_are_unpacked_with_the_pipelines_own_rule():
+    pipe = flux_pipe()
+    g = torch.Generator().manual_seed(0)
+    embeds = dict(prompt_embeds=torch.randn(1, 8, 32, generator=g),
+                  pooled_prompt_embeds=torch.randn(1, 32, generator=g))
+    model = CallbackDiffusers(pipe, call_kwargs=embeds)
+    assert model.preview_decoder == "flux"
+    raw = dict(height=16, width=24, steps=3, seed=1)
+    got = run_direct(model, raw, output="latent")
+    out, seen = latents_seen(pipe, **embeds, height=16, width=24, num_inference_steps=3,
+                             generator=torch.Generator().manual_seed(1), output_type="latent")
+    assert seen[0].shape == (1, 24, 16)  # packed: [1, seq, 4 * C]
+    # [C, h, w]: 16 x 24 px at a VAE factor of 2 is 8 x 12 latent px.
+    assert [f.shape for f in got.frames] == [(4, 8, 12)] * 3
+    for frame, packed in zip(got.frames, seen, strict=True):
+        assert torch.equal(frame, FluxPipeline._unpack_latents(packed, 16, 24, 2)[0])
+    assert torch.equal(got.frames[-1], FluxPipeline._unpack_latents(out.images, 16, 24, 2)[0])
+
+
+def test_qwen_image_latents_are_unpacked_to_image_latents():
+    pipe = qwen_pipe()
+    g = torch.Generator().manual_seed(0)
+    embeds = dict(prompt_embeds=torch.randn(1, 7, 16, generator=g),
+                  prompt_embeds_mask=torch.ones(1, 7, dtype=torch.long))
+    model = CallbackDiffusers(pipe, call_kwargs=embeds)
+    assert "true_cfg_scale" in [p.name for p in model.params]
+    got = run_direct(model, dict(size=32, steps=2, seed=1))
+    out, seen = latents_seen(pipe, **embeds, height=32, width=32, num_inference_steps=2,
+                             generator=torch.Generator().manual_seed(1), output_type="pt")
+    # Qwen-Image unpacks to a one-frame video latent [1, C, 1, h, w]; the frame drops both 1s.
+    assert got.frames[0].shape == (4, 8, 8)
+    assert torch.equal(got.frames[0], QwenImagePipeline._unpack_latents(seen[0], 32, 32, 4)[0, :, 0])
+    assert got.decoded == [False, True]
+    torch.testing.assert_close(got.frames[-1], out.images[0] * 2 - 1, rtol=0, atol=1e-5)
+
+
+def test_ltx_video_latents_are_unpacked_to_frames():
+    pipe = ltx_pipe()
+    g = torch.Generator().manual_seed(0)
+    embeds = dict(prompt_embeds=torch.randn(1, 8, 32, generator=g), prompt_attention_mask=torch.ones(1, 8),
+                  negative_prompt_embeds=torch.randn(1, 8, 32, generator=g),
+                  negative_prompt_attention_mask=torch.ones(1, 8))
+    model = CallbackDiffusers(pipe, call_kwargs=embeds)
+    raw = dict(height=32, width=64, num_frames=9, steps=2, seed=1)
+    got = run_direct(model, raw)
+    out, seen = latents_seen(pipe, **embeds, height=32, width=64, num_frames=9, num_inference_steps=2,
+                             generator=torch.Generator().manual_seed(1), output_type="pt")
+    # [C, T, h, w]: 9 frames are 3 latent frames; 32 x 64 px are 8 x 16 latent px.
+    assert got.frames[0].shape == (8, 3, 8, 16)
+    assert torch.equal(got.frames[0], LTXPipeline._unpack_latents(seen[0], 3, 8, 16, 1, 1)[0])
+    assert got.decoded == [False, True] and got.frames[-1].shape == (9, 3, 32, 64)
+    torch.testing.assert_close(got.frames[-1], out.frames[0] * 2 - 1, rtol=0, atol=1e-5)
 
 
 # -- params -------------------------------------------------------------------------------

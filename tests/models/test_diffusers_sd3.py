@@ -405,7 +405,7 @@ def test_diffusers_picks_this_adapter():
                   Diffusers(pipe, mode="native", encode_prompt=fixed_embeddings)):
         assert type(model) is SD3Diffusers and model.mode == "native"
         assert model.preview_decoder == "sd3"
-        assert model.describe() == "StableDiffusion3Pipeline (native mode)"
+        assert "StableDiffusion3Pipeline" in model.describe()
     # Pipelines with loops of their own on the same transformer are not
     # replaced by a text-to-image loop.
     img2img = StableDiffusion3Img2ImgPipeline(**pipe.components)
@@ -429,8 +429,8 @@ def test_params_are_declared_and_checked():
         ({"height": 18}, "height", "multiple of 4"),  # vae scale 2 x patch 2
         ({"width": 68}, "width", "64"),  # past the positional embedding (16 patches)
         ({"guidance_scale": "high"}, "guidance_scale", "number"),
-        ({"steps": 0}, "steps", ""),
-        ({"prompt_embeds": [0.1]}, "prompt_embeds", ""),
+        ({"steps": 0}, "steps", None),
+        ({"prompt_embeds": [0.1]}, "prompt_embeds", None),
     ]
     for raw, field, words in bad:
         with pytest.raises(om.ParamsError, match=words) as err:

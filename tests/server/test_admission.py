@@ -4,9 +4,13 @@ from __future__ import annotations
 
 import pytest
 
+import omni_stream as om
+
 from omni_stream.models import Synthetic
 from omni_stream.preview import PreviewSpec
 from omni_stream.server.admission import (
+    OutputSpec,
+    output_spec,
     cap_preview,
     check_params,
     default_decoder,
@@ -63,6 +67,33 @@ def test_params_are_checked_by_the_model_then_the_limits() -> None:
 
 def test_default_decoder_follows_the_model() -> None:
     model = Synthetic()
-    assert default_decoder(model) == "rgb"
+    assert default_decoder(model) == "auto"  # by the frame's shape
     model.preview_decoder = "sd15"  # type: ignore[attr-defined]
     assert default_decoder(model) == "sd15"
+
+
+def test_output_settings_are_checked_and_defaulted() -> None:
+    assert output_spec(None, video=False, request_id="r") == OutputSpec("png")
+    assert output_spec({"format": "jpeg", "quality": 90}, video=False, request_id="r") == OutputSpec("jpeg", 90)
+    assert output_spec({"format": "gif"}, video=True, request_id="r") == OutputSpec("gif")
+    cases = [
+        ({"format": "mp4"}, False, "output.format"),
+        ({"format": "png"}, True, "output.format"),
+        ({"format": "png", "quality": 50}, False, "output.quality"),
+        ({"format": "jpeg", "quality": 0}, False, "output.quality"),
+        ({"size": 3}, False, "output.size"),
+    ]
+    for wire, video, field in cases:
+        with pytest.raises(MessageError) as info:
+            output_spec(wire, video=video, request_id="r")
+        assert (info.value.code, info.value.field, info.value.request_id) == ("invalid_field", field, "r")
+
+
+def test_over_the_wire_an_image_param_must_be_a_data_url() -> None:
+    class TakesImage(Synthetic):
+        params = (*Synthetic.params, om.Param("image", "str", ""))
+
+    with pytest.raises(MessageError) as info:
+        check_params(TakesImage(), {"image": "/etc/passwd"}, LIMITS, request_id="r")
+    assert (info.value.code, info.value.field) == ("bad_params", "image")
+    assert "data: URL" in info.value.message

@@ -50,11 +50,19 @@ async def test_generate_streams_progress_previews_and_result() -> None:
         "total": 6,
         "detach": False,
         "attached": False,
-        "preview": {"every": 1, "format": "jpeg", "max_size": 512, "quality": 85, "decoder": "rgb"},
+        "preview": {
+            "every": 1, "format": "jpeg", "max_size": 512, "quality": 85, "decoder": "auto",
+            "video": "strip",
+        },
+        "output": {"format": "png", "quality": None},
     }
+    # The result is a PNG that says how it was made, whatever the previews are.
     final = msgs[-2]
-    assert (final["format"], final["width"], final["height"], final["mime"]) == ("jpeg", 16, 16, "image/jpeg")
-    assert Image.open(io.BytesIO(final["image"])).size == (16, 16)
+    assert (final["format"], final["width"], final["height"], final["mime"]) == ("png", 16, 16, "image/png")
+    image = Image.open(io.BytesIO(final["image"]))
+    assert image.size == (16, 16)
+    assert json.loads(image.text["omni_stream"])["steps"] == 6
+    assert "Steps: 6" in image.text["parameters"]
     progress = [m for m in msgs if m["type"] == "progress"]
     assert progress[-1]["step"] == 6 and progress[-1]["eta_s"] == 0.0
     assert msgs[-1]["total"] == 6 and msgs[-1]["elapsed_s"] >= 0
@@ -73,11 +81,16 @@ async def test_preview_options_raw_every_and_max_size() -> None:
         msgs = await until_end(ws, "raw")
     check_stream(msgs, "raw", 9)
     previews = [m for m in msgs if m["type"] == "preview"]
-    for p in previews:
-        assert p["step"] % 4 == 0 or p["final"]
+    # "every" means at most every 4th step: a step the preview thread was
+    # too busy for is skipped, never the result.
+    assert {p["step"] for p in previews[:-1]} <= {4, 8} and previews[-1]["step"] == 9
+    for p in previews[:-1]:
         # max_size only shrinks, aspect kept: 20x40 -> 5x10.
         assert (p["width"], p["height"]) == (5, 10)
         assert len(p["image"]) == 5 * 10 * 3
+    # The result is never shrunk by the preview's max_size.
+    assert (previews[-1]["final"], previews[-1]["format"]) == (True, "png")
+    assert Image.open(io.BytesIO(previews[-1]["image"])).size == (20, 40)
     # max_size never enlarges.
     async with running() as server, connect(server.url) as ws:
         await send(ws, type="generate", id="big", params={**SMALL, "steps": 1},
@@ -110,7 +123,7 @@ async def test_several_requests_on_one_connection() -> None:
     async with running() as server, connect(server.url) as ws:
         for rid, fmt in formats.items():
             await send(ws, type="generate", id=rid, params={**SMALL, "steps": 5, "seed": ord(rid)},
-                       preview={"format": fmt})
+                       preview={"format": fmt}, output={"format": fmt})
         by_id: dict[str, list[dict[str, Any]]] = {rid: [] for rid in formats}
         ended: set[str] = set()
         with anyio.fail_after(30):
@@ -139,8 +152,9 @@ async def test_model_errors_end_the_request_and_the_connection_stays() -> None:
 @pytest.mark.asyncio
 async def test_undecodable_frames_end_with_preview_failed() -> None:
     async with running() as server, connect(server.url) as ws:
-        # 5 channels: no built-in decoder makes RGB out of that.
-        await send(ws, type="generate", id="odd", params={**SMALL, "steps": 3, "shape": [5, 8, 8]})
+        # 5 channels: the sd15 decoder cannot make RGB out of that ("auto" could).
+        await send(ws, type="generate", id="odd", params={**SMALL, "steps": 3, "shape": [5, 8, 8]},
+                   preview={"decoder": "sd15"})
         msgs = await until_end(ws, "odd")
     assert msgs[-1]["code"] == "preview_failed"
     await wait_for(lambda: server.engine.statistics().active == 0, what="the request to be dropped")
@@ -577,14 +591,20 @@ async def test_a_bug_in_one_request_or_connection_never_kills_the_server(
 ) -> None:
     from omni_stream.server import connection, consumer
 
-    real_publish = consumer._publish
+    real_publish, real_result = consumer._publish, consumer._publish_result
 
-    async def publish(record: Any, frame: Any, spec: Any, **kwargs: Any) -> None:
+    async def publish(record: Any, frame: Any, spec: Any, **kwargs: Any) -> Any:
         if record.id == "buggy":
             raise RuntimeError("bug while streaming")
-        await real_publish(record, frame, spec, **kwargs)
+        return await real_publish(record, frame, spec, **kwargs)
+
+    async def publish_result(record: Any, *args: Any, **kwargs: Any) -> None:
+        if record.id == "buggy":  # a fast request's first frame may be its result
+            raise RuntimeError("bug while streaming")
+        await real_result(record, *args, **kwargs)
 
     monkeypatch.setattr(consumer, "_publish", publish)
+    monkeypatch.setattr(consumer, "_publish_result", publish_result)
     async with running() as server:
         def attach(conn: Any, msg: Any) -> None:
             raise RuntimeError("bug while handling a message")

@@ -154,6 +154,8 @@ class Diffusers(StepModel):
         if torch_dtype is not None:
             pipeline_kwargs["torch_dtype"] = torch_dtype
         pipe = DiffusionPipeline.from_pretrained(model_id, **pipeline_kwargs)
+        # A served pipeline would draw one tqdm bar per request on stderr.
+        pipe.set_progress_bar_config(disable=True)
         if cls is Diffusers:
             return Diffusers(pipe, mode=mode)
         return cls(pipe)

@@ -12,10 +12,12 @@ batching: requests never share a denoiser call.
 
 Params: declared from ``pipe.__call__``'s signature, for the arguments it
 takes (``prompt``, ``negative_prompt``, ``steps`` for
-``num_inference_steps``, ``guidance_scale``, ``seed`` for a CPU generator,
-``height``/``width`` and ``size`` for both, ``num_frames``, ``strength``,
-``image``), with the pipeline's own defaults where its signature gives
-literals. ``image`` is a PNG/JPEG data URL or file path (a PIL image from
+``num_inference_steps``, ``guidance_scale``, ``true_cfg_scale``, ``seed``
+for a CPU generator, ``height``/``width`` and ``size`` for both,
+``num_frames``, ``strength``, ``image``), with the pipeline's own defaults
+where its signature gives literals. Sizes are not checked against the
+pipeline's multiples: its own ``check_inputs`` raises (failing the request)
+or rounds, as it does for ``pipe(...)``. ``image`` is a PNG/JPEG data URL or file path (a PIL image from
 Python), decoded by ``validate`` (see :mod:`.inputs`).
 
 Frames: each step's frame is the ``latents`` tensor the callback sees after
@@ -63,7 +65,7 @@ from ...model import Emit
 from ...params import Param
 from .base import Diffusers, takes_step_callback
 from .inputs import MAX_IMAGE_BYTES, MAX_IMAGE_PIXELS, load_image
-from .unet import _same_device
+from .loop import same_device
 
 __all__ = ["CallbackDiffusers"]
 
@@ -83,7 +85,9 @@ _RESERVED = frozenset({
 
 # Pipelines that cannot run without an input image although their signature
 # defaults ``image`` to None (the ones taking ``strength`` are caught too).
-_NEEDS_IMAGE = re.compile(r"Img2Img|ImageToImage|Image2Image|ImageToVideo|Image2Video|Inpaint|ControlNet|Edit")
+_NEEDS_IMAGE = re.compile(
+    r"Img2Img|ImageToImage|Image2Image|ImageToVideo|Image2Video|Inpaint|ControlNet|Edit"
+)
 
 
 @dataclass
@@ -128,7 +132,7 @@ class CallbackDiffusers(Diffusers):
         ``output_type``, ``call_kwargs`` that the pipeline does not take or
         that this adapter sets itself, bad bounds or bad ``defaults``.
         """
-        if mode != "callback":
+        if mode not in ("auto", "callback"):  # "auto": Diffusers(pipe) picked this adapter
             raise ValueError(f"CallbackDiffusers runs in mode 'callback', got {mode!r}")
         kind = type(pipe).__name__
         if not takes_step_callback(pipe):
@@ -145,10 +149,13 @@ class CallbackDiffusers(Diffusers):
             raise ValueError(f"{kind} does not pass 'latents' to its step callback")
         fixed = dict(call_kwargs or {})
         if bad := sorted(set(fixed) & _RESERVED):
-            raise ValueError(f"call_kwargs may not set {bad}: the callback adapter sets them per request")
+            raise ValueError(
+                f"call_kwargs may not set {bad}: the callback adapter sets them per request"
+            )
         if unknown := sorted(set(fixed) - named):
             raise ValueError(f"call_kwargs: {kind}.__call__ takes no {unknown}")
-        for bound, value in (("max_image_pixels", max_image_pixels), ("max_image_bytes", max_image_bytes)):
+        bounds = {"max_image_pixels": max_image_pixels, "max_image_bytes": max_image_bytes}
+        for bound, value in bounds.items():
             if isinstance(value, bool) or not isinstance(value, int) or value < 1:
                 raise ValueError(f"{bound} must be a positive int, got {value!r}")
 
@@ -160,6 +167,9 @@ class CallbackDiffusers(Diffusers):
         self._image_paths = bool(image_paths)
         self._template = getattr(pipe, "scheduler", None)
         self._video = "num_frames" in named
+        #: Whether the output is a video ``[T, 3, H, W]`` (the server picks output formats by it):
+        #: the video pipelines are the ones taking ``num_frames``.
+        self.produces_video = self._video
         self.name = name or "diffusers"
         # (param name, pipeline argument) for each declared param; start() maps them.
         self._args: dict[str, str] = {}
@@ -203,6 +213,12 @@ class CallbackDiffusers(Diffusers):
         if takes("guidance_scale"):
             add(Param("guidance_scale", "float", self._literal("guidance_scale", (int, float)),
                       "classifier-free guidance scale", minimum=0.0, maximum=100.0), "guidance_scale")
+        if takes("true_cfg_scale"):
+            # Qwen-Image's classifier-free guidance (on with a negative prompt);
+            # its guidance_scale is for guidance-distilled checkpoints.
+            add(Param("true_cfg_scale", "float", self._literal("true_cfg_scale", (int, float)),
+                      "true classifier-free guidance scale (with a negative prompt)",
+                      minimum=0.0, maximum=100.0), "true_cfg_scale")
         if "generator" in self._signature:
             add(Param("seed", "int", 0, "seed of the request's CPU generator",
                       minimum=0, maximum=2**63 - 1), "generator")
@@ -374,7 +390,7 @@ class CallbackDiffusers(Diffusers):
         current = getattr(pipe, "device", None)
         if not isinstance(current, torch.device) or not hasattr(pipe, "to") or _offloaded(pipe):
             return  # accelerate's hooks move offloaded modules themselves
-        if not _same_device(current, device):
+        if not same_device(current, device):
             pipe.to(device)
 
     def start(self, params: Mapping[str, Any], device: torch.device) -> _State:
@@ -418,11 +434,11 @@ class CallbackDiffusers(Diffusers):
                     f"{type(pipe).__name__} ran more than the {state.total} steps total_steps "
                     "predicted; see CallbackDiffusers' step-count rule"
                 )
-            frame = self._frame(state, tensors["latents"])
             if fired < state.total:
-                emit(frame)
-            else:
-                last = frame  # the last step's frame is the output, emitted after the call
+                emit(self._frame(state, tensors["latents"]))
+            elif state.output == "latent":
+                # The last step's latents are the output, emitted once the call returns.
+                last = self._frame(state, tensors["latents"])
             return tensors
 
         try:
@@ -437,11 +453,11 @@ class CallbackDiffusers(Diffusers):
         except BaseException:
             _reset_after_abort(pipe)
             raise
-        if last is None:
+        if fired != state.total:
             raise RuntimeError(
                 f"{type(pipe).__name__} ran {fired} steps, total_steps predicted {state.total}"
             )
-        if state.output == "latent":
+        if last is not None:
             emit(last)
         else:
             emit(self._decoded(out), decoded=True)

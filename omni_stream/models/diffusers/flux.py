@@ -37,24 +37,26 @@ import torch
 from ...params import Param
 from .base import INSTALL_HINT as _INSTALL_HINT
 from .base import Diffusers, EncodePrompt, PromptEmbeddings
-from .sd3 import (
-    MAX_PROMPT_CHARS,
-    MAX_SIDE,
-    _check_batch_size,
-    _check_mode,
-    _scheduler_template,
+from .loop import (
+    cat_rows,
+    check_batch_size,
+    check_mode,
     check_multiple,
     check_pipeline_encoder,
     check_steppable,
     checked_embeddings,
     flow_x0,
+    same_device,
+    Saved,
+    scheduler_template,
     shifted_vae_decode,
+    signature_params,
     text_conditioning,
     timestep_count,
     vae_scale_factor,
     with_defaults,
 )
-from .unet import _cat, _same_device, _Saved, _signature_params
+from .sd3 import MAX_PROMPT_CHARS, MAX_SIDE
 
 __all__ = ["FluxDiffusers"]
 
@@ -81,6 +83,8 @@ class FluxDiffusers(Diffusers):
 
     name = "diffusers"
     mode = "native"
+    #: The :mod:`omni_stream.preview` decoder for 16-channel latents (None for others).
+    preview_decoder: str | None = "flux"
 
     @staticmethod
     def fits(pipe: Any) -> bool:
@@ -129,7 +133,7 @@ class FluxDiffusers(Diffusers):
         """
         try:
             # diffusers' own helpers, so the loop does what the pipeline does.
-            from diffusers import FlowMatchEulerDiscreteScheduler, FluxPipeline, FluxTransformer2DModel
+            from diffusers import FluxPipeline, FluxTransformer2DModel
             from diffusers.pipelines.flux.pipeline_flux import calculate_shift, retrieve_timesteps
             from diffusers.utils.torch_utils import randn_tensor
         except ImportError as exc:
@@ -138,9 +142,8 @@ class FluxDiffusers(Diffusers):
         self._retrieve_timesteps = retrieve_timesteps
         self._randn_tensor = randn_tensor
         self._flux = FluxPipeline
-        self._euler = FlowMatchEulerDiscreteScheduler
-        _check_mode(mode)
-        _check_batch_size(max_batch_size)
+        check_mode(mode)
+        check_batch_size(max_batch_size)
         transformer = getattr(pipe, "transformer", None)
         if not isinstance(transformer, FluxTransformer2DModel):
             raise ValueError(
@@ -156,7 +159,7 @@ class FluxDiffusers(Diffusers):
                 "output channels; only text-to-image transformers (equal counts, 2x2 packed "
                 "latents) are supported"
             )
-        template = _scheduler_template(pipe, scheduler)
+        template = scheduler_template(pipe, scheduler)
         self._pipe = pipe
         self._transformer = transformer
         self._scheduler_cls = type(template)
@@ -164,14 +167,14 @@ class FluxDiffusers(Diffusers):
         # FluxPipeline.__call__ passes its own sigmas unless the scheduler
         # makes flow sigmas itself, and always passes mu.
         self._own_sigmas = not getattr(template.config, "use_flow_sigmas", False)
-        takes = _signature_params(template.set_timesteps)
+        takes = signature_params(template.set_timesteps)
         needed = {"mu"} | ({"sigmas"} if self._own_sigmas else set())
         if not needed <= takes:
             raise ValueError(
                 f"{type(template).__name__}.set_timesteps takes no {' / '.join(sorted(needed - takes))}; "
                 "FluxPipeline's timesteps need a flow-matching scheduler"
             )
-        self._step_params = _signature_params(template.step)
+        self._step_params = signature_params(template.step)
         self._channels = int(config.in_channels) // 4
         self._guidance_embeds = bool(config.guidance_embeds)
         self._vae_scale = vae_scale_factor(pipe)
@@ -226,8 +229,15 @@ class FluxDiffusers(Diffusers):
     def _timestep_count(self, steps: int) -> int:
         count = self._timestep_counts.get(steps)
         if count is None:
+            # A throwaway CPU scheduler, cached per step count; mu (for the
+            # default size) moves the sigmas, never their number.
             side = self._default_side
-            count = timestep_count(self, steps, lambda s: self._timesteps(s, steps, None, side, side))
+            count = timestep_count(
+                self._scheduler_cls.from_config(self._scheduler_config),
+                lambda s: self._timesteps(s, steps, None, side, side),
+                steps,
+                self.name,
+            )
             self._timestep_counts[steps] = count
         return count
 
@@ -267,7 +277,7 @@ class FluxDiffusers(Diffusers):
 
     def load(self, device: torch.device) -> None:
         """Move the pipeline's modules to ``device`` unless the transformer is there already."""
-        if not _same_device(next(self._transformer.parameters()).device, device):
+        if not same_device(next(self._transformer.parameters()).device, device):
             self._pipe.to(device)
 
     def start(self, params: Mapping[str, Any], device: torch.device) -> _State:
@@ -325,7 +335,7 @@ class FluxDiffusers(Diffusers):
         raises, every state (scheduler and generator too) is left as it was.
         """
         check_steppable(states, self.name)
-        saved = [_Saved.take(s) for s in states]  # type: ignore[arg-type]
+        saved = [Saved.take(s) for s in states]  # type: ignore[arg-type]
         try:
             with torch.no_grad():
                 return self._step(states)
@@ -346,7 +356,7 @@ class FluxDiffusers(Diffusers):
             prev = s.scheduler.step(pred, t, latents, **s.step_kwargs, return_dict=False)[0]
             x0 = None
             if s.done + 1 < s.total:
-                x0 = flow_x0(s.scheduler, self._euler, latents, pred)
+                x0 = flow_x0(s.scheduler, latents, pred)
             frame = self._unpack(prev if x0 is None else x0, s)
             results.append((prev, frame))
         frames = []
@@ -378,11 +388,11 @@ class FluxDiffusers(Diffusers):
                 steps.append(timesteps[i].expand(latents.shape[0]).to(latents.dtype) / 1000)
             first = group[0]
             out = self._transformer(
-                hidden_states=_cat([s.latents for s in group]),
-                timestep=_cat(steps),
-                guidance=_cat([s.guidance for s in group]) if self._guidance_embeds else None,
-                pooled_projections=_cat([s.pooled for s in group]),
-                encoder_hidden_states=_cat([s.embeds for s in group]),
+                hidden_states=cat_rows([s.latents for s in group]),
+                timestep=cat_rows(steps),
+                guidance=cat_rows([s.guidance for s in group]) if self._guidance_embeds else None,
+                pooled_projections=cat_rows([s.pooled for s in group]),
+                encoder_hidden_states=cat_rows([s.embeds for s in group]),
                 txt_ids=first.text_ids,
                 img_ids=first.image_ids,
                 joint_attention_kwargs={},

@@ -28,16 +28,33 @@ The small flow-matching helpers at the bottom are shared with :mod:`.flux`.
 from __future__ import annotations
 
 from collections.abc import Hashable, Mapping, Sequence
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 from typing import Any
 
 import torch
 
-from ...errors import ParamsError
 from ...params import Param
 from .base import INSTALL_HINT as _INSTALL_HINT
-from .base import Diffusers, EncodePrompt, PromptEmbeddings, vae_image
-from .unet import _batch_of_one, _cat, _same_device, _Saved, _signature_params
+from .base import Diffusers, EncodePrompt, PromptEmbeddings
+from .loop import (
+    Saved,
+    cat_rows,
+    check_batch_size,
+    check_mode,
+    check_multiple,
+    check_pipeline_encoder,
+    check_steppable,
+    checked_embeddings,
+    flow_x0,
+    same_device,
+    scheduler_template,
+    shifted_vae_decode,
+    signature_params,
+    text_conditioning,
+    timestep_count,
+    vae_scale_factor,
+    with_defaults,
+)
 
 __all__ = ["SD3Diffusers"]
 MAX_PROMPT_CHARS = 10_000
@@ -67,6 +84,8 @@ class SD3Diffusers(Diffusers):
 
     name = "diffusers"
     mode = "native"
+    #: The :mod:`omni_stream.preview` decoder for 16-channel latents (None for others).
+    preview_decoder: str | None = "sd3"
 
     @staticmethod
     def fits(pipe: Any) -> bool:
@@ -113,7 +132,7 @@ class SD3Diffusers(Diffusers):
         """
         try:
             # diffusers' own helpers, so the loop does what the pipeline does.
-            from diffusers import FlowMatchEulerDiscreteScheduler, SD3Transformer2DModel
+            from diffusers import SD3Transformer2DModel
             from diffusers.pipelines.stable_diffusion_3.pipeline_stable_diffusion_3 import (
                 calculate_shift,
                 retrieve_timesteps,
@@ -124,9 +143,8 @@ class SD3Diffusers(Diffusers):
         self._calculate_shift = calculate_shift
         self._retrieve_timesteps = retrieve_timesteps
         self._randn_tensor = randn_tensor
-        self._euler = FlowMatchEulerDiscreteScheduler
-        _check_mode(mode)
-        _check_batch_size(max_batch_size)
+        check_mode(mode)
+        check_batch_size(max_batch_size)
         transformer = getattr(pipe, "transformer", None)
         if not isinstance(transformer, SD3Transformer2DModel):
             raise ValueError(
@@ -139,17 +157,17 @@ class SD3Diffusers(Diffusers):
                 f"SD3 transformer has {config.in_channels} input and {config.out_channels} output "
                 "channels; only text-to-image transformers (equal counts) are supported"
             )
-        template = _scheduler_template(pipe, scheduler)
+        template = scheduler_template(pipe, scheduler)
         self._pipe = pipe
         self._transformer = transformer
         self._scheduler_cls = type(template)
         self._scheduler_config = template.config
         self._dynamic = bool(template.config.get("use_dynamic_shifting", None))
-        if self._dynamic and "mu" not in _signature_params(template.set_timesteps):
+        if self._dynamic and "mu" not in signature_params(template.set_timesteps):
             raise ValueError(
                 f"{type(template).__name__} uses dynamic shifting but its set_timesteps takes no mu"
             )
-        self._step_params = _signature_params(template.step)
+        self._step_params = signature_params(template.step)
         self._channels = int(config.in_channels)
         self._patch = int(config.patch_size)
         self._vae_scale = vae_scale_factor(pipe)
@@ -206,9 +224,14 @@ class SD3Diffusers(Diffusers):
     def _timestep_count(self, steps: int) -> int:
         count = self._timestep_counts.get(steps)
         if count is None:
-            default = self._transformer.config.sample_size * self._vae_scale
+            # A throwaway CPU scheduler, cached per step count; mu (for the
+            # default size) moves the sigmas, never their number.
+            side = self._transformer.config.sample_size * self._vae_scale
             count = timestep_count(
-                self, steps, lambda s: self._timesteps(s, steps, None, default, default)
+                self._scheduler_cls.from_config(self._scheduler_config),
+                lambda s: self._timesteps(s, steps, None, side, side),
+                steps,
+                self.name,
             )
             self._timestep_counts[steps] = count
         return count
@@ -245,7 +268,7 @@ class SD3Diffusers(Diffusers):
 
     def load(self, device: torch.device) -> None:
         """Move the pipeline's modules to ``device`` unless the transformer is there already."""
-        if not _same_device(next(self._transformer.parameters()).device, device):
+        if not same_device(next(self._transformer.parameters()).device, device):
             self._pipe.to(device)
 
     def start(self, params: Mapping[str, Any], device: torch.device) -> _State:
@@ -288,7 +311,7 @@ class SD3Diffusers(Diffusers):
         raises, every state (scheduler and generator too) is left as it was.
         """
         check_steppable(states, self.name)
-        saved = [_Saved.take(s) for s in states]  # type: ignore[arg-type]
+        saved = [Saved.take(s) for s in states]  # type: ignore[arg-type]
         try:
             with torch.no_grad():
                 return self._step(states)
@@ -312,7 +335,7 @@ class SD3Diffusers(Diffusers):
             prev = s.scheduler.step(pred, t, latents, **s.step_kwargs, return_dict=False)[0]
             x0 = None
             if s.done + 1 < s.total:
-                x0 = flow_x0(s.scheduler, self._euler, latents, pred)
+                x0 = flow_x0(s.scheduler, latents, pred)
             frame = prev if x0 is None else x0
             results.append((prev, frame[0]))
         frames = []
@@ -340,10 +363,10 @@ class SD3Diffusers(Diffusers):
                 steps.append(t.expand(x.shape[0]))
             group = [states[i] for i in members]
             out = self._transformer(
-                hidden_states=_cat(inputs),
-                timestep=_cat(steps),
-                encoder_hidden_states=_cat([s.embeds for s in group]),
-                pooled_projections=_cat([s.pooled for s in group]),
+                hidden_states=cat_rows(inputs),
+                timestep=cat_rows(steps),
+                encoder_hidden_states=cat_rows([s.embeds for s in group]),
+                pooled_projections=cat_rows([s.pooled for s in group]),
                 joint_attention_kwargs=None,
                 return_dict=False,
             )[0]
@@ -412,188 +435,3 @@ class SD3Diffusers(Diffusers):
 
 
 # -- shared with .flux ------------------------------------------------------------
-
-
-def _check_mode(mode: str) -> None:
-    if mode not in ("auto", "native"):
-        raise ValueError(f"a native adapter takes mode 'auto' or 'native', got {mode!r}")
-
-
-def _check_batch_size(max_batch_size: Any) -> None:
-    if isinstance(max_batch_size, bool) or not isinstance(max_batch_size, int) or max_batch_size < 1:
-        raise ValueError(f"max_batch_size must be a positive int, got {max_batch_size!r}")
-
-
-def _scheduler_template(pipe: Any, scheduler: Any | None) -> Any:
-    template = scheduler if scheduler is not None else getattr(pipe, "scheduler", None)
-    if template is None or not all(hasattr(template, a) for a in ("step", "config", "set_timesteps")):
-        raise ValueError(f"{type(pipe).__name__} has no scheduler; pass scheduler=")
-    return template
-
-
-def vae_scale_factor(pipe: Any) -> int:
-    """The pipelines' ``vae_scale_factor``: 2 ** (VAE blocks - 1), 8 without a VAE."""
-    vae = getattr(pipe, "vae", None)
-    return 2 ** (len(vae.config.block_out_channels) - 1) if vae is not None else 8
-
-
-def check_pipeline_encoder(pipe: Any, needs: Sequence[str]) -> None:
-    """Raise ValueError unless ``pipe`` can encode prompts itself (``needs`` names its parts)."""
-    missing = [n for n in needs if getattr(pipe, n, None) is None]
-    if missing or not callable(getattr(pipe, "encode_prompt", None)):
-        raise ValueError(
-            f"{type(pipe).__name__} has no {' / '.join(missing) or 'encode_prompt'}; pass "
-            "encode_prompt=, a callable (prompt, negative_prompt) -> PromptEmbeddings "
-            "with pooled_prompt_embeds"
-        )
-
-
-def checked_embeddings(emb: Any) -> PromptEmbeddings:
-    """``emb`` if it is PromptEmbeddings; raises ValueError otherwise."""
-    if not isinstance(emb, PromptEmbeddings):
-        raise ValueError(f"encode_prompt must return PromptEmbeddings, got {type(emb).__name__}")
-    return emb
-
-
-def text_conditioning(
-    emb: PromptEmbeddings, guided: bool, width: int, pooled_width: int, family: str
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """``(embeds [rows, seq, width], pooled [rows, pooled_width])``, negative row first when guided.
-
-    Raises ValueError for missing, misshapen or mismatched embeddings.
-    """
-    positive = _batch_of_one(emb.prompt_embeds, "prompt_embeds", 3)
-    if positive.shape[-1] != width:
-        raise ValueError(
-            f"prompt_embeds has width {positive.shape[-1]}, the transformer's joint_attention_dim "
-            f"is {width}"
-        )
-    if emb.pooled_prompt_embeds is None:
-        raise ValueError(f"{family} needs pooled_prompt_embeds; encode_prompt returned none")
-    pooled = _batch_of_one(emb.pooled_prompt_embeds, "pooled_prompt_embeds", 2)
-    if pooled.shape[-1] != pooled_width:
-        raise ValueError(
-            f"pooled_prompt_embeds has width {pooled.shape[-1]}, the transformer's "
-            f"pooled_projection_dim is {pooled_width}"
-        )
-    if not guided:
-        return positive, pooled
-    if emb.negative_prompt_embeds is None or emb.negative_pooled_prompt_embeds is None:
-        raise ValueError(
-            "encode_prompt returned no negative_prompt_embeds / negative_pooled_prompt_embeds, "
-            "which guidance_scale > 1 needs"
-        )
-    negative = _batch_of_one(emb.negative_prompt_embeds, "negative_prompt_embeds", 3)
-    if negative.shape != positive.shape:
-        raise ValueError(
-            f"negative_prompt_embeds {tuple(negative.shape)} and prompt_embeds "
-            f"{tuple(positive.shape)} must have the same shape"
-        )
-    negative_pooled = _batch_of_one(
-        emb.negative_pooled_prompt_embeds, "negative_pooled_prompt_embeds", 2
-    )
-    if negative_pooled.shape != pooled.shape:
-        raise ValueError(
-            f"negative_pooled_prompt_embeds {tuple(negative_pooled.shape)} and "
-            f"pooled_prompt_embeds {tuple(pooled.shape)} must have the same shape"
-        )
-    # The pipelines' row order: negative, then positive.
-    return torch.cat([negative, positive]), torch.cat([negative_pooled, pooled])
-
-
-def with_defaults(
-    params: list[Param], defaults: Mapping[str, Any] | None, model: str
-) -> tuple[Param, ...]:
-    """``params`` with ``defaults`` applied; raises ValueError for unknown names or bad values."""
-    if defaults:
-        by_name = {p.name: i for i, p in enumerate(params)}
-        unknown = sorted(set(defaults) - set(by_name))
-        if unknown:
-            raise ValueError(f"defaults: unknown param(s) {unknown}; known: {sorted(by_name)}")
-        for key, value in defaults.items():
-            spec = params[by_name[key]]
-            try:
-                checked = spec.check(value, model=model)
-            except ParamsError as exc:
-                raise ValueError(f"defaults: {exc}") from None
-            params[by_name[key]] = replace(spec, default=checked)
-    return tuple(params)
-
-
-def check_multiple(params: Mapping[str, Any], multiple: int, model: str) -> None:
-    """Raise ParamsError naming ``height`` or ``width`` when one is not a multiple of ``multiple``."""
-    for side in ("height", "width"):
-        if params[side] % multiple:
-            raise ParamsError(
-                f"{model} param {side!r} must be a multiple of {multiple}, got {params[side]}",
-                field=side,
-            )
-
-
-def timestep_count(model: Any, steps: int, set_timesteps: Any) -> int:
-    """``len(timesteps)`` of a throwaway scheduler for ``steps``; ParamsError when it refuses."""
-    # CPU numpy/torch math on a fresh scheduler; callers cache it per step count.
-    scheduler = model._scheduler_cls.from_config(model._scheduler_config)
-    try:
-        set_timesteps(scheduler)
-    except ValueError as exc:
-        raise ParamsError(f"{model.name} param 'steps': {exc}", field="steps") from None
-    count = len(scheduler.timesteps)
-    if count < 1:
-        raise ParamsError(
-            f"{model.name} param 'steps': {type(scheduler).__name__} gives no timesteps for "
-            f"{steps} steps",
-            field="steps",
-        )
-    return count
-
-
-def check_steppable(states: Sequence[Any], model: str) -> None:
-    """Raise RuntimeError for a closed state or one past its last step."""
-    for s in states:
-        if s.latents is None:
-            raise RuntimeError(f"{model}: step() on a closed request")
-        if s.done >= s.total:
-            raise RuntimeError(f"{model}: step() past the last of {s.total} steps")
-
-
-def flow_x0(
-    scheduler: Any, euler: type, sample: torch.Tensor, velocity: torch.Tensor
-) -> torch.Tensor | None:
-    """The clean-latent estimate of the step just taken, ``x_t - sigma_t * v``, or None.
-
-    Only for flow-matching Euler schedulers, where that step's sigma is
-    ``sigmas[step_index - 1]`` once ``step`` has advanced the index (what
-    its stochastic sampling computes as x0 too).
-    """
-    if not isinstance(scheduler, euler) or scheduler.config.invert_sigmas:
-        return None
-    index = scheduler.step_index
-    if index is None or index < 1:
-        return None
-    sigma = scheduler.sigmas[index - 1]
-    x0 = sample.float() - sigma.to(sample.device) * velocity.float()
-    return x0.to(sample.dtype)
-
-
-def shifted_vae_decode(pipe: Any, latents: torch.Tensor) -> torch.Tensor:
-    """SD3/Flux VAE decode of ``[C, h, w]`` latents: ``vae.decode(x / scaling + shift)`` as ``vae_image``.
-
-    Raises ValueError without a VAE or for latents of the wrong shape.
-    """
-    vae = getattr(pipe, "vae", None)
-    if vae is None:
-        raise ValueError(f"{type(pipe).__name__} has no VAE to decode with")
-    if latents.dim() == 4 and latents.shape[0] == 1:
-        latents = latents[0]
-    channels = vae.config.latent_channels
-    if latents.dim() != 3 or latents.shape[0] != channels:
-        raise ValueError(f"decode needs latents [{channels}, h, w], got {tuple(latents.shape)}")
-    param = next(vae.parameters())
-    shift = vae.config.shift_factor or 0.0
-    with torch.no_grad():
-        # The pipelines' order: rescale in the latents' dtype, then hand the
-        # VAE its own device and dtype.
-        x = latents[None].to(param.device) / vae.config.scaling_factor + shift
-        image = vae.decode(x.to(param.dtype), return_dict=False)[0]
-    return vae_image(image)

@@ -29,8 +29,7 @@ generator; the UNet, VAE and text encoders are only ever read.
 
 from __future__ import annotations
 
-import inspect
-from collections.abc import Callable, Hashable, Mapping, Sequence
+from collections.abc import Hashable, Mapping, Sequence
 from dataclasses import dataclass, replace
 from typing import Any
 
@@ -40,6 +39,7 @@ from ...errors import ParamsError
 from ...params import Param
 from .base import INSTALL_HINT as _INSTALL_HINT
 from .base import Diffusers, EncodePrompt, PromptEmbeddings, vae_image
+from .loop import Saved, batch_of_one, cat_rows, same_device, signature_params
 
 __all__ = ["UNetDiffusers"]
 _MAX_PROMPT_CHARS = 10_000
@@ -74,7 +74,24 @@ class UNetDiffusers(Diffusers):
 
     @staticmethod
     def fits(pipe: Any) -> bool:
-        """Pipelines with a UNet (SD 1.x/2.x, SDXL and their kin)."""
+        """The text-to-image UNet pipelines (SD 1.x/2.x, SDXL), or a non-pipeline object with a UNet.
+
+        img2img, inpainting, ControlNet and the other UNet pipelines have
+        loops of their own (an input image, a mask, a control net) that a
+        text-to-image loop would silently drop; they go to callback mode.
+        """
+        try:
+            from diffusers import (
+                DiffusionPipeline,
+                StableDiffusionPipeline,
+                StableDiffusionXLPipeline,
+            )
+        except ImportError:
+            return False
+        if type(pipe) in (StableDiffusionPipeline, StableDiffusionXLPipeline):
+            return True
+        if isinstance(pipe, DiffusionPipeline):
+            return False
         return getattr(pipe, "unet", None) is not None
 
     def __init__(
@@ -146,7 +163,7 @@ class UNetDiffusers(Diffusers):
         self._unet = unet
         self._scheduler_cls = type(template)
         self._scheduler_config = template.config
-        self._step_params = _signature_params(template.step)
+        self._step_params = signature_params(template.step)
         self._keeps_x0 = _keeps_x0(template)
         self._time_cond_dim: int | None = getattr(config, "time_cond_proj_dim", None)
         self._channels = int(config.in_channels)
@@ -269,7 +286,7 @@ class UNetDiffusers(Diffusers):
     def load(self, device: torch.device) -> None:
         """Move the pipeline's modules to ``device`` unless the UNet is there already."""
         current = next(self._unet.parameters()).device
-        if not _same_device(current, device):
+        if not same_device(current, device):
             self._pipe.to(device)
 
     def start(self, params: Mapping[str, Any], device: torch.device) -> _State:
@@ -336,7 +353,7 @@ class UNetDiffusers(Diffusers):
                 raise RuntimeError(f"{self.name}: step() on a closed request")
             if s.done >= s.total:
                 raise RuntimeError(f"{self.name}: step() past the last of {s.total} steps")
-        saved = [_Saved.take(s) for s in states]
+        saved = [Saved.take(s) for s in states]
         try:
             with torch.no_grad():
                 return self._step(states)
@@ -406,19 +423,19 @@ class UNetDiffusers(Diffusers):
             added = None
             if self.family == "sdxl":
                 added = {
-                    "text_embeds": _cat([s.text_embeds for s in group]),
-                    "time_ids": _cat([s.time_ids for s in group]),
+                    "text_embeds": cat_rows([s.text_embeds for s in group]),
+                    "time_ids": cat_rows([s.time_ids for s in group]),
                 }
             timestep_cond = None
             if self._time_cond_dim is not None:
-                timestep_cond = _cat([s.timestep_cond for s in group])
-            sample = _cat(inputs)
+                timestep_cond = cat_rows([s.timestep_cond for s in group])
+            sample = cat_rows(inputs)
             out = self._unet(
                 sample,
                 # A 1-D timestep tensor is not moved to the sample's device by
                 # the UNet (a 0-d one is); some schedulers keep theirs elsewhere.
-                _cat(steps).to(sample.device),
-                encoder_hidden_states=_cat([s.embeds for s in group]),
+                cat_rows(steps).to(sample.device),
+                encoder_hidden_states=cat_rows([s.embeds for s in group]),
                 timestep_cond=timestep_cond,
                 added_cond_kwargs=added,
                 return_dict=False,
@@ -475,7 +492,7 @@ class UNetDiffusers(Diffusers):
         self, params: Mapping[str, Any], device: torch.device, dtype: torch.dtype, guided: bool
     ) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None]:
         emb = self._encode(params["prompt"], params["negative_prompt"], device, guided)
-        positive = _batch_of_one(emb.prompt_embeds, "prompt_embeds", 3)
+        positive = batch_of_one(emb.prompt_embeds, "prompt_embeds", 3)
         if positive.shape[-1] != self._cross_dim:
             raise ValueError(
                 f"prompt_embeds has width {positive.shape[-1]}, the UNet's cross_attention_dim "
@@ -487,7 +504,7 @@ class UNetDiffusers(Diffusers):
                 raise ValueError(
                     "encode_prompt returned no negative_prompt_embeds, which guidance_scale > 1 needs"
                 )
-            negative = _batch_of_one(emb.negative_prompt_embeds, "negative_prompt_embeds", 3)
+            negative = batch_of_one(emb.negative_prompt_embeds, "negative_prompt_embeds", 3)
             if negative.shape != positive.shape:
                 raise ValueError(
                     f"negative_prompt_embeds {tuple(negative.shape)} and prompt_embeds "
@@ -500,14 +517,14 @@ class UNetDiffusers(Diffusers):
 
         if emb.pooled_prompt_embeds is None:
             raise ValueError("SDXL needs pooled_prompt_embeds; encode_prompt returned none")
-        pooled = [_batch_of_one(emb.pooled_prompt_embeds, "pooled_prompt_embeds", 2)]
+        pooled = [batch_of_one(emb.pooled_prompt_embeds, "pooled_prompt_embeds", 2)]
         if guided:
             if emb.negative_pooled_prompt_embeds is None:
                 raise ValueError(
                     "SDXL with guidance_scale > 1 needs negative_pooled_prompt_embeds; "
                     "encode_prompt returned none"
                 )
-            pooled.insert(0, _batch_of_one(
+            pooled.insert(0, batch_of_one(
                 emb.negative_pooled_prompt_embeds, "negative_pooled_prompt_embeds", 2
             ))
         text_embeds = torch.cat(pooled).to(device=device, dtype=dtype)
@@ -572,29 +589,6 @@ class UNetDiffusers(Diffusers):
         return vae_image(image)
 
 
-@dataclass(slots=True)
-class _Saved:
-    """What a failed ``step`` must put back: the scheduler's attributes, the generator."""
-
-    state: _State
-    attrs: dict[str, Any]
-    rng: torch.Tensor
-
-    @classmethod
-    def take(cls, state: _State) -> _Saved:
-        # scheduler.step rebinds attributes (step index, last sample) and
-        # shifts lists in place (model_outputs, derivatives, ets); one level
-        # of copying undoes both without copying the tensors.
-        attrs = {k: (list(v) if type(v) is list else v) for k, v in vars(state.scheduler).items()}
-        return cls(state, attrs, state.generator.get_state())
-
-    def restore(self) -> None:
-        attrs = vars(self.state.scheduler)
-        attrs.clear()
-        attrs.update(self.attrs)
-        self.state.generator.set_state(self.rng)
-
-
 def _keeps_x0(scheduler: Any) -> bool:
     """Whether ``scheduler`` keeps its step's x0 as its newest model output.
 
@@ -627,42 +621,3 @@ def _guidance_embedding(w: torch.Tensor, dim: int, dtype: torch.dtype = torch.fl
     if dim % 2 == 1:
         emb = torch.nn.functional.pad(emb, (0, 1))
     return emb
-
-
-def _batch_of_one(t: Any, field: str, ndim: int) -> torch.Tensor:
-    if not isinstance(t, torch.Tensor):
-        raise ValueError(f"{field} must be a torch.Tensor, got {type(t).__name__}")
-    if t.dim() == ndim - 1:
-        t = t[None]
-    if t.dim() != ndim or t.shape[0] != 1:
-        want = "[1, seq, dim]" if ndim == 3 else "[1, dim]"
-        raise ValueError(f"{field} must be {want}, got {tuple(t.shape)}")
-    if not t.is_floating_point():
-        raise ValueError(f"{field} must hold floats, got {t.dtype}")
-    return t
-
-
-def _cat(tensors: Sequence[torch.Tensor | None]) -> torch.Tensor:
-    # One request's rows go to the UNet as they are, the way the pipeline
-    # passes them; several are stacked along the batch dimension.
-    rows = [t for t in tensors if t is not None]
-    if len(rows) != len(tensors):
-        raise RuntimeError("a batched request lacks a conditioning tensor its peers have")
-    return rows[0] if len(rows) == 1 else torch.cat(rows)
-
-
-def _signature_params(fn: Callable[..., Any]) -> frozenset[str]:
-    return frozenset(inspect.signature(fn).parameters)
-
-
-def _same_device(a: torch.device, b: torch.device) -> bool:
-    if a.type != b.type:
-        return False
-    if a.type != "cuda":
-        return True
-
-    def index(d: torch.device) -> int:
-        return d.index if d.index is not None else torch.cuda.current_device()
-
-    return index(a) == index(b)
-

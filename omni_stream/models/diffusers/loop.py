@@ -1,0 +1,264 @@
+"""What the native loops share: state snapshots, conditioning checks, flow-matching helpers.
+
+The UNet (:mod:`.unet`), SD3 (:mod:`.sd3`) and Flux (:mod:`.flux`)
+adapters rebuild diffusers' loops from the same pieces; they live here so
+that each adapter module holds only its own pipeline's loop.
+"""
+
+from __future__ import annotations
+
+import inspect
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass, replace
+from typing import Any
+
+import torch
+
+from ...errors import ParamsError
+from ...params import Param
+from .base import PromptEmbeddings, vae_image
+
+
+@dataclass(slots=True)
+class Saved:
+    """What a failed ``step`` must put back: the scheduler's attributes, the generator."""
+
+    state: Any  # an adapter's per-request state: .scheduler, .generator
+    attrs: dict[str, Any]
+    rng: torch.Tensor
+
+    @classmethod
+    def take(cls, state: Any) -> Saved:
+        # scheduler.step rebinds attributes (step index, last sample) and
+        # shifts lists in place (model_outputs, derivatives, ets); one level
+        # of copying undoes both without copying the tensors.
+        attrs = {k: (list(v) if type(v) is list else v) for k, v in vars(state.scheduler).items()}
+        return cls(state, attrs, state.generator.get_state())
+
+    def restore(self) -> None:
+        attrs = vars(self.state.scheduler)
+        attrs.clear()
+        attrs.update(self.attrs)
+        self.state.generator.set_state(self.rng)
+
+
+def check_mode(mode: str) -> None:
+    if mode not in ("auto", "native"):
+        raise ValueError(f"a native adapter takes mode 'auto' or 'native', got {mode!r}")
+
+
+def check_batch_size(max_batch_size: Any) -> None:
+    if isinstance(max_batch_size, bool) or not isinstance(max_batch_size, int) or max_batch_size < 1:
+        raise ValueError(f"max_batch_size must be a positive int, got {max_batch_size!r}")
+
+
+def scheduler_template(pipe: Any, scheduler: Any | None) -> Any:
+    template = scheduler if scheduler is not None else getattr(pipe, "scheduler", None)
+    if template is None or not all(hasattr(template, a) for a in ("step", "config", "set_timesteps")):
+        raise ValueError(f"{type(pipe).__name__} has no scheduler; pass scheduler=")
+    return template
+
+
+def vae_scale_factor(pipe: Any) -> int:
+    """The pipelines' ``vae_scale_factor``: 2 ** (VAE blocks - 1), 8 without a VAE."""
+    vae = getattr(pipe, "vae", None)
+    return 2 ** (len(vae.config.block_out_channels) - 1) if vae is not None else 8
+
+
+def check_pipeline_encoder(pipe: Any, needs: Sequence[str]) -> None:
+    """Raise ValueError unless ``pipe`` can encode prompts itself (``needs`` names its parts)."""
+    missing = [n for n in needs if getattr(pipe, n, None) is None]
+    if missing or not callable(getattr(pipe, "encode_prompt", None)):
+        raise ValueError(
+            f"{type(pipe).__name__} has no {' / '.join(missing) or 'encode_prompt'}; pass "
+            "encode_prompt=, a callable (prompt, negative_prompt) -> PromptEmbeddings "
+            "with pooled_prompt_embeds"
+        )
+
+
+def checked_embeddings(emb: Any) -> PromptEmbeddings:
+    """``emb`` if it is PromptEmbeddings; raises ValueError otherwise."""
+    if not isinstance(emb, PromptEmbeddings):
+        raise ValueError(f"encode_prompt must return PromptEmbeddings, got {type(emb).__name__}")
+    return emb
+
+
+def text_conditioning(
+    emb: PromptEmbeddings, guided: bool, width: int, pooled_width: int, family: str
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(embeds [rows, seq, width], pooled [rows, pooled_width])``, negative row first when guided.
+
+    Raises ValueError for missing, misshapen or mismatched embeddings.
+    """
+    positive = batch_of_one(emb.prompt_embeds, "prompt_embeds", 3)
+    if positive.shape[-1] != width:
+        raise ValueError(
+            f"prompt_embeds has width {positive.shape[-1]}, the transformer's joint_attention_dim "
+            f"is {width}"
+        )
+    if emb.pooled_prompt_embeds is None:
+        raise ValueError(f"{family} needs pooled_prompt_embeds; encode_prompt returned none")
+    pooled = batch_of_one(emb.pooled_prompt_embeds, "pooled_prompt_embeds", 2)
+    if pooled.shape[-1] != pooled_width:
+        raise ValueError(
+            f"pooled_prompt_embeds has width {pooled.shape[-1]}, the transformer's "
+            f"pooled_projection_dim is {pooled_width}"
+        )
+    if not guided:
+        return positive, pooled
+    if emb.negative_prompt_embeds is None or emb.negative_pooled_prompt_embeds is None:
+        raise ValueError(
+            "encode_prompt returned no negative_prompt_embeds / negative_pooled_prompt_embeds, "
+            "which guidance_scale > 1 needs"
+        )
+    negative = batch_of_one(emb.negative_prompt_embeds, "negative_prompt_embeds", 3)
+    if negative.shape != positive.shape:
+        raise ValueError(
+            f"negative_prompt_embeds {tuple(negative.shape)} and prompt_embeds "
+            f"{tuple(positive.shape)} must have the same shape"
+        )
+    negative_pooled = batch_of_one(
+        emb.negative_pooled_prompt_embeds, "negative_pooled_prompt_embeds", 2
+    )
+    if negative_pooled.shape != pooled.shape:
+        raise ValueError(
+            f"negative_pooled_prompt_embeds {tuple(negative_pooled.shape)} and "
+            f"pooled_prompt_embeds {tuple(pooled.shape)} must have the same shape"
+        )
+    # The pipelines' row order: negative, then positive.
+    return torch.cat([negative, positive]), torch.cat([negative_pooled, pooled])
+
+
+def with_defaults(
+    params: list[Param], defaults: Mapping[str, Any] | None, model: str
+) -> tuple[Param, ...]:
+    """``params`` with ``defaults`` applied; raises ValueError for unknown names or bad values."""
+    if defaults:
+        by_name = {p.name: i for i, p in enumerate(params)}
+        unknown = sorted(set(defaults) - set(by_name))
+        if unknown:
+            raise ValueError(f"defaults: unknown param(s) {unknown}; known: {sorted(by_name)}")
+        for key, value in defaults.items():
+            spec = params[by_name[key]]
+            try:
+                checked = spec.check(value, model=model)
+            except ParamsError as exc:
+                raise ValueError(f"defaults: {exc}") from None
+            params[by_name[key]] = replace(spec, default=checked)
+    return tuple(params)
+
+
+def check_multiple(params: Mapping[str, Any], multiple: int, model: str) -> None:
+    """Raise ParamsError naming ``height`` or ``width`` when one is not a multiple of ``multiple``."""
+    for side in ("height", "width"):
+        if params[side] % multiple:
+            raise ParamsError(
+                f"{model} param {side!r} must be a multiple of {multiple}, got {params[side]}",
+                field=side,
+            )
+
+
+def timestep_count(scheduler: Any, set_timesteps: Any, steps: int, model: str) -> int:
+    """``len(timesteps)`` once ``set_timesteps(scheduler)`` ran; ParamsError when the scheduler refuses."""
+    try:
+        set_timesteps(scheduler)
+    except ValueError as exc:
+        raise ParamsError(f"{model} param 'steps': {exc}", field="steps") from None
+    count = len(scheduler.timesteps)
+    if count < 1:
+        raise ParamsError(
+            f"{model} param 'steps': {type(scheduler).__name__} gives no timesteps for "
+            f"{steps} steps",
+            field="steps",
+        )
+    return count
+
+
+def check_steppable(states: Sequence[Any], model: str) -> None:
+    """Raise RuntimeError for a closed state or one past its last step."""
+    for s in states:
+        if s.latents is None:
+            raise RuntimeError(f"{model}: step() on a closed request")
+        if s.done >= s.total:
+            raise RuntimeError(f"{model}: step() past the last of {s.total} steps")
+
+
+def flow_x0(scheduler: Any, sample: torch.Tensor, velocity: torch.Tensor) -> torch.Tensor | None:
+    """The clean-latent estimate of the step just taken, ``x_t - sigma_t * v``, or None.
+
+    Only for flow-matching Euler schedulers, where that step's sigma is
+    ``sigmas[step_index - 1]`` once ``step`` has advanced the index (the x0
+    its stochastic sampling computes too).
+    """
+    from diffusers import FlowMatchEulerDiscreteScheduler
+
+    if not isinstance(scheduler, FlowMatchEulerDiscreteScheduler) or scheduler.config.invert_sigmas:
+        return None
+    index = scheduler.step_index
+    if index is None or index < 1:
+        return None
+    sigma = scheduler.sigmas[index - 1]
+    x0 = sample.float() - sigma.to(sample.device) * velocity.float()
+    return x0.to(sample.dtype)
+
+
+def shifted_vae_decode(pipe: Any, latents: torch.Tensor) -> torch.Tensor:
+    """SD3/Flux VAE decode of ``[C, h, w]`` latents: ``vae.decode(x / scaling + shift)`` as ``vae_image``.
+
+    Raises ValueError without a VAE or for latents of the wrong shape.
+    """
+    vae = getattr(pipe, "vae", None)
+    if vae is None:
+        raise ValueError(f"{type(pipe).__name__} has no VAE to decode with")
+    if latents.dim() == 4 and latents.shape[0] == 1:
+        latents = latents[0]
+    channels = vae.config.latent_channels
+    if latents.dim() != 3 or latents.shape[0] != channels:
+        raise ValueError(f"decode needs latents [{channels}, h, w], got {tuple(latents.shape)}")
+    param = next(vae.parameters())
+    shift = vae.config.shift_factor or 0.0
+    with torch.no_grad():
+        # The pipelines' order: rescale in the latents' dtype, then hand the
+        # VAE its own device and dtype.
+        x = latents[None].to(param.device) / vae.config.scaling_factor + shift
+        image = vae.decode(x.to(param.dtype), return_dict=False)[0]
+    return vae_image(image)
+
+
+def batch_of_one(t: Any, field: str, ndim: int) -> torch.Tensor:
+    if not isinstance(t, torch.Tensor):
+        raise ValueError(f"{field} must be a torch.Tensor, got {type(t).__name__}")
+    if t.dim() == ndim - 1:
+        t = t[None]
+    if t.dim() != ndim or t.shape[0] != 1:
+        want = "[1, seq, dim]" if ndim == 3 else "[1, dim]"
+        raise ValueError(f"{field} must be {want}, got {tuple(t.shape)}")
+    if not t.is_floating_point():
+        raise ValueError(f"{field} must hold floats, got {t.dtype}")
+    return t
+
+
+def cat_rows(tensors: Sequence[torch.Tensor | None]) -> torch.Tensor:
+    # One request's rows go to the UNet as they are, the way the pipeline
+    # passes them; several are stacked along the batch dimension.
+    rows = [t for t in tensors if t is not None]
+    if len(rows) != len(tensors):
+        raise RuntimeError("a batched request lacks a conditioning tensor its peers have")
+    return rows[0] if len(rows) == 1 else torch.cat(rows)
+
+
+def signature_params(fn: Callable[..., Any]) -> frozenset[str]:
+    return frozenset(inspect.signature(fn).parameters)
+
+
+def same_device(a: torch.device, b: torch.device) -> bool:
+    if a.type != b.type:
+        return False
+    if a.type != "cuda":
+        return True
+
+    def index(d: torch.device) -> int:
+        return d.index if d.index is not None else torch.cuda.current_device()
+
+    return index(a) == index(b)
+
