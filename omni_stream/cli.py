@@ -38,6 +38,11 @@ _MODEL_HELP = (
     "mixture (the embedded default), synthetic, diffusers:ID|PATH (a diffusers pipeline: "
     "a hub id or a saved folder; the diffusers extra), or module:attr"
 )
+_DIFFUSERS_LINE = (
+    "diffusers:ID|PATH: a diffusers pipeline (a hub id or a saved folder; the diffusers extra): "
+    "native step-wise loops for SD 1.x/2.x, SDXL, SD3 and Flux, callback mode for every other "
+    f"pipeline; `{PROG} models diffusers:ID` lists its params and mode"
+)
 _PREVIEW_VAE_HELP = (
     "decode previews with a tiny autoencoder (taesd, taesdxl, taesd3, taef1: a folder or "
     "model id) on the model's device; diffusers models only (default: $OMNI_STREAM_PREVIEW_VAE, else none)"
@@ -449,11 +454,11 @@ def _cmd_models(args: argparse.Namespace) -> int:
     from .params import describe
 
     names = args.names or list(BUILTIN_MODELS)
-    unknown = [n for n in names if n not in BUILTIN_MODELS]
+    unknown = [n for n in names if n not in BUILTIN_MODELS and ":" not in n]
     if unknown:
         raise _UsageError(
             f"unknown model(s) {', '.join(map(repr, unknown))}; "
-            f"built-in: {', '.join(BUILTIN_MODELS)}"
+            f"built-in: {', '.join(BUILTIN_MODELS)}, or diffusers:ID|PATH, or module:attr"
         )
     default = next(iter(BUILTIN_MODELS))
     rows: list[dict[str, Any]] = []
@@ -461,7 +466,7 @@ def _cmd_models(args: argparse.Namespace) -> int:
     # one must not hide the others.
     for name in names:
         try:
-            model = BUILTIN_MODELS[name]()
+            model = BUILTIN_MODELS[name]() if name in BUILTIN_MODELS else _load_model(name)
         except Exception as exc:  # noqa: BLE001 - reported, and the listing goes on
             rows.append({"name": name, "default": name == default, "error": _describe_error(exc)})
             continue
@@ -485,6 +490,8 @@ def _cmd_models(args: argparse.Namespace) -> int:
         print(f"{row['name']}{mark}: {row['description']}")
         for param in row["params"]:
             print(_format_param(param))
+    if not args.names:
+        print(_DIFFUSERS_LINE)
     return 0
 
 
@@ -597,7 +604,8 @@ def build_parser() -> argparse.ArgumentParser:
     srv.set_defaults(handler=_cmd_serve)
 
     mod = sub.add_parser("models", help="list the models and their params", **helpful)
-    mod.add_argument("names", nargs="*", metavar="NAME", help="only these models")
+    mod.add_argument("names", nargs="*", metavar="SPEC",
+                     help="only these: built-in names, diffusers:ID|PATH or module:attr")
     mod.add_argument("--json", action="store_true", help="print JSON")
     mod.set_defaults(handler=_cmd_models)
 

@@ -3,12 +3,15 @@
 from __future__ import annotations
 
 import importlib
+import logging
 from collections.abc import Callable
 
 from ..errors import ParamsError
 from ..model import StepModel
 
 __all__ = ["BUILTIN_MODELS", "load_model"]
+
+logger = logging.getLogger("omni_stream.models")
 
 
 def _mixture() -> StepModel:
@@ -31,7 +34,7 @@ BUILTIN_MODELS: dict[str, Callable[[], StepModel]] = {
 
 
 def load_model(spec: str) -> StepModel:
-    """Return the model named by ``spec``: a built-in name, ``diffusers:MODEL_ID`` or ``module:attr``.
+    """Return the model named by ``spec``: a built-in name, ``diffusers:ID|PATH`` or ``module:attr``.
 
     ``attr`` may be a StepModel instance, a StepModel subclass or a factory
     called with no arguments. ``diffusers:MODEL_ID`` loads a pipeline with
@@ -45,11 +48,13 @@ def load_model(spec: str) -> StepModel:
 
         model_id = spec[len("diffusers:"):]
         try:
-            return Diffusers.from_pretrained(model_id)
+            model = Diffusers.from_pretrained(model_id)
         except ImportError as exc:
             raise ParamsError(f"model {spec!r}: {exc}", field="model") from exc
         except (OSError, ValueError) as exc:
             raise ParamsError(f"model {spec!r} could not be loaded: {exc}", field="model") from exc
+        logger.info("model %s: %s", spec, model.describe())
+        return model
     if ":" not in spec:
         raise ParamsError(
             f"unknown model {spec!r}; built-in: {', '.join(BUILTIN_MODELS)}, "

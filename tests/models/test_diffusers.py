@@ -254,7 +254,8 @@ def test_ddim_frames_are_the_x0_prediction():
         before = after[i]
 
 
-def test_the_pipelines_own_prompt_encoder_is_used_without_encode_prompt(tmp_path):
+def text_sd_pipe(tmp_path):
+    """A tiny SD pipeline with its own tokenizer and text encoder (a vocabulary written here)."""
     from transformers import CLIPTextConfig, CLIPTextModel, CLIPTokenizer
 
     # A tokenizer from a vocabulary written here: letters, no merges.
@@ -271,7 +272,11 @@ def test_the_pipelines_own_prompt_encoder_is_used_without_encode_prompt(tmp_path
         vocab_size=len(vocab), hidden_size=EMBED_DIM, intermediate_size=32, num_attention_heads=2,
         num_hidden_layers=2, max_position_embeddings=12, bos_token_id=0, eos_token_id=1, pad_token_id=1,
     )).eval()
-    pipe = sd_pipe(tokenizer=tokenizer, text_encoder=encoder)
+    return sd_pipe(tokenizer=tokenizer, text_encoder=encoder)
+
+
+def test_the_pipelines_own_prompt_encoder_is_used_without_encode_prompt(tmp_path):
+    pipe = text_sd_pipe(tmp_path)
     model = Diffusers(pipe)
     raw = dict(prompt="a red cat", negative_prompt="dog", steps=2, seed=4, height=16, width=16)
     frames = run(model, raw)

@@ -393,6 +393,35 @@ async def test_page_resumes_after_a_drop_and_after_a_reload(chromium: str) -> No
         assert drawn.tobytes() == (await _expected_final(server, params, "png")).tobytes()
 
 
+class SlowVideo(SlowSynthetic):
+    """Its result is a 4-frame video: the page must play it, not draw it on the canvas."""
+
+    produces_video = True
+
+    def decode(self, state: Any, frame: Any) -> Any:
+        return frame.unsqueeze(0).repeat(4, 1, 1, 1).clamp(-1, 1)
+
+
+@needs_chromium
+@pytest.mark.browser
+@pytest.mark.asyncio
+async def test_page_offers_the_result_and_plays_a_video_result(chromium: str) -> None:
+    pytest.importorskip("av", reason="an MP4 result needs the video extra")
+    async with open_tab(chromium) as tab, serving(SlowVideo(0.05)) as server:
+        await tab.open(f"{server.http_url}/?token={TOKEN}")
+        await tab.wait_for("window.omniStream.state === 'ready' && window.omniStream.connected")
+        await _fill_form(tab, dict(PARAMS, steps=4), "jpeg")
+        await tab.evaluate("document.getElementById('generate').click(), true")
+        await tab.wait_for("window.omniStream.done && window.omniStream.finalDrawn", timeout=15)
+        shown = await tab.evaluate(
+            "[document.getElementById('video').hidden, document.getElementById('canvas').hidden,"
+            " document.getElementById('result').hidden, document.getElementById('result').download,"
+            " document.getElementById('video').getAttribute('src').startsWith('blob:')]"
+        )
+        request_id = await tab.evaluate("window.omniStream.requestId")
+        assert shown == [False, True, False, f"{request_id}.mp4", True]
+
+
 @needs_chromium
 @pytest.mark.browser
 @pytest.mark.asyncio

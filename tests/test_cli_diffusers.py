@@ -1,0 +1,68 @@
+"""``omni-stream generate`` and ``models`` on a diffusers pipeline saved to a folder (tiny, offline)."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+from PIL import Image
+
+from omni_stream import cli
+
+pytest.importorskip("diffusers")
+
+from .models.test_diffusers import text_sd_pipe  # noqa: E402
+from .models.test_diffusers_output import tiny_taesd  # noqa: E402
+
+pytestmark = [
+    pytest.mark.diffusers,
+    pytest.mark.filterwarnings("ignore:__array__ implementation:DeprecationWarning"),
+]
+
+
+@pytest.fixture(scope="module")
+def saved(tmp_path_factory):
+    """A tiny text-to-image pipeline and a tiny autoencoder, saved as from_pretrained reads them."""
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)  # the producer's default: results equal pipe()'s bit for bit
+    root = tmp_path_factory.mktemp("pipes")
+    pipe = text_sd_pipe(root)
+    pipe.save_pretrained(root / "sd")
+    tiny_taesd().save_pretrained(root / "taesd")
+    yield root, pipe
+    torch.set_num_threads(before)
+
+
+def test_generate_writes_the_pipelines_image_at_full_size(saved, capsys, tmp_path):
+    root, pipe = saved
+    out, previews = tmp_path / "cat.png", tmp_path / "steps.gif"
+    code = cli.main([
+        "generate", "a red cat", "--model", f"diffusers:{root / 'sd'}", "--size", "32",
+        "--steps", "3", "--seed", "4", "-o", str(out), "--previews", str(previews),
+        "--preview-vae", str(root / "taesd"),
+    ])
+    _, err = capsys.readouterr()
+    assert code == 0, err
+    assert "cat.png (32x32)" in err and "2 previews" in err
+    image = Image.open(out)
+    expected = pipe(prompt="a red cat", num_inference_steps=3, height=32, width=32,
+                    generator=torch.Generator().manual_seed(4), output_type="pil").images[0]
+    assert image.size == (32, 32)
+    assert image.convert("RGB").tobytes() == expected.tobytes()
+    made = json.loads(image.text["omni_stream"])
+    assert (made["prompt"], made["steps"], made["seed"], made["height"]) == ("a red cat", 3, 4, 32)
+    assert image.text["parameters"].startswith("a red cat\nSteps: 3")
+    # The two steps before the result, decoded by the tiny autoencoder at full size.
+    gif = Image.open(previews)
+    assert gif.n_frames == 2 and gif.size == (32, 32)
+
+
+def test_models_names_the_pipeline_and_its_mode(saved, capsys):
+    root, _ = saved
+    code = cli.main(["models", f"diffusers:{root / 'sd'}", "--json"])
+    out, err = capsys.readouterr()
+    assert code == 0, err
+    (row,) = json.loads(out)
+    assert row["description"] == "StableDiffusionPipeline, native mode"
+    assert {"prompt", "steps", "height", "width", "seed"} <= {p["name"] for p in row["params"]}
