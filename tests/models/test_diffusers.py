@@ -48,14 +48,6 @@ POOLED_DIM = 8
 SCHEDULE = dict(beta_start=0.00085, beta_end=0.012, beta_schedule="scaled_linear", steps_offset=1)
 
 
-@pytest.fixture(scope="module", autouse=True)
-def _one_torch_thread():
-    # These models are tiny: on a shared 2-core box two OpenMP threads spend
-    # far longer waiting for each other (~40x here) than computing.
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
 
 
 def tiny_unet(*, sdxl: bool = False, time_cond_proj_dim: int | None = None) -> UNet2DConditionModel:

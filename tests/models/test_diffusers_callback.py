@@ -58,14 +58,6 @@ WAN_TEXT_DIM = 32
 SCHEDULE = dict(beta_start=0.00085, beta_end=0.012, beta_schedule="scaled_linear", steps_offset=1)
 
 
-@pytest.fixture(scope="module", autouse=True)
-def _one_torch_thread():
-    # These models are tiny: on a shared 2-core box two OpenMP threads spend
-    # far longer waiting for each other than computing.
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
 
 
 # -- tiny pipelines ----------------------------------------------------------------

@@ -25,12 +25,6 @@ pytestmark = [
 RAW = dict(prompt="a cat", steps=3, seed=5, height=16, width=16)
 
 
-@pytest.fixture(scope="module", autouse=True)
-def _one_torch_thread():
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
 
 
 def tiny_taesd(latent_channels: int = 4, **config) -> AutoencoderTiny:

@@ -41,14 +41,6 @@ POOLED_DIM = 8  # pooled_projection_dim
 CHANNELS = 16
 
 
-@pytest.fixture(scope="module", autouse=True)
-def _one_torch_thread():
-    # Tiny models on a shared 2-core box: two OpenMP threads wait for each
-    # other far longer than they compute.
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
 
 
 def tiny_transformer() -> SD3Transformer2DModel:

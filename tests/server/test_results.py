@@ -73,11 +73,19 @@ async def test_output_latent_sends_the_final_latent_drawn_by_the_preview_decoder
 @pytest.mark.asyncio
 async def test_a_diffusers_result_is_the_pipelines_image_with_its_params() -> None:
     pytest.importorskip("diffusers")
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)  # as the producer runs: the result equals pipe()'s bit for bit
+    try:
+        await _diffusers_result()
+    finally:
+        torch.set_num_threads(before)
+
+
+async def _diffusers_result() -> None:
     from omni_stream.models.diffusers import Diffusers
 
     from ..models.test_diffusers import fixed_embeddings, sd_pipe
 
-    torch.set_num_threads(1)
     pipe = sd_pipe()
     model = Diffusers(pipe, encode_prompt=fixed_embeddings)
     params = {"prompt": "a cat", "steps": 2, "seed": 3, "height": 32, "width": 24}

@@ -43,14 +43,13 @@ from .loop import (
     check_mode,
     check_multiple,
     check_pipeline_encoder,
-    check_steppable,
     checked_embeddings,
     flow_x0,
     same_device,
-    Saved,
     scheduler_template,
     shifted_vae_decode,
     signature_params,
+    step_atomically,
     text_conditioning,
     timestep_count,
     vae_scale_factor,
@@ -95,7 +94,11 @@ class FluxDiffusers(Diffusers):
         callback mode.
         """
         try:
-            from diffusers import DiffusionPipeline, FluxPipeline, FluxTransformer2DModel
+            from diffusers import (
+                DiffusionPipeline,
+                FluxPipeline,
+                FluxTransformer2DModel,
+            )
         except ImportError:
             return False
         if isinstance(pipe, FluxPipeline):
@@ -134,7 +137,10 @@ class FluxDiffusers(Diffusers):
         try:
             # diffusers' own helpers, so the loop does what the pipeline does.
             from diffusers import FluxPipeline, FluxTransformer2DModel
-            from diffusers.pipelines.flux.pipeline_flux import calculate_shift, retrieve_timesteps
+            from diffusers.pipelines.flux.pipeline_flux import (
+                calculate_shift,
+                retrieve_timesteps,
+            )
             from diffusers.utils.torch_utils import randn_tensor
         except ImportError as exc:
             raise ImportError(_INSTALL_HINT) from exc
@@ -334,15 +340,7 @@ class FluxDiffusers(Diffusers):
         Raises RuntimeError for a closed or finished state. If anything
         raises, every state (scheduler and generator too) is left as it was.
         """
-        check_steppable(states, self.name)
-        saved = [Saved.take(s) for s in states]  # type: ignore[arg-type]
-        try:
-            with torch.no_grad():
-                return self._step(states)
-        except BaseException:
-            for snapshot in saved:
-                snapshot.restore()
-            raise
+        return step_atomically(states, self.name, self._step)
 
     def _step(self, states: Sequence[_State]) -> list[torch.Tensor]:
         timesteps = [s.scheduler.timesteps[s.done] for s in states]

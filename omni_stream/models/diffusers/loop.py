@@ -183,6 +183,26 @@ def check_steppable(states: Sequence[Any], model: str) -> None:
             raise RuntimeError(f"{model}: step() past the last of {s.total} steps")
 
 
+def step_atomically(
+    states: Sequence[Any], model: str, run: Callable[[Sequence[Any]], list[torch.Tensor]]
+) -> list[torch.Tensor]:
+    """``run(states)`` under no_grad, so that a raise leaves every state as it was.
+
+    The model contract lets the engine retry each state of a failed batch
+    alone; that is only sound if the failed call changed nothing. Raises
+    RuntimeError for a closed or finished state, and what ``run`` raises.
+    """
+    check_steppable(states, model)
+    saved = [Saved.take(s) for s in states]
+    try:
+        with torch.no_grad():
+            return run(states)
+    except BaseException:
+        for snapshot in saved:
+            snapshot.restore()
+        raise
+
+
 def flow_x0(scheduler: Any, sample: torch.Tensor, velocity: torch.Tensor) -> torch.Tensor | None:
     """The clean-latent estimate of the step just taken, ``x_t - sigma_t * v``, or None.
 

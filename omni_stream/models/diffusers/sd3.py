@@ -37,19 +37,18 @@ from ...params import Param
 from .base import INSTALL_HINT as _INSTALL_HINT
 from .base import Diffusers, EncodePrompt, PromptEmbeddings
 from .loop import (
-    Saved,
     cat_rows,
     check_batch_size,
     check_mode,
     check_multiple,
     check_pipeline_encoder,
-    check_steppable,
     checked_embeddings,
     flow_x0,
     same_device,
     scheduler_template,
     shifted_vae_decode,
     signature_params,
+    step_atomically,
     text_conditioning,
     timestep_count,
     vae_scale_factor,
@@ -97,7 +96,11 @@ class SD3Diffusers(Diffusers):
         mode.
         """
         try:
-            from diffusers import DiffusionPipeline, SD3Transformer2DModel, StableDiffusion3Pipeline
+            from diffusers import (
+                DiffusionPipeline,
+                SD3Transformer2DModel,
+                StableDiffusion3Pipeline,
+            )
         except ImportError:
             return False
         if isinstance(pipe, StableDiffusion3Pipeline):
@@ -310,15 +313,7 @@ class SD3Diffusers(Diffusers):
         Raises RuntimeError for a closed or finished state. If anything
         raises, every state (scheduler and generator too) is left as it was.
         """
-        check_steppable(states, self.name)
-        saved = [Saved.take(s) for s in states]  # type: ignore[arg-type]
-        try:
-            with torch.no_grad():
-                return self._step(states)
-        except BaseException:
-            for snapshot in saved:
-                snapshot.restore()
-            raise
+        return step_atomically(states, self.name, self._step)
 
     def _step(self, states: Sequence[_State]) -> list[torch.Tensor]:
         timesteps = [s.scheduler.timesteps[s.done] for s in states]

@@ -39,7 +39,7 @@ from ...errors import ParamsError
 from ...params import Param
 from .base import INSTALL_HINT as _INSTALL_HINT
 from .base import Diffusers, EncodePrompt, PromptEmbeddings, vae_image
-from .loop import Saved, batch_of_one, cat_rows, same_device, signature_params
+from .loop import batch_of_one, cat_rows, same_device, signature_params, step_atomically
 
 __all__ = ["UNetDiffusers"]
 _MAX_PROMPT_CHARS = 10_000
@@ -348,19 +348,7 @@ class UNetDiffusers(Diffusers):
         If anything raises, every state (its scheduler and generator too) is
         left as it was, so the engine can retry each request alone.
         """
-        for s in states:
-            if s.latents is None:
-                raise RuntimeError(f"{self.name}: step() on a closed request")
-            if s.done >= s.total:
-                raise RuntimeError(f"{self.name}: step() past the last of {s.total} steps")
-        saved = [Saved.take(s) for s in states]
-        try:
-            with torch.no_grad():
-                return self._step(states)
-        except BaseException:
-            for snapshot in saved:
-                snapshot.restore()
-            raise
+        return step_atomically(states, self.name, self._step)
 
     def _step(self, states: Sequence[_State]) -> list[torch.Tensor]:
         timesteps = [s.scheduler.timesteps[s.done] for s in states]
