@@ -128,6 +128,17 @@ def check_params(
     Raises MessageError ``bad_params`` (the model refused them; ``field``
     names the param) or ``limit_exceeded`` (beyond this server's limits).
     """
+    for spec in model.params:
+        value = params.get(spec.name) if isinstance(params, Mapping) else None
+        if spec.name == "image" and isinstance(value, str) and not value.startswith("data:"):
+            # Checked before validate, which would read the file: a path
+            # would let any client read the server's files.
+            raise MessageError(
+                "bad_params",
+                f"{model.name} param 'image' must be a data: URL (PNG or JPEG, base64) over the wire",
+                field="image",
+                request_id=request_id,
+            )
     try:
         rest, _ = split_output(model, params)
         checked = model.validate(rest)
@@ -135,16 +146,15 @@ def check_params(
         raise MessageError("bad_params", exc.message, field=exc.field, request_id=request_id) from None
     except (ValueError, TypeError, KeyError) as exc:
         raise MessageError("bad_params", f"{model.name}: {exc}", request_id=request_id) from None
-    for spec in model.params:
-        value = params.get(spec.name) if isinstance(params, Mapping) else None
-        if spec.name == "image" and isinstance(value, str) and not value.startswith("data:"):
-            # A path would let any client read the server's files.
-            raise MessageError(
-                "bad_params",
-                f"{model.name} param 'image' must be a data: URL (PNG or JPEG, base64) over the wire",
-                field="image",
-                request_id=request_id,
-            )
+    size = getattr(checked.get("image"), "size", None)
+    if isinstance(size, tuple) and max(size) > limits.max_image_size:
+        raise MessageError(
+            "limit_exceeded",
+            f"input image of {size[0]}x{size[1]} has a side over this server's "
+            f"max_image_size={limits.max_image_size} ({ServerLimits.env_name('max_image_size')})",
+            field="image",
+            request_id=request_id,
+        )
     try:
         return check_request_limits(model, checked, limits)
     except MessageError as exc:

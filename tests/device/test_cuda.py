@@ -123,3 +123,72 @@ def test_engine_frames_on_cuda_match_the_cpu_model_and_cast_on_device():
         assert got.data.dtype == torch.float32
         torch.testing.assert_close(got.data, want.float(), rtol=1e-2, atol=1e-2)
     assert stats.buffers_in_use == 0 and stats.buffers_total >= 1
+
+
+class _CudaLatents(om.StepModel):
+    """Latent frames on the GPU; decode makes a larger image there, slowly (a VAE's shape of work)."""
+
+    name = "cuda-latents"
+    params = (om.Param("steps", "int", 3, minimum=1),)
+
+    def __init__(self) -> None:
+        self.decode_devices: list[str] = []
+
+    def total_steps(self, params):
+        return params["steps"]
+
+    def start(self, params, device):
+        return {"x": torch.zeros(4, 8, 8, device=device), "device": device}
+
+    def step(self, states):
+        out = []
+        for s in states:
+            s["x"] = s["x"] + 1
+            out.append(s["x"].clone())
+        return out
+
+    def decode(self, state, frame):
+        self.decode_devices.append(frame.device.type)
+        torch.cuda._sleep(_SLEEP_CYCLES)  # the copy must wait for this on the compute stream
+        return frame[:3].repeat_interleave(8, 1).repeat_interleave(8, 2) / 10
+
+
+class _CudaPipeline(_CudaLatents):
+    """A whole-request model emitting GPU tensors from inside its own loop."""
+
+    runs_whole_requests = True
+
+    def run(self, state, emit):
+        x = state["x"]
+        for i in range(1, 5):
+            x = x + 1
+            torch.cuda._sleep(_SLEEP_CYCLES // 4)
+            emit(x.clone() if i < 4 else self.decode(state, x), decoded=i == 4)
+
+
+def test_the_result_is_decoded_on_the_gpu_and_copied_after_the_decode():
+    async def main():
+        model = _CudaLatents()
+        async with om.Engine(model, device="cuda") as engine:
+            frames = [f async for f in engine.stream({"steps": 3})]
+            assert model.decode_devices == ["cuda"]
+            assert [f.decoded for f in frames] == [False, False, True]
+            final = frames[-1].data
+            assert final.device.type == "cpu" and final.shape == (3, 64, 64)
+            assert bool((final == 0.3).all()), "the copy read the image before the decode wrote it"
+
+    asyncio.run(main())
+
+
+def test_a_whole_request_model_streams_gpu_frames():
+    async def main():
+        model = _CudaPipeline()
+        model.params = (om.Param("steps", "int", 4, minimum=1),)
+        async with om.Engine(model, device="cuda") as engine:
+            frames = [f async for f in engine.stream({"steps": 4})]
+            assert [float(f.data.flatten()[0]) for f in frames[:3]] == [1.0, 2.0, 3.0]
+            assert frames[-1].decoded and frames[-1].data.shape == (3, 64, 64)
+            assert bool((frames[-1].data == 0.4).all())
+            engine.check_health()
+
+    asyncio.run(main())

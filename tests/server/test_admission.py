@@ -93,7 +93,34 @@ def test_over_the_wire_an_image_param_must_be_a_data_url() -> None:
     class TakesImage(Synthetic):
         params = (*Synthetic.params, om.Param("image", "str", ""))
 
+    opened: list[str] = []
+
+    class Reading(TakesImage):
+        def validate(self, params):
+            opened.append(params.get("image"))  # a real model would read the file here
+            return super().validate(params)
+
     with pytest.raises(MessageError) as info:
-        check_params(TakesImage(), {"image": "/etc/passwd"}, LIMITS, request_id="r")
+        check_params(Reading(), {"image": "/etc/passwd"}, LIMITS, request_id="r")
     assert (info.value.code, info.value.field) == ("bad_params", "image")
     assert "data: URL" in info.value.message
+    assert opened == [], "the path must be refused before the model reads it"
+
+
+def test_an_input_image_larger_than_max_image_size_is_refused() -> None:
+    from PIL import Image
+
+    class Decodes(Synthetic):
+        params = (*Synthetic.params, om.Param("image", "str", ""))
+
+        def validate(self, params):
+            params = dict(params)
+            side = int(params.pop("image")[len("data:"):])
+            return {**super().validate(params), "image": Image.new("RGB", (side, 8))}
+
+    limits = ServerLimits(max_image_size=64)
+    assert check_params(Decodes(), {"image": "data:64"}, limits, request_id="r") == 20
+    with pytest.raises(MessageError) as info:
+        check_params(Decodes(), {"image": "data:65"}, limits, request_id="r")
+    assert (info.value.code, info.value.field) == ("limit_exceeded", "image")
+    assert "65x8" in info.value.message
