@@ -71,7 +71,7 @@ from .harness import (
     torch_threads,
 )
 
-__all__ = ["Sizes", "SIZES", "QUICK_SIZES", "build_pipe", "build_taesd", "run"]
+__all__ = ["QUICK_SIZES", "SIZES", "Sizes", "build_pipe", "build_taesd", "run"]
 
 NATIVE_TARGET = Target("<=", 1.10)
 CALLBACK_TARGET = Target("<=", 1.05)
@@ -230,7 +230,12 @@ async def run(ctx: Context) -> list[Figure]:
         raise RuntimeError("diffusers_stream needs diffusers (pip install diffusers)") from exc
     _quiet_diffusers()
     from omni_stream.models.diffusers import Diffusers, PromptEmbeddings
-    from omni_stream.preview import PreviewSpec, Previewer, default_decoder, encode_output
+    from omni_stream.preview import (
+        Previewer,
+        PreviewSpec,
+        default_decoder,
+        encode_output,
+    )
 
     sizes = QUICK_SIZES if ctx.quick else SIZES
     pipe = build_pipe(sizes)

@@ -185,15 +185,15 @@ def _sd15_case(device: torch.device, dtype: torch.dtype, dry_run: bool, steps: i
     )
 
     if dry_run:
-        unet_cfg = dict(block_out_channels=(32, 64), layers_per_block=1, norm_num_groups=32,
-                        down_block_types=("CrossAttnDownBlock2D", "DownBlock2D"),
-                        up_block_types=("UpBlock2D", "CrossAttnUpBlock2D"))
-        vae_cfg = dict(block_out_channels=(32, 32, 32, 32), layers_per_block=1)
+        unet_cfg = {"block_out_channels": (32, 64), "layers_per_block": 1, "norm_num_groups": 32,
+                    "down_block_types": ("CrossAttnDownBlock2D", "DownBlock2D"),
+                    "up_block_types": ("UpBlock2D", "CrossAttnUpBlock2D")}
+        vae_cfg = {"block_out_channels": (32, 32, 32, 32), "layers_per_block": 1}
         px, embed_dim, seq = 64, 32, 7
     else:
         # UNet2DConditionModel's defaults are SD 1.5's blocks; its text width is CLIP-L's 768.
-        unet_cfg = dict(block_out_channels=(320, 640, 1280, 1280), layers_per_block=2)
-        vae_cfg = dict(block_out_channels=(128, 256, 512, 512), layers_per_block=2)
+        unet_cfg = {"block_out_channels": (320, 640, 1280, 1280), "layers_per_block": 2}
+        vae_cfg = {"block_out_channels": (128, 256, 512, 512), "layers_per_block": 2}
         px, embed_dim, seq = 512, 768, 77
     torch.manual_seed(0)
     with torch.device(device):  # random init on the device: seconds, not minutes
@@ -213,38 +213,45 @@ def _sd15_case(device: torch.device, dtype: torch.dtype, dry_run: bool, steps: i
     g = torch.Generator().manual_seed(3)
     emb = torch.randn(1, seq, embed_dim, generator=g).to(device, dtype)
     neg = torch.randn(1, seq, embed_dim, generator=g).to(device, dtype)
-    return dict(
-        name="sd15",
-        pipe=pipe,
-        embeddings=dict(prompt_embeds=emb, negative_prompt_embeds=neg),
-        bare_kwargs=dict(prompt_embeds=emb, negative_prompt_embeds=neg, num_inference_steps=steps,
-                         height=px, width=px, guidance_scale=7.5),
-        params=dict(prompt="bench", steps=steps, seed=0, height=px, width=px, guidance_scale=7.5),
-        latent_channels=4,
-        latent_side=px // 8,
-        sizes=dict(unet=unet_cfg["block_out_channels"], vae=vae_cfg["block_out_channels"], px=px,
-                   dtype=str(dtype), steps=steps,
-                   unet_params_M=round(sum(p.numel() for p in unet.parameters()) / 1e6, 1)),
-    )
+    return {
+        "name": "sd15",
+        "pipe": pipe,
+        "embeddings": {"prompt_embeds": emb, "negative_prompt_embeds": neg},
+        "bare_kwargs": {"prompt_embeds": emb, "negative_prompt_embeds": neg,
+                        "num_inference_steps": steps, "height": px, "width": px, "guidance_scale": 7.5},
+        "params": {"prompt": "bench", "steps": steps, "seed": 0, "height": px, "width": px,
+                   "guidance_scale": 7.5},
+        "latent_channels": 4,
+        "latent_side": px // 8,
+        "sizes": {"unet": unet_cfg["block_out_channels"], "vae": vae_cfg["block_out_channels"],
+                  "px": px, "dtype": str(dtype), "steps": steps,
+                  "unet_params_M": round(sum(p.numel() for p in unet.parameters()) / 1e6, 1)},
+    }
 
 
 def _flux_case(
     device: torch.device, dtype: torch.dtype, dry_run: bool, steps: int, layers: tuple[int, int]
 ) -> dict:
     """A random ``FluxPipeline`` at Flux.1's width, ``layers`` (double, single) deep."""
-    from diffusers import AutoencoderKL, FlowMatchEulerDiscreteScheduler, FluxPipeline, FluxTransformer2DModel
+    from diffusers import (
+        AutoencoderKL,
+        FlowMatchEulerDiscreteScheduler,
+        FluxPipeline,
+        FluxTransformer2DModel,
+    )
 
     if dry_run:
-        tf_cfg = dict(num_layers=1, num_single_layers=1, attention_head_dim=8, num_attention_heads=2,
-                      joint_attention_dim=16, pooled_projection_dim=8, axes_dims_rope=(2, 2, 4))
-        vae_cfg = dict(block_out_channels=(32, 32, 32, 32), layers_per_block=1)
+        tf_cfg = {"num_layers": 1, "num_single_layers": 1, "attention_head_dim": 8,
+                  "num_attention_heads": 2, "joint_attention_dim": 16, "pooled_projection_dim": 8,
+                  "axes_dims_rope": (2, 2, 4)}
+        vae_cfg = {"block_out_channels": (32, 32, 32, 32), "layers_per_block": 1}
         px, seq, seq_bounds = 32, 7, (4, 64)
     else:
         # FluxTransformer2DModel's defaults are Flux.1's: 24 heads x 128, T5-XXL and CLIP-L widths.
-        tf_cfg = dict(num_layers=layers[0], num_single_layers=layers[1], attention_head_dim=128,
-                      num_attention_heads=24, joint_attention_dim=4096, pooled_projection_dim=768,
-                      axes_dims_rope=(16, 56, 56))
-        vae_cfg = dict(block_out_channels=(128, 256, 512, 512), layers_per_block=2)
+        tf_cfg = {"num_layers": layers[0], "num_single_layers": layers[1], "attention_head_dim": 128,
+                  "num_attention_heads": 24, "joint_attention_dim": 4096, "pooled_projection_dim": 768,
+                  "axes_dims_rope": (16, 56, 56)}
+        vae_cfg = {"block_out_channels": (128, 256, 512, 512), "layers_per_block": 2}
         px, seq, seq_bounds = 1024, 512, (256, 4096)
     torch.manual_seed(0)
     with torch.device(device):
@@ -266,20 +273,21 @@ def _flux_case(
     g = torch.Generator().manual_seed(3)
     emb = torch.randn(1, seq, tf_cfg["joint_attention_dim"], generator=g).to(device, dtype)
     pooled = torch.randn(1, tf_cfg["pooled_projection_dim"], generator=g).to(device, dtype)
-    return dict(
-        name="flux",
-        pipe=pipe,
-        embeddings=dict(prompt_embeds=emb, pooled_prompt_embeds=pooled),
-        bare_kwargs=dict(prompt_embeds=emb, pooled_prompt_embeds=pooled, num_inference_steps=steps,
-                         height=px, width=px, guidance_scale=3.5),
-        params=dict(prompt="bench", steps=steps, seed=0, height=px, width=px, guidance_scale=3.5),
-        latent_channels=16,
-        latent_side=px // 8,
-        sizes=dict(width=tf_cfg["num_attention_heads"] * tf_cfg["attention_head_dim"],
-                   layers=[tf_cfg["num_layers"], tf_cfg["num_single_layers"]], px=px,
-                   dtype=str(dtype), steps=steps,
-                   transformer_params_M=round(sum(p.numel() for p in transformer.parameters()) / 1e6, 1)),
-    )
+    return {
+        "name": "flux",
+        "pipe": pipe,
+        "embeddings": {"prompt_embeds": emb, "pooled_prompt_embeds": pooled},
+        "bare_kwargs": {"prompt_embeds": emb, "pooled_prompt_embeds": pooled,
+                        "num_inference_steps": steps, "height": px, "width": px, "guidance_scale": 3.5},
+        "params": {"prompt": "bench", "steps": steps, "seed": 0, "height": px, "width": px,
+                   "guidance_scale": 3.5},
+        "latent_channels": 16,
+        "latent_side": px // 8,
+        "sizes": {"width": tf_cfg["num_attention_heads"] * tf_cfg["attention_head_dim"],
+                  "layers": [tf_cfg["num_layers"], tf_cfg["num_single_layers"]], "px": px,
+                  "dtype": str(dtype), "steps": steps,
+                  "transformer_params_M": round(sum(p.numel() for p in transformer.parameters()) / 1e6, 1)},
+    }
 
 
 def _taesd(device: torch.device, dtype: torch.dtype, latent_channels: int):
@@ -315,7 +323,7 @@ def _decode_ms(decode, device: torch.device, reps: int) -> list[float]:
 def bench_diffusers_case(case: dict, device: torch.device, reps: int) -> list[dict]:
     """pipe() against the engine streaming with previews, TAESD on and off, interleaved."""
     from omni_stream.models.diffusers import Diffusers, PromptEmbeddings
-    from omni_stream.preview import PreviewSpec, Previewer, default_decoder
+    from omni_stream.preview import Previewer, PreviewSpec, default_decoder
 
     name, pipe, params = case["name"], case["pipe"], case["params"]
     dtype = next(pipe.vae.parameters()).dtype
@@ -408,11 +416,21 @@ def bench_diffusers(args, device: torch.device, rows: list[dict]) -> str:
     Returns why nothing was measured ("" when it was): diffusers is missing.
     """
     try:
-        import diffusers  # noqa: F401
+        import diffusers
     except ImportError as exc:
         return (f"diffusers is not importable ({exc}); scripts/gpu_check.sh installs it from "
-                    "wheels in .whl (see the script), skipping the diffusers rows")
+                "wheels in .whl (see the script), skipping the diffusers rows")
     warnings.filterwarnings("ignore", message="__array__ implementation", category=DeprecationWarning)
+    # Not "should be kept in float32: []" for every cast of a random model.
+    verbosity = diffusers.utils.logging.get_verbosity()
+    diffusers.utils.logging.set_verbosity_error()
+    try:
+        return _bench_diffusers(args, device, rows)
+    finally:
+        diffusers.utils.logging.set_verbosity(verbosity)
+
+
+def _bench_diffusers(args, device: torch.device, rows: list[dict]) -> str:
     dry = args.dry_run
     cases = [
         ("sd15", lambda: _sd15_case(device, torch.float32 if dry else torch.float16, dry,
@@ -479,8 +497,12 @@ def main(argv=None) -> int:
     args = ap.parse_args(argv)
     if args.dry_run:
         device = torch.device("cpu")
-        torch.set_num_threads(1)
-        why = bench_diffusers(args, device, [])
+        threads = torch.get_num_threads()
+        torch.set_num_threads(1)  # toy models: two threads would only wait for each other
+        try:
+            why = bench_diffusers(args, device, [])
+        finally:
+            torch.set_num_threads(threads)
         if why:
             print(why, file=sys.stderr)
             return 2

@@ -67,6 +67,24 @@ def test_quick_diffusers_stream_produces_finite_figures():
     assert diffs["native_previews"] < 1e-4, diffs
 
 
+def test_gpu_bench_diffusers_rows_run_on_the_cpu_at_toy_sizes(tmp_path, capsys):
+    # The GPU figures only run on a CUDA machine; --dry-run checks their code here.
+    pytest.importorskip("diffusers")
+    from benchmarks import gpu_bench
+
+    out = tmp_path / "gpu.json"
+    assert gpu_bench.main(["--dry-run", "--json", str(out)]) == 0
+    rows = json.loads(out.read_text())["figures"]
+    assert [r["figure"] for r in rows] == [
+        "diffusers_sd15_taesd_on_vs_off",
+        "diffusers_sd15_stream_vs_pipe",
+        "diffusers_flux_taesd_on_vs_off",
+        "diffusers_flux_stream_vs_pipe",
+    ]
+    assert all(math.isfinite(r["value"]) and r["value"] > 0 for r in rows)
+    assert "diffusers_flux_taesd_on_vs_off" in capsys.readouterr().out
+
+
 def test_a_failing_figure_is_reported_and_the_others_still_run(monkeypatch):
     from benchmarks import memory
 

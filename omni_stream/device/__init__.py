@@ -25,14 +25,17 @@ __all__ = [
 ]
 
 
-def resolve_device(spec: str | Device) -> Device:
+def resolve_device(spec: str | torch.device | Device) -> Device:
     """``"auto"`` (CUDA when available, else CPU), ``"cpu"``, ``"cuda"``, ``"cuda:N"``, ``"sim"``.
 
-    A Device instance is returned as is. Raises ParamsError naming the spec
-    when it is unknown or CUDA is asked for and missing.
+    A Device instance is returned as is; a ``torch.device`` is taken by its
+    name. Raises ParamsError naming the spec when it is unknown or CUDA is
+    asked for and missing.
     """
     if isinstance(spec, Device):
         return spec
+    if isinstance(spec, torch.device):
+        spec = str(spec)
     if not isinstance(spec, str):
         raise ParamsError(f"device must be a string or Device, got {type(spec).__name__}", field="device")
     name = spec.strip().lower()

@@ -59,6 +59,7 @@ def test_resolve_device_names():
     assert resolve_device("cpu").kind == "cpu"
     assert resolve_device("sim").kind == "sim"
     assert resolve_device("auto").kind == ("cuda" if torch.cuda.is_available() else "cpu")
+    assert resolve_device(torch.device("cpu")).kind == "cpu"
     with pytest.raises(om.ParamsError, match="cuda:N"):
         resolve_device("cuda:x")
     if not torch.cuda.is_available():
