@@ -77,11 +77,14 @@ OUTPUT_PARAM = Param(
 )
 
 
-class RequestStopped(Exception):
+class RequestStopped(BaseException):
     """Raised by ``emit`` inside :meth:`StepModel.run`: stop this request now.
 
     The request was cancelled, timed out, or the engine is shutting down.
     A model lets it propagate out of ``run`` (through the library's loop).
+    Like ``asyncio.CancelledError`` it derives from BaseException, so that
+    an ``except Exception`` in library code around its callbacks does not
+    swallow it. Raised by a model itself, it fails the request.
     """
 
 

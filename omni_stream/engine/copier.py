@@ -122,7 +122,8 @@ class Copier:
             # The copy must run on our device's copy stream for our event to
             # cover it; a D2H copy is issued on the *source* device's stream.
             src = src.to(target)
-        if self._frame_dtype is not None and src.dtype != self._frame_dtype:
+        if self._frame_dtype is not None and not decoded and src.dtype != self._frame_dtype:
+            # (Not decoded pixels: a uint8 image cast to floats would read as 0-255.)
             # Cast on the device, before the copy: a dtype-changing .to("cpu")
             # silently goes through pageable memory.
             src = src.to(self._frame_dtype)

@@ -645,6 +645,16 @@ class Engine:
             return "paused: its reader is behind"
         return f"queued for step {step}/{r.total}"
 
+    def _queued_behind_whole_requests(self, r: Request) -> bool:
+        """Whether ``r`` waits for another request's whole run (``runs_whole_requests``).
+
+        A stepped model gives every queued request a step within a batch or
+        two; a whole-request model runs one request to its end first, which
+        may take far longer than one step's bound: such a wait is a queue,
+        not a stalled step (health watches the running one).
+        """
+        return self.model.runs_whole_requests and r.status is Status.QUEUED
+
     def _time_out(self, r: Request, bound: float) -> StepTimeoutError:
         step = min(r.delivered + 1, r.total)
         stage = self._waiting_on(r, step)

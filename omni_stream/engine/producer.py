@@ -28,7 +28,8 @@ import torch
 
 from ..device import Device, PoolClosedError
 from ..device.openmp import set_torch_threads_here
-from ..errors import StepFailedError
+from ..config import STEP_TIMEOUT_ENV, timeout as default_timeout
+from ..errors import OmniStreamError, StepFailedError, StepTimeoutError
 from ..model import RequestStopped, StepModel
 from .copier import Copier, CopyTicket
 from .request import Request, Status
@@ -58,6 +59,8 @@ class Producer:
         self._copier = copier
         self._table = table
         limit = min(table.limits.max_batch_size, max(1, int(model.max_batch_size)))
+        if model.runs_whole_requests:
+            limit = 1  # run() takes one request: never start a second that would wait
         self._batch_limits = BatchLimits(limit)
         self._seq = 0
         #: monotonic time the running step began, None between steps (read by health).
@@ -281,11 +284,12 @@ class Producer:
             with self._busy((r.id,)):
                 emit.mark()
                 self._model.run(r.state, emit)
-        except RequestStopped:
-            return  # cancelled, timed out or stopping: nothing more to deliver
         except PoolClosedError:
             raise
-        except Exception as exc:
+        except (Exception, RequestStopped) as exc:
+            # A RequestStopped that emit did not raise (the model raised it
+            # itself) fails the request like any error: returning quietly
+            # would leave it runnable, to be run again from a used state.
             if not emit.stopped:
                 self._copier.post([self._failure(r, exc, held=emit.final)])
             return
@@ -303,19 +307,24 @@ class Producer:
             ticket.request.ready_at = time.monotonic()
         self._copier.post([ticket])
 
-    def _wait_runnable(self, r: Request) -> bool:
-        """Block until ``r`` may take its next step; False when it must stop instead."""
+    def _wait_runnable(self, r: Request, bound_s: float) -> str:
+        """Block until ``r`` may take its next step: ``"go"``, ``"stop"`` (it ended, or
+        the engine is stopping) or ``"stalled"`` (its reader took nothing for ``bound_s``)."""
         table = self._table
         limits = table.limits
+        deadline = time.monotonic() + bound_s
         with table.cond:
             while True:
                 if table.stopping or r.status.ended:
-                    return False
+                    return "stop"
                 if r.runnable(max_run_ahead=limits.max_run_ahead, queue_size=limits.queue_size):
-                    return True
+                    return "go"
+                left = deadline - time.monotonic()
+                if left <= 0:
+                    return "stalled"
                 table.producer_waiting = True
                 try:
-                    table.cond.wait()
+                    table.cond.wait(left)
                 finally:
                     table.producer_waiting = False
 
@@ -332,12 +341,15 @@ class Producer:
         # instead of its frame: the copier still waits for its copy and
         # returns its buffer to the pool.
         n = held.step if held is not None else r.issued + 1
-        err = StepFailedError(
-            f"{self._model.name} raised at step {n}/{r.total}: {type(exc).__name__}: {exc}",
-            request_id=r.id,
-            step=n,
-        )
-        err.__cause__ = exc
+        if isinstance(exc, OmniStreamError) and exc.request_id == r.id:
+            err: BaseException = exc  # already says what went wrong with this request
+        else:
+            err = StepFailedError(
+                f"{self._model.name} raised at step {n}/{r.total}: {type(exc).__name__}: {exc}",
+                request_id=r.id,
+                step=n,
+            )
+            err.__cause__ = exc
         with self._table.cond:
             if not r.status.ended:
                 r.status = Status.FAILED
@@ -417,9 +429,25 @@ class _Emitter:
         # Waiting for the reader is not model time: health must not call it a stall.
         producer.busy_since = None
         waited_from = time.monotonic()
-        go_on = producer._wait_runnable(r)
+        bound = r.timeout if r.timeout is not None else default_timeout()
+        outcome = producer._wait_runnable(r, bound)
         now = time.monotonic()
-        if not go_on:
+        if outcome == "stalled":
+            # A stepped request whose reader stalls just pauses; this one
+            # holds the producer (and the device) inside the library's loop,
+            # so every other request would wait on this reader. It fails.
+            err = StepTimeoutError(
+                f"step {n + 1}/{r.total}: the reader took no frame for {bound:.1f} s while the "
+                f"model's loop held the device for it (a whole-request model cannot pause); "
+                f"read with policy='latest', or raise {STEP_TIMEOUT_ENV}",
+                request_id=r.id,
+                step=n + 1,
+                bound_s=bound,
+            )
+            producer._copier.post([producer._failure(r, err)])
+            self.stopped = True
+            raise RequestStopped(f"request {r.id}: its reader stalled")
+        if outcome == "stop":
             self.stopped = True
             raise RequestStopped(f"request {r.id} was stopped")
         producer.busy_since = now

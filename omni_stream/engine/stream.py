@@ -59,13 +59,14 @@ class FrameStream:
         delivery = request.delivery
         try:
             frame = delivery.get_nowait()
-            if frame is None:
+            while frame is None:
                 bound = self._engine._step_timeout(request)
-                try:
-                    with anyio.fail_after(bound):
-                        frame = await delivery.get()
-                except TimeoutError:
-                    raise self._engine._time_out(request, bound) from None
+                with anyio.move_on_after(bound):
+                    frame = await delivery.get()
+                if frame is None and not self._engine._queued_behind_whole_requests(request):
+                    raise self._engine._time_out(request, bound)
+                # Still queued behind a model that runs whole requests: the
+                # bound is per step, and this request has not had one yet.
         except BaseException:
             # The request ended (its error is raised), or the reader itself was
             # cancelled: then nobody will read this request, so abort it.

@@ -300,3 +300,84 @@ async def test_whole_request_models_get_preview_decodes_too():
         frames = [f async for f in engine.stream({"steps": 4}, preview_every=2)]
         assert [f.decoded for f in frames] == [False, True, False, True]
         assert frames[1].data.shape == (3, 1, 1)
+
+
+@pytest.mark.asyncio
+async def test_a_model_that_raises_request_stopped_itself_fails_once():
+    class Quitter(Pipeline):
+        runs = 0
+
+        def run(self, state, emit):
+            Quitter.runs += 1
+            emit(torch.zeros(3, 2, 2))
+            raise RequestStopped("the model gave up on its own")
+
+    async with om.Engine(Quitter(), device="cpu") as engine:
+        with pytest.raises(om.StepFailedError, match="gave up"):
+            [f async for f in engine.stream({"steps": 3}, request_id="q")]
+        stats = await settled(engine)
+        assert Quitter.runs == 1 and stats.failed == 1  # never run again from a used state
+        engine.check_health()
+
+
+@pytest.mark.asyncio
+async def test_requests_queued_behind_a_whole_request_do_not_time_out_while_they_wait():
+    class Slow(Pipeline):
+        def run(self, state, emit):
+            for i in range(1, state["params"]["steps"] + 1):
+                threading.Event().wait(0.05)
+                emit(torch.full((3, 2, 2), float(i)))
+
+    async with om.Engine(Slow(), device="cpu") as engine:
+        done: dict[str, int] = {}
+
+        async def one(name: str) -> None:
+            # 0.3 s per step is plenty; a whole run of 10 steps takes 0.5 s.
+            frames = [f async for f in engine.stream({"steps": 10}, request_id=name, timeout=0.3)]
+            done[name] = len(frames)
+
+        async with anyio.create_task_group() as tg:
+            for name in ("a", "b", "c"):
+                tg.start_soon(one, name)
+        assert done == {"a": 10, "b": 10, "c": 10}
+
+
+@pytest.mark.asyncio
+async def test_a_stalled_reader_of_a_whole_request_fails_it_instead_of_blocking_everyone():
+    async with om.Engine(Pipeline(), device="cpu", queue_size=1) as engine:
+        stalled = engine.stream({"steps": 20}, request_id="stalled", timeout=0.3)
+        async with stalled:
+            assert (await stalled.__anext__()).step == 1
+            # This reader now stops reading (without closing its stream)...
+            await anyio.sleep(0)
+            # ...and another request still runs to its end.
+            frames = [f async for f in engine.stream({"steps": 3}, request_id="next", timeout=5)]
+            assert len(frames) == 3
+            with pytest.raises(om.StepTimeoutError, match="reader took no frame") as info:
+                [f async for f in stalled]
+            assert info.value.request_id == "stalled"
+        engine.check_health()
+
+
+@pytest.mark.asyncio
+async def test_whole_request_models_are_never_batched_even_with_a_batch_key():
+    events: list[str] = []
+
+    class Keyed(Pipeline):
+        def batch_key(self, params):
+            return "same"
+
+        def start(self, params, device):
+            events.append("start")
+            return super().start(params, device)
+
+        def run(self, state, emit):
+            super().run(state, emit)
+            events.append("end")
+
+    async with om.Engine(Keyed(), device="cpu", max_batch_size=8) as engine:
+        async with anyio.create_task_group() as tg:
+            for _ in range(2):
+                tg.start_soon(engine.generate, {"steps": 3})
+    # A batch of two would have started the second request before the first ran.
+    assert events == ["start", "end", "start", "end"]
