@@ -25,7 +25,7 @@ from typing import Any, NoReturn, TextIO
 from . import __version__
 from .config import env_str
 from .errors import OmniStreamError, ParamsError
-from .model import StepModel
+from .model import StepModel, split_output
 
 __all__ = ["main", "build_parser", "ProgressBar", "TOKEN_ENV"]
 
@@ -292,7 +292,9 @@ async def _generate(
     every: int,
     preview_size: int | None,
     progress: ProgressBar,
+    checked: dict[str, Any],
 ) -> Any:
+    """Run one request; ``checked`` receives its params as the model checked them."""
     from .engine import Engine
     from .preview import PreviewSpec, Previewer, should_preview
 
@@ -305,6 +307,7 @@ async def _generate(
         stream = engine.stream(
             params, policy="all", preview_every=every if sink is not None else None
         )
+        checked.update(stream.params)
         async with stream:
             async for frame in stream:
                 progress.update(frame.step, frame.total)
@@ -377,9 +380,15 @@ def _cmd_generate(args: argparse.Namespace) -> int:
         except (ValueError, ImportError) as exc:
             raise _UsageError(f"--previews: {_describe_error(exc)}") from None
     model = _load_model(args.model, args.preview_vae)
-    params = model.validate(_model_params(model, args))
+    params = _model_params(model, args)
+    # Checked here for an early error; the engine gets the params as given
+    # (validating a validated dict twice is not always the same: size vs
+    # height and width, decoded input images).
+    rest, _ = split_output(model, params)
+    model.validate(rest)
     decoder = default_decoder(model) if args.decoder == "auto" else args.decoder
     progress = ProgressBar(sys.stderr, live=sys.stderr.isatty())
+    checked: dict[str, Any] = {}
     try:
         final = _run(
             _generate(
@@ -391,11 +400,12 @@ def _cmd_generate(args: argparse.Namespace) -> int:
                 every=args.every or 1,
                 preview_size=args.preview_size or None,
                 progress=progress,
+                checked=checked,
             )
         )
         try:
             # The result at full size; a PNG says how it was made.
-            saved = final.save(output, params={"model": args.model, **params}, decoder=decoder)
+            saved = final.save(output, params={"model": args.model, **checked}, decoder=decoder)
         except ParamsError as exc:
             raise _decoder_mismatch(decoder, exc) from None
         except ValueError as exc:

@@ -66,3 +66,29 @@ def test_models_names_the_pipeline_and_its_mode(saved, capsys):
     (row,) = json.loads(out)
     assert row["description"] == "StableDiffusionPipeline, native mode"
     assert {"prompt", "steps", "height", "width", "seed"} <= {p["name"] for p in row["params"]}
+
+
+def test_generate_in_callback_mode_takes_size_and_output_latent(saved, capsys, tmp_path, monkeypatch):
+    root, pipe = saved
+    # A module:attr factory, the way a user serves a pipeline in callback mode.
+    (tmp_path / "cbfactory.py").write_text(
+        "from diffusers import StableDiffusionPipeline\n"
+        "from omni_stream.models.diffusers import Diffusers\n"
+        f"def make():\n    return Diffusers(StableDiffusionPipeline.from_pretrained({str(root / 'sd')!r}), mode='callback')\n"
+    )
+    monkeypatch.syspath_prepend(str(tmp_path))
+    out = tmp_path / "cb.png"
+    code = cli.main(["generate", "a red cat", "--model", "cbfactory:make", "--size", "32", "--steps", "2",
+                     "--seed", "4", "-o", str(out)])
+    _, err = capsys.readouterr()
+    assert code == 0, err
+    expected = pipe(prompt="a red cat", num_inference_steps=2, height=32, width=32,
+                    generator=torch.Generator().manual_seed(4), output_type="pil").images[0]
+    assert Image.open(out).convert("RGB").tobytes() == expected.tobytes()
+    # The final latent instead, drawn by the preview decoder (one pixel a latent pixel).
+    code = cli.main(["generate", "a red cat", "--model", "cbfactory:make", "--size", "32", "--steps", "2",
+                     "-p", "output=latent", "-o", str(tmp_path / "latent.png")])
+    _, err = capsys.readouterr()
+    assert code == 0, err
+    latent = Image.open(tmp_path / "latent.png")
+    assert latent.size == (16, 16) and json.loads(latent.text["omni_stream"])["output"] == "latent"

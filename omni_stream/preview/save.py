@@ -142,6 +142,13 @@ def parameters_text(params: Mapping[str, Any], *, width: int, height: int) -> st
     return "\n".join(lines)
 
 
+def _json_value(value: Any) -> str:
+    if isinstance(value, Image.Image):
+        # Not its repr: that names a memory address, and says nothing useful.
+        return f"<{value.mode} image {value.width}x{value.height}>"
+    return str(value)
+
+
 def _png_info(params: Mapping[str, Any] | None, width: int, height: int) -> PngInfo | None:
     if params is None:
         return None
@@ -149,8 +156,8 @@ def _png_info(params: Mapping[str, Any] | None, width: int, height: int) -> PngI
         raise ParamsError(f"params must be a mapping, got {type(params).__name__}", field="params")
     info = PngInfo()
     info.add_text("parameters", parameters_text(params, width=width, height=height))
-    # default=str: params may hold values JSON cannot (a tensor, a Path).
-    info.add_text("omni_stream", json.dumps(dict(params), default=str, ensure_ascii=False))
+    # Params may hold values JSON cannot: a tensor, a Path, an input image.
+    info.add_text("omni_stream", json.dumps(dict(params), default=_json_value, ensure_ascii=False))
     return info
 
 
@@ -457,9 +464,14 @@ def save_frame(
     """``Frame.save``: an image frame as an image, a video frame as a video (see there)."""
     path = Path(path)
     # Check the suffix before decoding: a mistyped name should cost nothing.
-    _suffix_format(path, video=is_video(frame.data))
+    suffix = path.suffix.lower()
+    # A still saved under a video-only suffix is a one-frame video: what a
+    # video model asked for one frame (num_frames=1) makes, saved where its
+    # videos go.
+    still_as_video = suffix in VIDEO_SUFFIXES and suffix not in IMAGE_SUFFIXES
+    _suffix_format(path, video=is_video(frame.data) or still_as_video)
     images, video = _decode(frame.data, frame.decoded, decoder)
-    if video:
+    if video or still_as_video:
         return save_video(images, path, fps=fps, quality=quality)
     if fps is not None:
         raise ParamsError("fps applies to video frames only", field="fps")
@@ -492,6 +504,10 @@ def encode_output(
     table = VIDEO_OUTPUTS if video else IMAGE_OUTPUTS
     if format is None:
         format = ("mp4" if _has_av() else "webp") if video else "png"
+    if not video and format not in table and format in VIDEO_OUTPUTS:
+        # A still in a video format: a one-frame video (a video model asked
+        # for num_frames=1 still answers in the format it was asked for).
+        video, table = True, VIDEO_OUTPUTS
     if format not in table:
         kind = "a video" if video else "an image"
         raise ParamsError(

@@ -333,6 +333,16 @@ def test_total_steps_is_how_often_the_callback_fires(text_encoder, scheduler, st
     assert model.total_steps(model.validate(raw)) == len(seen)
 
 
+def test_a_scheduler_swapped_after_wrapping_is_the_one_counted(text_encoder):
+    pipe = img2img_pipe(text_encoder, DDIMScheduler(**SCHEDULE, clip_sample=False))
+    model = Diffusers(pipe, mode="callback")
+    raw = dict(steps=3, strength=1.0, guidance_scale=1.0, image=picture())
+    assert model.total_steps(model.validate(raw)) == 3
+    pipe.scheduler = HeunDiscreteScheduler(**SCHEDULE)  # two evaluations a step
+    _, seen = img2img_reference(pipe, raw, raw["image"], "latent")
+    assert model.total_steps(model.validate(raw)) == len(seen) == 5
+
+
 def test_strength_that_leaves_no_step_is_a_params_error(text_encoder):
     model = Diffusers(img2img_pipe(text_encoder), mode="callback")
     with pytest.raises(om.ParamsError) as err:

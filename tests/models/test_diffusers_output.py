@@ -92,3 +92,28 @@ def test_a_preview_vae_that_does_not_fit_is_refused():
         model.use_preview_vae(tiny_taesd(latent_channels=16))
     with pytest.raises(ValueError, match="AutoencoderTiny"):
         model.use_preview_vae(object())
+
+
+def test_an_sdxl_vae_in_float16_decodes_in_float32_as_the_pipeline_does():
+    from .test_diffusers import sdxl_pipe
+
+    pipe = sdxl_pipe()
+    model = Diffusers(pipe, encode_prompt=fixed_embeddings)
+    latents = torch.randn(4, 8, 8, generator=torch.Generator().manual_seed(0))
+    reference = model.decode_latents(latents)  # a float32 VAE
+    pipe.vae.to(torch.float16)
+    pipe.vae.register_to_config(force_upcast=True)
+    seen: list[torch.dtype] = []
+    decode = pipe.vae.decode
+
+    def spy(x, *args, **kwargs):
+        seen.append(x.dtype)
+        return decode(x, *args, **kwargs)
+
+    pipe.vae.decode = spy
+    image = model.decode_latents(latents)
+    # Decoded in float32 (the SDXL VAE overflows in float16), then cast back.
+    assert seen == [torch.float32] and pipe.vae.dtype == torch.float16
+    assert image.dtype == torch.float32
+    # The weights went through float16 once: close, not equal.
+    torch.testing.assert_close(image, reference, rtol=0, atol=5e-2)

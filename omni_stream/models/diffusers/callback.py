@@ -308,6 +308,12 @@ class CallbackDiffusers(Diffusers):
         steps = _DEFAULT_STEPS if steps is None else int(steps)
         strength = self._value(params, "strength", "strength")
         strength = None if strength is None else float(strength)
+        # The pipeline's scheduler as it is now: a user may swap it (say, to
+        # Heun, which fires the callback twice a step) after wrapping.
+        template = getattr(self._pipe, "scheduler", None)
+        if template is not self._template:
+            self._template = template
+            self._counts.clear()
         key = (steps, strength)
         count = self._counts.get(key)
         if count is None:

@@ -560,6 +560,22 @@ class UNetDiffusers(Diffusers):
             raise ValueError(
                 f"decode needs latents [{vae.config.latent_channels}, h, w], got {tuple(latents.shape)}"
             )
+        # The SDXL pipeline's rule: its stock VAE overflows in float16 (a
+        # black or NaN image), so it decodes in float32 and casts back after.
+        upcast = (
+            self.family == "sdxl"
+            and vae.dtype == torch.float16
+            and bool(getattr(vae.config, "force_upcast", False))
+        )
+        if upcast:
+            vae.to(dtype=torch.float32)
+        try:
+            return self._vae_run(vae, latents)
+        finally:
+            if upcast:
+                vae.to(dtype=torch.float16)
+
+    def _vae_run(self, vae: Any, latents: torch.Tensor) -> torch.Tensor:
         param = next(vae.parameters())
         x = latents[None].to(device=param.device, dtype=param.dtype)
         mean = getattr(vae.config, "latents_mean", None)
