@@ -32,6 +32,9 @@ __all__ = ["main", "build_parser", "ProgressBar", "TOKEN_ENV"]
 PROG = "omni-stream"
 #: Where ``serve`` reads its bearer token when ``--token`` is not given.
 TOKEN_ENV = "OMNI_STREAM_TOKEN"
+#: ``serve``'s exit statuses when it shut itself down (README, docs/protocol.md).
+EXIT_ENGINE_DEAD = 3
+EXIT_SERVER_FAILED = 4
 
 # CLI flag -> the model param it sets; passed only when the model declares it.
 _MODEL_HELP = (
@@ -518,11 +521,20 @@ def _cmd_serve(args: argparse.Namespace) -> int:
     for handler in root.handlers:
         if isinstance(handler, _StderrLogHandler):
             handler.setLevel(logging.INFO)
+    from .errors import EngineDeadError
+
     try:
         from .server import serve
     except ImportError as exc:
         _error(f"the server is unavailable: {exc}")
         return 1
+    server_failed: tuple[type[BaseException], ...] = ()
+    try:
+        from .server.app import ServerFailedError
+    except ImportError:
+        pass  # a stand-in for the server package (the CLI's tests) has no app module
+    else:
+        server_failed = (ServerFailedError,)
     try:
         result = serve(
             model=model,
@@ -531,10 +543,19 @@ def _cmd_serve(args: argparse.Namespace) -> int:
             token=token,
             allow_origins=list(args.allow_origin or ()),
             device=args.device,
+            stay_dead=args.stay_dead,
         )
         # serve() may block and run its own loop, or be a coroutine for us to run.
         if inspect.iscoroutine(result):
             _run(result)
+    except EngineDeadError:
+        # The server logged why (one ERROR line) before it shut down; a
+        # distinct status tells a supervisor to replace the process.
+        print(f"{PROG}: exiting: the engine died (status {EXIT_ENGINE_DEAD})", file=sys.stderr)
+        return EXIT_ENGINE_DEAD
+    except server_failed:
+        print(f"{PROG}: exiting: the server failed (status {EXIT_SERVER_FAILED})", file=sys.stderr)
+        return EXIT_SERVER_FAILED
     except KeyboardInterrupt:
         # Ctrl-C is how a server is stopped: not a failure.
         print(f"{PROG}: stopped", file=sys.stderr)
@@ -611,6 +632,9 @@ def build_parser() -> argparse.ArgumentParser:
     srv.add_argument("--allow-origin", action="append", metavar="ORIGIN",
                      help="a browser Origin allowed to connect (repeatable)")
     srv.add_argument("--device", default="auto", help="auto, cpu, cuda, cuda:N or sim")
+    srv.add_argument("--stay-dead", action="store_true",
+                     help="keep running (/health 503) when the engine dies, for debugging; "
+                     f"by default the server shuts down and exits with status {EXIT_ENGINE_DEAD}")
     srv.set_defaults(handler=_cmd_serve)
 
     mod = sub.add_parser("models", help="list the models and their params", **helpful)

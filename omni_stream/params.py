@@ -101,10 +101,22 @@ class Param:
 
     def _bounded(self, value: float, where: str) -> Any:
         if self.minimum is not None and value < self.minimum:
-            raise ParamsError(f"{where} must be >= {self.minimum:g}, got {value!r}", field=self.name)
+            raise ParamsError(
+                f"{where} must be >= {self._bound_text(self.minimum)}, got {value!r}", field=self.name
+            )
         if self.maximum is not None and value > self.maximum:
-            raise ParamsError(f"{where} must be <= {self.maximum:g}, got {value!r}", field=self.name)
+            raise ParamsError(
+                f"{where} must be <= {self._bound_text(self.maximum)}, got {value!r}", field=self.name
+            )
         return value
+
+    def _bound_text(self, bound: float) -> str:
+        # The user must be able to type the limit back in: an integer bound
+        # such as a seed's 2**63 - 1 reads "9.22337e+18" with :g.
+        if isinstance(bound, int) or (self.kind in ("int", "shape") and float(bound).is_integer()):
+            return str(int(bound))
+        text = f"{bound:g}"
+        return text if float(text) == bound else repr(float(bound))
 
 
 def validate(

@@ -641,3 +641,99 @@ async def test_a_slow_consumer_never_blocks_the_reader_and_keeps_the_final() -> 
         frames = [f async for f in stream]
         assert len(frames) == 4 and stream.dropped == 46
         assert frames[-1].final and [f.step for f in frames] == [47, 48, 49, 50]
+
+
+# ---- keepalive ---------------------------------------------------------------
+
+
+@pytest.mark.asyncio
+async def test_keepalive_defaults_notice_a_frozen_server_within_about_20_s() -> None:
+    async def script(ws: ServerConnection, message: dict[str, Any]) -> None:
+        await ws.send(_accepted_text(message["id"]))
+
+    async with fake_server(script) as url, omc.connect(url) as client:
+        ws = client._ws
+        assert ws is not None
+        # websockets' own 20 s + 20 s (+ 10 s close_timeout) noticed a
+        # SIGSTOPped server after ~48 s; now ping + pong timeout + close wait
+        # is ~20 s, at most 25 s.
+        assert (ws.ping_interval, ws.ping_timeout, ws.close_timeout) == (10.0, 10.0, 5.0)
+    async with fake_server(script) as url, omc.connect(url, ping_interval=None, ping_timeout=3) as client:
+        assert client._ws is not None and (client._ws.ping_interval, client._ws.ping_timeout) == (None, 3)
+
+
+@pytest.mark.asyncio
+async def test_a_frozen_server_fails_the_requests_after_the_ping_timeout() -> None:
+    async def script(ws: ServerConnection, message: dict[str, Any]) -> None:
+        await ws.send(_accepted_text(message["id"]))
+        # Frozen (as under SIGSTOP): the socket stays open, nothing is read,
+        # so no pong ever answers the client's pings.
+        ws.transport.pause_reading()
+
+    async with fake_server(script) as url, omc.connect(
+        url, ping_interval=0.1, ping_timeout=0.2, close_timeout=0.2
+    ) as client:
+        stream = client.generate({})
+        with anyio.fail_after(10), pytest.raises(ConnectionClosedError) as info:
+            async for _ in stream:
+                pass
+        # The frozen server never sent a close frame: 1006, as for a dropped link.
+        assert info.value.close_code == 1006
+
+
+def test_bad_keepalive_options_raise_params_error() -> None:
+    for name, value in [("ping_interval", 0), ("ping_timeout", -1.0), ("ping_interval", math.inf),
+                        ("ping_timeout", "10"), ("ping_interval", True)]:
+        with pytest.raises(om.ParamsError) as info:
+            omc.connect("ws://127.0.0.1:1/ws", **{name: value})
+        assert info.value.field == name
+
+
+# ---- busy and priority ------------------------------------------------------------
+
+
+def test_busy_parses_to_busy_error_with_retry_after() -> None:
+    text = json.dumps({"type": "error", "code": "busy", "message": "full", "id": RID, "retry_after_s": 2.5})
+    event = wire.parse_message(text)
+    assert isinstance(event, wire.ErrorMessage) and event.retry_after_s == 2.5
+    err = wire.server_error("busy", "full", field=None, request_id=RID, accepted=False, retry_after_s=2.5)
+    assert isinstance(err, omc.BusyError) and isinstance(err, RequestRejectedError)
+    assert (err.code, err.retry_after_s, err.request_id) == ("busy", 2.5, RID)
+    # Other errors carry none; a negative one breaks the protocol.
+    assert wire.parse_message(json.dumps({"type": "error", "code": "x", "message": "m"})).retry_after_s is None
+    with pytest.raises(ProtocolError, match="retry_after_s"):
+        wire.parse_message(text.replace("2.5", "-1"))
+    with pytest.raises(ProtocolError, match="retry_after_s"):
+        wire.parse_message(text.replace("2.5", '"soon"'))
+
+
+def test_generate_message_carries_a_checked_priority() -> None:
+    assert "priority" not in json.loads(wire.generate_message(RID, {}, None, detach=False))
+    assert json.loads(wire.generate_message(RID, {}, None, detach=False, priority=-3))["priority"] == -3
+    for bad in (11, True, 2.0, "1"):
+        with pytest.raises(om.ParamsError) as info:
+            wire.generate_message(RID, {}, None, detach=False, priority=bad)
+        assert info.value.field == "priority"
+
+
+@pytest.mark.asyncio
+async def test_a_busy_server_raises_busy_error_and_priority_reaches_it() -> None:
+    async with serving(Slow(0.02), max_active=1, max_queued=1) as server, omc.connect(server.url) as client:
+        first = client.generate(dict(SMALL, steps=5000), priority=4)
+        second = client.generate(dict(SMALL, steps=5000))
+        await first.__anext__()
+        await second.__anext__()
+        assert server.engine._by_id[first.id].priority == 4
+        third = client.generate(dict(SMALL, steps=2))
+        with pytest.raises(omc.BusyError) as info:
+            await third.result()
+        err = info.value
+        assert err.code == "busy" and err.request_id == third.id
+        assert err.retry_after_s is not None and 1.0 <= err.retry_after_s <= 60.0
+        with pytest.raises(om.ParamsError):
+            client.generate(SMALL, priority=99)
+        # A slot frees: the retry is taken.
+        await first.aclose()
+        await _eventually(lambda: server.engine.statistics().active + server.engine.statistics().queued < 2,
+                          "the cancelled request to leave the engine")
+        assert (await client.generate(dict(SMALL, steps=2)).result()).final

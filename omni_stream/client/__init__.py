@@ -22,7 +22,9 @@ Errors (drawn in omni_stream/errors.py, re-exported here) are the engine's
 own where the meaning is the same, so code written against
 ``engine.stream()`` reads the same remotely: ParamsRejectedError is also
 om.ParamsError, RequestFailedError om.RequestError, RemoteCancelledError
-om.RequestCancelledError. Every error raised while serving a request
+om.RequestCancelledError. BusyError (defined in wire.py) is the
+RequestRejectedError of a server too busy to take a request; its
+``retry_after_s`` says when to try again. Every error raised while serving a request
 carries its ``request_id``. Bad arguments (a malformed id, params that are
 not a JSON object) raise om.ParamsError naming the field, before anything
 is sent.
@@ -42,11 +44,12 @@ from ..errors import (
 )
 from .connection import DEFAULT_MAX_SIZE, Client, connect
 from .stream import RequestStream
-from .wire import FORMATS, PreviewFrame, Progress, parse_preview_frame
+from .wire import FORMATS, BusyError, PreviewFrame, Progress, parse_preview_frame
 
 __all__ = [
     "DEFAULT_MAX_SIZE",
     "FORMATS",
+    "BusyError",
     "Client",
     "ClientError",
     "ConnectError",

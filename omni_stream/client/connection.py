@@ -49,14 +49,32 @@ from .wire import (
     generate_message,
     parse_message,
     parse_preview_frame,
+    server_error,
 )
 
-__all__ = ["DEFAULT_MAX_SIZE", "Client", "connect"]
+__all__ = [
+    "DEFAULT_CLOSE_TIMEOUT",
+    "DEFAULT_MAX_SIZE",
+    "DEFAULT_PING_INTERVAL",
+    "DEFAULT_PING_TIMEOUT",
+    "Client",
+    "connect",
+]
 
 logger = logging.getLogger("omni_stream.client")
 
 #: Default websocket message limit: a raw 2048 x 2048 RGB preview (12 MiB) fits.
 DEFAULT_MAX_SIZE: Final = 32 * 1024 * 1024
+
+#: Keepalive: a ping every DEFAULT_PING_INTERVAL seconds and a pong due
+#: within DEFAULT_PING_TIMEOUT; then websockets still waits ``close_timeout``
+#: (DEFAULT_CLOSE_TIMEOUT) for the closing handshake before it drops the TCP
+#: connection. So a server that froze (SIGSTOP, a wedged host, a dead
+#: network path) is noticed after ~20 s, at most 25 s; websockets' own
+#: defaults (20 + 20 + 10) took up to ~50 s.
+DEFAULT_PING_INTERVAL: Final = 10.0
+DEFAULT_PING_TIMEOUT: Final = 10.0
+DEFAULT_CLOSE_TIMEOUT: Final = 5.0
 
 
 class Client:
@@ -64,13 +82,25 @@ class Client:
 
     ``token`` is sent as ``Authorization: Bearer TOKEN``. ``max_buffered``
     bounds the items one request buffers for a slow consumer (see
-    omni_stream/client/stream.py). Other keyword arguments go to ``websockets.asyncio.client.connect``
-    (``open_timeout``, ``max_size`` (default DEFAULT_MAX_SIZE), ``ping_interval``,
-    ...). Entering raises ConnectError; ParamsError for a bad url, token or option.
+    omni_stream/client/stream.py). Keepalive: a ping every ``ping_interval``
+    seconds; when no pong comes within ``ping_timeout``, the connection is
+    dropped after ``close_timeout`` more (default DEFAULT_CLOSE_TIMEOUT) and
+    running requests end with ConnectionClosedError (1006); ``None`` turns
+    either off. Other keyword arguments go to
+    ``websockets.asyncio.client.connect`` (``open_timeout``, ``max_size``
+    (default DEFAULT_MAX_SIZE), ``close_timeout``, ...). Entering raises
+    ConnectError; ParamsError for a bad url, token or option.
     """
 
     def __init__(
-        self, url: str, token: str | None = None, *, max_buffered: int = 64, **connect_kwargs: Any
+        self,
+        url: str,
+        token: str | None = None,
+        *,
+        max_buffered: int = 64,
+        ping_interval: float | None = DEFAULT_PING_INTERVAL,
+        ping_timeout: float | None = DEFAULT_PING_TIMEOUT,
+        **connect_kwargs: Any,
     ) -> None:
         if not isinstance(url, str) or not url.startswith(("ws://", "wss://")):
             raise ParamsError(f"url must be a ws:// or wss:// URL, got {url!r:.120}", field="url")
@@ -80,10 +110,24 @@ class Client:
             raise ParamsError(
                 f"max_buffered must be an integer >= 1, got {max_buffered!r}", field="max_buffered"
             )
+        for name, value in (("ping_interval", ping_interval), ("ping_timeout", ping_timeout)):
+            if value is not None and (
+                isinstance(value, bool)
+                or not isinstance(value, (int, float))
+                or not math.isfinite(value)
+                or value <= 0
+            ):
+                raise ParamsError(
+                    f"{name} must be a positive number of seconds or None, got {value!r}", field=name
+                )
         self.url = url
         self._token = token
         self._max_buffered = max_buffered
-        self._connect_kwargs = connect_kwargs
+        self._connect_kwargs = {
+            "ping_interval": ping_interval,
+            "ping_timeout": ping_timeout,
+            **connect_kwargs,
+        }
         self._ws: ClientConnection | None = None
         self._tg: anyio.abc.TaskGroup | None = None
         self._loop: asyncio.AbstractEventLoop | None = None
@@ -160,6 +204,9 @@ class Client:
             "compression": None,
             "max_size": DEFAULT_MAX_SIZE,
             "open_timeout": 10.0,
+            # Also how long a keepalive timeout waits on a frozen server's
+            # closing handshake before dropping the connection.
+            "close_timeout": DEFAULT_CLOSE_TIMEOUT,
         }
         kwargs.update(self._connect_kwargs)
         headers = list(dict(kwargs.pop("additional_headers", None) or {}).items())
@@ -187,6 +234,7 @@ class Client:
         output: Mapping[str, Any] | None = ...,
         id: str | None = ...,
         detach: bool = ...,
+        priority: int | None = ...,
         progress: Literal[False] = ...,
     ) -> RequestStream[PreviewFrame]: ...
 
@@ -199,6 +247,7 @@ class Client:
         output: Mapping[str, Any] | None = ...,
         id: str | None = ...,
         detach: bool = ...,
+        priority: int | None = ...,
         progress: Literal[True],
     ) -> RequestStream[PreviewFrame | Progress]: ...
 
@@ -210,6 +259,7 @@ class Client:
         output: Mapping[str, Any] | None = None,
         id: str | None = None,
         detach: bool = False,
+        priority: int | None = None,
         progress: bool = False,
     ) -> RequestStream[Any]:
         """Start a request (on first iteration) and stream its previews, the final one last.
@@ -221,16 +271,21 @@ class Client:
         ``id``: None makes a random one (``uuid4``; needed to ``attach`` to a
         detached request from another connection). ``detach``: the request
         survives this connection and leaving the iteration early.
+        ``priority``: -10 to 10, higher first (None: the server's 0).
         ``progress``: also yield :class:`Progress` items. Raises ParamsError
-        for a malformed id, params or preview that are not JSON objects, or
-        values JSON cannot carry (NaN, infinities, other types).
+        for a malformed id or priority, params or preview that are not JSON
+        objects, or values JSON cannot carry (NaN, infinities, other types).
+        Iterating a request the server is too busy for raises BusyError
+        (its ``retry_after_s`` says when to try again).
         """
         request_id = uuid.uuid4().hex if id is None else check_request_id(id)
         if not isinstance(detach, bool):
             raise ParamsError(f"detach must be a bool, got {detach!r}", field="detach")
         if not isinstance(progress, bool):
             raise ParamsError(f"progress must be a bool, got {progress!r}", field="progress")
-        message = generate_message(request_id, params, preview, detach=detach, output=output)
+        message = generate_message(
+            request_id, params, preview, detach=detach, output=output, priority=priority
+        )
         return RequestStream(
             self,
             request_id,
@@ -407,6 +462,15 @@ class Client:
         if inbox is None:
             # Left early (cancel in flight), or watched without a stream.
             logger.debug("dropping %s for request %s: nobody iterates it", type(event).__name__, request_id)
+            return
+        if isinstance(event, ErrorMessage) and event.code == "busy" and inbox.accepted is None:
+            # The inbox knows no retry_after_s: the error is made here, with it.
+            inbox.fail(
+                server_error(
+                    event.code, event.message, field=event.field, request_id=request_id,
+                    accepted=False, retry_after_s=event.retry_after_s,
+                )
+            )
             return
         inbox.feed(event)
 

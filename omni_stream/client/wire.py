@@ -31,6 +31,7 @@ from ..errors import (
 )
 
 __all__ = [
+    "BusyError",
     "CLOSE_PROTOCOL_ERROR",
     "FORMATS",
     "ID_PATTERN",
@@ -60,12 +61,29 @@ __all__ = [
 from ..server.protocol import (  # noqa: E402
     ID_PATTERN,
     MAX_ID_LENGTH,
+    MAX_PRIORITY,
+    MIN_PRIORITY,
     REJECTION_CODES,
     REQUEST_ENDING_CODES,
 )
 
 #: Rejections that mean "your input is wrong": raised as ParamsRejectedError.
 PARAMS_CODES: Final = frozenset({"bad_params", "invalid_field", "limit_exceeded"})
+
+
+class BusyError(RequestRejectedError):
+    """The server is too busy to take the request (``busy``); nothing was started.
+
+    ``retry_after_s`` is the server's estimate of when to try again
+    (None when it gave none).
+    """
+
+    def __init__(
+        self, message: str, *, retry_after_s: float | None = None, request_id: str | None = None
+    ) -> None:
+        super().__init__(message, code="busy", request_id=request_id)
+        self.retry_after_s = retry_after_s
+
 #: Preview formats and the MIME type each header must carry.
 FORMATS: Final[Mapping[str, str]] = {
     "jpeg": "image/jpeg",
@@ -211,6 +229,8 @@ class ErrorMessage:
     message: str
     id: str | None
     field: str | None
+    #: ``busy`` only: seconds the server suggests waiting before trying again.
+    retry_after_s: float | None = None
 
 
 #: Everything :func:`parse_message` and :func:`parse_preview_frame` return.
@@ -361,27 +381,42 @@ def parse_message(text: str) -> Event | None:
     if kind == "error":
         request_id = _want_id(obj, where) if obj.get("id") is not None else None
         field_name = _want(obj, "field", "str", where) if obj.get("field") is not None else None
+        retry = obj.get("retry_after_s")
+        if retry is not None:
+            retry = float(_want(obj, "retry_after_s", "number", where))
+            if retry < 0:
+                raise ProtocolError(f"{where} has a negative retry_after_s {retry}")
         return ErrorMessage(
             _want(obj, "code", "str", where),
             _want(obj, "message", "str", where),
             request_id,
             field_name,
+            retry,
         )
     return None
 
 
 def server_error(
-    code: str, message: str, *, field: str | None, request_id: str | None, accepted: bool
+    code: str,
+    message: str,
+    *,
+    field: str | None,
+    request_id: str | None,
+    accepted: bool,
+    retry_after_s: float | None = None,
 ) -> ClientError:
     """The exception for an ``error`` about one request.
 
     Once the server ``accepted`` the request, an error ends it:
     RequestFailedError, whatever the code. Before that, the request was
     rejected: ParamsRejectedError for the codes that blame the input,
-    RequestRejectedError for the rest.
+    BusyError (with ``retry_after_s``) for ``busy``, RequestRejectedError
+    for the rest.
     """
     if accepted:
         return RequestFailedError(message, code=code, field=field, request_id=request_id)
+    if code == "busy":
+        return BusyError(message, retry_after_s=retry_after_s, request_id=request_id)
     if code in PARAMS_CODES:
         return ParamsRejectedError(message, code=code, field=field, request_id=request_id)
     return RequestRejectedError(message, code=code, field=field, request_id=request_id)
@@ -408,13 +443,24 @@ def generate_message(
     *,
     detach: bool,
     output: Mapping[str, Any] | None = None,
+    priority: int | None = None,
 ) -> str:
     """A ``generate`` message for a checked id.
 
     Raises ParamsError (field ``params``, ``preview`` or ``output``) for a
     value that is not a mapping or holds what JSON cannot carry (NaN,
-    infinities, other types).
+    infinities, other types), and (field ``priority``) for a priority that
+    is not an int from MIN_PRIORITY to MAX_PRIORITY.
     """
+    if priority is not None and (
+        isinstance(priority, bool)
+        or not isinstance(priority, int)
+        or not MIN_PRIORITY <= priority <= MAX_PRIORITY
+    ):
+        raise ParamsError(
+            f"priority must be an int from {MIN_PRIORITY} to {MAX_PRIORITY}, got {priority!r:.40}",
+            field="priority",
+        )
     message: dict[str, Any] = {
         "type": "generate",
         "id": request_id,
@@ -425,6 +471,8 @@ def generate_message(
         message["preview"] = _json_object(preview, "preview")
     if output is not None:
         message["output"] = _json_object(output, "output")
+    if priority is not None:
+        message["priority"] = priority
     return json.dumps(message, separators=(",", ":"), allow_nan=False)
 
 

@@ -53,6 +53,7 @@ from .copier import Copier, CopyTicket
 from .delivery import POLICIES, Delivery
 from .producer import Producer
 from .request import Request, Status
+from .scheduler import PRIORITY_MAX, PRIORITY_MIN
 from .stats import EngineStatistics, Health
 from .stream import FrameStream
 from .table import Limits, RequestTable
@@ -135,10 +136,18 @@ class Engine:
             max_buffers = max(16, 2 * limits.max_batch_size * limits.max_run_ahead)
         _positive_int("max_buffers", max_buffers)
         # A batch holds one lease per output until it is posted: a batch
-        # larger than the pool would wait on itself forever.
-        limits = dataclasses.replace(
-            limits, max_batch_size=min(limits.max_batch_size, max_buffers)
-        )
+        # larger than the pool would wait on itself forever. Devices that
+        # hand frames over without a buffer (CPU, ``copy_owned``) lease one
+        # only for an output they cannot own (sparse, another device): there
+        # the pool grows to a batch instead (allocated lazily, so it costs
+        # nothing until used) and max_buffers does not cap the batch.
+        device = resolve_device(device)  # (an instance resolves to itself below)
+        if type(device).copy_owned is not Device.copy_owned:
+            max_buffers = max(max_buffers, limits.max_batch_size)
+        else:
+            limits = dataclasses.replace(
+                limits, max_batch_size=min(limits.max_batch_size, max_buffers)
+            )
         if frame_dtype is not None and not isinstance(frame_dtype, torch.dtype):
             raise ParamsError(f"frame_dtype must be a torch.dtype, got {frame_dtype!r}", field="frame_dtype")
         if not isinstance(shutdown_timeout, (int, float)) or not shutdown_timeout > 0:
@@ -339,18 +348,24 @@ class Engine:
         policy: str = "all",
         timeout: float | None = None,
         preview_every: int | None = None,
+        priority: int = 0,
     ) -> FrameStream:
         """Submit a request; returns its frames as an async iterator.
+
+        ``priority`` (an int from -10 to 10, higher first) orders it against
+        the other requests; waiting ages every request, so none starves
+        (docs/design.md, "Scheduling and batching").
 
         ``preview_every``: the steps a reader will preview (every Nth, as
         ``PreviewSpec.every``); on those the model's preview decoder network,
         if it has one (``StepModel.decode_preview``, e.g. a tiny VAE), turns
         the frame into pixels on the producer's device. None decodes none.
 
-        Raises ParamsError (bad params, policy, timeout, preview_every or a
-        duplicate request_id), EngineDeadError or EngineClosedError at once. Iterating
-        raises StepFailedError, StepTimeoutError, RequestCancelledError,
-        EngineDeadError or EngineClosedError.
+        Raises ParamsError (bad params, policy, timeout, preview_every,
+        priority or a duplicate request_id), EngineDeadError or
+        EngineClosedError at once. Iterating raises StepFailedError,
+        StepTimeoutError, RequestCancelledError, EngineDeadError or
+        EngineClosedError.
         """
         if request_id is None:
             request_id = uuid.uuid4().hex
@@ -386,6 +401,16 @@ class Engine:
                 field="preview_every",
                 request_id=request_id,
             )
+        if (
+            isinstance(priority, bool)
+            or not isinstance(priority, int)
+            or not PRIORITY_MIN <= priority <= PRIORITY_MAX
+        ):
+            raise ParamsError(
+                f"priority must be an int from {PRIORITY_MIN} to {PRIORITY_MAX}, got {priority!r}",
+                field="priority",
+                request_id=request_id,
+            )
         if request_id in self._by_id:
             raise ParamsError(
                 f"request_id {request_id!r} is already running", field="request_id", request_id=request_id
@@ -419,6 +444,9 @@ class Engine:
                 timeout=None if timeout is None else float(timeout),
                 preview_every=preview_every,
                 arrival=self._table.arrivals,
+                priority=priority,
+                # Its wait ages from here (the producer counts rounds under this lock).
+                arrival_round=self._producer._seq,
                 delivery=Delivery(policy),
             )
             self._table.live[r.arrival] = r
@@ -434,11 +462,13 @@ class Engine:
         policy: str = "latest",
         timeout: float | None = None,
         preview_every: int | None = None,
+        priority: int = 0,
     ) -> Frame:
         """Run a request to its end; returns the final Frame. Raises as ``stream`` does."""
         final: Frame | None = None
         async with self.stream(
-            params, request_id=request_id, policy=policy, timeout=timeout, preview_every=preview_every
+            params, request_id=request_id, policy=policy, timeout=timeout,
+            preview_every=preview_every, priority=priority,
         ) as frames:
             async for frame in frames:
                 final = frame
@@ -510,6 +540,11 @@ class Engine:
         if h.status == "stalled":
             raise EngineStalledError(h.reason or "the engine is stalled")
         raise EngineClosedError(h.reason or "the engine is closed")
+
+    @property
+    def max_batch_size(self) -> int:
+        """The most requests one model call advances (the option, capped by the model and the pool)."""
+        return self._producer._batch_limits.max_batch_size
 
     def statistics(self) -> EngineStatistics:
         """A frozen snapshot of counters, queue depth and host buffers."""

@@ -38,7 +38,7 @@ class Request:
 
     __slots__ = (
         "id", "params", "total", "batch_key", "policy", "timeout", "preview_every", "arrival",
-        "submitted_at", "delivery",
+        "priority", "arrival_round", "submitted_at", "delivery",
         # (lock)
         "status", "issued", "delivered", "consumed", "last_scheduled", "ready_at",
         "started", "closed", "finalized",
@@ -57,6 +57,8 @@ class Request:
         timeout: float | None,
         arrival: int,
         preview_every: int | None = None,
+        priority: int = 0,
+        arrival_round: int = 0,
         delivery: Delivery,
     ) -> None:
         self.id = request_id
@@ -67,6 +69,8 @@ class Request:
         self.timeout = timeout
         self.preview_every = preview_every
         self.arrival = arrival
+        self.priority = priority  # scheduler.py: higher runs first, aged so nobody starves
+        self.arrival_round = arrival_round  # the producer's batch count when it arrived
         self.submitted_at = time.monotonic()
         self.delivery = delivery
         self.status = Status.QUEUED

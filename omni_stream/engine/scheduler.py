@@ -1,19 +1,44 @@
 """Which requests advance next, and together: a pure decision, no I/O.
 
-Fairness: the request that has waited longest since its last step (or since
-it arrived) leads the next batch, so a long request cannot starve a new one
-and a new one cannot starve a long one. The leader's compatible peers (same
-``batch_key``) join it, longest-waiting first, up to the batch limit.
-Requests whose key is ``None`` always run alone.
+Rank: a runnable request's effective priority is its ``priority`` plus one
+point for every ``AGE_ROUNDS`` scheduling rounds it has waited since its
+last step, or since it arrived (:func:`effective_priority`). The highest
+rank leads the next batch; ties go to a request that has never run, then to
+the one that has waited longest, then to the earliest arrival. At equal
+priority that is longest-waiting first, so a long request cannot starve a
+new one and a new one cannot starve a long one. Across priorities nobody
+starves either: a request that just ran has no age points, so one that has
+waited ``gap * AGE_ROUNDS`` rounds leads it, ``gap`` being the difference
+of their priorities (at most ``PRIORITY_MAX - PRIORITY_MIN``).
+
+The leader's compatible peers (same ``batch_key``) join it in rank order,
+up to the batch limit. Requests whose key is ``None`` always run alone.
 """
 
 from __future__ import annotations
 
 from collections.abc import Hashable, Iterable, Sequence
 from dataclasses import dataclass
-from typing import Protocol, TypeVar
+from typing import Final, Protocol, TypeVar
 
-__all__ = ["Schedulable", "pick_batch", "BatchLimits"]
+__all__ = [
+    "AGE_ROUNDS",
+    "PRIORITY_MAX",
+    "PRIORITY_MIN",
+    "BatchLimits",
+    "Schedulable",
+    "effective_priority",
+    "pick_batch",
+]
+
+#: The range of ``priority``; bounded so that the wait of the lowest is bounded.
+PRIORITY_MIN: Final = -10
+PRIORITY_MAX: Final = 10
+#: Rounds (batches) of waiting worth one point of priority. Eight: with the
+#: server's default load bound every request comes round within a few
+#: rounds at equal priority (so the old order holds), while the full range
+#: (20 points) still lets the lowest request run within ~160 rounds.
+AGE_ROUNDS: Final = 8
 
 
 class Schedulable(Protocol):
@@ -30,6 +55,16 @@ class Schedulable(Protocol):
         """Arrival order, to break ties deterministically."""
         ...
 
+    @property
+    def priority(self) -> int:
+        """Higher runs first, within PRIORITY_MIN..PRIORITY_MAX."""
+        ...
+
+    @property
+    def arrival_round(self) -> int:
+        """The batch sequence number when it arrived: it has waited since then until its first step."""
+        ...
+
 
 T = TypeVar("T", bound=Schedulable)
 
@@ -43,11 +78,33 @@ class BatchLimits:
             raise ValueError(f"max_batch_size must be >= 1, got {self.max_batch_size}")
 
 
-def pick_batch(runnable: Iterable[T], limits: BatchLimits) -> Sequence[T]:
-    """Choose the next batch from ``runnable`` (an empty list when there is none)."""
-    ordered = sorted(runnable, key=lambda r: (r.last_scheduled, r.arrival))
-    if not ordered:
+def effective_priority(priority: int, waited_rounds: int, *, age_rounds: int = AGE_ROUNDS) -> int:
+    """``priority`` plus one point per ``age_rounds`` rounds waited (negative waits count as none)."""
+    return priority + max(0, waited_rounds) // age_rounds
+
+
+def _since(r: Schedulable) -> int:
+    return r.last_scheduled if r.last_scheduled >= 0 else r.arrival_round
+
+
+def pick_batch(runnable: Iterable[T], limits: BatchLimits, *, now: int | None = None) -> Sequence[T]:
+    """Choose the next batch from ``runnable`` (an empty list when there is none).
+
+    ``now`` is the current round (batch sequence number); by default the
+    latest round any runnable request ran or arrived in, which is the
+    current one unless the latest batch is all paused (then every wait is
+    undercounted alike, and the order barely changes).
+    """
+    items = list(runnable)
+    if not items:
         return []
+    if now is None:
+        now = max(_since(r) for r in items)
+
+    def order(r: T) -> tuple[int, int, int]:
+        return (-effective_priority(r.priority, now - _since(r)), r.last_scheduled, r.arrival)
+
+    ordered = sorted(items, key=order)
     leader = ordered[0]
     key = leader.batch_key
     if key is None or limits.max_batch_size == 1:

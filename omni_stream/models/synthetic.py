@@ -10,10 +10,15 @@ a solo one.
 Faults: ``fail_at`` makes that step raise (before any state is touched, as
 the model contract asks); ``hang_at`` with ``hang_s`` blocks the producer
 thread inside that step, the way a wedged kernel would.
+
+Its params are bounded so that one request over the wire cannot take the
+machine: a frame holds at most ``MAX_ELEMENTS`` values, a step at most
+``MAX_WORK`` rounds, a hang at most ``MAX_HANG_S`` seconds.
 """
 
 from __future__ import annotations
 
+import math
 import time
 from collections.abc import Hashable, Mapping, Sequence
 from dataclasses import dataclass
@@ -21,12 +26,26 @@ from typing import Any
 
 import torch
 
+from ..errors import ParamsError
 from ..model import StepModel
 from ..params import Param
 
-__all__ = ["Synthetic", "SyntheticFault"]
+__all__ = ["MAX_ELEMENTS", "MAX_HANG_S", "MAX_WORK", "Synthetic", "SyntheticFault"]
 
 _WORK_DIM = 128
+#: Values in one frame: 4 Mi, a [4, 1024, 1024] latent or a [3, 1024, 1024]
+#: image (16 MiB in float32). A request holds several such tensors (its
+#: state, its target, frames in flight, previews), so the product of the
+#: sides is what must be bounded, not each side.
+MAX_ELEMENTS = 4 * 1024 * 1024
+#: Matmul rounds per step: ~0.1-0.2 s of one core at most. Not lower: the
+#: benchmarks calibrate work for steps of tens of ms, a few hundred rounds
+#: on a fast core. Every step of a batch waits for it, so 10,000 (~1 s)
+#: made one client's request slow everyone's.
+MAX_WORK = 1000
+#: A hang holds the producer thread, so every request waits it out: ten
+#: minutes is longer than any step timeout worth testing, not a day.
+MAX_HANG_S = 600.0
 
 
 class SyntheticFault(RuntimeError):
@@ -48,13 +67,14 @@ class Synthetic(StepModel):
     name = "synthetic"
     params = (
         Param("steps", "int", 20, "frames to produce", minimum=1, maximum=100_000),
-        Param("shape", "shape", [4, 64, 64], "frame shape", minimum=1, maximum=4096, max_len=5),
+        Param("shape", "shape", [4, 64, 64],
+              f"frame shape (at most {MAX_ELEMENTS} values in all)", minimum=1, maximum=4096, max_len=5),
         Param("work", "int", 1, "rounds of a 128x128 matmul per step (~0.05-0.2 ms each)",
-              minimum=0, maximum=10_000),
+              minimum=0, maximum=MAX_WORK),
         Param("seed", "int", 0, "random seed", minimum=0, maximum=2**63 - 1),
         Param("fail_at", "int", None, "this step raises SyntheticFault", minimum=1),
         Param("hang_at", "int", None, "this step blocks for hang_s seconds", minimum=1),
-        Param("hang_s", "float", 3600.0, "how long hang_at blocks", minimum=0.0, maximum=86_400.0),
+        Param("hang_s", "float", MAX_HANG_S, "how long hang_at blocks", minimum=0.0, maximum=MAX_HANG_S),
     )
 
     def __init__(self, *, max_batch_size: int = 64, dtype: torch.dtype = torch.float32) -> None:
@@ -62,6 +82,18 @@ class Synthetic(StepModel):
         self.dtype = dtype
         self._weight: torch.Tensor | None = None
         self._device = torch.device("cpu")
+
+    def validate(self, params: Mapping[str, Any] | None) -> dict[str, Any]:
+        """Checked params; raises ParamsError naming the field (``shape`` over MAX_ELEMENTS values)."""
+        out = super().validate(params)
+        count = math.prod(out["shape"])
+        if count > MAX_ELEMENTS:
+            raise ParamsError(
+                f"{self.name} param 'shape': {list(out['shape'])} holds {count} values; "
+                f"at most {MAX_ELEMENTS} are allowed",
+                field="shape",
+            )
+        return out
 
     def total_steps(self, params: Mapping[str, Any]) -> int:
         return int(params["steps"])

@@ -22,7 +22,11 @@ slow client except that client's writer.
 
 from __future__ import annotations
 
+import asyncio
+import errno
+import json
 import logging
+import os
 import signal
 import time
 import uuid
@@ -40,7 +44,7 @@ from websockets.asyncio.server import serve as _ws_serve
 from websockets.http11 import Request, Response
 
 from ..engine import Engine, FrameStream
-from ..errors import EngineError, ParamsError
+from ..errors import EngineDeadError, EngineError, OmniStreamError, ParamsError
 from ..model import StepModel
 from ..preview import Previewer, PreviewSpec
 from . import admission, protocol, routes, security
@@ -48,9 +52,10 @@ from .connection import ClientConnection
 from .consumer import stream_request
 from .limits import ServerLimits, resolve_origins, resolve_token
 from .metrics import CONTENT_TYPE, ServerMetrics
+from .outbox import MemoryBudget
 from .session import RequestRecord, RequestRegistry
 
-__all__ = ["Server", "serve"]
+__all__ = ["Server", "ServerFailedError", "serve"]
 
 logger = logging.getLogger("omni_stream.server")
 
@@ -65,7 +70,11 @@ class Server:
     arguments of :class:`ServerLimits`. Raises ParamsError for a bad option.
 
     ``async with Server(model, port=0) as server: ...`` serves until the
-    block ends, then shuts down gracefully (see :meth:`aclose`).
+    block ends, then shuts down gracefully (see :meth:`aclose`). When the
+    engine dies or a task of the server fails, the server logs why and shuts
+    itself down (:attr:`fatal` says why; ``serve()`` raises it), so that a
+    supervisor replaces the process; ``stay_dead=True`` keeps it up instead
+    (``/health`` answers 503 ``dead``), for debugging.
     """
 
     def __init__(
@@ -78,8 +87,11 @@ class Server:
         allow_origins: Sequence[str] | str | None = (),
         device: str = "auto",
         previewer: Previewer | None = None,
+        stay_dead: bool = False,
         **limits: Any,
     ) -> None:
+        if not isinstance(stay_dead, bool):
+            raise ParamsError(f"stay_dead must be true or false, got {stay_dead!r}", field="stay_dead")
         if isinstance(engine_or_model, Engine):
             self._engine = engine_or_model
             self._owns_engine = False
@@ -108,10 +120,15 @@ class Server:
         self._default_preview = admission.cap_preview(
             PreviewSpec(decoder=self._default_decoder), self.limits
         )
+        # Bytes held for clients, queued and retained: max_memory_bytes (outbox.py).
+        self._memory = MemoryBudget(self.limits.max_memory_bytes)
         self._registry = RequestRegistry(
-            retention_s=self.limits.retention_s, max_retained=self.limits.max_retained
+            retention_s=self.limits.retention_s,
+            max_retained=self.limits.max_retained,
+            budget=self._memory,
         )
         self.metrics = ServerMetrics(self._engine, running=lambda: len(self._registry.running()))
+        self.metrics.watch_memory(self._memory)
         self._connections: dict[str, ClientConnection] = {}
         self._own_origins: frozenset[str] = frozenset()
         self._port: int | None = None
@@ -125,6 +142,11 @@ class Server:
         self._shutdown_done = anyio.Event()
         self._requests_idle = anyio.Event()
         self._connections_idle = anyio.Event()
+        # Dies loudly: a dead engine or a failed server task shuts the server
+        # down (serve() then raises this), unless stay_dead keeps it up.
+        self._stay_dead = stay_dead
+        self._fatal: OmniStreamError | None = None
+        self._fd_warning = _FdWarning()
 
     # -- properties ------------------------------------------------------------
 
@@ -157,6 +179,15 @@ class Server:
     @property
     def closing(self) -> bool:
         return self._state in ("closing", "closed")
+
+    @property
+    def fatal(self) -> OmniStreamError | None:
+        """Why the server shut itself down (or, with ``stay_dead``, would have); None if it did not.
+
+        EngineDeadError when the engine died, ServerFailedError when a task
+        of the server failed (``__cause__`` is what it raised).
+        """
+        return self._fatal
 
     # -- lifecycle ---------------------------------------------------------------
 
@@ -201,8 +232,19 @@ class Server:
         self._stack = stack
         self._port = self._ws_server.sockets[0].getsockname()[1]
         self._own_origins = security.own_origins(self._host, self._port)
-        self._tg.start_soon(self._sweep_retained)
+        self._tg.start_soon(self._supervised, "retention sweep", self._sweep_retained)
+        self._tg.start_soon(self._supervised, "engine watch", self._watch_engine)
+        self._tg.start_soon(self._supervised, "file descriptor watch", self._watch_file_descriptors)
         logger.info("omni_stream server listening on %s (model %s)", self.http_url, self.model.name)
+        # The addresses actually bound ("localhost" may bind ::1 and 127.0.0.1).
+        bound = {str(sock.getsockname()[0]) for sock in self._ws_server.sockets}
+        exposed = sorted(h for h in bound if not security.is_loopback(h))
+        if exposed and self._token is None:
+            logger.warning(
+                "listening on %s, not a loopback address, without a token: anyone who can reach "
+                "the port can run requests; set a token (--token, OMNI_STREAM_TOKEN) or bind 127.0.0.1",
+                ", ".join(exposed),
+            )
 
     def request_shutdown(self) -> None:
         """Ask :meth:`serve_forever` to return; a second call also skips the grace period."""
@@ -320,6 +362,65 @@ class Server:
             self._connections_idle = anyio.Event()
             await self._connections_idle.wait()
 
+    async def _supervised(self, name: str, fn: Any) -> None:
+        # A background task of the server that raises is a bug: shut down
+        # loudly (its exception in the task group would instead cancel every
+        # request without a word to the clients).
+        try:
+            await fn()
+        except Exception as exc:  # noqa: BLE001 - _die logs it, with its traceback
+            error = ServerFailedError(f"the server's {name} task failed: {exc!r}")
+            error.__cause__ = exc
+            self._die(error)
+
+    def _die(self, error: OmniStreamError) -> None:
+        """Record why the server cannot go on, log it once, and shut down unless ``stay_dead``."""
+        if self._fatal is not None:
+            return
+        self._fatal = error
+        exc_info = error.__cause__ if isinstance(error, ServerFailedError) else None
+        if self._stay_dead:
+            logger.error(
+                "%s; staying up as asked (stay_dead), /health answers 503", error, exc_info=exc_info
+            )
+            return
+        logger.error(
+            "%s; shutting down so that a supervisor can restart the process "
+            "(stay_dead / --stay-dead keeps it up)",
+            error,
+            exc_info=exc_info,
+        )
+        # Wakes serve_forever; shutdown() itself also runs here for servers
+        # used without it (it is idempotent and answers concurrent callers).
+        self.request_shutdown()
+        if self._tg is not None and self._state == "running":
+            self._tg.start_soon(self.shutdown, name="omni_stream fatal shutdown")
+
+    async def _watch_engine(self) -> None:
+        # The engine has no death callback; health() is a cheap snapshot.
+        # Dead is final; stalled may recover, and closed is the owner's call.
+        while True:
+            await anyio.sleep(_ENGINE_WATCH_S)
+            health = self._engine.health()
+            if health.status == "dead":
+                self._die(EngineDeadError(f"the engine died: {health.reason}"))
+                return
+
+    async def _watch_file_descriptors(self) -> None:
+        # uvloop (serve()'s loop) accepts and drops connections silently when
+        # the process is out of descriptors (libuv's EMFILE trick), so count
+        # them: what asyncio's own loop reports goes through serve()'s
+        # exception handler to the same once-a-minute warning.
+        limit = _fd_soft_limit()
+        if limit is None or _open_fds() is None:
+            return  # no RLIMIT_NOFILE or no /proc/self/fd (/dev/fd) here
+        while True:
+            await anyio.sleep(_FD_WATCH_S)
+            count = _open_fds()
+            limit = _fd_soft_limit() or limit
+            if count is not None and count >= limit - _FD_HEADROOM:
+                self._fd_warning.warn(f"{count} of RLIMIT_NOFILE={limit} descriptors are open")
+
     async def _sweep_retained(self) -> None:
         # Detached results must not outlive retention_s even when nobody
         # looks them up (lookups also prune); a memory leak otherwise.
@@ -340,8 +441,21 @@ class Server:
             return routes.error_response(503, "shutting_down", "the server is shutting down")
         parts = urlsplit(request.path)
         path = parts.path
-        if path == "/ws":
+        # websockets 17 hands every method to this hook; older releases drop
+        # anything but GET unanswered before it (docs/protocol.md).
+        method = getattr(request, "method", "GET")
+        if path == "/ws" and method == "GET":
             return self._check_handshake(request, parts.query)
+        if path == "/ws":
+            response = routes.method_not_allowed(method, path, allow=("GET",))
+        elif path in routes.READ_ONLY_ROUTES and method not in ("GET", "HEAD"):
+            response = routes.method_not_allowed(method, path, allow=("GET", "HEAD"))
+        else:
+            response = self._route(path)
+        # HEAD: GET's status and headers (Content-Length included), never a body.
+        return routes.without_body(response) if method == "HEAD" else response
+
+    def _route(self, path: str) -> Response:
         if path in ("/", "/index.html"):
             return routes.page_response()
         if path == "/health":
@@ -400,8 +514,26 @@ class Server:
             "requests": len(self._registry.running()),
             "retained": len(self._registry.retained()),
         }
+        stats = health.statistics
+        load = admission.Load.of(
+            stats.active, stats.queued, self.limits, engine_batch_size=self._engine.max_batch_size
+        )
+        payload["load"] = load.to_dict()
         if self.closing and health.ok:
             payload.update(status="shutting_down", ok=False, reason="the server is shutting down")
+        elif health.ok and load.busy:
+            # 200: a full server is healthy (a 503 would make a liveness
+            # probe restart it, killing the work it is busy with).
+            payload.update(
+                status="busy",
+                reason=f"the server holds {load.held} requests, max_active + max_queued; "
+                "a generate gets error busy",
+            )
+            payload["load"]["retry_after_s"] = self._retry_after(load)
+        if self._fatal is not None and payload["ok"]:
+            # A failed server task (stay_dead keeps the process up): not
+            # able to serve, though the engine is.
+            payload.update(status="dead", ok=False, reason=str(self._fatal))
         return routes.json_response(200 if payload["ok"] else 503, payload)
 
     # -- connections -------------------------------------------------------------
@@ -413,7 +545,9 @@ class Server:
             code = protocol.CLOSE_GOING_AWAY if self.closing else protocol.CLOSE_TRY_AGAIN_LATER
             await ws.close(code, reason)
             return
-        conn = ClientConnection(ws, limits=self.limits, metrics=self.metrics, dispatch=self._dispatch)
+        conn = ClientConnection(
+            ws, limits=self.limits, metrics=self.metrics, dispatch=self._dispatch, budget=self._memory
+        )
         self._connections[conn.id] = conn
         self.metrics.connections.inc()
         self.metrics.connections_opened.inc()
@@ -467,6 +601,22 @@ class Server:
             )
 
     def _generate(self, conn: ClientConnection, msg: protocol.Generate) -> None:
+        # Every refusal is counted by its code; busy is answered here, its
+        # error carrying retry_after_s.
+        try:
+            self._admit(conn, msg)
+        except admission.BusyError as exc:
+            self.metrics.rejections.labels(exc.code).inc()
+            self.metrics.requests.labels("rejected").inc()
+            # No id when the client sent none (as _dispatch: a made-up id means nothing to it).
+            reply = protocol.error(exc.code, exc.message, request_id=msg.id)
+            reply["retry_after_s"] = exc.retry_after_s
+            conn.outbox.put(protocol.dumps(reply), "error")
+        except protocol.MessageError as exc:
+            self.metrics.rejections.labels(exc.code).inc()
+            raise
+
+    def _admit(self, conn: ClientConnection, msg: protocol.Generate) -> None:
         request_id = msg.id or uuid.uuid4().hex
         if self.closing:
             raise protocol.MessageError(
@@ -488,6 +638,19 @@ class Server:
                 "(max_requests_per_connection, OMNI_STREAM_MAX_REQUESTS_PER_CONNECTION)",
                 request_id=request_id,
             )
+        # Before the params are read: refusing an overloaded server's work
+        # must cost less than the work (a data: URL image is up to 1 MiB).
+        stats = health.statistics
+        load = admission.Load.of(
+            stats.active, stats.queued, self.limits, engine_batch_size=self._engine.max_batch_size
+        )
+        admission.check_load(
+            load,
+            own=self._registry.running_owned_by(conn.id),
+            connections=len(self._connections),
+            retry_after_s=lambda: self._retry_after(load),
+            request_id=request_id,
+        )
         spec = admission.preview_spec(
             msg.preview,
             default=self._default_preview,
@@ -502,7 +665,8 @@ class Server:
         try:
             # The raw params: the engine validates them itself (the same checks).
             stream = self._engine.stream(
-                msg.params, request_id=request_id, policy="latest", preview_every=spec.every
+                msg.params, request_id=request_id, policy="latest", preview_every=spec.every,
+                priority=msg.priority,
             )
         except ParamsError as exc:
             raise protocol.MessageError(
@@ -527,6 +691,15 @@ class Server:
         self._tg.start_soon(
             self._consume, record, stream, spec, output,
             name=f"omni_stream request {request_id}",
+        )
+
+    def _retry_after(self, load: admission.Load) -> float:
+        return admission.retry_after(
+            (r.total - r.latest_step for r in self._registry.running()),
+            held=load.held,
+            step_s=self.metrics.recent_step_s,
+            batch_size=self.metrics.recent_batch_size,
+            whole_requests=bool(getattr(self.model, "runs_whole_requests", False)),
         )
 
     def _cancel(self, conn: ClientConnection, msg: protocol.Cancel) -> None:
@@ -570,11 +743,20 @@ class Server:
         finally:
             if message is None:  # the server's task group was cancelled
                 message = protocol.cancelled(record.id, reason="shutdown")
-            record.finish(message, now=time.monotonic())
-            self._registry.ended(record)
-            self.metrics.requests.labels(record.outcome or "error").inc()
-            if not self._registry.running():
-                self._requests_idle.set()
+            try:
+                record.finish(message, now=time.monotonic())
+                self._registry.ended(record)
+                self.metrics.requests.labels(record.outcome or "error").inc()
+                _log_request_done(record, message, model=self.model.name)
+            except Exception as exc:  # noqa: BLE001 - _die logs it, with its traceback
+                # The server's own books are wrong now (a record that never
+                # ends holds shutdown and its client): die loudly.
+                error = ServerFailedError(f"finishing request {record.id} failed: {exc!r}")
+                error.__cause__ = exc
+                self._die(error)
+            finally:
+                if not self._registry.running():
+                    self._requests_idle.set()
 
 
 def _websockets_logger() -> logging.Logger:
@@ -587,6 +769,103 @@ def _websockets_logger() -> logging.Logger:
     return log
 
 
+class ServerFailedError(OmniStreamError):
+    """A task of the server itself failed, so it shut down; ``__cause__`` is what that task raised."""
+
+
+#: How often the server looks at engine.health() for a dead engine.
+_ENGINE_WATCH_S = 0.2
+#: How often it counts its open file descriptors, and how few free ones it
+#: calls "out of descriptors".
+_FD_WATCH_S = 5.0
+_FD_HEADROOM = 8
+_FD_WARN_EVERY_S = 60.0
+
+
+class _FdWarning:
+    """The out-of-file-descriptors warning, at most once a minute (it recurs on every accept)."""
+
+    def __init__(self) -> None:
+        self._last: float | None = None
+
+    def warn(self, detail: str) -> bool:
+        """Log it unless it was logged less than a minute ago; returns whether it was."""
+        now = time.monotonic()
+        if self._last is not None and now - self._last < _FD_WARN_EVERY_S:
+            return False
+        self._last = now
+        logger.warning(
+            "out of file descriptors (%s): new connections are refused or dropped unanswered; "
+            "raise the limit (ulimit -n, systemd LimitNOFILE=) or lower max_connections",
+            detail,
+        )
+        return True
+
+
+def _fd_soft_limit() -> int | None:
+    try:
+        import resource
+    except ImportError:  # pragma: no cover - Windows
+        return None
+    soft, _ = resource.getrlimit(resource.RLIMIT_NOFILE)
+    return None if soft == resource.RLIM_INFINITY else int(soft)
+
+
+def _open_fds() -> int | None:
+    """Descriptors this process has open; None where it cannot tell."""
+    for folder in ("/proc/self/fd", "/dev/fd"):
+        try:
+            return len(os.listdir(folder))
+        except OSError as exc:
+            if exc.errno in (errno.EMFILE, errno.ENFILE):
+                # Listing needs a descriptor itself: none is left.
+                return _fd_soft_limit()
+    return None
+
+
+def _loop_exception_handler(warning: _FdWarning) -> Any:
+    """For serve()'s loop: asyncio's loop reports a failed accept() here, up to 100 times a tick.
+
+    EMFILE / ENFILE become the once-a-minute warning; the rest goes to the
+    loop's default handler.
+    """
+
+    def handle(loop: asyncio.AbstractEventLoop, context: dict[str, Any]) -> None:
+        exc = context.get("exception")
+        if isinstance(exc, OSError) and exc.errno in (errno.EMFILE, errno.ENFILE):
+            warning.warn(f"{context.get('message', 'accept failed')}: {exc.strerror}")
+            return
+        loop.default_exception_handler(context)
+
+    return handle
+
+
+def _kv(value: Any) -> str:
+    text = str(value)
+    return json.dumps(text) if not text or any(c.isspace() or c in '"=' for c in text) else text
+
+
+def _log_request_done(record: RequestRecord, message: dict[str, Any], *, model: str) -> None:
+    """One INFO line per request as it ends: key=value text, the same fields in ``extra``."""
+    outcome = record.outcome or str(message.get("type"))
+    same = outcome == message.get("type")  # (shutdown may have ended it first)
+    fields: dict[str, Any] = {
+        "request_id": record.id,
+        "connection": record.owner,
+        "model": model,
+        "outcome": outcome,
+        "code": message.get("code") if same else None,
+        "reason": message.get("reason") if same else None,
+        "steps": record.latest_step,
+        "total_steps": record.total,
+        "elapsed_s": round((record.ended_at or time.monotonic()) - record.created_at, 3),
+        "detach": record.detach,
+    }
+    names = {"request_id": "id", "connection": "conn", "total_steps": "total"}
+    text = " ".join(f"{names.get(k, k)}={_kv(v)}" for k, v in fields.items() if v is not None)
+    logger.info("request done %s", text, extra=fields)
+
+
 def serve(
     model: StepModel | str,
     *,
@@ -595,6 +874,7 @@ def serve(
     token: str | None = None,
     allow_origins: Sequence[str] | str | None = (),
     device: str = "auto",
+    stay_dead: bool = False,
     **limits: Any,
 ) -> None:
     """Run the engine and the websocket server until SIGINT or SIGTERM (blocking).
@@ -602,18 +882,26 @@ def serve(
     ``model`` is a StepModel or a name for ``omni_stream.models.load_model``
     (``"mixture"``, ``"synthetic"``, ``"module:attr"``). Uses uvloop when it
     is installed. Inside async code use ``async with Server(...) as server:
-    await server.serve_forever()`` instead. Raises ParamsError for a bad
-    option or model name.
+    await server.serve_forever()`` instead.
+
+    When the engine dies (or a task of the server fails) it answers the
+    requests in flight, shuts down and raises EngineDeadError (or
+    ServerFailedError), so that the process exits and a supervisor restarts
+    it; ``stay_dead=True`` keeps serving ``/health`` 503 until a signal, then
+    raises the same. Raises ParamsError for a bad option or model name.
     """
     if isinstance(model, str):
         from ..models.registry import load_model
 
         model = load_model(model)
     server = Server(
-        model, host=host, port=port, token=token, allow_origins=allow_origins, device=device, **limits
+        model, host=host, port=port, token=token, allow_origins=allow_origins, device=device,
+        stay_dead=stay_dead, **limits,
     )
 
     async def main() -> None:
+        # Our own loop: out-of-descriptors reports become one clear warning.
+        asyncio.get_running_loop().set_exception_handler(_loop_exception_handler(server._fd_warning))
         async with server:
             await server.serve_forever()
 
@@ -624,4 +912,5 @@ def serve(
     else:
         options = {"use_uvloop": True}
     anyio.run(main, backend="asyncio", backend_options=options)
-
+    if server.fatal is not None:
+        raise server.fatal

@@ -1,11 +1,15 @@
 """One websocket client: its outbox, a reader and a writer, and how it is closed.
 
 The reader hands each message to the server's ``dispatch`` (synchronous:
-handling a message never waits, so the reader only ever waits on the
-socket). The writer drains the :class:`Outbox` onto the socket; it is the
+handling a message never waits), then gives the writer a turn, and reads the
+next message only once the outbox has room for its reply (backpressure: a
+client bursting messages it does read the replies of is slowed down, never
+closed). The writer drains the :class:`Outbox` onto the socket; it is the
 only task that ever waits on this client, bounded by ``send_timeout_s``, and
 an overflowing outbox interrupts it. A client that stops reading is closed
 with 1008; the close itself is bounded too (see :meth:`ClientConnection._close`).
+When the connection ends, its outbox is aborted: whatever was still queued
+is freed at once, not when the cyclic GC next runs.
 """
 
 from __future__ import annotations
@@ -15,6 +19,7 @@ import uuid
 from collections.abc import Callable
 
 import anyio
+import anyio.lowlevel
 from websockets.asyncio.server import ServerConnection
 from websockets.exceptions import ConnectionClosed
 from websockets.protocol import State
@@ -22,7 +27,7 @@ from websockets.protocol import State
 from . import protocol
 from .limits import ServerLimits
 from .metrics import ServerMetrics
-from .outbox import Outbox, OutboxOverflowError
+from .outbox import MemoryBudget, Outbox, OutboxOverflowError
 
 __all__ = ["ClientConnection"]
 
@@ -39,12 +44,15 @@ class ClientConnection:
         limits: ServerLimits,
         metrics: ServerMetrics,
         dispatch: Callable[[ClientConnection, str | bytes], None],
+        budget: MemoryBudget | None = None,
     ) -> None:
         self.id = uuid.uuid4().hex
         self.ws = ws
         self.remote = _remote(ws)
         self.outbox = Outbox(
             max_pending=limits.max_pending,
+            max_pending_bytes=limits.max_pending_bytes,
+            budget=budget,
             on_replaced=lambda kind: metrics.messages_dropped.labels(kind).inc(),
             on_overflow=self._overflowed,
         )
@@ -72,7 +80,10 @@ class ClientConnection:
             logger.exception("connection %s from %s failed", self.id, self.remote)
             await self._close(protocol.CLOSE_INTERNAL_ERROR, "internal error")
         finally:
-            self.outbox.close()
+            # Nothing queued can be sent any more: free it now. This also
+            # breaks the outbox -> on_overflow -> self cycle.
+            self.outbox.abort()
+            self._send_scope = None
 
     def close_soon(self, code: int, reason: str) -> None:
         """Send what is queued, then close with ``code`` and ``reason``; accept no more."""
@@ -87,8 +98,23 @@ class ClientConnection:
         try:
             async for data in self.ws:
                 self._dispatch(self, data)
+                # websockets hands over the frames it already received without
+                # yielding: without this turn, a burst of messages in one TCP
+                # write queued every reply before the writer sent the first.
+                await anyio.lowlevel.checkpoint()
+                await self._wait_for_room()
         except ConnectionClosed:
             pass
+
+    async def _wait_for_room(self) -> None:
+        # Backpressure: read the next message only once its reply fits; the
+        # client's further messages wait in websockets' bounded queue, then
+        # in TCP. Except when the writer is blocked on a socket the client
+        # does not drain (websockets paused writing): that client is not
+        # reading its replies, so the next one overflows the outbox (1008),
+        # as before, rather than waiting out send_timeout_s.
+        while not self.outbox.has_room() and not self.ws.paused:
+            await self.outbox.wait_for_room()
 
     async def _write(self) -> None:
         sent = self._metrics.messages_sent
@@ -102,7 +128,7 @@ class ClientConnection:
                         await self._close(*self._close_with)
                     return
                 except OutboxOverflowError as exc:
-                    await self._close_slow(f"client not reading: {exc}")
+                    await self._close_slow(self._overflow_reason(exc))
                     return
                 # One scope for both ways a send ends early: its deadline (the
                 # client stopped reading) and an overflowing outbox, which
@@ -121,6 +147,17 @@ class ClientConnection:
                 sent.labels(item.kind).inc()
         except ConnectionClosed:
             return
+        finally:
+            # A reader waiting for room must not wait on a writer that is gone.
+            self.outbox.close()
+
+    def _overflow_reason(self, exc: OutboxOverflowError) -> str:
+        # Short enough for a close frame (123 bytes): the limit, its value, its variable.
+        limit = exc.limit
+        where = f"{limit}={getattr(self._limits, limit, '?')} ({ServerLimits.env_name(limit)})"
+        if limit == "max_memory_bytes":
+            return f"client not reading: server over {where}"
+        return f"client not reading: over {where}"
 
     def _overflowed(self) -> None:
         if self._send_scope is not None:

@@ -33,9 +33,14 @@ _ENV: dict[str, tuple[str, type]] = {
     "max_message_bytes": ("OMNI_STREAM_MAX_MESSAGE_BYTES", int),
     "max_connections": ("OMNI_STREAM_MAX_CONNECTIONS", int),
     "max_requests_per_connection": ("OMNI_STREAM_MAX_REQUESTS_PER_CONNECTION", int),
+    "max_active": ("OMNI_STREAM_MAX_ACTIVE", int),
+    "max_queued": ("OMNI_STREAM_MAX_QUEUED", int),
     "max_steps": ("OMNI_STREAM_MAX_STEPS", int),
     "max_image_size": ("OMNI_STREAM_MAX_IMAGE_SIZE", int),
+    "max_frames": ("OMNI_STREAM_MAX_FRAMES", int),
     "max_pending": ("OMNI_STREAM_MAX_PENDING", int),
+    "max_pending_bytes": ("OMNI_STREAM_MAX_PENDING_BYTES", int),
+    "max_memory_bytes": ("OMNI_STREAM_MAX_MEMORY_BYTES", int),
     "send_timeout_s": ("OMNI_STREAM_SEND_TIMEOUT", float),
     "retention_s": ("OMNI_STREAM_RETENTION", float),
     "max_retained": ("OMNI_STREAM_MAX_RETAINED", int),
@@ -45,6 +50,10 @@ _ENV: dict[str, tuple[str, type]] = {
 }
 
 
+#: Limits whose None default is derived from the engine (``active_bound``).
+_ENGINE_DEFAULTS = frozenset({"max_active"})
+
+
 @dataclass(frozen=True, slots=True)
 class ServerLimits:
     """Every bound the server enforces (docs/protocol.md, "Limits")."""
@@ -52,9 +61,30 @@ class ServerLimits:
     max_message_bytes: int = 1 << 20
     max_connections: int = 64
     max_requests_per_connection: int = 16
+    #: Requests the engine holds at full pace; None: twice the engine's
+    #: max_batch_size, two batches, so each steps at least every other
+    #: model call (16 with the defaults; 2 for a whole-request model).
+    max_active: int | None = None
+    #: Requests admitted beyond max_active; past both, a generate gets
+    #: ``busy``. The engine steps every request it holds in turn, so each
+    #: one here delays every step by 1/max_batch_size of a model call:
+    #: bounded, a step waits for at most (max_active + max_queued) /
+    #: max_batch_size calls (18 by default). 128, not fewer: the fanout
+    #: load of docs/performance.md (100 clients with a request each on two
+    #: cores) must still be admitted; the red team's 1,009 was 7x past it.
+    max_queued: int = 128
     max_steps: int = 10_000
     max_image_size: int = 2048
+    #: Frames of a video (int params named ``num_frames``): each multiplies
+    #: a request's memory and step time. 257 is LTX-Video's longest clip.
+    max_frames: int = 257
     max_pending: int = 256
+    #: Bytes of messages waiting for one client (outbox.py: previews give
+    #: way first; must-deliver ones over it close the client, 1008).
+    max_pending_bytes: int = 64 << 20
+    #: Bytes the server holds for all clients: every outbox plus what
+    #: request records keep for attach (outbox.MemoryBudget).
+    max_memory_bytes: int = 1 << 30
     send_timeout_s: float = 30.0
     retention_s: float = 600.0
     max_retained: int = 64
@@ -70,6 +100,8 @@ class ServerLimits:
         for f in fields(self):
             value = getattr(self, f.name)
             kind = _ENV[f.name][1]
+            if value is None and f.name in _ENGINE_DEFAULTS:
+                continue
             if kind is int:
                 if isinstance(value, bool) or not isinstance(value, int) or value < 1:
                     raise ParamsError(
@@ -117,6 +149,10 @@ class ServerLimits:
 
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)
+
+    def active_bound(self, engine_batch_size: int) -> int:
+        """``max_active``, or its default for an engine advancing ``engine_batch_size`` requests a call."""
+        return self.max_active if self.max_active is not None else 2 * max(1, engine_batch_size)
 
     @staticmethod
     def env_name(name: str) -> str:
@@ -176,8 +212,9 @@ def check_request_limits(model: Any, params: Mapping[str, Any], limits: ServerLi
 
     Steps are ``model.total_steps(params)``; image sides are int params
     named ``size``, ``width`` or ``height`` and the last two entries of
-    ``shape`` params. Raises MessageError (code ``limit_exceeded``) naming
-    the param, the limit and its environment variable.
+    ``shape`` params; video frames are an int param named ``num_frames``.
+    Raises MessageError (code ``limit_exceeded``) naming the param, the
+    limit and its environment variable.
     """
     from .protocol import MessageError  # here: protocol must not depend on limits
 
@@ -195,6 +232,13 @@ def check_request_limits(model: Any, params: Mapping[str, Any], limits: ServerLi
         value = params.get(spec.name)
         if value is None:
             continue
+        if spec.kind == "int" and spec.name == "num_frames" and value > limits.max_frames:
+            raise MessageError(
+                "limit_exceeded",
+                f"num_frames={value} exceeds this server's max_frames={limits.max_frames} "
+                f"({ServerLimits.env_name('max_frames')})",
+                field=spec.name,
+            )
         if spec.kind == "int" and spec.name in _SIDE_PARAMS and value > cap:
             raise MessageError(
                 "limit_exceeded",

@@ -36,6 +36,10 @@ _STEP_BUCKETS = (
     1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 300.0,
 )
 _ENCODE_BUCKETS = (0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5)
+#: Weight of the newest frame in the recent step averages (``busy``'s
+#: ``retry_after_s``): about the last 20 frames, so a change of load shows
+#: within a few steps but one odd step does not swing the estimate.
+_RECENT_WEIGHT = 0.05
 
 
 class _EngineCollector(Collector):
@@ -66,6 +70,13 @@ class ServerMetrics:
             "omni_stream_requests", "requests by outcome: done, cancelled, error, rejected",
             ["outcome"], registry=r,
         )
+        self.rejections = Counter(
+            "omni_stream_rejections", "generate messages rejected after parsing, by error code",
+            ["code"], registry=r,
+        )
+        #: Recent mean model-call time and batch size (None before the first frame).
+        self.recent_step_s: float | None = None
+        self.recent_batch_size: float | None = None
         self.step_compute = Histogram(
             "omni_stream_step_compute_seconds", "step compute time (frames the server observed)",
             buckets=_STEP_BUCKETS, registry=r,
@@ -87,7 +98,8 @@ class ServerMetrics:
         )
         self.messages_dropped = Counter(
             "omni_stream_messages_dropped",
-            "progress and previews replaced by a newer one before they were sent",
+            "progress and previews removed unsent: replaced by a newer one, or shed "
+            "for max_pending_bytes or max_memory_bytes",
             ["kind"], registry=r,
         )
         self.connections = Gauge("omni_stream_connections", "open websockets", registry=r)
@@ -106,13 +118,29 @@ class ServerMetrics:
             "omni_stream_requests_running", "requests the server is streaming", registry=r,
         )
         self.requests_running.set_function(lambda: float(running()))
+        self.memory_bytes = Gauge(
+            "omni_stream_memory_bytes",
+            "bytes held for clients: queued messages plus results retained for attach "
+            "(bounded by max_memory_bytes)",
+            registry=r,
+        )
         r.register(_EngineCollector(engine))
+
+    def watch_memory(self, budget: Any) -> None:
+        """Report ``budget.used`` (a MemoryBudget) as ``omni_stream_memory_bytes`` at scrape time."""
+        self.memory_bytes.set_function(lambda: float(budget.used))
 
     def observe_timings(self, timings: StepTimings) -> None:
         self.step_compute.observe(timings.compute_s)
         self.step_queued.observe(timings.queued_s)
         self.step_copy.observe(timings.copy_s)
+        self.recent_step_s = _mix(self.recent_step_s, timings.compute_s)
+        self.recent_batch_size = _mix(self.recent_batch_size, float(max(1, timings.batch_size)))
 
     def render(self) -> bytes:
         """The Prometheus text exposition of everything above."""
         return generate_latest(self.registry)
+
+
+def _mix(mean: float | None, value: float) -> float:
+    return value if mean is None else mean + _RECENT_WEIGHT * (value - mean)

@@ -8,10 +8,12 @@ synchronous, so one stalled client cannot delay another, nor a generation.
 Two kinds of entry:
 
 - must-deliver (``accepted``, final previews, ``done``, ``cancelled``,
-  ``error``): kept in order, never dropped. At most ``max_pending`` may wait;
-  one more marks the outbox *overflowed*, and the writer's next ``get``
-  raises :class:`OutboxOverflowError` so the connection is closed (1008)
-  instead of buffering without bound for a client that stopped reading.
+  ``error``): kept in order, never dropped. At most ``max_pending`` may wait,
+  holding at most ``max_pending_bytes`` (one message alone may be larger:
+  a result is never refused to a client that has nothing else waiting); one
+  more marks the outbox *overflowed*, and the writer's next ``get`` raises
+  :class:`OutboxOverflowError` so the connection is closed (1008) instead of
+  buffering without bound for a client that stopped reading.
 - latest-wins (intermediate ``progress`` and previews), put with a
   ``latest_key`` such as ``(request_id, "preview")``: a newer entry with the
   same key removes the unsent older one and goes to the back of the queue.
@@ -24,25 +26,58 @@ its step); when the preview itself is replaced, its pinned progress goes with
 it. Without pinning, ``[progress 3, preview 3]`` plus ``progress 4`` became
 ``[preview 3, progress 4]``: a preview of a step the client never saw.
 
+Bytes: when a put would take the queued bytes over ``max_pending_bytes``,
+unsent latest-wins previews (kind ``"preview"``) give way, oldest first, with
+what they pinned; a new preview that still does not fit is dropped itself
+(unless nothing else waits: one message alone may be larger than the bound).
+Only previews are shed for bytes: a progress is tiny, and dropping one alone
+could let its step's preview out without it. A :class:`MemoryBudget` shared by
+every outbox and request record bounds the server's total the same way
+(see its docstring).
+
 So per request at most one pending preview, one progress pinned to it and one
 latest progress wait, plus at most ``max_pending`` must-deliver entries in
 all, each at most one encoded image. The socket's own write buffer is
-bounded by websockets' ``write_limit``.
+bounded by websockets' ``write_limit``. An outbox that overflows, or is
+:meth:`~Outbox.abort`-ed when its connection ends, frees what it queued at
+once.
 """
 
 from __future__ import annotations
 
+import weakref
 from collections import OrderedDict
 from collections.abc import Callable, Hashable
 from dataclasses import dataclass
+from typing import Protocol
 
 import anyio
 
-__all__ = ["Outbox", "OutboxItem", "OutboxOverflowError", "OutboxStatistics"]
+__all__ = [
+    "MemoryBudget",
+    "Outbox",
+    "OutboxItem",
+    "OutboxOverflowError",
+    "OutboxStatistics",
+]
+
+#: The only latest-wins kind shed for bytes (see the module docstring).
+_SHEDDABLE = "preview"
+#: The most must-deliver messages one client message queues: an attach's
+#: ``accepted``, final preview and terminal message (see :meth:`Outbox.has_room`).
+_REPLY_RESERVE = 3
 
 
 class OutboxOverflowError(Exception):
-    """Too many must-deliver messages are waiting: the client is not reading."""
+    """The outbox overflowed; ``limit`` names the bound it went over.
+
+    ``max_pending`` or ``max_pending_bytes`` (the client is not reading), or
+    ``max_memory_bytes`` (the server's :class:`MemoryBudget` closed it).
+    """
+
+    def __init__(self, limit: str, message: str) -> None:
+        super().__init__(message)
+        self.limit = limit
 
 
 @dataclass(frozen=True, slots=True)
@@ -55,12 +90,19 @@ class OutboxItem:
 
 
 class _Entry:
-    __slots__ = ("item", "key", "pinned")
+    __slots__ = ("item", "key", "pinned", "size")
 
     def __init__(self, item: OutboxItem, key: Hashable | None, pinned: int | None) -> None:
         self.item = item
         self.key = key  # latest_key while replaceable, else None
         self.pinned = pinned  # seq of the entry pinned to this one
+        self.size = _size(item.data)
+
+
+def _size(data: str | bytes) -> int:
+    # Server text messages are ASCII JSON (protocol.dumps escapes the rest),
+    # so characters are bytes; encoding each one just to count would cost.
+    return len(data)
 
 
 @dataclass(frozen=True, slots=True)
@@ -69,30 +111,127 @@ class OutboxStatistics:
 
     pending: int  #: entries waiting, of both kinds
     pending_must: int  #: must-deliver entries waiting
-    replaced: int  #: latest-wins entries removed unsent by a newer one, ever
+    pending_bytes: int  #: bytes of the entries waiting, of both kinds
+    pending_must_bytes: int  #: bytes of the must-deliver entries waiting
+    replaced: int  #: latest-wins entries removed unsent (replaced or shed), ever
     max_pending: int
+    max_pending_bytes: int
     overflowed: bool
     closed: bool
+
+
+class _Retained(Protocol):
+    def evict_oldest_retained(self) -> bool: ...
+
+
+class MemoryBudget:
+    """Bytes the server holds for clients, against ``limit`` (``max_memory_bytes``).
+
+    Counted: what waits in every :class:`Outbox` given this budget, plus what
+    request records keep for ``attach`` replays (their latest progress,
+    preview and terminal message). While the total is over the limit, new
+    latest-wins previews are refused; when an addition takes it over, it
+    sheds until under, deterministically: first every queued latest-wins
+    preview; then, one at a time, the larger side gives way: retained (the
+    result that ended first is forgotten, :meth:`set_retained`) or queued
+    (the connection holding the most queued bytes is closed, 1008: its
+    outbox overflows). When the retained side is larger but only running
+    requests hold it, shedding stops there. Must-deliver messages of a
+    connection that stays open are never dropped. A message fanned out to
+    several clients counts once per outbox.
+    """
+
+    def __init__(self, limit: int) -> None:
+        """Raises ValueError when ``limit`` < 1."""
+        if limit < 1:
+            raise ValueError(f"limit must be >= 1, got {limit}")
+        self.limit = limit
+        self.used = 0
+        # Weak: a budget outlives connections, and must not keep one alive.
+        self._outboxes: weakref.WeakSet[Outbox] = weakref.WeakSet()
+        self._retained: weakref.ref[_Retained] | None = None
+        self._shedding = False
+
+    def set_retained(self, source: _Retained) -> None:
+        """Where ended retained results are evicted from (the request registry; held weakly)."""
+        self._retained = weakref.ref(source)
+
+    def over(self, extra: int = 0) -> bool:
+        """Whether holding ``extra`` more bytes would be over the limit."""
+        return self.used + extra > self.limit
+
+    def add(self, n: int) -> None:
+        """Count ``n`` bytes more; shed (see the class docstring) if that goes over."""
+        self.used += n
+        if self.used > self.limit:
+            self._shed()
+
+    def release(self, n: int) -> None:
+        """Count ``n`` bytes fewer."""
+        self.used -= n
+
+    def _register(self, outbox: Outbox) -> None:
+        self._outboxes.add(outbox)
+
+    def _unregister(self, outbox: Outbox) -> None:
+        self._outboxes.discard(outbox)
+
+    def _shed(self) -> None:
+        if self._shedding:  # overflowing an outbox releases bytes, re-entering here
+            return
+        self._shedding = True
+        try:
+            for box in list(self._outboxes):
+                box.shed_previews()
+            while self.used > self.limit:
+                queued = {box: box.pending_bytes for box in list(self._outboxes) if box.pending_bytes}
+                queued_total = sum(queued.values())
+                if self.used - queued_total >= queued_total:
+                    if not self._evict_retained():
+                        # Held by running requests: not the connections'
+                        # doing. Previews stay refused until they end.
+                        return
+                else:
+                    max(queued, key=queued.__getitem__).overflow(
+                        "max_memory_bytes",
+                        f"the server holds more than max_memory_bytes={self.limit} bytes",
+                    )
+        finally:
+            self._shedding = False
+
+    def _evict_retained(self) -> bool:
+        source = self._retained() if self._retained is not None else None
+        return source is not None and source.evict_oldest_retained()
+
+    def __repr__(self) -> str:
+        return f"MemoryBudget(used={self.used}, limit={self.limit}, outboxes={len(self._outboxes)})"
 
 
 class Outbox:
     """Ordered, bounded, latest-wins queue for one client (see the module docstring).
 
-    ``on_replaced(kind)`` is called for each entry replaced unsent (metrics);
-    ``on_overflow()`` once, when it overflows.
+    ``on_replaced(kind)`` is called for each entry removed unsent (replaced
+    or shed; metrics); ``on_overflow()`` once, when it overflows. With a
+    ``budget``, queued bytes count against the server's :class:`MemoryBudget`.
     """
 
     def __init__(
         self,
         *,
         max_pending: int,
+        max_pending_bytes: int = 64 << 20,
+        budget: MemoryBudget | None = None,
         on_replaced: Callable[[str], None] | None = None,
         on_overflow: Callable[[], None] | None = None,
     ) -> None:
-        """Raises ValueError when ``max_pending`` < 1."""
+        """Raises ValueError when ``max_pending`` or ``max_pending_bytes`` < 1."""
         if max_pending < 1:
             raise ValueError(f"max_pending must be >= 1, got {max_pending}")
+        if max_pending_bytes < 1:
+            raise ValueError(f"max_pending_bytes must be >= 1, got {max_pending_bytes}")
         self._max_pending = max_pending
+        self._max_pending_bytes = max_pending_bytes
+        self._budget = budget
         self._on_replaced = on_replaced
         #: Called once when the outbox overflows, e.g. to interrupt a send
         #: that is blocked on the very client that stopped reading.
@@ -101,10 +240,15 @@ class Outbox:
         self._by_key: dict[Hashable, int] = {}
         self._seq = 0
         self._pending_must = 0
+        self._bytes = 0
+        self._must_bytes = 0
         self._replaced = 0
-        self._overflowed = False
+        self._overflow: OutboxOverflowError | None = None
         self._closed = False
         self._wakeup: anyio.Event | None = None
+        self._room: anyio.Event | None = None
+        if budget is not None:
+            budget._register(self)
 
     def put(
         self,
@@ -123,28 +267,49 @@ class Outbox:
         or overflowed outbox are ignored (the connection is going away).
         Never raises for a full outbox: it marks itself overflowed.
         """
-        if self._closed or self._overflowed:
+        if self._closed or self._overflow is not None:
             return
-        if latest_key is None and self._pending_must >= self._max_pending:
-            self._overflowed = True
-            self._wake()
-            if self.on_overflow is not None:
-                self.on_overflow()
-            return
-        pinned = self._by_key.pop(pin_key, None) if pin_key is not None else None
-        if pinned is not None:
-            self._entries[pinned].key = None  # no longer replaceable on its own
-        if latest_key is None:
-            self._pending_must += 1
-            self._append(_Entry(OutboxItem(data, kind, True), None, pinned))
+        size = _size(data)
+        must = latest_key is None
+        if must:
+            if self._pending_must >= self._max_pending:
+                self.overflow(
+                    "max_pending", f"more than {self._max_pending} must-deliver messages waiting"
+                )
+                return
+            if self._pending_must and self._must_bytes + size > self._max_pending_bytes:
+                self.overflow(
+                    "max_pending_bytes",
+                    f"more than {self._max_pending_bytes} bytes of must-deliver messages waiting",
+                )
+                return
         else:
             old = self._by_key.pop(latest_key, None)
             if old is not None:
                 self._drop(old)
-            self._by_key[latest_key] = self._append(
-                _Entry(OutboxItem(data, kind, False), latest_key, pinned)
-            )
+            if kind == _SHEDDABLE and self._budget is not None and self._budget.over(size):
+                # The server is short of memory: previews are what gives way.
+                self._count_dropped(kind)
+                return
+        if self._bytes + size > self._max_pending_bytes:
+            self._shed_previews(self._bytes + size - self._max_pending_bytes)
+            fits = not self._bytes or self._bytes + size <= self._max_pending_bytes
+            if kind == _SHEDDABLE and not must and not fits:
+                self._count_dropped(kind)  # it does not fit beside what must be delivered
+                return
+        pinned = self._by_key.pop(pin_key, None) if pin_key is not None else None
+        if pinned is not None:
+            self._entries[pinned].key = None  # no longer replaceable on its own
+        entry = _Entry(OutboxItem(data, kind, must), latest_key, pinned)
+        seq = self._append(entry)
+        if must:
+            self._pending_must += 1
+            self._must_bytes += size
+        else:
+            self._by_key[latest_key] = seq
         self._wake()
+        if self._budget is not None:
+            self._budget.add(size)  # last: it may shed this very outbox
 
     def discard(self, latest_key: Hashable) -> None:
         """Drop the unsent latest-wins entry with ``latest_key`` (and what it pinned), if any."""
@@ -168,8 +333,8 @@ class Outbox:
 
     def get_nowait(self) -> OutboxItem | None:
         """The next message, or None when empty; raises like :meth:`get`."""
-        if self._overflowed:
-            raise OutboxOverflowError(f"more than {self._max_pending} must-deliver messages waiting")
+        if self._overflow is not None:
+            raise self._overflow
         if not self._entries:
             if self._closed:
                 raise anyio.EndOfStream
@@ -177,13 +342,70 @@ class Outbox:
         _, entry = self._entries.popitem(last=False)
         if entry.key is not None:
             del self._by_key[entry.key]
+        self._forget(entry)
         if entry.item.must_deliver:
             self._pending_must -= 1
+            self._must_bytes -= entry.size
+            self._wake_room()
         return entry.item
+
+    def has_room(self) -> bool:
+        """Whether the reply to one more client message fits without overflowing (as far as known).
+
+        True when nothing must-deliver waits, or there is room for
+        ``_REPLY_RESERVE`` more must-deliver messages and under half
+        ``max_pending_bytes`` of them wait; also once closed or overflowed
+        (puts are ignored then).
+        """
+        if self._closed or self._overflow is not None or not self._pending_must:
+            return True
+        return (
+            self._pending_must + _REPLY_RESERVE <= self._max_pending
+            and self._must_bytes <= self._max_pending_bytes // 2
+        )
+
+    async def wait_for_room(self) -> None:
+        """Wait until a must-deliver entry is taken, or the outbox closes or overflows."""
+        if self._closed or self._overflow is not None:
+            return
+        self._room = anyio.Event()
+        await self._room.wait()
+
+    def shed_previews(self) -> None:
+        """Drop every unsent latest-wins preview (with what it pinned); the budget's first resort."""
+        self._shed_previews(None)
+
+    def overflow(self, limit: str, message: str) -> None:
+        """Mark the outbox overflowed over ``limit`` and free everything queued.
+
+        The writer's next ``get`` raises OutboxOverflowError(limit, message);
+        ``on_overflow`` is called. Ignored once overflowed.
+        """
+        if self._overflow is not None:
+            return
+        self._overflow = OutboxOverflowError(limit, message)
+        self._clear()
+        self._wake()
+        if self.on_overflow is not None:
+            self.on_overflow()
 
     def close(self) -> None:
         """Accept no more messages; ``get`` drains what is queued, then raises EndOfStream."""
         self._closed = True
+        self._wake()
+
+    def abort(self) -> None:
+        """Close and free everything queued at once: the connection is gone.
+
+        Also drops ``on_overflow`` (typically a bound method of the
+        connection, which holds this outbox: a reference cycle that only the
+        cyclic GC would otherwise free, queued messages and all).
+        """
+        self._closed = True
+        self._clear()
+        self.on_overflow = None
+        if self._budget is not None:
+            self._budget._unregister(self)
         self._wake()
 
     @property
@@ -192,7 +414,11 @@ class Outbox:
 
     @property
     def overflowed(self) -> bool:
-        return self._overflowed
+        return self._overflow is not None
+
+    @property
+    def pending_bytes(self) -> int:
+        return self._bytes
 
     def __len__(self) -> int:
         return len(self._entries)
@@ -201,16 +427,26 @@ class Outbox:
         return OutboxStatistics(
             pending=len(self._entries),
             pending_must=self._pending_must,
+            pending_bytes=self._bytes,
+            pending_must_bytes=self._must_bytes,
             replaced=self._replaced,
             max_pending=self._max_pending,
-            overflowed=self._overflowed,
+            max_pending_bytes=self._max_pending_bytes,
+            overflowed=self.overflowed,
             closed=self._closed,
         )
 
     def _append(self, entry: _Entry) -> int:
         self._seq += 1
         self._entries[self._seq] = entry
+        self._bytes += entry.size
         return self._seq
+
+    def _forget(self, entry: _Entry) -> None:
+        # Every entry leaves through here (sent, replaced, shed or cleared).
+        self._bytes -= entry.size
+        if self._budget is not None:
+            self._budget.release(entry.size)
 
     def _drop(self, seq: int | None) -> None:
         # Only latest-wins entries are ever dropped; a pinned progress goes
@@ -219,16 +455,53 @@ class Outbox:
             entry = self._entries.pop(seq, None)
             if entry is None:
                 return
-            self._replaced += 1
-            if self._on_replaced is not None:
-                self._on_replaced(entry.item.kind)
+            self._forget(entry)
+            self._count_dropped(entry.item.kind)
             seq = entry.pinned
+
+    def _shed_previews(self, needed: int | None) -> None:
+        # Oldest first; ``needed`` None sheds them all. Only entries still
+        # keyed (not pinned to a later one) are dropped, with their pins.
+        freed = 0
+        for seq, entry in list(self._entries.items()):
+            if needed is not None and freed >= needed:
+                return
+            if entry.key is None or entry.item.kind != _SHEDDABLE or seq not in self._entries:
+                continue
+            before = self._bytes
+            del self._by_key[entry.key]
+            self._drop(seq)
+            freed += before - self._bytes
+
+    def _count_dropped(self, kind: str) -> None:
+        self._replaced += 1
+        if self._on_replaced is not None:
+            self._on_replaced(kind)
+
+    def _clear(self) -> None:
+        for entry in self._entries.values():
+            self._forget(entry)
+        self._entries.clear()
+        self._by_key.clear()
+        self._pending_must = 0
+        self._must_bytes = 0
+        self._wake_room()
 
     def _wake(self) -> None:
         if self._wakeup is not None:
             self._wakeup.set()
             self._wakeup = None
+        if self._closed or self._overflow is not None:
+            self._wake_room()
+
+    def _wake_room(self) -> None:
+        if self._room is not None:
+            self._room.set()
+            self._room = None
 
     def __repr__(self) -> str:
         s = self.statistics()
-        return f"Outbox(pending={s.pending}, must={s.pending_must}/{s.max_pending}, replaced={s.replaced})"
+        return (
+            f"Outbox(pending={s.pending}, must={s.pending_must}/{s.max_pending}, "
+            f"bytes={s.pending_bytes}, replaced={s.replaced})"
+        )

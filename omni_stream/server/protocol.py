@@ -31,6 +31,8 @@ __all__ = [
     "CLOSE_TRY_AGAIN_LATER",
     "ID_PATTERN",
     "MAX_ID_LENGTH",
+    "MAX_PRIORITY",
+    "MIN_PRIORITY",
     "REJECTION_CODES",
     "REQUEST_ENDING_CODES",
     "Attach",
@@ -70,6 +72,7 @@ REJECTION_CODES: Final = frozenset(
         "already_attached",
         "shutting_down",
         "engine_unavailable",
+        "busy",
     }
 )
 #: ``error`` codes that end an accepted request (terminal, sent to every watcher).
@@ -77,6 +80,10 @@ REQUEST_ENDING_CODES: Final = frozenset(
     {"step_failed", "step_timeout", "engine_error", "preview_failed", "internal"}
 )
 CANCEL_REASONS: Final = frozenset({"client", "disconnect", "shutdown", "engine"})
+#: ``generate``'s ``priority`` range (the engine scheduler's, restated: this
+#: module must not import the engine).
+MIN_PRIORITY: Final = -10
+MAX_PRIORITY: Final = 10
 
 CLOSE_GOING_AWAY: Final = 1001
 CLOSE_POLICY_VIOLATION: Final = 1008
@@ -85,6 +92,13 @@ CLOSE_INTERNAL_ERROR: Final = 1011
 CLOSE_TRY_AGAIN_LATER: Final = 1013
 
 _HEADER_LENGTH = struct.Struct(">I")
+
+#: Most characters of client input an error echoes (in ``field`` and in the
+#: message): a reply must not grow with what the client sent.
+MAX_ECHO: Final = 64
+#: Most characters of an error's ``message``: a backstop for messages built
+#: outside this module (model params, admission) that echo client input.
+MAX_ERROR_MESSAGE: Final = 512
 
 
 class MessageError(ParamsError):
@@ -115,6 +129,7 @@ class Generate:
     preview: dict[str, Any] | None
     detach: bool
     output: dict[str, Any] | None = None
+    priority: int = 0
 
 
 @dataclass(frozen=True, slots=True)
@@ -135,7 +150,7 @@ ClientMessage = Generate | Cancel | Attach
 
 _FIELDS: Final[dict[str, tuple[frozenset[str], frozenset[str]]]] = {
     # type: (required, optional) besides "type"
-    "generate": (frozenset({"params"}), frozenset({"id", "preview", "detach", "output"})),
+    "generate": (frozenset({"params"}), frozenset({"id", "preview", "detach", "output", "priority"})),
     "cancel": (frozenset({"id"}), frozenset()),
     "attach": (frozenset({"id"}), frozenset()),
 }
@@ -176,7 +191,7 @@ def parse_client_message(data: str | bytes) -> ClientMessage:
     try:
         obj = json.loads(data, parse_constant=_reject_constant)
     except (ValueError, RecursionError) as exc:
-        raise MessageError("bad_json", f"message is not valid JSON: {exc}") from None
+        raise MessageError("bad_json", _json_problem(exc)) from None
     if not isinstance(obj, dict):
         raise MessageError(
             "bad_message", f"message must be a JSON object, got {_type_name(obj)}"
@@ -209,11 +224,12 @@ def _parse_object(obj: dict[str, Any]) -> ClientMessage:
     unknown = sorted(k for k in obj if k != "type" and k not in required | optional)
     if unknown:
         allowed = ", ".join(sorted(required | optional))
+        named = ", ".join(repr(_clip(k)) for k in unknown[:3])
+        more = f" and {len(unknown) - 3} more" if len(unknown) > 3 else ""
         raise MessageError(
             "invalid_field",
-            f"unknown field(s) {', '.join(repr(_clip(k)) for k in unknown)} in {kind}; "
-            f"known: {allowed}",
-            field=unknown[0],
+            f"unknown field(s) {named}{more} in {kind}; known: {allowed}",
+            field=_clip(unknown[0]),
         )
     missing = sorted(required - obj.keys())
     if missing:
@@ -257,7 +273,22 @@ def _parse_object(obj: dict[str, Any]) -> ClientMessage:
             field="detach",
             request_id=request_id,
         )
-    return Generate(id=request_id, params=params, preview=preview, detach=detach, output=output)
+    priority = obj.get("priority", 0)
+    if (
+        isinstance(priority, bool)
+        or not isinstance(priority, int)
+        or not MIN_PRIORITY <= priority <= MAX_PRIORITY
+    ):
+        raise MessageError(
+            "invalid_field",
+            f"priority must be an integer from {MIN_PRIORITY} to {MAX_PRIORITY}, "
+            f"got {_clip(repr(priority)) if isinstance(priority, int) else _type_name(priority)}",
+            field="priority",
+            request_id=request_id,
+        )
+    return Generate(
+        id=request_id, params=params, preview=preview, detach=detach, output=output, priority=priority
+    )
 
 
 def _type_name(value: Any) -> str:
@@ -276,8 +307,23 @@ def _type_name(value: Any) -> str:
     return type(value).__name__
 
 
-def _clip(text: str, limit: int = 64) -> str:
+def _clip(text: str, limit: int = MAX_ECHO) -> str:
     return text if len(text) <= limit else text[:limit] + "..."
+
+
+def _json_problem(exc: BaseException) -> str:
+    # Say what is wrong and where, in JSON's terms: Python's own wording can
+    # name interpreter internals (sys.set_int_max_str_digits, recursion).
+    if isinstance(exc, json.JSONDecodeError):
+        return f"invalid JSON at line {exc.lineno} column {exc.colno}: {_clip(exc.msg)}"
+    if isinstance(exc, RecursionError):
+        return "invalid JSON: nested too deeply"
+    text = str(exc)
+    if "is not valid JSON" in text:  # _reject_constant: NaN, Infinity
+        return f"invalid JSON: {_clip(text)}"
+    if "digits" in text:
+        return "invalid JSON: an integer literal is too long"
+    return "invalid JSON"
 
 
 # ---- server messages ------------------------------------------------------
@@ -337,14 +383,22 @@ def cancelled(request_id: str, *, reason: str) -> dict[str, Any]:
 def error(
     code: str, message: str, *, request_id: str | None = None, field: str | None = None
 ) -> dict[str, Any]:
-    """``error``; raises ValueError for a code that docs/protocol.md does not list."""
+    """``error``; raises ValueError for a code that docs/protocol.md does not list.
+
+    ``field`` is clipped to MAX_ECHO characters and ``message`` to
+    MAX_ERROR_MESSAGE: both may echo what a client sent.
+    """
     if code not in REJECTION_CODES and code not in REQUEST_ENDING_CODES:
         raise ValueError(f"unknown error code {code!r}")
-    out: dict[str, Any] = {"type": "error", "code": code, "message": message}
+    out: dict[str, Any] = {
+        "type": "error",
+        "code": code,
+        "message": _clip(message, MAX_ERROR_MESSAGE),
+    }
     if request_id is not None:
         out["id"] = request_id
     if field is not None:
-        out["field"] = field
+        out["field"] = _clip(field)
     return out
 
 

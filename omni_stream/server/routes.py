@@ -23,17 +23,23 @@ from .limits import ServerLimits
 
 __all__ = [
     "PAGE",
+    "READ_ONLY_ROUTES",
     "STATIC_DIR",
     "error_response",
     "json_response",
+    "method_not_allowed",
     "models_payload",
     "page_response",
     "preview_wire",
     "respond",
+    "without_body",
 ]
 
 STATIC_DIR = Path(__file__).parent / "static"
 PAGE = STATIC_DIR / "index.html"
+
+#: The routes beside the websocket; they answer GET and HEAD.
+READ_ONLY_ROUTES = frozenset({"/", "/index.html", "/health", "/metrics", "/models"})
 
 
 def respond(
@@ -66,6 +72,25 @@ def error_response(
 ) -> Response:
     """``{"error": code, "message": message}`` with ``status``."""
     return json_response(status, {"error": code, "message": message}, extra=extra)
+
+
+def method_not_allowed(method: str, path: str, *, allow: tuple[str, ...]) -> Response:
+    """405 ``method_not_allowed`` with the ``Allow`` header listing ``allow``."""
+    allowed = ", ".join(allow)
+    return error_response(
+        405,
+        "method_not_allowed",
+        f"{method} is not allowed on {path}; use {allowed}",
+        extra={"Allow": allowed},
+    )
+
+
+def without_body(response: Response) -> Response:
+    """``response`` for a HEAD request: the same status and headers, no body.
+
+    Content-Length stays that of the body a GET would get (RFC 9110, 9.3.2).
+    """
+    return Response(response.status_code, response.reason_phrase, Headers(response.headers), b"")
 
 
 def page_response(page: Path | None = None) -> Response:

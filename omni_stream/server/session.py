@@ -7,7 +7,10 @@ keeps the latest ``progress``, the latest encoded preview and the terminal
 message, which is what ``attach`` replays. The :class:`RequestRegistry`
 holds the records, answers who may see which, and forgets ended requests:
 at once for a request that was not detached, after ``retention_s`` for one
-that was (and the oldest ended first when ``max_retained`` is reached).
+that was (and the oldest ended first when ``max_retained`` is reached, or
+when the server's :class:`~omni_stream.server.outbox.MemoryBudget` needs the
+bytes). What a record keeps for replay counts against that budget until the
+record is forgotten.
 """
 
 from __future__ import annotations
@@ -17,7 +20,7 @@ from collections.abc import Callable, Iterator, Mapping
 from typing import Any
 
 from . import protocol
-from .outbox import Outbox
+from .outbox import MemoryBudget, Outbox
 
 __all__ = ["RequestRecord", "RequestRegistry"]
 
@@ -57,6 +60,8 @@ class RequestRecord:
         self._latest_preview_final = False
         self._terminal: tuple[str, str] | None = None  # (serialized message, kind)
         self._watchers: dict[str, Outbox] = {}
+        self._budget: MemoryBudget | None = None
+        self._counted = 0  # retained_bytes() as last told to the budget
 
     @property
     def ended(self) -> bool:
@@ -112,6 +117,7 @@ class RequestRecord:
         text = protocol.dumps(message)
         self.latest_step = step
         self._latest_progress = text
+        self._recount()
         for outbox in self._watchers.values():
             outbox.put(text, "progress", latest_key=(self.id, "progress"))
 
@@ -119,6 +125,7 @@ class RequestRecord:
         """Send a packed preview frame to every watcher; a final one is must-deliver."""
         self._latest_preview = frame
         self._latest_preview_final = final
+        self._recount()
         # The pin keeps this step's progress (if still unsent) ahead of it.
         pin = (self.id, "progress")
         for outbox in self._watchers.values():
@@ -141,6 +148,7 @@ class RequestRecord:
         self._terminal = (text, kind)
         self.outcome = kind
         self.ended_at = now
+        self._recount()
         for outbox in self._watchers.values():
             outbox.put(text, kind)
         self._watchers.clear()
@@ -152,6 +160,35 @@ class RequestRecord:
             + len(self._latest_progress or "")
             + len(self._terminal[0] if self._terminal else "")
         )
+
+    def use_budget(self, budget: MemoryBudget | None) -> None:
+        """Count what this record holds for replay against ``budget`` from now on."""
+        self._release()
+        self._budget = budget
+        self._recount()
+
+    def forget(self) -> None:
+        """The registry let go of this ended record: free its replay state and its budget share."""
+        self._release()
+        self._budget = None
+        self._latest_progress = None
+        self._latest_preview = None
+
+    def _recount(self) -> None:
+        if self._budget is None:
+            return
+        held = self.retained_bytes()
+        # Set before telling the budget: adding may shed, and evict this very record.
+        delta, self._counted = held - self._counted, held
+        if delta >= 0:
+            self._budget.add(delta)
+        else:
+            self._budget.release(-delta)
+
+    def _release(self) -> None:
+        if self._budget is not None:
+            self._budget.release(self._counted)
+        self._counted = 0
 
     def __repr__(self) -> str:
         state = self.outcome or "running"
@@ -170,11 +207,15 @@ class RequestRegistry:
         retention_s: float,
         max_retained: int,
         clock: Callable[[], float] = time.monotonic,
+        budget: MemoryBudget | None = None,
     ) -> None:
         self._retention_s = retention_s
         self._max_retained = max_retained
         self._clock = clock
         self._records: dict[str, RequestRecord] = {}
+        self._budget = budget
+        if budget is not None:
+            budget.set_retained(self)
 
     def __contains__(self, request_id: object) -> bool:
         return request_id in self._records
@@ -231,8 +272,9 @@ class RequestRegistry:
             if len(retained) >= self._max_retained:
                 ended = sorted((r for r in retained if r.ended), key=lambda r: r.ended_at or 0.0)
                 for victim in ended[: len(retained) - self._max_retained + 1]:
-                    del self._records[victim.id]
+                    self._forget(victim)
         self._records[record.id] = record
+        record.use_budget(self._budget)
 
     def lookup(self, request_id: str, conn_id: str, *, authenticated: bool) -> RequestRecord:
         """The record ``conn_id`` may cancel or attach; raises MessageError ``not_found`` otherwise.
@@ -257,8 +299,8 @@ class RequestRegistry:
 
     def ended(self, record: RequestRecord) -> None:
         """Call once ``record`` has finished: a request that was not detached is forgotten now."""
-        if not record.detach:
-            self._records.pop(record.id, None)
+        if not record.detach and self._records.get(record.id) is record:
+            self._forget(record)
 
     def disconnect(self, conn_id: str) -> list[RequestRecord]:
         """Stop sending anything to ``conn_id``; return its running, non-detached requests.
@@ -281,5 +323,20 @@ class RequestRegistry:
             if r.ended and r.ended_at is not None and r.ended_at <= deadline
         ]
         for r in expired:
-            del self._records[r.id]
+            self._forget(r)
         return expired
+
+    def evict_oldest_retained(self) -> bool:
+        """Forget the ended request that ended first, if any (the memory budget's call).
+
+        Returns whether one was forgotten.
+        """
+        ended = [r for r in self._records.values() if r.ended]
+        if not ended:
+            return False
+        self._forget(min(ended, key=lambda r: r.ended_at or 0.0))
+        return True
+
+    def _forget(self, record: RequestRecord) -> None:
+        del self._records[record.id]
+        record.forget()

@@ -183,3 +183,46 @@ async def test_stream_outside_the_context_is_refused():
         engine.stream({})
     with pytest.raises(om.EngineClosedError):
         engine.check_health()
+
+
+class _SlowSynthetic(Synthetic):
+    """Synthetic whose steps sleep a little, so concurrent requests meet in batches."""
+
+    def step(self, states):
+        import time
+
+        time.sleep(0.01)
+        return super().step(states)
+
+
+async def _largest_batch(engine: om.Engine, n: int) -> int:
+    async with anyio.create_task_group() as tg:
+        for i in range(n):
+            tg.start_soon(lambda i=i: engine.generate(params(steps=8, seed=i), timeout=20))
+    return max(engine.statistics().batch_sizes)
+
+
+@pytest.mark.asyncio
+async def test_max_buffers_does_not_cap_the_batch_on_the_cpu():
+    # The CPU device hands frames over without a pool buffer (copy_owned),
+    # so a small pool must not shrink its batches.
+    async with om.Engine(_SlowSynthetic(), device="cpu", max_batch_size=4, max_buffers=2) as engine:
+        assert await _largest_batch(engine, 4) > 2
+
+
+@pytest.mark.asyncio
+async def test_a_cpu_batch_of_outputs_it_cannot_own_grows_the_pool_instead_of_wedging():
+    class Declining(om.device.CpuDevice):
+        def copy_owned(self, src):
+            return None  # every output goes through a pool buffer
+
+    engine = om.Engine(_SlowSynthetic(), device=Declining(), max_batch_size=4, max_buffers=2)
+    async with engine:
+        assert await _largest_batch(engine, 4) > 2
+        assert engine.statistics().buffers_total <= 4
+
+
+@pytest.mark.asyncio
+async def test_max_buffers_still_caps_the_batch_where_frames_go_through_the_pool():
+    async with om.Engine(_SlowSynthetic(), device="sim", max_batch_size=4, max_buffers=2) as engine:
+        assert await _largest_batch(engine, 4) <= 2

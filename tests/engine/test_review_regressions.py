@@ -53,7 +53,7 @@ async def test_aclose_under_an_outer_cancellation_still_closes_the_engine():
 
 @pytest.mark.asyncio
 async def test_a_batch_larger_than_the_pool_cannot_wedge_the_producer():
-    async with om.Engine(Synthetic(), device="cpu", max_batch_size=4, max_buffers=2) as engine:
+    async with om.Engine(Synthetic(), device="sim", max_batch_size=4, max_buffers=2) as engine:
         results = []
 
         async def run(i):

@@ -9,12 +9,18 @@ import omni_stream as om
 from omni_stream.models import Synthetic
 from omni_stream.preview import PreviewSpec
 from omni_stream.server.admission import (
+    RETRY_AFTER_MAX_S,
+    RETRY_AFTER_MIN_S,
+    BusyError,
+    Load,
     OutputSpec,
     output_spec,
     cap_preview,
+    check_load,
     check_params,
     default_decoder,
     preview_spec,
+    retry_after,
 )
 from omni_stream.server.limits import ServerLimits
 from omni_stream.server.protocol import MessageError
@@ -124,3 +130,144 @@ def test_an_input_image_larger_than_max_image_size_is_refused() -> None:
         check_params(Decodes(), {"image": "data:65"}, limits, request_id="r")
     assert (info.value.code, info.value.field) == ("limit_exceeded", "image")
     assert "65x8" in info.value.message
+
+
+# -- load: max_active, max_queued, fair shares, retry_after ---------------------------
+
+
+def test_load_splits_what_the_engine_holds_into_active_and_queued() -> None:
+    limits = ServerLimits(max_active=4, max_queued=6)
+    load = Load.of(3, 4, limits, engine_batch_size=8)  # engine statistics: started, not yet
+    assert (load.held, load.active, load.queued, load.capacity) == (7, 4, 3, 10)
+    assert not load.busy and not load.crowded  # 3 of 6 queued: half, not over
+    assert Load(8, 4, 6).crowded and not Load(8, 4, 6).busy
+    assert Load(10, 4, 6).busy
+    assert load.to_dict() == {"active": 4, "queued": 3, "max_active": 4, "max_queued": 6}
+    assert Load(0, 4, 6).to_dict()["active"] == 0
+    # Fair share: the whole capacity split between the open connections, at least 1.
+    assert [Load(8, 4, 6).fair_share(n) for n in (0, 1, 3, 64)] == [10, 10, 3, 1]
+
+
+def test_max_active_defaults_to_two_engine_batches() -> None:
+    assert ServerLimits().max_active is None and ServerLimits().max_queued == 128
+    assert ServerLimits().active_bound(8) == 16
+    assert ServerLimits().active_bound(1) == 2  # a whole-request model
+    assert ServerLimits(max_active=5).active_bound(8) == 5
+    assert Load.of(0, 0, ServerLimits(), engine_batch_size=4).max_active == 8
+
+
+def test_load_limits_come_from_keywords_and_the_environment(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("OMNI_STREAM_MAX_ACTIVE", "3")
+    monkeypatch.setenv("OMNI_STREAM_MAX_QUEUED", "9")
+    monkeypatch.setenv("OMNI_STREAM_MAX_FRAMES", "33")
+    limits = ServerLimits.from_env({})
+    assert (limits.max_active, limits.max_queued, limits.max_frames) == (3, 9, 33)
+    assert ServerLimits.from_env({"max_queued": 2}).max_queued == 2
+    monkeypatch.setenv("OMNI_STREAM_MAX_ACTIVE", "zero")
+    assert ServerLimits.from_env({}).max_active is None  # warned; the engine-derived default
+    for bad in ({"max_active": 0}, {"max_queued": 0}, {"max_queued": None}, {"max_active": 1.5},
+                {"max_frames": True}):
+        with pytest.raises(om.ParamsError) as info:
+            ServerLimits.from_env(bad)
+        assert info.value.field == next(iter(bad))
+
+
+def _busy(load: Load, *, own: int = 0, connections: int = 1) -> MessageError | None:
+    try:
+        check_load(load, own=own, connections=connections, retry_after_s=lambda: 7.5, request_id="r")
+    except MessageError as exc:
+        return exc
+    return None
+
+
+def test_check_load_refuses_past_capacity_with_busy_and_retry_after() -> None:
+    assert _busy(Load(9, 4, 6)) is None
+    err = _busy(Load(10, 4, 6))
+    assert isinstance(err, BusyError)
+    assert (err.code, err.request_id, err.retry_after_s) == ("busy", "r", 7.5)
+    assert "max_active + max_queued" in err.message and "OMNI_STREAM_MAX_QUEUED" in err.message
+
+
+def test_check_load_gives_each_connection_a_fair_share_once_the_queue_is_over_half_full() -> None:
+    calm, crowded = Load(7, 4, 6), Load(8, 4, 6)  # 3 and 4 of 6 queued
+    # One connection alone may use everything.
+    assert _busy(crowded, own=8, connections=1) is None
+    # Two open: a share is 10 // 2 = 5 once crowded, not before.
+    assert _busy(calm, own=7, connections=2) is None
+    assert _busy(crowded, own=4, connections=2) is None
+    err = _busy(crowded, own=5, connections=2)
+    assert err is not None and err.code == "busy" and "fair share of 5" in err.message
+    # Sixty-four connections: one request each, and a newcomer still gets in.
+    assert _busy(crowded, own=1, connections=64) is not None
+    assert _busy(crowded, own=0, connections=64) is None
+
+
+def test_retry_after_estimates_when_a_slot_frees_clamped() -> None:
+    # 16 held, batches of 8: each steps every 2 calls of 0.1 s; the nearest ends in 20 steps.
+    assert retry_after([50, 20, 300], held=16, step_s=0.1, batch_size=8) == 4.0
+    # A whole-request model runs one at a time: 20 calls.
+    assert retry_after([50, 20], held=16, step_s=0.1, batch_size=1, whole_requests=True) == 2.0
+    assert retry_after([3], held=2, step_s=0.001, batch_size=8) == RETRY_AFTER_MIN_S
+    assert retry_after([10_000], held=80, step_s=0.05, batch_size=8) == RETRY_AFTER_MAX_S
+    # Nothing known yet: the minimum.
+    assert retry_after([], held=4, step_s=0.1, batch_size=8) == RETRY_AFTER_MIN_S
+    assert retry_after([10], held=4, step_s=None, batch_size=None) == RETRY_AFTER_MIN_S
+    assert retry_after([10], held=4, step_s=0.5, batch_size=None) == 20.0
+    assert retry_after([1], held=1, step_s=1.23, batch_size=1) == 1.3  # rounded up
+
+
+# -- bounds of the params themselves ----------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    ("params", "field"),
+    [
+        ({"shape": [64, 2048, 2048]}, "shape"),
+        ({"shape": [5, 1024, 1024]}, "shape"),
+        ({"work": 1001}, "work"),
+        ({"hang_at": 1, "hang_s": 600.5}, "hang_s"),
+    ],
+)
+def test_synthetic_params_are_bounded_by_the_model(params: dict, field: str) -> None:
+    limits = ServerLimits(max_image_size=4096)
+    with pytest.raises(MessageError) as info:
+        check_params(Synthetic(), params, limits, request_id="r")
+    assert (info.value.code, info.value.field) == ("bad_params", field)
+    with pytest.raises(om.ParamsError) as direct:
+        Synthetic().validate(params)
+    assert direct.value.field == field
+
+
+def test_synthetic_params_at_the_models_bounds_pass() -> None:
+    from omni_stream.models.synthetic import MAX_ELEMENTS, MAX_HANG_S, MAX_WORK
+
+    ok = Synthetic().validate({"shape": [4, 1024, 1024], "work": MAX_WORK, "hang_s": MAX_HANG_S})
+    assert 4 * 1024 * 1024 == MAX_ELEMENTS and ok["work"] == MAX_WORK
+    assert Synthetic().validate({"hang_at": 2})["hang_s"] == MAX_HANG_S
+
+
+def test_num_frames_is_bounded_by_max_frames() -> None:
+    class Video(Synthetic):
+        params = (*Synthetic.params, om.Param("num_frames", "int", 49, minimum=1, maximum=2048))
+
+    limits = ServerLimits(max_frames=121)
+    assert check_params(Video(), {"num_frames": 121}, limits, request_id="r") == 20
+    with pytest.raises(MessageError) as info:
+        check_params(Video(), {"num_frames": 122}, limits, request_id="r")
+    assert (info.value.code, info.value.field) == ("limit_exceeded", "num_frames")
+    assert "OMNI_STREAM_MAX_FRAMES" in info.value.message and info.value.request_id == "r"
+    assert ServerLimits().max_frames == 257
+
+
+def test_priority_parses_within_its_range() -> None:
+    from omni_stream.engine.scheduler import PRIORITY_MAX, PRIORITY_MIN
+    from omni_stream.server import protocol
+
+    assert (protocol.MIN_PRIORITY, protocol.MAX_PRIORITY) == (PRIORITY_MIN, PRIORITY_MAX)
+    parse = protocol.parse_client_message
+    assert parse('{"type": "generate", "params": {}}').priority == 0
+    assert parse('{"type": "generate", "params": {}, "priority": -10}').priority == -10
+    for bad in ("11", "-11", "1.5", "true", '"2"', "null", "1e400"):
+        with pytest.raises(MessageError) as info:
+            parse(f'{{"type": "generate", "id": "p", "params": {{}}, "priority": {bad}}}')
+        assert (info.value.code, info.value.field, info.value.request_id) == ("invalid_field", "priority", "p")

@@ -524,7 +524,8 @@ async def test_page_route_serves_the_page_or_404(monkeypatch: pytest.MonkeyPatch
 
 @pytest.mark.asyncio
 async def test_health_reports_statistics_and_turns_503_when_dead(monkeypatch: pytest.MonkeyPatch) -> None:
-    async with running() as server, connect(server.url) as ws:
+    # stay_dead: otherwise the server shuts itself down once it sees the engine dead.
+    async with running(stay_dead=True) as server, connect(server.url) as ws:
         await send(ws, type="generate", id="h", params={**SMALL, "steps": 2})
         await until_end(ws, "h")
         reply = await http_get(server, "/health")

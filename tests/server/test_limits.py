@@ -90,3 +90,23 @@ def test_request_limits_name_param_and_variable() -> None:
         check_request_limits(model, model.validate({"shape": [3, 65, 8]}), limits)
     assert info.value.field == "shape"
     assert "OMNI_STREAM_MAX_IMAGE_SIZE" in info.value.message
+
+
+def test_byte_bounds_from_keywords_and_environment(monkeypatch: pytest.MonkeyPatch) -> None:
+    defaults = ServerLimits()
+    assert defaults.max_pending_bytes == 64 << 20 and defaults.max_memory_bytes == 1 << 30
+    monkeypatch.setenv("OMNI_STREAM_MAX_PENDING_BYTES", "12345")
+    monkeypatch.setenv("OMNI_STREAM_MAX_MEMORY_BYTES", "67890")
+    limits = ServerLimits.from_env({})
+    assert limits.max_pending_bytes == 12345 and limits.max_memory_bytes == 67890
+    assert ServerLimits.from_env({"max_memory_bytes": 5}).max_memory_bytes == 5
+    assert ServerLimits.env_name("max_pending_bytes") == "OMNI_STREAM_MAX_PENDING_BYTES"
+    assert ServerLimits.env_name("max_memory_bytes") == "OMNI_STREAM_MAX_MEMORY_BYTES"
+
+
+@pytest.mark.parametrize("name", ["max_pending_bytes", "max_memory_bytes"])
+@pytest.mark.parametrize("value", [0, -1, 1.5, True, "64MB"])
+def test_bad_byte_bounds_name_the_keyword(name: str, value: object) -> None:
+    with pytest.raises(ParamsError) as info:
+        ServerLimits.from_env({name: value})
+    assert info.value.field == name

@@ -1,4 +1,4 @@
-"""Outbox: order, latest-wins per key, bounded must-deliver, close."""
+"""Outbox: order, latest-wins per key, bounded must-deliver (count and bytes), close, MemoryBudget."""
 
 from __future__ import annotations
 
@@ -7,7 +7,7 @@ import random
 import anyio
 import pytest
 
-from omni_stream.server.outbox import Outbox, OutboxOverflowError
+from omni_stream.server.outbox import MemoryBudget, Outbox, OutboxOverflowError
 
 
 def drain(outbox: Outbox) -> list:
@@ -131,7 +131,8 @@ def test_overflow_when_must_deliver_piles_up() -> None:
     with pytest.raises(OutboxOverflowError):
         box.get_nowait()
     box.put("ignored", "done")
-    assert box.statistics().pending_must == 3
+    # What it queued is freed at once: none of it will be sent.
+    assert box.statistics().pending_must == 0 and len(box) == 0
 
 
 def test_get_counts_must_deliver_down() -> None:
@@ -209,3 +210,213 @@ def test_overflow_is_announced_once() -> None:
     box.put("b", "done")
     box.put("c", "done")
     assert calls == [1]
+
+
+# -- bytes ------------------------------------------------------------------------
+
+
+def test_previews_give_way_to_the_byte_bound_oldest_first() -> None:
+    dropped: list[str] = []
+    box = Outbox(max_pending=10, max_pending_bytes=100, on_replaced=dropped.append)
+    box.put("p" * 5, "progress", latest_key=("a", "progress"))
+    box.put("A" * 40, "preview", latest_key=("a", "preview"), pin_key=("a", "progress"))
+    box.put("B" * 40, "preview", latest_key=("b", "preview"))
+    box.put("m" * 30, "done")  # 115 > 100: a's preview (and its pinned progress) goes
+    assert drain(box) == ["B" * 40, "m" * 30]
+    assert dropped == ["preview", "progress"]
+    assert box.statistics().pending_bytes == 0
+
+
+def test_a_preview_that_does_not_fit_beside_must_deliver_is_dropped() -> None:
+    dropped: list[str] = []
+    box = Outbox(max_pending=10, max_pending_bytes=100, on_replaced=dropped.append)
+    box.put("m" * 80, "done")
+    box.put("p", "progress", latest_key=("a", "progress"))  # tiny progress always fits
+    box.put("i" * 30, "preview", latest_key=("a", "preview"), pin_key=("a", "progress"))
+    assert not box.overflowed
+    assert drain(box) == ["m" * 80, "p"]
+    assert dropped == ["preview"]
+
+
+def test_must_deliver_over_the_byte_bound_overflows() -> None:
+    box = Outbox(max_pending=10, max_pending_bytes=100)
+    box.put("x" * 150, "preview")  # one message alone may be larger: a result is never refused
+    assert not box.overflowed
+    box.put("y" * 10, "done")
+    assert box.overflowed
+    with pytest.raises(OutboxOverflowError) as info:
+        box.get_nowait()
+    assert info.value.limit == "max_pending_bytes"
+    assert box.statistics().pending_bytes == 0
+
+
+def test_overflow_names_the_count_bound() -> None:
+    box = Outbox(max_pending=1)
+    box.put("a", "done")
+    box.put("b", "done")
+    with pytest.raises(OutboxOverflowError) as info:
+        box.get_nowait()
+    assert info.value.limit == "max_pending"
+
+
+def test_abort_frees_everything_and_breaks_the_callback() -> None:
+    budget = MemoryBudget(1000)
+    box = Outbox(max_pending=4, budget=budget, on_overflow=lambda: None)
+    box.put("a" * 10, "done")
+    box.put("b" * 20, "preview", latest_key="k")
+    assert budget.used == 30
+    box.abort()
+    assert len(box) == 0 and budget.used == 0 and box.on_overflow is None
+    box.put("late", "done")
+    with pytest.raises(anyio.EndOfStream):
+        box.get_nowait()
+
+
+def test_has_room_leaves_space_for_one_reply() -> None:
+    box = Outbox(max_pending=5, max_pending_bytes=100)
+    assert box.has_room()
+    box.put("a", "error")
+    box.put("b", "error")
+    assert box.has_room()  # 2 + 3 <= 5
+    box.put("c", "error")
+    assert not box.has_room()
+    box.get_nowait()
+    assert box.has_room()
+    small = Outbox(max_pending=1)
+    small.put("a", "error")
+    assert not small.has_room()
+    small.get_nowait()
+    assert small.has_room()  # nothing waiting: always room, whatever the bound
+
+
+@pytest.mark.asyncio
+async def test_wait_for_room_wakes_on_get_and_on_close() -> None:
+    box = Outbox(max_pending=3)
+    for text in "abc":
+        box.put(text, "error")
+    woke: list[str] = []
+
+    async def waiter(tag: str) -> None:
+        await box.wait_for_room()
+        woke.append(tag)
+
+    with anyio.fail_after(5):
+        async with anyio.create_task_group() as tg:
+            tg.start_soon(waiter, "get")
+            await anyio.sleep(0.01)
+            assert woke == []
+            box.get_nowait()
+        async with anyio.create_task_group() as tg:
+            tg.start_soon(waiter, "close")
+            await anyio.sleep(0.01)
+            box.close()
+    assert woke == ["get", "close"]
+
+
+# -- the server-wide budget --------------------------------------------------------
+
+
+def test_budget_counts_every_outbox() -> None:
+    budget = MemoryBudget(1000)
+    a, b = Outbox(max_pending=4, budget=budget), Outbox(max_pending=4, budget=budget)
+    a.put("x" * 100, "done")
+    b.put("y" * 50, "preview", latest_key="k")
+    b.put("z" * 70, "preview", latest_key="k")  # replaces: 100 + 70
+    assert budget.used == 170
+    a.get_nowait()
+    assert budget.used == 70
+
+
+def test_budget_over_refuses_new_previews_not_progress() -> None:
+    budget = MemoryBudget(100)
+    dropped: list[str] = []
+    box = Outbox(max_pending=4, budget=budget, on_replaced=dropped.append)
+    box.put("m" * 90, "done")
+    box.put("p" * 5, "progress", latest_key=("r", "progress"))
+    box.put("i" * 20, "preview", latest_key=("r", "preview"), pin_key=("r", "progress"))
+    assert drain(box) == ["m" * 90, "p" * 5]
+    assert dropped == ["preview"]
+
+
+def test_budget_closes_the_connection_holding_most_first() -> None:
+    budget = MemoryBudget(100)
+    small = Outbox(max_pending=4, budget=budget)
+    big = Outbox(max_pending=4, budget=budget)
+    small.put("s" * 20, "done")
+    small.put("i" * 10, "preview", latest_key="k")
+    big.put("b" * 60, "done")
+    big.put("c" * 15, "done")  # 105: previews go first (-10), then still 95: fine
+    assert budget.used == 95 and not big.overflowed and not small.overflowed
+    assert small.statistics().pending == 1
+    big.put("d" * 10, "done")  # 105, no previews left: the biggest holder is closed
+    assert big.overflowed and not small.overflowed
+    assert budget.used == 20
+    with pytest.raises(OutboxOverflowError) as info:
+        big.get_nowait()
+    assert info.value.limit == "max_memory_bytes"
+
+
+class Retained:
+    """Stands in for the registry: ended results, forgotten oldest first."""
+
+    def __init__(self, budget: MemoryBudget, sizes: list[int]) -> None:
+        self.budget = budget
+        self.sizes = sizes
+        for n in sizes:
+            budget.add(n)
+
+    def evict_oldest_retained(self) -> bool:
+        if not self.sizes:
+            return False
+        self.budget.release(self.sizes.pop(0))
+        return True
+
+
+def test_budget_sheds_the_larger_side_first() -> None:
+    budget = MemoryBudget(100)
+    retained = Retained(budget, [30, 40])
+    budget.set_retained(retained)
+    box = Outbox(max_pending=4, budget=budget)
+    box.put("q" * 20, "done")  # 90
+    box.put("r" * 20, "done")  # 110: retained (70) > queued (40): the oldest result goes
+    assert retained.sizes == [40] and not box.overflowed and budget.used == 80
+    box.put("s" * 40, "done")  # 120: queued (80) > retained (40): the connection goes
+    assert box.overflowed and retained.sizes == [40] and budget.used == 40
+
+
+def test_budget_is_weak_on_outboxes() -> None:
+    import gc
+    import weakref
+
+    budget = MemoryBudget(100)
+    box = Outbox(max_pending=4, budget=budget)
+    ref = weakref.ref(box)
+    gc.disable()
+    try:
+        del box
+        assert ref() is None
+    finally:
+        gc.enable()
+
+
+def test_a_lone_preview_larger_than_the_bound_is_still_sent() -> None:
+    box = Outbox(max_pending=4, max_pending_bytes=10)
+    box.put("i" * 50, "preview", latest_key="k")
+    box.put("j" * 50, "preview", latest_key="k")  # replaces it: still alone
+    assert drain(box) == ["j" * 50]
+
+
+def test_budget_does_not_close_connections_for_running_requests() -> None:
+    class Running:
+        def evict_oldest_retained(self) -> bool:
+            return False  # nothing ended: only running requests hold bytes
+
+    budget = MemoryBudget(100)
+    source = Running()
+    budget.set_retained(source)
+    budget.add(90)  # the latest previews of running requests
+    box = Outbox(max_pending=4, budget=budget)
+    box.put("m" * 20, "done")  # 110, but 90 of it is not this connection's doing
+    assert not box.overflowed
+    box.put("i" * 5, "preview", latest_key="k")  # over: previews are refused
+    assert drain(box) == ["m" * 20]

@@ -177,3 +177,57 @@ def test_preview_frame_layout() -> None:
 def test_unpack_rejects_broken_frames(frame: bytes) -> None:
     with pytest.raises(ValueError):
         unpack_preview(frame)
+
+
+# -- replies stay small whatever the client sent ---------------------------------------
+
+
+def test_an_unknown_key_is_echoed_only_as_a_prefix() -> None:
+    key = "k" * 500_000
+    with pytest.raises(MessageError) as info:
+        parse_client_message(json.dumps({"type": "generate", "params": {}, key: 1}))
+    exc = info.value
+    reply = protocol.dumps(protocol.error(exc.code, exc.message, field=exc.field))
+    assert len(reply) < 1024
+    assert exc.field is not None and exc.field.startswith("kkkk") and len(exc.field) <= 70
+
+
+def test_many_unknown_keys_are_counted_not_listed() -> None:
+    obj = {"type": "cancel", "id": "x", **{f"extra{i:05}": 1 for i in range(10_000)}}
+    with pytest.raises(MessageError) as info:
+        parse_client_message(json.dumps(obj))
+    assert "and 9997 more" in info.value.message
+    assert len(info.value.message) < 300
+
+
+def test_error_clips_what_others_echo() -> None:
+    # Errors built outside this module (model params, admission) may echo
+    # client input in full: the wire message is clipped where it is built.
+    wide = "\u4e2d" * 300_000
+    message = protocol.error("bad_params", f"unknown param(s) '{wide}'", field=wide)
+    reply = protocol.dumps(message)
+    assert len(message["field"]) <= protocol.MAX_ECHO + 3
+    assert len(message["message"]) <= protocol.MAX_ERROR_MESSAGE + 3
+    # Even escaped (each of these is \\uXXXX on the wire) it is a few KB, not MBs.
+    assert len(reply) < 4 * 1024
+
+
+@pytest.mark.parametrize(
+    ("data", "expected"),
+    [
+        ('{"type": "generate", "params": {"steps": ' + "9" * 5000 + "}}", "integer literal is too long"),
+        ("[" * 100_000, "nested too deeply"),
+        ("not json", "invalid JSON at line 1 column 1"),
+        ('{"type": "cancel",\n "id": }', "invalid JSON at line 2 column 8"),
+        ('{"x": NaN}', "NaN is not valid JSON"),
+    ],
+    ids=["huge-int", "deep", "not-json", "line-2", "nan"],
+)
+def test_bad_json_says_what_in_json_terms(data: str, expected: str) -> None:
+    with pytest.raises(MessageError) as info:
+        parse_client_message(data)
+    message = info.value.message
+    assert info.value.code == "bad_json"
+    assert expected in message
+    for internal in ("sys.", "set_int_max_str_digits", "recursion", "Exceeds the limit", "(char "):
+        assert internal not in message, message
