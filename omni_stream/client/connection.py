@@ -70,10 +70,12 @@ DEFAULT_MAX_SIZE: Final = 32 * 1024 * 1024
 #: within DEFAULT_PING_TIMEOUT; then websockets still waits ``close_timeout``
 #: (DEFAULT_CLOSE_TIMEOUT) for the closing handshake before it drops the TCP
 #: connection. So a server that froze (SIGSTOP, a wedged host, a dead
-#: network path) is noticed after ~20 s, at most 25 s; websockets' own
-#: defaults (20 + 20 + 10) took up to ~50 s.
+#: network path) is noticed after ~25 s, at most 30 s; websockets' own
+#: defaults (20 + 20 + 10) took up to ~50 s. The pong timeout is the larger
+#: part on purpose: the server's pong waits behind whatever it is sending,
+#: and a 32 MiB result takes ~10 s at 25 Mbit/s.
 DEFAULT_PING_INTERVAL: Final = 10.0
-DEFAULT_PING_TIMEOUT: Final = 10.0
+DEFAULT_PING_TIMEOUT: Final = 15.0
 DEFAULT_CLOSE_TIMEOUT: Final = 5.0
 
 

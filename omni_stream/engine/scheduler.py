@@ -34,10 +34,9 @@ __all__ = [
 #: The range of ``priority``; bounded so that the wait of the lowest is bounded.
 PRIORITY_MIN: Final = -10
 PRIORITY_MAX: Final = 10
-#: Rounds (batches) of waiting worth one point of priority. Eight: with the
-#: server's default load bound every request comes round within a few
-#: rounds at equal priority (so the old order holds), while the full range
-#: (20 points) still lets the lowest request run within ~160 rounds.
+#: Rounds (batches) of waiting worth one point of priority: the full range
+#: (20 points) still lets the lowest request run within ~160 rounds. At equal
+#: priority the order is the old one (see ``pick_batch``).
 AGE_ROUNDS: Final = 8
 
 
@@ -101,8 +100,18 @@ def pick_batch(runnable: Iterable[T], limits: BatchLimits, *, now: int | None = 
     if now is None:
         now = max(_since(r) for r in items)
 
+    # A request that has not run yet takes the age of the longest-waiting
+    # request of its own priority: ageing is there so that lower priorities
+    # are not starved by higher ones, not to put a new arrival behind every
+    # request of its level that has waited a few rounds (at equal priority
+    # the old order holds: never-run first, then the longest-waiting).
+    oldest: dict[int, int] = {}
+    for r in items:
+        oldest[r.priority] = max(oldest.get(r.priority, 0), now - _since(r))
+
     def order(r: T) -> tuple[int, int, int]:
-        return (-effective_priority(r.priority, now - _since(r)), r.last_scheduled, r.arrival)
+        waited = oldest[r.priority] if r.last_scheduled < 0 else now - _since(r)
+        return (-effective_priority(r.priority, waited), r.last_scheduled, r.arrival)
 
     ordered = sorted(items, key=order)
     leader = ordered[0]

@@ -622,6 +622,11 @@ class Server:
             raise protocol.MessageError(
                 "shutting_down", "the server is shutting down", request_id=request_id
             )
+        if self.fatal is not None:
+            # Kept up by stay_dead after a fatal error: it serves no new work.
+            raise protocol.MessageError(
+                "engine_unavailable", f"the server failed: {self.fatal}", request_id=request_id
+            )
         health = self._engine.health()
         if not health.ok:
             raise protocol.MessageError(

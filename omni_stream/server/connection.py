@@ -31,6 +31,10 @@ from .outbox import MemoryBudget, Outbox, OutboxOverflowError
 
 __all__ = ["ClientConnection"]
 
+#: How long the writer may be stuck in one send to a paused socket before the
+#: reader stops waiting for room (the client is then taken as not reading).
+_STALL_GRACE_S = 2.0
+
 logger = logging.getLogger("omni_stream.server")
 
 
@@ -64,6 +68,8 @@ class ClientConnection:
         # The writer's current send: an overflowing outbox cancels it, since a
         # writer blocked on a client that stopped reading would never notice.
         self._send_scope: anyio.CancelScope | None = None
+        #: When the send in progress began (loop clock), None between sends.
+        self._send_started: float | None = None
 
     async def run(self) -> None:
         """Read and write until the websocket closes; never raises for this client's faults.
@@ -109,12 +115,23 @@ class ClientConnection:
     async def _wait_for_room(self) -> None:
         # Backpressure: read the next message only once its reply fits; the
         # client's further messages wait in websockets' bounded queue, then
-        # in TCP. Except when the writer is blocked on a socket the client
-        # does not drain (websockets paused writing): that client is not
-        # reading its replies, so the next one overflows the outbox (1008),
-        # as before, rather than waiting out send_timeout_s.
-        while not self.outbox.has_room() and not self.ws.paused:
-            await self.outbox.wait_for_room()
+        # in TCP. websockets pauses writing in the middle of any large send
+        # to a client that reads (a preview past write_limit), so a paused
+        # writer alone does not mean "not reading": only one stuck in the
+        # same send for a grace period does. Then this stops waiting, the
+        # client's next reply overflows the outbox and it is closed (1008)
+        # at once, rather than after send_timeout_s.
+        grace = min(_STALL_GRACE_S, self._limits.send_timeout_s)
+        while not self.outbox.has_room():
+            started = self._send_started
+            if (
+                started is not None
+                and self.ws.paused
+                and anyio.current_time() - started >= grace
+            ):
+                return
+            with anyio.move_on_after(grace / 4):
+                await self.outbox.wait_for_room()
 
     async def _write(self) -> None:
         sent = self._metrics.messages_sent
@@ -135,10 +152,12 @@ class ClientConnection:
                 # cancels it (_overflowed). One scope, not two, a message.
                 with anyio.CancelScope(deadline=anyio.current_time() + timeout) as scope:
                     self._send_scope = scope
+                    self._send_started = anyio.current_time()
                     try:
                         await self.ws.send(item.data)
                     finally:
                         self._send_scope = None
+                        self._send_started = None
                 if scope.cancelled_caught:
                     if self.outbox.overflowed:
                         continue  # get() raises OutboxOverflowError next

@@ -61,6 +61,10 @@ __all__ = [
     "OutboxStatistics",
 ]
 
+#: Must-deliver messages up to this size count against ``max_pending``
+#: only, not against the byte bound (see ``put``): text messages are smaller.
+_SMALL_MESSAGE_BYTES = 64 * 1024
+
 #: The only latest-wins kind shed for bytes (see the module docstring).
 _SHEDDABLE = "preview"
 #: The most must-deliver messages one client message queues: an attach's
@@ -277,7 +281,14 @@ class Outbox:
                     "max_pending", f"more than {self._max_pending} must-deliver messages waiting"
                 )
                 return
-            if self._pending_must and self._must_bytes + size > self._max_pending_bytes:
+            # Small messages (accepted, done, errors) are bounded by their
+            # count above: one behind an oversize result (a big video) must
+            # not close a client that reads, and lose the result with it.
+            if (
+                size > _SMALL_MESSAGE_BYTES
+                and self._pending_must
+                and self._must_bytes + size > self._max_pending_bytes
+            ):
                 self.overflow(
                     "max_pending_bytes",
                     f"more than {self._max_pending_bytes} bytes of must-deliver messages waiting",

@@ -203,3 +203,25 @@ async def test_a_bad_priority_is_a_params_error() -> None:
             assert info.value.field == "priority"
         assert engine.statistics().queued == 0
         assert engine.max_batch_size == 8
+
+
+def test_a_new_request_runs_next_at_equal_priority_whatever_the_load():
+    # 40 running requests at batch size 1 have all waited 8+ rounds: ageing
+    # alone would put a new arrival behind every one of them (33 rounds).
+    from omni_stream.engine.scheduler import BatchLimits, pick_batch
+
+    class R:
+        def __init__(self, arrival, last, priority=0, arrival_round=0):
+            self.batch_key, self.arrival, self.last_scheduled = None, arrival, last
+            self.priority, self.arrival_round = priority, arrival_round
+
+    now = 100
+    running = [R(i, now - 40 + i) for i in range(40)]
+    new = R(40, -1, arrival_round=now)
+    assert pick_batch([*running, new], BatchLimits(1), now=now) == [new]
+    # A new low-priority request still waits behind equal-aged higher ones...
+    low = R(41, -1, priority=-1, arrival_round=now)
+    assert pick_batch([*running, low], BatchLimits(1), now=now)[0] is not low
+    # ...but takes the age of its own level's oldest, so it is not starved by a fresh level.
+    old_low = R(42, now - 200, priority=-1)
+    assert pick_batch([*running, old_low], BatchLimits(1), now=now) == [old_low]

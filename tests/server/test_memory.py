@@ -200,18 +200,16 @@ async def test_the_reader_waits_for_a_slow_writer_instead_of_overflowing() -> No
 
 @pytest.mark.asyncio
 async def test_must_deliver_bytes_over_the_bound_close_a_client_not_reading() -> None:
-    async with running(max_pending=10_000, max_pending_bytes=16 * 1024, close_timeout_s=0.3) as server:
+    async with running(max_pending=10_000, max_pending_bytes=256 * 1024, close_timeout_s=0.3) as server:
         raw, conn = await _stalled(server)
         try:
-            for _ in range(400):  # ~90-byte replies: 16 KiB long before max_pending
-                await raw.send_text("not json")
-                if conn.id not in server._connections:
-                    break
+            for _ in range(3):  # large must-deliver messages (results): the third does not fit
+                conn.outbox.put(Big(100 * 1024), "preview")
             await wait_for(lambda: conn.id not in server._connections, what="the disconnect")
             close = conn.ws.protocol.close_sent
             assert close.code == 1008
             assert close.reason.startswith("client not reading")
-            assert "max_pending_bytes=16384" in close.reason
+            assert "max_pending_bytes=262144" in close.reason
             assert "OMNI_STREAM_MAX_PENDING_BYTES" in close.reason
         finally:
             raw.close()
@@ -290,3 +288,50 @@ async def test_over_max_memory_retained_results_go_oldest_first() -> None:
         reply = await recv(ws)
         assert reply["type"] == "error" and reply["code"] == "not_found"
         assert server._memory.used == sum(r.retained_bytes() for r in server._registry)
+
+
+@pytest.mark.asyncio
+async def test_a_result_over_the_byte_bound_reaches_a_reading_client_with_its_done() -> None:
+    # The result may be larger than max_pending_bytes; the "done" queued
+    # right behind it once overflowed the outbox and lost it (1008).
+    async with running(max_pending_bytes=100_000) as server, connect(server.url) as ws:
+        await send(ws, type="generate", id="big", params={"steps": 2, "work": 0, "shape": [3, 256, 256]},
+                   output={"format": "raw"})
+        msgs = await until_end(ws, "big")
+    final = [m for m in msgs if m["type"] == "preview" and m["final"]]
+    assert len(final) == 1 and len(final[0]["image"]) == 3 * 256 * 256 > 100_000
+    assert msgs[-1]["type"] == "done"
+
+
+@pytest.mark.asyncio
+async def test_a_reading_client_bursting_while_a_big_preview_is_sent_is_not_closed() -> None:
+    # websockets pauses writing in the middle of every send larger than its
+    # write_limit, even to a client that reads: such a pause is not a stall.
+    async with running() as server:
+        async with connect(server.url, max_size=None, compression=None) as ws:
+            answered = 0
+            closed: str | None = None
+
+            async def reader() -> None:
+                nonlocal answered, closed
+                try:
+                    async for m in ws:
+                        if isinstance(m, str) and '"bad_json"' in m:
+                            answered += 1
+                        elif isinstance(m, bytes):
+                            await anyio.sleep(len(m) / 10e6)  # a 10 MB/s link
+                except Exception as exc:  # noqa: BLE001 - reported below
+                    closed = repr(exc)
+
+            async with anyio.create_task_group() as tg:
+                tg.start_soon(reader)
+                await ws.send(json.dumps(FLOOD))
+                await anyio.sleep(0.5)
+                for _ in range(2):
+                    for _ in range(600):
+                        await ws.send("not json")
+                    await anyio.sleep(0.2)
+                await wait_for(lambda: answered == 1200 or closed is not None, what="every reply")
+                tg.cancel_scope.cancel()
+    assert closed is None, closed
+    assert answered == 1200

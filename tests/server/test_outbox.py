@@ -239,10 +239,15 @@ def test_a_preview_that_does_not_fit_beside_must_deliver_is_dropped() -> None:
 
 
 def test_must_deliver_over_the_byte_bound_overflows() -> None:
-    box = Outbox(max_pending=10, max_pending_bytes=100)
-    box.put("x" * 150, "preview")  # one message alone may be larger: a result is never refused
+    big = 100 * 1024
+    box = Outbox(max_pending=10, max_pending_bytes=big)
+    box.put(b"x" * (big + 1), "preview")  # one message alone may be larger: a result is never refused
     assert not box.overflowed
-    box.put("y" * 10, "done")
+    # The small messages behind it (done, errors) count against max_pending only:
+    # a client reading an oversize result is not closed for its "done".
+    box.put('{"type":"done"}', "done")
+    assert not box.overflowed
+    box.put(b"y" * (65 * 1024), "preview")  # a second large one does not fit
     assert box.overflowed
     with pytest.raises(OutboxOverflowError) as info:
         box.get_nowait()

@@ -19,6 +19,7 @@ from typing import Any
 
 import anyio
 import pytest
+from websockets.asyncio.client import connect
 
 from omni_stream.errors import EngineDeadError
 from omni_stream.models import Synthetic
@@ -287,6 +288,11 @@ async def test_a_failed_server_task_shuts_the_server_down_unless_stay_dead(
                 status, body = await anyio.to_thread.run_sync(_health, server.http_url)
                 assert (status, body["status"]) == (503, "dead")
                 assert "retention sweep" in body["reason"]
+                # Kept up, it takes no new work.
+                async with connect(server.url) as ws:
+                    await ws.send(json.dumps({"type": "generate", "id": "late", "params": {}}))
+                    reply = json.loads(await ws.recv())
+                assert (reply["code"], reply["id"]) == ("engine_unavailable", "late")
                 server.request_shutdown()
             await server.serve_forever()
     assert isinstance(server.fatal, ServerFailedError)
