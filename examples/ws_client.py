@@ -25,6 +25,7 @@ from typing import Any
 
 import omni_stream as om
 from omni_stream import client as omc
+from omni_stream.preview import check_output_path
 
 
 def _param(text: str) -> tuple[str, Any]:
@@ -41,7 +42,7 @@ async def watch(args: argparse.Namespace) -> omc.PreviewFrame:
     params = dict(args.param or [])
     preview = {"format": args.format, "every": args.every}
     # The result comes full size in the format the output file's suffix names.
-    output = {"format": _OUTPUT_FORMATS.get(os.path.splitext(args.output)[1].lower(), "png")}
+    output = {"format": check_output_path(args.output)}
     async with omc.connect(args.url, token=args.token) as client:
         stream = client.generate(params, preview=preview, output=output, progress=True)
         started = time.perf_counter()
@@ -60,10 +61,6 @@ async def watch(args: argparse.Namespace) -> omc.PreviewFrame:
     return final
 
 
-_OUTPUT_FORMATS = {".png": "png", ".jpg": "jpeg", ".jpeg": "jpeg", ".webp": "webp",
-                   ".mp4": "mp4", ".gif": "gif"}
-
-
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("url", nargs="?", default="ws://127.0.0.1:8765/ws")
@@ -75,6 +72,10 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("-o", "--output", default="ws_result.png",
                         help="where to save the result (format from the extension)")
     args = parser.parse_args(argv)
+    try:
+        check_output_path(args.output)
+    except ValueError as exc:
+        parser.error(str(exc))
     try:
         final = asyncio.run(watch(args))
     except om.ParamsError as exc:  # includes the server's bad_params / invalid_field

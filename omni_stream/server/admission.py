@@ -24,7 +24,7 @@ import torch
 
 from ..errors import ParamsError
 from ..model import StepModel, split_output
-from ..preview import PreviewSpec, check_output, has_video_encoder
+from ..preview import IMAGE_OUTPUTS, VIDEO_OUTPUTS, PreviewSpec, check_output, has_video_encoder
 from ..preview import default_decoder as preview_default_decoder
 from .limits import ServerLimits, check_request_limits
 from .protocol import MessageError
@@ -35,10 +35,10 @@ __all__ = [
     "BusyError", "Load", "check_load", "retry_after", "RETRY_AFTER_MIN_S", "RETRY_AFTER_MAX_S",
 ]
 
-#: What the final message of a request may be encoded as; the first is the default.
-IMAGE_FORMATS = ("png", "jpeg", "webp", "raw")
-VIDEO_FORMATS = ("mp4", "webp", "gif")
-_QUALITY_FORMATS = ("jpeg", "webp", "mp4")
+#: What the final message of a request may be encoded as (preview.save's
+#: tables); the first is the default.
+IMAGE_FORMATS = tuple(IMAGE_OUTPUTS)
+VIDEO_FORMATS = tuple(VIDEO_OUTPUTS)
 _OUTPUT_KEYS = ("format", "quality")
 
 
@@ -76,13 +76,10 @@ def output_spec(wire: Mapping[str, Any] | None, *, video: bool, request_id: str)
         kind = "a video" if video else "an image"
         raise bad("format", f"format must be one of {', '.join(formats)} for {kind}; got {fmt!r}")
     quality = wire.get("quality")
-    if quality is not None:
-        if isinstance(quality, bool) or not isinstance(quality, int) or not 1 <= quality <= 100:
-            raise bad("quality", f"quality must be an integer from 1 to 100, got {quality!r}")
-        if fmt not in _QUALITY_FORMATS:
-            raise bad("quality", f"{fmt} takes no quality (only {', '.join(_QUALITY_FORMATS)} do)")
     try:
-        check_output(fmt, quality)  # mp4 needs PyAV: say so now, not after the render
+        # The encoder's own rules (quality per format; mp4 needs PyAV): said
+        # now, not after the render.
+        check_output(fmt, quality)
     except ParamsError as exc:
         raise bad(exc.field or "format", exc.message) from None
     return OutputSpec(fmt, quality)
