@@ -202,7 +202,7 @@ async def run(ctx: Context) -> list[Figure]:
         }
         baseline = {k: med[k] for k in ("bare_main", *BARE_WORKERS)}
         engine_raw = {k: med[k] for k in ("engine", "engine_all_cores")}
-        settings = {"engine": "torch_threads=1, the default", "engine_all_cores": f"torch_threads={os.cpu_count()}"}
+        settings = {"engine": "torch_threads=1 (the default on 1-2 cores)", "engine_all_cores": f"torch_threads={os.cpu_count()}"}
         best_setting = settings[best_name]
         rows = [
             (
@@ -229,8 +229,8 @@ async def run(ctx: Context) -> list[Figure]:
                 f"loop in the main thread (torch's default threads); the default engine: "
                 f"{med['engine'] / med['bare_main']:.2f}x. With every core the producer's team is the "
                 "only one (Engine.start released the loop thread's), so it steps as fast as the "
-                "main thread; one thread is the default because previews, the loop and the "
-                "websockets need a core (naive, loop_lag)",
+                "main thread; the default keeps two cores for the loop and previews (one thread on "
+                "2 cores: previews, the loop and the sockets need them; naive, loop_lag)",
             ),
         ]
         figures.extend(

@@ -10,7 +10,16 @@ from __future__ import annotations
 
 from . import device, models, preview
 from .config import timeout
-from .engine import Engine, EngineStatistics, FrameStream, Health
+from .engine import (
+    Engine,
+    EngineGroup,
+    EngineLike,
+    EngineStatistics,
+    FrameStream,
+    FrameStreamLike,
+    GroupStatistics,
+    Health,
+)
 from .errors import (
     EngineClosedError,
     EngineDeadError,
@@ -39,6 +48,10 @@ __all__ = [
     "EngineStatistics",
     "FrameStream",
     "Health",
+    "EngineLike",
+    "FrameStreamLike",
+    "EngineGroup",
+    "GroupStatistics",
     "timeout",
     "Frame",
     "StepTimings",

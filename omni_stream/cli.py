@@ -513,7 +513,13 @@ def _cmd_models(args: argparse.Namespace) -> int:
 
 def _cmd_serve(args: argparse.Namespace) -> int:
     token = args.token or env_str(TOKEN_ENV)
-    model = _load_model(args.model, args.preview_vae)
+    from .engine.group import names_group
+
+    def load() -> Any:
+        return _load_model(args.model, args.preview_vae)
+
+    # A group builds one model per device with the factory (before it listens).
+    model = load if names_group(args.device) else load()
     # A server's operator wants its lifecycle lines (the URL it listens on,
     # shutdown), not only warnings.
     root = logging.getLogger("omni_stream")
@@ -544,6 +550,7 @@ def _cmd_serve(args: argparse.Namespace) -> int:
             allow_origins=list(args.allow_origin or ()),
             device=args.device,
             stay_dead=args.stay_dead,
+            metrics_public=args.metrics_public,
         )
         # serve() may block and run its own loop, or be a coroutine for us to run.
         if inspect.iscoroutine(result):
@@ -623,15 +630,22 @@ def build_parser() -> argparse.ArgumentParser:
                      "final latent's preview instead")
     gen.set_defaults(handler=_cmd_generate)
 
-    srv = sub.add_parser("serve", help="serve the websocket API and the preview page", **helpful)
+    srv = sub.add_parser(
+        "serve", help="serve the page, the HTTP API, event streams and the websocket on one port", **helpful
+    )
     srv.add_argument("--model", default="mixture", metavar="SPEC", help=_MODEL_HELP)
     srv.add_argument("--preview-vae", metavar="PATH|ID", default=None, help=_PREVIEW_VAE_HELP)
     srv.add_argument("--host", default="127.0.0.1", help="address to listen on")
     srv.add_argument("--port", type=_port, default=8765, help="port to listen on; 0 picks a free one")
-    srv.add_argument("--token", help=f"bearer token clients must send (default: ${TOKEN_ENV})")
+    srv.add_argument("--token", help=f"bearer token clients must send on every route but /health "
+                     f"and the page (default: ${TOKEN_ENV})")
+    srv.add_argument("--metrics-public", action="store_true",
+                     help="serve /metrics without the token (for a scraper that cannot send one)")
     srv.add_argument("--allow-origin", action="append", metavar="ORIGIN",
                      help="a browser Origin allowed to connect (repeatable)")
-    srv.add_argument("--device", default="auto", help="auto, cpu, cuda, cuda:N or sim")
+    srv.add_argument("--device", default="auto",
+                     help="auto, cpu, cuda, cuda:N or sim; several (cuda:0,cuda:1) or 'all' "
+                     "serve one engine group, a model per device")
     srv.add_argument("--stay-dead", action="store_true",
                      help="keep running (/health 503) when the engine dies, for debugging; "
                      f"by default the server shuts down and exits with status {EXIT_ENGINE_DEAD}")

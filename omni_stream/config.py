@@ -28,6 +28,9 @@ __all__ = [
     "PREVIEW_VAE_ENV",
     "preview_vae",
     "torch_threads",
+    "default_torch_threads",
+    "usable_cores",
+    "SERVING_CORES",
     "env_float",
     "env_int",
     "env_str",
@@ -113,20 +116,90 @@ def timeout() -> float:
     return env_float(STEP_TIMEOUT_ENV, DEFAULT_STEP_TIMEOUT_S)
 
 
-def torch_threads() -> int:
-    """Torch intra-op threads for the producer thread on CPU devices; default 1.
+def usable_cores() -> int:
+    """CPUs this process may run on: its affinity mask, capped by a cgroup CPU quota.
 
-    Read from ``OMNI_STREAM_TORCH_THREADS`` when an engine starts. Why 1: on
-    a small CPU box the other cores serve the event loop, the preview threads
-    and the websockets; a producer team on every core leaves them none
-    (measured on 2 cores: with previews the engine went from 1.39x faster
-    than the callback pattern to 0.87x, loop-lag p99 from 0.7 to 3.6 ms). For
-    compute-bound CPU serving without previews set it to the core count: the
-    engine releases the loop thread's idle OpenMP team when it starts, so the
-    producer's team is the only one and steps as fast as a plain script in
-    the main thread (docs/performance.md, "Where torch runs").
+    ``os.sched_getaffinity`` where the platform has it (``taskset``, a
+    container's cpuset), else ``os.cpu_count()``; a CFS quota (a container's
+    ``--cpus``, a Kubernetes CPU limit) caps it, rounded down, at least 1.
     """
-    return env_int(TORCH_THREADS_ENV, 1)
+    try:
+        cores = len(os.sched_getaffinity(0))
+    except (AttributeError, OSError):  # not Linux
+        cores = os.cpu_count() or 1
+    quota = _cgroup_cpu_quota()
+    if quota is not None:
+        cores = min(cores, max(1, int(quota)))
+    return max(1, cores)
+
+
+def _cgroup_cpu_quota() -> float | None:
+    """The CPUs a cgroup quota allows (v2 ``cpu.max``, v1 ``cfs_quota_us``), or None."""
+    try:
+        with open("/sys/fs/cgroup/cpu.max") as f:
+            quota, _, period = f.read().strip().partition(" ")
+        if quota != "max":
+            return int(quota) / int(period or "100000")
+        return None
+    except (OSError, ValueError, ZeroDivisionError):
+        pass
+    try:
+        with open("/sys/fs/cgroup/cpu/cpu.cfs_quota_us") as f:
+            quota_us = int(f.read().strip())
+        with open("/sys/fs/cgroup/cpu/cpu.cfs_period_us") as f:
+            period_us = int(f.read().strip())
+    except (OSError, ValueError):
+        return None
+    if quota_us <= 0 or period_us <= 0:
+        return None  # -1: no limit
+    return quota_us / period_us
+
+
+#: Cores left to the rest of a serving process on a machine with more than
+#: two: the event loop (one core, it holds the GIL) and the default preview
+#: thread (JPEG/PNG encoding, outside the GIL).
+SERVING_CORES = 2
+
+
+def default_torch_threads(members: int = 1, *, cores: int | None = None) -> int:
+    """The producer's torch threads when ``OMNI_STREAM_TORCH_THREADS`` is unset.
+
+    ``(cores - reserved) // members``, at least 1, where ``cores`` is
+    ``usable_cores()`` and ``reserved`` is ``SERVING_CORES`` (one on a
+    two-core machine, none on one core). ``members``: engines stepping on
+    the CPU in this process (an EngineGroup of N cpu devices splits the
+    cores N ways). Raises ValueError for ``members`` < 1.
+    """
+    if isinstance(members, bool) or not isinstance(members, int) or members < 1:
+        raise ValueError(f"members must be a positive int, got {members!r}")
+    if cores is None:
+        cores = usable_cores()
+    reserved = min(SERVING_CORES, cores - 1)
+    return max(1, (cores - reserved) // members)
+
+
+def torch_threads(members: int = 1) -> int:
+    """Torch intra-op threads for each producer thread on CPU devices.
+
+    Read from ``OMNI_STREAM_TORCH_THREADS`` when an engine starts; the
+    variable sets each member's count as given (it is not split). Unset (or
+    malformed: one warning), ``default_torch_threads(members)``: the usable
+    cores less two for the rest of the process, split among ``members``
+    engines, at least 1. On 2 cores that is 1, as it has always been here.
+
+    Why not every core: the event loop, the preview threads and the
+    websockets need CPU while the producer computes, and a producer team on
+    every core leaves them none (measured on 2 cores: with previews the
+    engine went from 1.39x faster than the callback pattern to 0.87x,
+    loop-lag p99 from 0.7 to 3.6 ms). Why not 1 on a large machine: a CPU
+    model's steps scale with its team (the engine releases the loop
+    thread's idle OpenMP team when it starts, so the producer's team is the
+    only one and steps as fast as a plain script in the main thread;
+    docs/performance.md, "Where torch runs"), and one thread left a 16-core
+    box 15 cores idle. Raises ValueError for ``members`` < 1.
+    """
+    default = default_torch_threads(members)
+    return env_int(TORCH_THREADS_ENV, default)
 
 
 def preview_vae() -> str | None:

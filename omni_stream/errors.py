@@ -29,9 +29,19 @@ so code written against ``engine.stream()`` reads the same remotely.
 The caller's own cancellation (``asyncio.CancelledError`` and anyio's
 cancel scopes) is never wrapped in, or swallowed by, any of these.
 Every error raised while serving a request carries its ``request_id``.
+
+Every error here survives ``pickle`` (a process pool, a Ray replica) with its
+message, ``request_id``, its other attributes and its ``__cause__`` chain. A
+cause that cannot make the trip (an exception holding a lock, or one whose
+``__init__`` takes arguments its ``args`` do not hold) arrives as a plain
+``Exception`` naming its type and message, rather than failing the whole
+unpickle on the far side.
 """
 
 from __future__ import annotations
+
+import pickle
+from typing import Any
 
 __all__ = [
     "OmniStreamError",
@@ -72,6 +82,65 @@ class OmniStreamError(Exception):
         if self.request_id is None:
             return self.message
         return f"[request {self.request_id}] {self.message}"
+
+    # Pickling. The default (``type(self)(*self.args)`` then the __dict__)
+    # fails for subclasses with required keyword-only arguments (step,
+    # bound_s, reason) and drops ``__cause__`` for every exception: both
+    # matter once errors cross a process boundary. Rebuilt without calling
+    # ``__init__``, so no subclass has to keep its signature in step.
+
+    def __reduce__(self) -> tuple[Any, ...]:
+        state = dict(self.__dict__)
+        state[_CHAIN] = _portable_chain(self.__cause__)
+        state[_SUPPRESS] = self.__suppress_context__
+        return (_rebuild, (type(self), self.args), state)
+
+    def __setstate__(self, state: dict[str, Any] | None) -> None:
+        attrs = dict(state or {})
+        chain: tuple[BaseException, ...] = attrs.pop(_CHAIN, ())
+        suppress = bool(attrs.pop(_SUPPRESS, bool(chain)))
+        self.__dict__.update(attrs)
+        # Foreign exceptions pickle without their own __cause__: relink them.
+        # The last link may be one of ours, which carried its own chain.
+        for exc, cause in zip(chain, chain[1:]):
+            exc.__cause__ = cause
+        self.__cause__ = chain[0] if chain else None
+        self.__suppress_context__ = suppress
+
+
+# Keys of the pickled state that are not attributes.
+_CHAIN = "__cause_chain__"
+_SUPPRESS = "__suppress_context__"
+
+
+def _rebuild(cls: type[OmniStreamError], args: tuple[Any, ...]) -> OmniStreamError:
+    return cls.__new__(cls, *args)
+
+
+def _portable(exc: BaseException) -> BaseException:
+    """``exc`` if it survives a pickle round trip, else a plain Exception saying what it was."""
+    try:
+        pickle.loads(pickle.dumps(exc))
+    except Exception as why:  # any failure to pickle or to rebuild
+        kind = f"{type(exc).__module__}.{type(exc).__qualname__}"
+        stand_in = Exception(f"{kind}: {exc} (the original could not be pickled: {why!r})")
+        stand_in.__suppress_context__ = True
+        return stand_in
+    return exc
+
+
+def _portable_chain(cause: BaseException | None) -> tuple[BaseException, ...]:
+    """The ``__cause__`` chain from ``cause``, up to and including our first error in it."""
+    chain: list[BaseException] = []
+    seen: set[int] = set()
+    while cause is not None and id(cause) not in seen:
+        seen.add(id(cause))
+        if isinstance(cause, OmniStreamError):
+            chain.append(cause)  # its own __reduce__ carries the rest
+            break
+        chain.append(_portable(cause))
+        cause = cause.__cause__
+    return tuple(chain)
 
 
 class ParamsError(OmniStreamError, ValueError):

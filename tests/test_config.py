@@ -56,3 +56,113 @@ def test_env_int_validates(monkeypatch, caplog):
     monkeypatch.setenv("OMNI_STREAM_TEST_INT", "12")
     assert config.env_int("OMNI_STREAM_TEST_INT", 7) == 12
     assert sum("OMNI_STREAM_TEST_INT" in r.getMessage() for r in caplog.records) == 2
+
+
+# -- torch threads --------------------------------------------------------------
+
+
+@pytest.fixture
+def cores(monkeypatch):
+    """Pretend the machine has ``n`` usable cores: ``cores(n)``."""
+    monkeypatch.delenv(config.TORCH_THREADS_ENV, raising=False)
+
+    def set_cores(n: int) -> None:
+        monkeypatch.setattr(config, "usable_cores", lambda: n)
+
+    return set_cores
+
+
+@pytest.mark.parametrize(
+    "n, members, threads",
+    [
+        (1, 1, 1),
+        (2, 1, 1),  # this machine: one core left to the loop and the previews, as before
+        (2, 2, 1),
+        (3, 1, 1),
+        (4, 1, 2),
+        (8, 1, 6),
+        (16, 1, 14),
+        (16, 2, 7),  # a group of two cpu members splits what is left
+        (16, 3, 4),
+        (16, 20, 1),  # never below one
+        (64, 4, 15),
+    ],
+)
+def test_the_default_follows_the_cores_and_the_members(cores, n, members, threads):
+    cores(n)
+    assert config.torch_threads(members) == threads
+    assert config.default_torch_threads(members, cores=n) == threads
+
+
+def test_the_variable_overrides_the_default_for_each_member(cores, monkeypatch):
+    cores(16)
+    monkeypatch.setenv(config.TORCH_THREADS_ENV, "3")
+    assert config.torch_threads() == 3
+    assert config.torch_threads(members=4) == 3  # per producer, as given: not split
+
+
+@pytest.mark.parametrize("raw", ["abc", "0", "-2", "1.5", ""])
+def test_a_malformed_variable_warns_once_and_the_default_applies(cores, monkeypatch, caplog, raw):
+    cores(8)
+    monkeypatch.setenv(config.TORCH_THREADS_ENV, raw)
+    with caplog.at_level(logging.WARNING, logger="omni_stream"):
+        assert config.torch_threads() == 6
+        assert config.torch_threads() == 6
+    warnings = [r.getMessage() for r in caplog.records if r.levelno == logging.WARNING]
+    assert len(warnings) == 1 and config.TORCH_THREADS_ENV in warnings[0] and "6" in warnings[0]
+
+
+@pytest.mark.parametrize("members", [0, -1, True, 1.0])
+def test_members_must_be_a_positive_int(members):
+    with pytest.raises(ValueError, match="members"):
+        config.torch_threads(members)
+
+
+def test_usable_cores_is_the_affinity_capped_by_the_cgroup_quota(monkeypatch):
+    import os
+
+    if not hasattr(os, "sched_getaffinity"):
+        pytest.skip("no sched_getaffinity here")
+    monkeypatch.setattr(os, "sched_getaffinity", lambda pid: set(range(12)))
+    monkeypatch.setattr(config, "_cgroup_cpu_quota", lambda: None)
+    assert config.usable_cores() == 12
+    monkeypatch.setattr(config, "_cgroup_cpu_quota", lambda: 4.5)  # docker --cpus 4.5
+    assert config.usable_cores() == 4
+    monkeypatch.setattr(config, "_cgroup_cpu_quota", lambda: 0.2)
+    assert config.usable_cores() == 1
+
+
+def test_the_cgroup_quota_is_read_from_v2_then_v1(monkeypatch, tmp_path):
+    files: dict[str, str] = {}
+    real_open = open
+
+    def fake_open(path, *args, **kwargs):
+        if path in files:
+            target = tmp_path / "f"
+            target.write_text(files[path])
+            return real_open(target, *args, **kwargs)
+        if str(path).startswith("/sys/fs/cgroup"):
+            raise FileNotFoundError(path)
+        return real_open(path, *args, **kwargs)
+
+    monkeypatch.setattr("builtins.open", fake_open)
+    assert config._cgroup_cpu_quota() is None
+    files["/sys/fs/cgroup/cpu.max"] = "max 100000\n"
+    assert config._cgroup_cpu_quota() is None
+    files["/sys/fs/cgroup/cpu.max"] = "250000 100000\n"
+    assert config._cgroup_cpu_quota() == 2.5
+    del files["/sys/fs/cgroup/cpu.max"]
+    files["/sys/fs/cgroup/cpu/cpu.cfs_quota_us"] = "-1\n"
+    files["/sys/fs/cgroup/cpu/cpu.cfs_period_us"] = "100000\n"
+    assert config._cgroup_cpu_quota() is None
+    files["/sys/fs/cgroup/cpu/cpu.cfs_quota_us"] = "300000\n"
+    assert config._cgroup_cpu_quota() == 3.0
+
+
+def test_an_engine_takes_the_default_when_it_is_built(cores, monkeypatch):
+    cores(16)
+    engine = om.Engine(om.models.Synthetic(), device="cpu")
+    assert engine._producer._torch_threads == 14
+    monkeypatch.setenv(config.TORCH_THREADS_ENV, "2")
+    assert om.Engine(om.models.Synthetic(), device="cpu")._producer._torch_threads == 2
+    assert om.Engine(om.models.Synthetic(), device="cpu", torch_threads=5)._producer._torch_threads == 5

@@ -1,20 +1,21 @@
-"""Engine: the task group, and submit / stream / cancel / health / statistics.
+"""Engine: the facade. The task group, and submit / stream / cancel / health / statistics.
 
 The data path (``docs/design.md`` draws it)::
 
     producer thread ──tickets──▶ copier task ──frames──▶ consumer task ──▶ Delivery ──▶ FrameStream
-    (model.step, copy issue;     (waits on events,       (per-request,       (all | latest)  (fail_after
-     CPU: the owned copy)         clones, releases;       contained errors)                   per step)
-                                  CPU frames skip it)
+    (model.step, copy issue;     (waits on events,       (OutputProcessor:   (all | latest)  (fail_after
+     CPU: the owned copy)         clones, releases;       per-request,                       per step)
+                                  CPU frames skip it)     contained errors)
 
 One anyio task group runs the producer's supervisor, the copier and the
-consumer. If any of them dies, the engine is dead: every pending and every
-later request fails at once with EngineDeadError and ``check_health`` says
-so; there is no zombie that accepts work and runs none.
+consumer (``OutputProcessor.consume``). If any of them dies, the engine is
+dead: every pending and every later request fails at once with
+EngineDeadError and ``check_health`` says so; there is no zombie that
+accepts work and runs none.
 
-Loop-side state (``_by_id``, counters, deliveries) is touched only on the
-event loop; what the producer also touches lives in the RequestTable
-under its lock.
+Loop-side state (live requests by id, counters, deliveries) belongs to the
+OutputProcessor and is touched only on the event loop; what the producer
+also touches lives in the RequestTable under its lock.
 """
 
 from __future__ import annotations
@@ -26,7 +27,6 @@ import math
 import threading
 import time
 import uuid
-from collections import deque
 from collections.abc import Awaitable, Callable, Mapping
 from types import TracebackType
 from typing import Any
@@ -41,16 +41,14 @@ from ..errors import (
     EngineClosedError,
     EngineDeadError,
     EngineStalledError,
-    OmniStreamError,
     ParamsError,
     RequestCancelledError,
-    StepFailedError,
-    StepTimeoutError,
 )
-from ..frame import Frame, StepTimings
+from ..frame import Frame
 from ..model import StepModel, split_output
-from .copier import Copier, CopyTicket
+from .copier import Copier
 from .delivery import POLICIES, Delivery
+from .output_processor import OutputProcessor
 from .producer import Producer
 from .request import Request, Status
 from .scheduler import PRIORITY_MAX, PRIORITY_MIN
@@ -71,27 +69,6 @@ def _positive_int(name: str, value: Any) -> int:
     return value
 
 
-class _Mailbox:
-    """An unbounded FIFO of ticket batches from the copier to the consumer task (loop-only)."""
-
-    def __init__(self) -> None:
-        self._items: deque[list[CopyTicket]] = deque()
-        self._ready = asyncio.Event()
-
-    def extend(self, tickets: list[CopyTicket]) -> None:
-        self._items.append(tickets)
-        self._ready.set()
-
-    async def take(self) -> list[list[CopyTicket]]:
-        """Wait for at least one batch; return every batch queued, oldest first."""
-        while not self._items:
-            self._ready.clear()
-            await self._ready.wait()
-        items = list(self._items)
-        self._items.clear()
-        return items
-
-
 class Engine:
     """Streams every step of a model's generation; use as ``async with Engine(model) as engine``.
 
@@ -103,8 +80,9 @@ class Engine:
     pool); ``frame_dtype`` (cast on the device before copying);
     ``shutdown_timeout`` (seconds ``aclose`` waits for a step stuck on the
     device); ``torch_threads`` (torch threads
-    of the producer on CPU devices; default ``OMNI_STREAM_TORCH_THREADS`` or
-    1). Bad options raise ParamsError.
+    of the producer on CPU devices; default ``OMNI_STREAM_TORCH_THREADS``,
+    else from the core count: ``config.default_torch_threads``). Bad options
+    raise ParamsError.
     Enter and leave the engine from the same task.
     """
 
@@ -167,10 +145,11 @@ class Engine:
         self._producer = Producer(
             model, self.device, self._copier, self._table, torch_threads=torch_threads
         )
-        self._by_id: dict[str, Request] = {}
-        self._counts = {s: 0 for s in Status if s.ended}
-        self._frames_delivered = 0
-        self._frames_dropped = 0
+        # The per-frame hand-over, the request endings and their counters.
+        # Every FrameStream holds it too.
+        self._output = OutputProcessor(self._table, self._producer, model)
+        # The processor's own dict, not a copy: ending a request removes it.
+        self._by_id: dict[str, Request] = self._output.by_id
         self._state = "new"  # new -> running -> closing -> closed
         self._dead: BaseException | None = None
         self._loop: asyncio.AbstractEventLoop | None = None
@@ -178,11 +157,6 @@ class Engine:
         self._tg: anyio.abc.TaskGroup | None = None
         self._thread: threading.Thread | None = None
         self._producer_done = anyio.Event()
-        # Copier -> consumer, loop-only. A deque and an event rather than an
-        # anyio memory stream: it is on the per-frame path, and the stream's
-        # checkpoints and backend look-ups cost tens of microseconds a frame.
-        # Its depth is bounded by max_run_ahead per live request.
-        self._copied = _Mailbox()
         self._producer_error: BaseException | None = None
 
     # -- lifecycle -------------------------------------------------------------
@@ -204,6 +178,7 @@ class Engine:
         if self._state != "new":
             raise EngineClosedError("an Engine can be started once; create a new one")
         self._loop = asyncio.get_running_loop()
+        self._output.loop = self._loop
         self._loop_thread = threading.get_ident()
         self._state = "running"
         if self.device.computes_on_cpu:
@@ -214,8 +189,8 @@ class Engine:
             release_idle_team()
         self._tg = anyio.create_task_group()
         await self._tg.__aenter__()
-        self._tg.start_soon(self._supervised, "copier", self._copier.run, self._copied.extend)
-        self._tg.start_soon(self._supervised, "consumer", self._consume)
+        self._tg.start_soon(self._supervised, "copier", self._copier.run, self._output.copied.extend)
+        self._tg.start_soon(self._supervised, "consumer", self._output.consume)
         self._tg.start_soon(self._supervised, "producer", self._run_producer)
         # Let the copier bind to the loop before the producer can post.
         await anyio.sleep(0)
@@ -238,7 +213,7 @@ class Engine:
             # Every wait inside is bounded (shutdown_timeout).
             with anyio.CancelScope(shield=True):
                 for r in list(self._by_id.values()):
-                    self._end(
+                    self._output.end(
                         r, Status.CANCELLED, EngineClosedError("the engine was shut down", request_id=r.id)
                     )
                 self._stop_producer()
@@ -326,7 +301,7 @@ class Engine:
         for r in list(self._by_id.values()):
             err = EngineDeadError(f"the engine died ({where}: {exc!r})", request_id=r.id)
             err.__cause__ = exc
-            self._end(r, Status.FAILED, err)
+            self._output.end(r, Status.FAILED, err)
         self._stop_producer()
 
     # -- submitting ----------------------------------------------------------------
@@ -452,7 +427,7 @@ class Engine:
             self._table.live[r.arrival] = r
             self._table.wake_producer()
         self._by_id[request_id] = r
-        return FrameStream(self, r)
+        return FrameStream(self._output, r)
 
     async def generate(
         self,
@@ -494,7 +469,7 @@ class Engine:
         return self._cancel_request(r)
 
     def _cancel_request(self, r: Request) -> bool:
-        return self._end(r, Status.CANCELLED, RequestCancelledError("cancelled", request_id=r.id))
+        return self._output.end(r, Status.CANCELLED, RequestCancelledError("cancelled", request_id=r.id))
 
     # -- health and statistics -----------------------------------------------------
 
@@ -556,156 +531,20 @@ class Engine:
                 queued += 1
         pool = self._pool.statistics()
         p = self._producer
+        out = self._output
         return EngineStatistics(
             active=active,
             queued=queued,
-            completed=self._counts[Status.FINISHED],
-            cancelled=self._counts[Status.CANCELLED],
-            failed=self._counts[Status.FAILED],
-            timed_out=self._counts[Status.TIMED_OUT],
+            completed=out.counts[Status.FINISHED],
+            cancelled=out.counts[Status.CANCELLED],
+            failed=out.counts[Status.FAILED],
+            timed_out=out.counts[Status.TIMED_OUT],
             buffers_total=pool.buffers_total,
             buffers_in_use=pool.buffers_in_use,
             buffers_in_flight=pool.buffers_in_flight,
             steps=p.steps,
             batches=p.batches,
-            frames_delivered=self._frames_delivered,
-            frames_dropped=self._frames_dropped,
+            frames_delivered=out.frames_delivered,
+            frames_dropped=out.frames_dropped,
             batch_sizes=dict(p.batch_sizes),
         )
-
-    # -- the consumer: frames to their readers (loop) -------------------------------
-
-    async def _consume(self) -> None:
-        while True:
-            for tickets in await self._copied.take():
-                for t in tickets:
-                    try:
-                        self._dispatch(t)
-                    except Exception as exc:
-                        # Contained: one request's delivery failing ends that
-                        # request, never the consumer (the zombie upstream).
-                        logger.exception("request %s: delivering step %d failed", t.request.id, t.step)
-                        err = OmniStreamError(
-                            f"delivering step {t.step} failed: {exc!r}", request_id=t.request.id
-                        )
-                        err.__cause__ = exc
-                        self._end(t.request, Status.FAILED, err)
-
-    def _dispatch(self, t: CopyTicket) -> None:
-        r = t.request
-        if t.error is not None:
-            err = t.error
-            if not isinstance(err, OmniStreamError):
-                err = StepFailedError(
-                    f"copying step {t.step}/{r.total} to the host failed: {err!r}",
-                    request_id=r.id,
-                    step=t.step,
-                )
-                err.__cause__ = t.error
-            self._end(r, Status.FAILED, err, drain=True)
-            return
-        with self._table.cond:
-            r.delivered += 1
-            self._table.wake_producer()
-        if t.data is None or r.finalized:
-            return  # the request ended while its copy was in flight
-        frame = Frame(
-            request_id=r.id,
-            step=t.step,
-            total=r.total,
-            data=t.data,
-            timings=StepTimings(t.queued_s, t.compute_s, t.copy_s, t.batch_size, t.decode_s),
-            decoded=t.decoded,
-        )
-        replaced = r.delivery.put(frame)
-        self._frames_delivered += 1
-        if replaced is not None:
-            self._frames_dropped += 1
-            self._consumed(r)
-        if frame.final:
-            self._end(r, Status.FINISHED, None)
-
-    # -- request endings (loop) ------------------------------------------------------
-
-    def _end(
-        self, r: Request, status: Status, error: BaseException | None, *, drain: bool = False
-    ) -> bool:
-        """Finalise ``r`` once: set its status, count it, tell its reader."""
-        if r.finalized:
-            return False
-        r.finalized = True
-        with self._table.cond:
-            r.status = status
-            self._table.cond.notify_all()
-        if self._by_id.get(r.id) is r:
-            del self._by_id[r.id]
-        self._counts[status] += 1
-        r.delivery.end(error, drain=drain)
-        return True
-
-    def _consumed(self, r: Request) -> None:
-        with self._table.cond:
-            r.consumed += 1
-            self._table.wake_producer()
-
-    def _abandon(self, r: Request) -> None:
-        self._end(
-            r,
-            Status.CANCELLED,
-            RequestCancelledError("the stream was closed before its final frame", request_id=r.id),
-        )
-
-    def _abandon_threadsafe(self, r: Request) -> None:
-        loop = self._loop
-        if loop is None or r.finalized:
-            return
-        try:
-            loop.call_soon_threadsafe(self._abandon, r)
-        except RuntimeError:
-            pass  # loop closed: the engine is gone with it
-
-    def _step_timeout(self, r: Request) -> float:
-        return r.timeout if r.timeout is not None else default_timeout()
-
-    def _waiting_on(self, r: Request, step: int) -> str:
-        """What the step's output was waiting on, for the timeout message."""
-        if r.issued >= step:
-            return f"copying step {step}/{r.total} to the host"
-        busy = self._producer.busy_with if self._producer.busy_since is not None else ()
-        if r.id in busy:
-            return f"computing step {step}/{r.total}"
-        if busy:
-            return f"queued behind a running step of request(s) {', '.join(busy)}"
-        if r.unconsumed >= self._table.limits.queue_size and r.policy == "all":
-            return "paused: its reader is behind"
-        return f"queued for step {step}/{r.total}"
-
-    def _queued_behind_whole_requests(self, r: Request) -> bool:
-        """Whether ``r`` waits for another request's whole run (``runs_whole_requests``).
-
-        A stepped model gives every queued request a step within a batch or
-        two; a whole-request model runs one request to its end first, which
-        may take far longer than one step's bound: such a wait is a queue,
-        not a stalled step (health watches the running one).
-        """
-        return self.model.runs_whole_requests and r.status is Status.QUEUED
-
-    def _time_out(self, r: Request, bound: float) -> StepTimeoutError:
-        step = min(r.delivered + 1, r.total)
-        stage = self._waiting_on(r, step)
-        source = "the request's timeout=" if r.timeout is not None else STEP_TIMEOUT_ENV
-        err = StepTimeoutError(
-            f"step {step}/{r.total} produced no output within {bound:.1f} s "
-            f"(bound from {source}); it was {stage}. "
-            f"Set {STEP_TIMEOUT_ENV} (or timeout=) to a larger value to allow slower steps",
-            request_id=r.id,
-            step=step,
-            bound_s=bound,
-        )
-        logger.warning(
-            "request %s timed out after %.1f s waiting for step %d/%d (%s); "
-            "set %s to a larger value to allow slower steps",
-            r.id, bound, step, r.total, stage, STEP_TIMEOUT_ENV,
-        )
-        self._end(r, Status.TIMED_OUT, err)
-        return err

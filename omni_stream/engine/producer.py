@@ -76,7 +76,7 @@ class Producer:
             self._device.prepare_thread()
             if self._device.computes_on_cpu:
                 # The model's CPU compute runs here, on a team of the chosen
-                # size (config.torch_threads says why one by default); the
+                # size (config.default_torch_threads says how many by default); the
                 # engine released the loop thread's idle team when it started.
                 # Only this thread's setting changes, not the process default.
                 set_torch_threads_here(self._torch_threads)

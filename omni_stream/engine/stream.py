@@ -9,6 +9,9 @@ Cleanup is deterministic with ``async with``; a plain ``async for`` that
 breaks out drops the last reference to the stream, and ``__del__`` then
 cancels the request (thread-safe, it only schedules the cancel on the
 loop), so the producer stops within one step.
+
+The stream holds the engine's OutputProcessor, not the engine: it tells it
+what the reader took (the producer's backpressure), gave up, or timed out on.
 """
 
 from __future__ import annotations
@@ -23,7 +26,7 @@ from ..frame import Frame
 from .request import Request
 
 if TYPE_CHECKING:
-    from .engine import Engine
+    from .output_processor import OutputProcessor
 
 __all__ = ["FrameStream"]
 
@@ -31,8 +34,8 @@ __all__ = ["FrameStream"]
 class FrameStream:
     """Async iterator (and async context manager) over one request's frames."""
 
-    def __init__(self, engine: Engine, request: Request) -> None:
-        self._engine = engine
+    def __init__(self, output: OutputProcessor, request: Request) -> None:
+        self._output = output
         self._request = request
         self._done = False
 
@@ -60,11 +63,11 @@ class FrameStream:
         try:
             frame = delivery.get_nowait()
             while frame is None:
-                bound = self._engine._step_timeout(request)
+                bound = self._output.step_timeout(request)
                 with anyio.move_on_after(bound):
                     frame = await delivery.get()
-                if frame is None and not self._engine._queued_behind_whole_requests(request):
-                    raise self._engine._time_out(request, bound)
+                if frame is None and not self._output.queued_behind_whole_requests(request):
+                    raise self._output.time_out(request, bound)
                 # Still queued behind a model that runs whole requests: the
                 # bound is per step, and this request has not had one yet.
         except BaseException:
@@ -72,13 +75,13 @@ class FrameStream:
             # cancelled: then nobody will read this request, so abort it.
             # Either way the exception propagates unchanged.
             self._done = True
-            self._engine._abandon(request)
+            self._output.abandon(request)
             raise
         return self._took(frame)
 
     def _took(self, frame: Frame) -> Frame:
         """Count ``frame`` as read (the producer's backpressure) and note the end."""
-        self._engine._consumed(self._request)
+        self._output.consumed(self._request)
         if frame.final:
             self._done = True
         return frame
@@ -105,7 +108,7 @@ class FrameStream:
         """Stop the request if it has not finished; idempotent."""
         if not self._done:
             self._done = True
-            self._engine._abandon(self._request)
+            self._output.abandon(self._request)
 
     async def __aenter__(self) -> FrameStream:
         return self
@@ -120,4 +123,4 @@ class FrameStream:
 
     def __del__(self) -> None:
         if not self._done:
-            self._engine._abandon_threadsafe(self._request)
+            self._output.abandon_threadsafe(self._request)

@@ -1,59 +1,43 @@
-"""The websocket server: ``Server`` (async context manager) and ``serve()`` (blocking).
+"""``Server`` (async context manager) and ``serve()`` (blocking): the ASGI app on uvicorn.
 
-Shape of the running server, all in one anyio task group per server plus
-one per connection:
-
-- websockets accepts connections on one port; its ``process_request`` hook
-  answers the HTTP routes and refuses bad handshakes (401/403/503) before
-  the upgrade.
-- per connection: a reader (this module's ``_read``, parsing and handling
-  each message synchronously, so it never waits on anything but the
-  socket) and a writer draining the connection's :class:`Outbox`.
-- per request: one consumer task iterating ``engine.stream(...,
-  policy="latest")``, rendering previews (once, shared by every watcher)
-  and publishing into the request's :class:`RequestRecord`, which fans out
-  to the watchers' outboxes without ever waiting on a client.
+One port serves everything :func:`~omni_stream.server.asgi.create_app`
+routes: the page, ``/health``, ``/metrics``, ``/models``, the websocket
+``/ws`` and the HTTP API ``/v1/generations`` with its event streams.
+uvicorn runs the HTTP and websocket protocols (websockets' sans-I/O core
+for ``/ws``); the :class:`~omni_stream.server.service.Service` holds the
+requests and their rules, one consumer task per request, in one task group.
 
 Who waits on whom: the engine never waits on the server ("latest" replaces
-unread frames); a consumer waits only on its own preview renders; a writer
-waits on its own socket, bounded by ``send_timeout_s``. Nothing waits on a
-slow client except that client's writer.
+unread frames); a consumer waits only on its own preview renders; a
+client's writer (websocket or event stream) waits on its own socket,
+bounded by ``send_timeout_s``. Nothing waits on a slow client except that
+client's writer.
 """
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import errno
-import json
 import logging
-import os
 import signal
-import time
-import uuid
-from collections.abc import Sequence
-from contextlib import AsyncExitStack
+import socket
+from collections.abc import Iterator, Sequence
 from types import TracebackType
 from typing import Any
-from urllib.parse import urlsplit
 
 import anyio
 import anyio.abc
-from websockets.asyncio.server import Server as _WSServer
-from websockets.asyncio.server import ServerConnection
-from websockets.asyncio.server import serve as _ws_serve
-from websockets.http11 import Request, Response
+import uvicorn
 
-from ..engine import Engine, FrameStream
-from ..errors import EngineDeadError, EngineError, OmniStreamError, ParamsError
+from ..errors import OmniStreamError, ParamsError
 from ..model import StepModel
-from ..preview import Previewer, PreviewSpec
-from . import admission, protocol, routes, security
-from .connection import ClientConnection
-from .consumer import stream_request
-from .limits import ServerLimits, resolve_origins, resolve_token
-from .metrics import CONTENT_TYPE, ServerMetrics
-from .outbox import MemoryBudget
-from .session import RequestRecord, RequestRegistry
+from ..preview import Previewer
+from . import security
+from .asgi import FrontDoor, app_for, build_front_door
+from .http11 import DeadlineH11Protocol
+from .metrics import ServerMetrics
+from .service import FdWarning, ServerFailedError
 
 __all__ = ["Server", "ServerFailedError", "serve"]
 
@@ -61,13 +45,14 @@ logger = logging.getLogger("omni_stream.server")
 
 
 class Server:
-    """The omni_stream websocket server (docs/protocol.md).
+    """The omni_stream server on one port (docs/protocol.md, docs/http.md).
 
-    ``engine_or_model``: a running :class:`~omni_stream.Engine` (the caller
-    starts and closes it), or a :class:`~omni_stream.StepModel`, for which
-    the server creates an engine on ``device`` and owns it. ``port=0`` picks
-    a free port; read it back from :attr:`port`. ``limits`` are the keyword
-    arguments of :class:`ServerLimits`. Raises ParamsError for a bad option.
+    ``engine_or_model``: a running engine (``Engine``, ``EngineGroup``,
+    anything EngineLike: the caller starts and closes it), or a
+    :class:`~omni_stream.StepModel`, for which the server creates an engine
+    on ``device`` and owns it. ``port=0`` picks a free port; read it back
+    from :attr:`port`. ``limits`` are the keyword arguments of
+    :class:`ServerLimits`. Raises ParamsError for a bad option.
 
     ``async with Server(model, port=0) as server: ...`` serves until the
     block ends, then shuts down gracefully (see :meth:`aclose`). When the
@@ -79,7 +64,7 @@ class Server:
 
     def __init__(
         self,
-        engine_or_model: Engine | StepModel,
+        engine_or_model: Any,
         *,
         host: str = "127.0.0.1",
         port: int = 8765,
@@ -88,71 +73,55 @@ class Server:
         device: str = "auto",
         previewer: Previewer | None = None,
         stay_dead: bool = False,
+        metrics_public: bool = False,
         **limits: Any,
     ) -> None:
-        if not isinstance(stay_dead, bool):
-            raise ParamsError(f"stay_dead must be true or false, got {stay_dead!r}", field="stay_dead")
-        if isinstance(engine_or_model, Engine):
-            self._engine = engine_or_model
-            self._owns_engine = False
-        elif isinstance(engine_or_model, StepModel):
-            self._engine = Engine(engine_or_model, device=device)
-            self._owns_engine = True
-        else:
-            raise ParamsError(
-                "Server needs an omni_stream.Engine or StepModel, "
-                f"got {type(engine_or_model).__name__}",
-                field="engine_or_model",
-            )
         if isinstance(port, bool) or not isinstance(port, int) or not 0 <= port <= 65535:
             raise ParamsError(f"port must be an integer from 0 to 65535, got {port!r}", field="port")
         if not isinstance(host, str):
             raise ParamsError(f"host must be a string, got {host!r}", field="host")
-        self.model: StepModel = self._engine.model
-        self.limits = ServerLimits.from_env(limits)
+        self._door: FrontDoor = build_front_door(
+            engine_or_model,
+            token=token,
+            allow_origins=allow_origins,
+            device=device,
+            previewer=previewer,
+            stay_dead=stay_dead,
+            metrics_public=metrics_public,
+            limits=limits,
+            on_fatal=self._fatal_error,
+        )
+        self._service = self._door.service
+        self.app = app_for(self._door)
+        self.model: StepModel = self._service.model
+        self.limits = self._service.limits
+        self.metrics: ServerMetrics = self._service.metrics
         self._host = host
         self._requested_port = port
-        self._token = resolve_token(token)
-        self._allow_origins = resolve_origins(allow_origins)
-        self._previewer = previewer or Previewer(threads=self.limits.preview_threads)
-        # The default preview for this model (the wire may override "decoder").
-        self._default_decoder = admission.default_decoder(self.model)
-        self._default_preview = admission.cap_preview(
-            PreviewSpec(decoder=self._default_decoder), self.limits
-        )
-        # Bytes held for clients, queued and retained: max_memory_bytes (outbox.py).
-        self._memory = MemoryBudget(self.limits.max_memory_bytes)
-        self._registry = RequestRegistry(
-            retention_s=self.limits.retention_s,
-            max_retained=self.limits.max_retained,
-            budget=self._memory,
-        )
-        self.metrics = ServerMetrics(self._engine, running=lambda: len(self._registry.running()))
-        self.metrics.watch_memory(self._memory)
-        self._connections: dict[str, ClientConnection] = {}
-        self._own_origins: frozenset[str] = frozenset()
         self._port: int | None = None
-        self._ws_server: _WSServer | None = None
+        self._uvicorn: _Uvicorn | None = None
         self._tg: anyio.abc.TaskGroup | None = None
-        self._stack: AsyncExitStack | None = None
-        self._stopped_listening = False
+        self._stack: contextlib.AsyncExitStack | None = None
         self._state = "new"  # new -> running -> closing -> closed
         self._shutdown_requested = anyio.Event()
         self._force_shutdown = anyio.Event()
         self._shutdown_done = anyio.Event()
-        self._requests_idle = anyio.Event()
-        self._connections_idle = anyio.Event()
-        # Dies loudly: a dead engine or a failed server task shuts the server
-        # down (serve() then raises this), unless stay_dead keeps it up.
-        self._stay_dead = stay_dead
-        self._fatal: OmniStreamError | None = None
-        self._fd_warning = _FdWarning()
 
     # -- properties ------------------------------------------------------------
 
     @property
-    def engine(self) -> Engine:
-        return self._engine
+    def engine(self) -> Any:
+        return self._service.engine
+
+    @property
+    def service(self) -> Any:
+        """The core every front door shares (requests, their rules, metrics)."""
+        return self._service
+
+    @property
+    def connections(self) -> dict[str, Any]:
+        """The open websocket connections, by id."""
+        return self._door.websockets
 
     @property
     def host(self) -> str:
@@ -187,7 +156,7 @@ class Server:
         EngineDeadError when the engine died, ServerFailedError when a task
         of the server failed (``__cause__`` is what it raised).
         """
-        return self._fatal
+        return self._service.fatal
 
     # -- lifecycle ---------------------------------------------------------------
 
@@ -208,43 +177,56 @@ class Server:
         if self._state != "new":
             raise RuntimeError("a Server can be started once; create a new one")
         self._state = "running"
-        stack = AsyncExitStack()
+        stack = contextlib.AsyncExitStack()
         try:
-            if self._owns_engine:
-                await stack.enter_async_context(self._engine)
+            sockets = _bind(self._host, self._requested_port)
+            stack.callback(_close_all, sockets)
+            await stack.enter_async_context(self._service)
             self._tg = await stack.enter_async_context(anyio.create_task_group())
-            self._ws_server = await _ws_serve(
-                self._handle,
-                self._host,
-                self._requested_port,
-                process_request=self._process_request,
+            config = uvicorn.Config(
+                self.app,
+                lifespan="off",  # this task runs the service (it must enter and leave it)
+                ws="websockets-sansio",
+                http=DeadlineH11Protocol,
+                ws_max_size=self.limits.max_message_bytes,
                 # Previews are compressed images: deflating them again would
-                # only burn the event loop (~60x fewer messages a second).
-                compression=None,
-                max_size=self.limits.max_message_bytes,
-                close_timeout=self.limits.close_timeout_s,
-                logger=_websockets_logger(),
+                # only burn the event loop.
+                ws_per_message_deflate=False,
+                log_config=None,
+                access_log=False,
+                server_header=False,
+                timeout_graceful_shutdown=max(1, int(self.limits.close_timeout_s)),
             )
+            self._uvicorn = _Uvicorn(config)
+            started = anyio.Event()
+            self._uvicorn.on_started = started.set
+            self._tg.start_soon(self._run_uvicorn, sockets, name="omni_stream uvicorn")
+            with anyio.fail_after(30):
+                await started.wait()
         except BaseException:
             self._state = "closed"
             await stack.aclose()
             raise
         self._stack = stack
-        self._port = self._ws_server.sockets[0].getsockname()[1]
-        self._own_origins = security.own_origins(self._host, self._port)
-        self._tg.start_soon(self._supervised, "retention sweep", self._sweep_retained)
-        self._tg.start_soon(self._supervised, "engine watch", self._watch_engine)
-        self._tg.start_soon(self._supervised, "file descriptor watch", self._watch_file_descriptors)
+        self._port = sockets[0].getsockname()[1]
         logger.info("omni_stream server listening on %s (model %s)", self.http_url, self.model.name)
-        # The addresses actually bound ("localhost" may bind ::1 and 127.0.0.1).
-        bound = {str(sock.getsockname()[0]) for sock in self._ws_server.sockets}
+        bound = {str(sock.getsockname()[0]) for sock in sockets}
         exposed = sorted(h for h in bound if not security.is_loopback(h))
-        if exposed and self._token is None:
+        if exposed and self._service.token is None:
             logger.warning(
                 "listening on %s, not a loopback address, without a token: anyone who can reach "
                 "the port can run requests; set a token (--token, OMNI_STREAM_TOKEN) or bind 127.0.0.1",
                 ", ".join(exposed),
             )
+
+    async def _run_uvicorn(self, sockets: list[socket.socket]) -> None:
+        assert self._uvicorn is not None
+        try:
+            await self._uvicorn.serve(sockets=sockets)
+        except Exception as exc:  # noqa: BLE001 - _fatal_error logs it
+            error = ServerFailedError(f"the HTTP server failed: {exc!r}")
+            error.__cause__ = exc
+            self._service.die(error)
 
     def request_shutdown(self) -> None:
         """Ask :meth:`serve_forever` to return; a second call also skips the grace period."""
@@ -281,9 +263,10 @@ class Server:
 
         Refuses new work; gives running requests ``shutdown_timeout_s`` to
         finish (cut short by a second :meth:`request_shutdown`); cancels the
-        rest; stops listening; lets each client's send path flush, then
-        closes it with 1001. Returns when done, also to concurrent callers.
-        The engine and the server's tasks are released by :meth:`aclose`.
+        rest; closes each websocket with 1001 once its queue is sent, ends
+        event streams; stops listening. Returns when done, also to
+        concurrent callers. The engine and the server's tasks are released
+        by :meth:`aclose`.
         """
         if self._state == "new":
             self._state = "closed"
@@ -293,42 +276,14 @@ class Server:
             return
         self._state = "closing"
         self._shutdown_requested.set()
-        assert self._ws_server is not None
-        limits = self.limits
         try:
             # Keep listening through the grace period: probes see /health
-            # 503 and new websockets get 503 shutting_down (_check_handshake).
-            with anyio.move_on_after(limits.shutdown_timeout_s):
-                async with anyio.create_task_group() as wait:
-
-                    async def forced() -> None:
-                        await self._force_shutdown.wait()
-                        wait.cancel_scope.cancel()
-
-                    wait.start_soon(forced)
-                    await self._wait_requests_idle()
-                    wait.cancel_scope.cancel()
-            for record in self._registry.running():
-                record.cancel_reason = record.cancel_reason or "shutdown"
-                self._engine.cancel(record.id)
-            # Cancelled requests end within one step (plus a preview render).
-            with anyio.move_on_after(limits.close_timeout_s):
-                await self._wait_requests_idle()
-            for record in self._registry.running():
-                # Still rendering a preview: its watchers hear the outcome now
-                # (finish is idempotent; the consumer's own finish is ignored).
-                record.finish(protocol.cancelled(record.id, reason="shutdown"), now=time.monotonic())
-            self._ws_server.server.close()  # stop listening
-            self._stopped_listening = True
-            for conn in list(self._connections.values()):
-                conn.close_soon(protocol.CLOSE_GOING_AWAY, "server shutting down")
-            with anyio.move_on_after(limits.close_timeout_s * 2):
-                await self._wait_connections_idle()
-            self._ws_server.close(
-                close_connections=True, code=protocol.CLOSE_GOING_AWAY, reason="server shutting down"
-            )
-            with anyio.move_on_after(limits.close_timeout_s * 2):
-                await self._ws_server.wait_closed()
+            # 503 and new websockets get 503 shutting_down.
+            await self._door.shutdown(forced=self._force_shutdown)
+            if self._uvicorn is not None:
+                self._uvicorn.should_exit = True
+                with anyio.move_on_after(self.limits.close_timeout_s * 2 + 1):
+                    await self._uvicorn.exited.wait()
         finally:
             self._shutdown_done.set()
 
@@ -345,6 +300,8 @@ class Server:
             return
         stack, self._stack = self._stack, None
         assert self._tg is not None
+        if self._uvicorn is not None:
+            self._uvicorn.force_exit = True
         self._tg.cancel_scope.cancel()
         try:
             await stack.aclose()
@@ -352,483 +309,73 @@ class Server:
             self._state = "closed"
             logger.info("omni_stream server on port %s closed", self._port)
 
-    async def _wait_requests_idle(self) -> None:
-        while self._registry.running():
-            self._requests_idle = anyio.Event()
-            await self._requests_idle.wait()
-
-    async def _wait_connections_idle(self) -> None:
-        while self._connections:
-            self._connections_idle = anyio.Event()
-            await self._connections_idle.wait()
-
-    async def _supervised(self, name: str, fn: Any) -> None:
-        # A background task of the server that raises is a bug: shut down
-        # loudly (its exception in the task group would instead cancel every
-        # request without a word to the clients).
-        try:
-            await fn()
-        except Exception as exc:  # noqa: BLE001 - _die logs it, with its traceback
-            error = ServerFailedError(f"the server's {name} task failed: {exc!r}")
-            error.__cause__ = exc
-            self._die(error)
-
-    def _die(self, error: OmniStreamError) -> None:
-        """Record why the server cannot go on, log it once, and shut down unless ``stay_dead``."""
-        if self._fatal is not None:
-            return
-        self._fatal = error
-        exc_info = error.__cause__ if isinstance(error, ServerFailedError) else None
-        if self._stay_dead:
-            logger.error(
-                "%s; staying up as asked (stay_dead), /health answers 503", error, exc_info=exc_info
-            )
-            return
-        logger.error(
-            "%s; shutting down so that a supervisor can restart the process "
-            "(stay_dead / --stay-dead keeps it up)",
-            error,
-            exc_info=exc_info,
-        )
+    def _fatal_error(self, error: OmniStreamError) -> None:
         # Wakes serve_forever; shutdown() itself also runs here for servers
         # used without it (it is idempotent and answers concurrent callers).
         self.request_shutdown()
         if self._tg is not None and self._state == "running":
             self._tg.start_soon(self.shutdown, name="omni_stream fatal shutdown")
 
-    async def _watch_engine(self) -> None:
-        # The engine has no death callback; health() is a cheap snapshot.
-        # Dead is final; stalled may recover, and closed is the owner's call.
-        while True:
-            await anyio.sleep(_ENGINE_WATCH_S)
-            health = self._engine.health()
-            if health.status == "dead":
-                self._die(EngineDeadError(f"the engine died: {health.reason}"))
-                return
 
-    async def _watch_file_descriptors(self) -> None:
-        # uvloop (serve()'s loop) accepts and drops connections silently when
-        # the process is out of descriptors (libuv's EMFILE trick), so count
-        # them: what asyncio's own loop reports goes through serve()'s
-        # exception handler to the same once-a-minute warning.
-        limit = _fd_soft_limit()
-        if limit is None or _open_fds() is None:
-            return  # no RLIMIT_NOFILE or no /proc/self/fd (/dev/fd) here
-        while True:
-            await anyio.sleep(_FD_WATCH_S)
-            count = _open_fds()
-            limit = _fd_soft_limit() or limit
-            if count is not None and count >= limit - _FD_HEADROOM:
-                self._fd_warning.warn(f"{count} of RLIMIT_NOFILE={limit} descriptors are open")
+class _Uvicorn(uvicorn.Server):
+    """uvicorn's server without its signal handlers (``serve_forever`` watches signals)."""
 
-    async def _sweep_retained(self) -> None:
-        # Detached results must not outlive retention_s even when nobody
-        # looks them up (lookups also prune); a memory leak otherwise.
-        interval = min(max(self.limits.retention_s / 4, 0.05), 5.0)
-        while True:
-            await anyio.sleep(interval)
-            for record in self._registry.prune():
-                logger.debug("forgot detached request %s (retention over)", record.id)
+    on_started: Any = None
 
-    # -- HTTP --------------------------------------------------------------------
+    def __init__(self, config: uvicorn.Config) -> None:
+        super().__init__(config)
+        self.exited = anyio.Event()
 
-    def _process_request(self, connection: ServerConnection, request: Request) -> Response | None:
-        if self._stopped_listening:
-            # A TCP connection accepted before we stopped listening (a browser
-            # preconnect) must not be answered after close: drop it, so the
-            # client sees the server gone, not a server still shutting down.
-            connection.transport.abort()
-            return routes.error_response(503, "shutting_down", "the server is shutting down")
-        parts = urlsplit(request.path)
-        path = parts.path
-        # websockets 17 hands every method to this hook; older releases drop
-        # anything but GET unanswered before it (docs/protocol.md).
-        method = getattr(request, "method", "GET")
-        if path == "/ws" and method == "GET":
-            return self._check_handshake(request, parts.query)
-        if path == "/ws":
-            response = routes.method_not_allowed(method, path, allow=("GET",))
-        elif path in routes.READ_ONLY_ROUTES and method not in ("GET", "HEAD"):
-            response = routes.method_not_allowed(method, path, allow=("GET", "HEAD"))
-        else:
-            response = self._route(path)
-        # HEAD: GET's status and headers (Content-Length included), never a body.
-        return routes.without_body(response) if method == "HEAD" else response
+    @contextlib.contextmanager
+    def capture_signals(self) -> Iterator[None]:
+        yield
 
-    def _route(self, path: str) -> Response:
-        if path in ("/", "/index.html"):
-            return routes.page_response()
-        if path == "/health":
-            return self._health_response()
-        if path == "/metrics":
-            return routes.respond(200, self.metrics.render(), CONTENT_TYPE)
-        if path == "/models":
-            return routes.json_response(
-                200, routes.models_payload(self.model, self._default_preview, self.limits)
-            )
-        return routes.error_response(404, "not_found", f"no route {path!r}; try /, /ws, /health, /metrics, /models")
+    async def startup(self, sockets: list[socket.socket] | None = None) -> None:
+        await super().startup(sockets=sockets)
+        if self.on_started is not None:
+            self.on_started()
 
-    def _check_handshake(self, request: Request, query: str) -> Response | None:
-        refused = self.metrics.handshakes_refused
-        if self.closing:
-            refused.labels("shutting_down").inc()
-            return routes.error_response(503, "shutting_down", "the server is shutting down")
-        if self._token is not None and not security.token_ok(self._token, request.headers, query):
-            refused.labels("unauthorized").inc()
-            return routes.error_response(
-                401,
-                "unauthorized",
-                "this server needs a token: send 'Authorization: Bearer TOKEN' or ?token=TOKEN",
-                extra={"WWW-Authenticate": 'Bearer realm="omni_stream"'},
-            )
-        origin = request.headers.get("Origin")
-        if not security.origin_allowed(
-            origin,
-            allowed=self._allow_origins,
-            own=self._own_origins,
-            bound_host=self._host,
-            host_header=request.headers.get("Host"),
-        ):
-            refused.labels("forbidden_origin").inc()
-            return routes.error_response(
-                403,
-                "forbidden_origin",
-                f"origin {origin!r} is not allowed; start the server with allow_origins "
-                "(OMNI_STREAM_ALLOW_ORIGINS) to allow it",
-            )
-        if len(self._connections) >= self.limits.max_connections:
-            refused.labels("too_many_connections").inc()
-            return routes.error_response(
-                503,
-                "too_many_connections",
-                f"the server has {self.limits.max_connections} connections open "
-                "(max_connections, OMNI_STREAM_MAX_CONNECTIONS)",
-            )
-        return None
-
-    def _health_response(self) -> Response:
-        health = self._engine.health()
-        payload = health.to_dict()
-        payload["server"] = {
-            "connections": len(self._connections),
-            "requests": len(self._registry.running()),
-            "retained": len(self._registry.retained()),
-        }
-        stats = health.statistics
-        load = admission.Load.of(
-            stats.active, stats.queued, self.limits, engine_batch_size=self._engine.max_batch_size
-        )
-        payload["load"] = load.to_dict()
-        if self.closing and health.ok:
-            payload.update(status="shutting_down", ok=False, reason="the server is shutting down")
-        elif health.ok and load.busy:
-            # 200: a full server is healthy (a 503 would make a liveness
-            # probe restart it, killing the work it is busy with).
-            payload.update(
-                status="busy",
-                reason=f"the server holds {load.held} requests, max_active + max_queued; "
-                "a generate gets error busy",
-            )
-            payload["load"]["retry_after_s"] = self._retry_after(load)
-        if self._fatal is not None and payload["ok"]:
-            # A failed server task (stay_dead keeps the process up): not
-            # able to serve, though the engine is.
-            payload.update(status="dead", ok=False, reason=str(self._fatal))
-        return routes.json_response(200 if payload["ok"] else 503, payload)
-
-    # -- connections -------------------------------------------------------------
-
-    async def _handle(self, ws: ServerConnection) -> None:
-        if len(self._connections) >= self.limits.max_connections or self.closing:
-            # Two handshakes raced past the check in _check_handshake.
-            reason = "server shutting down" if self.closing else "too many connections"
-            code = protocol.CLOSE_GOING_AWAY if self.closing else protocol.CLOSE_TRY_AGAIN_LATER
-            await ws.close(code, reason)
-            return
-        conn = ClientConnection(
-            ws, limits=self.limits, metrics=self.metrics, dispatch=self._dispatch, budget=self._memory
-        )
-        self._connections[conn.id] = conn
-        self.metrics.connections.inc()
-        self.metrics.connections_opened.inc()
-        logger.debug("connection %s from %s", conn.id, conn.remote)
+    async def serve(self, sockets: list[socket.socket] | None = None) -> None:
         try:
-            await conn.run()
+            await super().serve(sockets=sockets)
         finally:
-            for record in self._registry.disconnect(conn.id):
-                record.cancel_reason = record.cancel_reason or "disconnect"
-                self._engine.cancel(record.id)
-            del self._connections[conn.id]
-            self.metrics.connections.dec()
-            if not self._connections:
-                self._connections_idle.set()
-            logger.debug("connection %s closed (%s)", conn.id, conn.close_text())
-
-    # -- client messages ---------------------------------------------------------
-
-    def _dispatch(self, conn: ClientConnection, data: str | bytes) -> None:
-        # Synchronous on purpose: handling a message never waits, so one
-        # connection's reader is never blocked behind anything.
-        msg: protocol.ClientMessage | None = None
-        try:
-            msg = protocol.parse_client_message(data)
-            if isinstance(msg, protocol.Generate):
-                self._generate(conn, msg)
-            elif isinstance(msg, protocol.Cancel):
-                self._cancel(conn, msg)
-            else:
-                self._attach(conn, msg)
-        except protocol.MessageError as exc:
-            request_id = exc.request_id
-            if isinstance(msg, protocol.Generate):
-                self.metrics.requests.labels("rejected").inc()
-                if msg.id is None:
-                    request_id = None  # an id the server made up means nothing to the client
-            conn.outbox.put(
-                protocol.dumps(
-                    protocol.error(exc.code, exc.message, request_id=request_id, field=exc.field)
-                ),
-                "error",
-            )
-        except Exception as exc:
-            request_id = getattr(msg, "id", None)
-            logger.exception("handling a message from connection %s failed", conn.id)
-            conn.outbox.put(
-                protocol.dumps(
-                    protocol.error("internal", f"internal server error: {exc!r}", request_id=request_id)
-                ),
-                "error",
-            )
-
-    def _generate(self, conn: ClientConnection, msg: protocol.Generate) -> None:
-        # Every refusal is counted by its code; busy is answered here, its
-        # error carrying retry_after_s.
-        try:
-            self._admit(conn, msg)
-        except admission.BusyError as exc:
-            self.metrics.rejections.labels(exc.code).inc()
-            self.metrics.requests.labels("rejected").inc()
-            # No id when the client sent none (as _dispatch: a made-up id means nothing to it).
-            reply = protocol.error(exc.code, exc.message, request_id=msg.id)
-            reply["retry_after_s"] = exc.retry_after_s
-            conn.outbox.put(protocol.dumps(reply), "error")
-        except protocol.MessageError as exc:
-            self.metrics.rejections.labels(exc.code).inc()
-            raise
-
-    def _admit(self, conn: ClientConnection, msg: protocol.Generate) -> None:
-        request_id = msg.id or uuid.uuid4().hex
-        if self.closing:
-            raise protocol.MessageError(
-                "shutting_down", "the server is shutting down", request_id=request_id
-            )
-        if self.fatal is not None:
-            # Kept up by stay_dead after a fatal error: it serves no new work.
-            raise protocol.MessageError(
-                "engine_unavailable", f"the server failed: {self.fatal}", request_id=request_id
-            )
-        health = self._engine.health()
-        if not health.ok:
-            raise protocol.MessageError(
-                "engine_unavailable",
-                f"the engine is {health.status}: {health.reason}",
-                request_id=request_id,
-            )
-        self._registry.check_new(request_id, detach=msg.detach)
-        limit = self.limits.max_requests_per_connection
-        if self._registry.running_owned_by(conn.id) >= limit:
-            raise protocol.MessageError(
-                "too_many_requests",
-                f"this connection already runs {limit} requests "
-                "(max_requests_per_connection, OMNI_STREAM_MAX_REQUESTS_PER_CONNECTION)",
-                request_id=request_id,
-            )
-        # Before the params are read: refusing an overloaded server's work
-        # must cost less than the work (a data: URL image is up to 1 MiB).
-        stats = health.statistics
-        load = admission.Load.of(
-            stats.active, stats.queued, self.limits, engine_batch_size=self._engine.max_batch_size
-        )
-        admission.check_load(
-            load,
-            own=self._registry.running_owned_by(conn.id),
-            connections=len(self._connections),
-            retry_after_s=lambda: self._retry_after(load),
-            request_id=request_id,
-        )
-        spec = admission.preview_spec(
-            msg.preview,
-            default=self._default_preview,
-            decoder=self._default_decoder,
-            limits=self.limits,
-            request_id=request_id,
-        )
-        output = admission.output_spec(
-            msg.output, video=bool(getattr(self.model, "produces_video", False)), request_id=request_id
-        )
-        total = admission.check_params(self.model, msg.params, self.limits, request_id=request_id)
-        try:
-            # The raw params: the engine validates them itself (the same checks).
-            stream = self._engine.stream(
-                msg.params, request_id=request_id, policy="latest", preview_every=spec.every,
-                priority=msg.priority,
-            )
-        except ParamsError as exc:
-            raise protocol.MessageError(
-                "bad_params", exc.message, field=exc.field, request_id=request_id
-            ) from None
-        except EngineError as exc:
-            raise protocol.MessageError(
-                "engine_unavailable", exc.message, request_id=request_id
-            ) from None
-        record = RequestRecord(
-            request_id,
-            owner=conn.id,
-            detach=msg.detach,
-            total=total,
-            preview=routes.preview_wire(spec),
-            output=output.wire(),
-            created_at=time.monotonic(),
-        )
-        self._registry.add(record)
-        record.watch(conn.id, conn.outbox, attached=False)
-        assert self._tg is not None
-        self._tg.start_soon(
-            self._consume, record, stream, spec, output,
-            name=f"omni_stream request {request_id}",
-        )
-
-    def _retry_after(self, load: admission.Load) -> float:
-        return admission.retry_after(
-            (r.total - r.latest_step for r in self._registry.running()),
-            held=load.held,
-            step_s=self.metrics.recent_step_s,
-            batch_size=self.metrics.recent_batch_size,
-            whole_requests=bool(getattr(self.model, "runs_whole_requests", False)),
-        )
-
-    def _cancel(self, conn: ClientConnection, msg: protocol.Cancel) -> None:
-        record = self._registry.lookup(msg.id, conn.id, authenticated=self._token is not None)
-        if record.ended:
-            return  # its terminal message was already sent
-        record.cancel_reason = record.cancel_reason or "client"
-        self._engine.cancel(record.id)
-
-    def _attach(self, conn: ClientConnection, msg: protocol.Attach) -> None:
-        record = self._registry.lookup(msg.id, conn.id, authenticated=self._token is not None)
-        if record.is_watched_by(conn.id):
-            raise protocol.MessageError(
-                "already_attached",
-                f"this connection already watches request {msg.id!r}",
-                field="id",
-                request_id=msg.id,
-            )
-        record.watch(conn.id, conn.outbox, attached=True)
-
-    # -- one consumer per request ------------------------------------------------
-
-    async def _consume(
-        self,
-        record: RequestRecord,
-        stream: FrameStream,
-        spec: PreviewSpec,
-        output: admission.OutputSpec,
-    ) -> None:
-        message: dict[str, Any] | None = None
-        try:
-            message = await stream_request(
-                record, stream, spec, output=output, params={"model": self.model.name, **stream.params},
-                previewer=self._previewer, metrics=self.metrics,
-            )
-        except Exception as exc:
-            logger.exception("request %s: the server failed while streaming it", record.id)
-            message = protocol.error(
-                "internal", f"internal server error: {exc!r}", request_id=record.id
-            )
-        finally:
-            if message is None:  # the server's task group was cancelled
-                message = protocol.cancelled(record.id, reason="shutdown")
-            try:
-                record.finish(message, now=time.monotonic())
-                self._registry.ended(record)
-                self.metrics.requests.labels(record.outcome or "error").inc()
-                _log_request_done(record, message, model=self.model.name)
-            except Exception as exc:  # noqa: BLE001 - _die logs it, with its traceback
-                # The server's own books are wrong now (a record that never
-                # ends holds shutdown and its client): die loudly.
-                error = ServerFailedError(f"finishing request {record.id} failed: {exc!r}")
-                error.__cause__ = exc
-                self._die(error)
-            finally:
-                if not self._registry.running():
-                    self._requests_idle.set()
+            self.exited.set()
 
 
-def _websockets_logger() -> logging.Logger:
-    # websockets logs every HTTP response ("connection rejected (200 OK)"
-    # for each /health probe) and every connection at INFO; keep that out
-    # of INFO logs unless the user set this logger's level themselves.
-    log = logging.getLogger("omni_stream.server.websockets")
-    if log.level == logging.NOTSET:
-        log.setLevel(logging.WARNING)
-    return log
-
-
-class ServerFailedError(OmniStreamError):
-    """A task of the server itself failed, so it shut down; ``__cause__`` is what that task raised."""
-
-
-#: How often the server looks at engine.health() for a dead engine.
-_ENGINE_WATCH_S = 0.2
-#: How often it counts its open file descriptors, and how few free ones it
-#: calls "out of descriptors".
-_FD_WATCH_S = 5.0
-_FD_HEADROOM = 8
-_FD_WARN_EVERY_S = 60.0
-
-
-class _FdWarning:
-    """The out-of-file-descriptors warning, at most once a minute (it recurs on every accept)."""
-
-    def __init__(self) -> None:
-        self._last: float | None = None
-
-    def warn(self, detail: str) -> bool:
-        """Log it unless it was logged less than a minute ago; returns whether it was."""
-        now = time.monotonic()
-        if self._last is not None and now - self._last < _FD_WARN_EVERY_S:
-            return False
-        self._last = now
-        logger.warning(
-            "out of file descriptors (%s): new connections are refused or dropped unanswered; "
-            "raise the limit (ulimit -n, systemd LimitNOFILE=) or lower max_connections",
-            detail,
-        )
-        return True
-
-
-def _fd_soft_limit() -> int | None:
+def _bind(host: str, port: int) -> list[socket.socket]:
+    """Listening sockets for ``host``:``port`` (every address a name resolves to, one port)."""
+    infos = socket.getaddrinfo(host or None, port, type=socket.SOCK_STREAM, flags=socket.AI_PASSIVE)
+    sockets: list[socket.socket] = []
     try:
-        import resource
-    except ImportError:  # pragma: no cover - Windows
-        return None
-    soft, _ = resource.getrlimit(resource.RLIMIT_NOFILE)
-    return None if soft == resource.RLIM_INFINITY else int(soft)
+        for family, kind, proto, _, address in infos:
+            if sockets and port == 0:
+                # Every address on the port the first one got.
+                address = (address[0], sockets[0].getsockname()[1], *address[2:])
+            sock = socket.socket(family, kind, proto)
+            sockets.append(sock)
+            sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+            if family == socket.AF_INET6:
+                sock.setsockopt(socket.IPPROTO_IPV6, socket.IPV6_V6ONLY, 1)
+            try:
+                sock.bind(address)
+            except OSError as exc:
+                if exc.errno == errno.EADDRINUSE:
+                    raise OSError(exc.errno, f"port {port} on {host} is in use ({exc.strerror})") from None
+                raise
+            sock.listen(1024)
+            sock.setblocking(False)
+    except BaseException:
+        _close_all(sockets)
+        raise
+    return sockets
 
 
-def _open_fds() -> int | None:
-    """Descriptors this process has open; None where it cannot tell."""
-    for folder in ("/proc/self/fd", "/dev/fd"):
-        try:
-            return len(os.listdir(folder))
-        except OSError as exc:
-            if exc.errno in (errno.EMFILE, errno.ENFILE):
-                # Listing needs a descriptor itself: none is left.
-                return _fd_soft_limit()
-    return None
+def _close_all(sockets: list[socket.socket]) -> None:
+    for sock in sockets:
+        sock.close()
 
 
-def _loop_exception_handler(warning: _FdWarning) -> Any:
+def _loop_exception_handler(warning: FdWarning) -> Any:
     """For serve()'s loop: asyncio's loop reports a failed accept() here, up to 100 times a tick.
 
     EMFILE / ENFILE become the once-a-minute warning; the rest goes to the
@@ -845,34 +392,8 @@ def _loop_exception_handler(warning: _FdWarning) -> Any:
     return handle
 
 
-def _kv(value: Any) -> str:
-    text = str(value)
-    return json.dumps(text) if not text or any(c.isspace() or c in '"=' for c in text) else text
-
-
-def _log_request_done(record: RequestRecord, message: dict[str, Any], *, model: str) -> None:
-    """One INFO line per request as it ends: key=value text, the same fields in ``extra``."""
-    outcome = record.outcome or str(message.get("type"))
-    same = outcome == message.get("type")  # (shutdown may have ended it first)
-    fields: dict[str, Any] = {
-        "request_id": record.id,
-        "connection": record.owner,
-        "model": model,
-        "outcome": outcome,
-        "code": message.get("code") if same else None,
-        "reason": message.get("reason") if same else None,
-        "steps": record.latest_step,
-        "total_steps": record.total,
-        "elapsed_s": round((record.ended_at or time.monotonic()) - record.created_at, 3),
-        "detach": record.detach,
-    }
-    names = {"request_id": "id", "connection": "conn", "total_steps": "total"}
-    text = " ".join(f"{names.get(k, k)}={_kv(v)}" for k, v in fields.items() if v is not None)
-    logger.info("request done %s", text, extra=fields)
-
-
 def serve(
-    model: StepModel | str,
+    model: Any,
     *,
     host: str = "127.0.0.1",
     port: int = 8765,
@@ -880,12 +401,16 @@ def serve(
     allow_origins: Sequence[str] | str | None = (),
     device: str = "auto",
     stay_dead: bool = False,
+    metrics_public: bool = False,
     **limits: Any,
 ) -> None:
-    """Run the engine and the websocket server until SIGINT or SIGTERM (blocking).
+    """Run the engine and the server (page, HTTP API, websocket) until SIGINT or SIGTERM (blocking).
 
-    ``model`` is a StepModel or a name for ``omni_stream.models.load_model``
-    (``"mixture"``, ``"synthetic"``, ``"module:attr"``). Uses uvloop when it
+    ``model`` is a StepModel, a name for ``omni_stream.models.load_model``
+    (``"mixture"``, ``"synthetic"``, ``"module:attr"``), or a factory of
+    models; with ``device`` naming several ("cuda:0,cuda:1", "all") it runs
+    an :class:`~omni_stream.EngineGroup`, one model per device (a name or a
+    factory then, not one StepModel). Uses uvloop when it
     is installed. Inside async code use ``async with Server(...) as server:
     await server.serve_forever()`` instead.
 
@@ -896,17 +421,19 @@ def serve(
     raises the same. Raises ParamsError for a bad option or model name.
     """
     if isinstance(model, str):
+        from ..engine.group import names_group
         from ..models.registry import load_model
 
-        model = load_model(model)
+        spec = model
+        model = (lambda: load_model(spec)) if names_group(device) else load_model(spec)
     server = Server(
         model, host=host, port=port, token=token, allow_origins=allow_origins, device=device,
-        stay_dead=stay_dead, **limits,
+        stay_dead=stay_dead, metrics_public=metrics_public, **limits,
     )
 
     async def main() -> None:
         # Our own loop: out-of-descriptors reports become one clear warning.
-        asyncio.get_running_loop().set_exception_handler(_loop_exception_handler(server._fd_warning))
+        asyncio.get_running_loop().set_exception_handler(_loop_exception_handler(server.service.fd_warning))
         async with server:
             await server.serve_forever()
 

@@ -15,14 +15,12 @@ is freed at once, not when the cyclic GC next runs.
 from __future__ import annotations
 
 import logging
-import uuid
 from collections.abc import Callable
+from typing import Any
 
 import anyio
 import anyio.lowlevel
-from websockets.asyncio.server import ServerConnection
-from websockets.exceptions import ConnectionClosed
-from websockets.protocol import State
+from starlette.websockets import WebSocket, WebSocketDisconnect
 
 from . import protocol
 from .limits import ServerLimits
@@ -38,19 +36,24 @@ _STALL_GRACE_S = 2.0
 logger = logging.getLogger("omni_stream.server")
 
 
+class _Closed(Exception):
+    """The socket is closed (by the client, the network, or us)."""
+
+
 class ClientConnection:
-    """One open websocket (see the module docstring); ``id`` is its owner identity."""
+    """One open (accepted) websocket (see the module docstring); ``id`` is its owner identity."""
 
     def __init__(
         self,
-        ws: ServerConnection,
+        ws: WebSocket,
         *,
+        conn_id: str,
         limits: ServerLimits,
         metrics: ServerMetrics,
         dispatch: Callable[[ClientConnection, str | bytes], None],
         budget: MemoryBudget | None = None,
     ) -> None:
-        self.id = uuid.uuid4().hex
+        self.id = conn_id
         self.ws = ws
         self.remote = _remote(ws)
         self.outbox = Outbox(
@@ -70,6 +73,8 @@ class ClientConnection:
         self._send_scope: anyio.CancelScope | None = None
         #: When the send in progress began (loop clock), None between sends.
         self._send_started: float | None = None
+        #: The close code and reason, once known (for the log).
+        self._closed_with: tuple[int, str] | None = None
 
     async def run(self) -> None:
         """Read and write until the websocket closes; never raises for this client's faults.
@@ -97,38 +102,45 @@ class ClientConnection:
         self.outbox.close()
 
     def close_text(self) -> str:
-        code = self.ws.close_code
-        return "no close frame" if code is None else f"{code} {self.ws.close_reason or ''}".strip()
+        if self._closed_with is None:
+            return "no close frame"
+        code, reason = self._closed_with
+        return f"{code} {reason}".strip()
 
     async def _read(self) -> None:
-        try:
-            async for data in self.ws:
-                self._dispatch(self, data)
-                # websockets hands over the frames it already received without
-                # yielding: without this turn, a burst of messages in one TCP
-                # write queued every reply before the writer sent the first.
-                await anyio.lowlevel.checkpoint()
-                await self._wait_for_room()
-        except ConnectionClosed:
-            pass
+        while True:
+            try:
+                message = await self.ws.receive()
+            except (RuntimeError, OSError):  # receive after the disconnect
+                return
+            if message["type"] == "websocket.disconnect":
+                if self._closed_with is None:
+                    self._closed_with = (int(message.get("code") or 1005), str(message.get("reason") or ""))
+                return
+            data: str | bytes | None = message.get("text")
+            if data is None:
+                data = message.get("bytes") or b""
+            self._dispatch(self, data)
+            # The server may hand over messages it already received without
+            # yielding: without this turn, a burst of messages in one TCP
+            # write queued every reply before the writer sent the first.
+            await anyio.lowlevel.checkpoint()
+            await self._wait_for_room()
 
     async def _wait_for_room(self) -> None:
         # Backpressure: read the next message only once its reply fits; the
-        # client's further messages wait in websockets' bounded queue, then
-        # in TCP. websockets pauses writing in the middle of any large send
-        # to a client that reads (a preview past write_limit), so a paused
-        # writer alone does not mean "not reading": only one stuck in the
-        # same send for a grace period does. Then this stops waiting, the
-        # client's next reply overflows the outbox and it is closed (1008)
-        # at once, rather than after send_timeout_s.
+        # client's further messages wait in the server's receive queue (the
+        # ASGI server stops reading the socket while one is unread), then in
+        # TCP. A send waits while the transport's buffer is full, also for a
+        # client that reads (a large preview), so a waiting writer alone does
+        # not mean "not reading": only one stuck in the same send for a grace
+        # period does. Then this stops waiting, the client's next reply
+        # overflows the outbox and it is closed (1008) at once, rather than
+        # after send_timeout_s.
         grace = min(_STALL_GRACE_S, self._limits.send_timeout_s)
         while not self.outbox.has_room():
             started = self._send_started
-            if (
-                started is not None
-                and self.ws.paused
-                and anyio.current_time() - started >= grace
-            ):
+            if started is not None and anyio.current_time() - started >= grace:
                 return
             with anyio.move_on_after(grace / 4):
                 await self.outbox.wait_for_room()
@@ -154,7 +166,7 @@ class ClientConnection:
                     self._send_scope = scope
                     self._send_started = anyio.current_time()
                     try:
-                        await self.ws.send(item.data)
+                        await self._send(item.data)
                     finally:
                         self._send_scope = None
                         self._send_started = None
@@ -164,7 +176,7 @@ class ClientConnection:
                     await self._close_slow(f"client not reading: a send was blocked for {timeout:g} s")
                     return
                 sent.labels(item.kind).inc()
-        except ConnectionClosed:
+        except _Closed:
             return
         finally:
             # A reader waiting for room must not wait on a writer that is gone.
@@ -189,21 +201,60 @@ class ClientConnection:
         # A close reason must fit a control frame (123 bytes).
         await self._close(protocol.CLOSE_POLICY_VIOLATION, reason[:120])
 
+    async def _send(self, data: str | bytes) -> None:
+        message: dict[str, Any] = {"type": "websocket.send"}
+        message["text" if isinstance(data, str) else "bytes"] = data
+        try:
+            await self.ws.send(message)
+        except (WebSocketDisconnect, OSError, RuntimeError) as exc:
+            # RuntimeError: Starlette's "send after close" (the reader saw the
+            # disconnect first); OSError: the ASGI server's ClientDisconnected.
+            raise _Closed from exc
+
     async def _close(self, code: int, reason: str) -> None:
-        # websockets' close() first waits, without a bound, to flush the
-        # close frame: for a client that stopped reading, that is forever.
-        # Bound it, then drop the TCP connection.
+        # A close waits, like any send, for room in the transport's buffer:
+        # for a client that stopped reading, that is forever. Bound it, then
+        # drop the TCP connection.
+        if self._closed_with is None:
+            self._closed_with = (code, reason)
+        closed = False
         with anyio.move_on_after(self._limits.close_timeout_s):
-            await self.ws.close(code, reason)
-        if self.ws.state is not State.CLOSED:
-            self.ws.transport.abort()
+            try:
+                await self.ws.send({"type": "websocket.close", "code": code, "reason": reason})
+            except (WebSocketDisconnect, OSError, RuntimeError):
+                pass
+            closed = True
+        if not closed:
+            abort_transport(self.ws)
 
     def __repr__(self) -> str:
         return f"ClientConnection({self.id!r}, {self.remote}, {self.outbox!r})"
 
 
-def _remote(ws: ServerConnection) -> str:
-    addr = ws.remote_address
-    if isinstance(addr, tuple) and len(addr) >= 2:
-        return f"{addr[0]}:{addr[1]}"
-    return str(addr)
+def _remote(ws: WebSocket) -> str:
+    client = ws.client
+    return f"{client.host}:{client.port}" if client is not None else "unknown"
+
+
+def transport_of(ws: WebSocket) -> Any:
+    """The asyncio transport under ``ws`` where the ASGI server lets us see it, else None.
+
+    ASGI hides it. Under uvicorn the ``receive`` callable is a method of the
+    connection's protocol object, which holds the transport.
+    """
+    protocol_obj = getattr(ws._receive, "__self__", None)
+    return getattr(protocol_obj, "transport", None)
+
+
+def abort_transport(ws: WebSocket) -> bool:
+    """Drop the TCP connection under ``ws`` at once, discarding what is buffered.
+
+    ASGI has no abort: a client that stopped reading would otherwise keep its
+    socket and the buffered bytes until the server's own close timer (10 s
+    in uvicorn). Returns whether it could.
+    """
+    abort = getattr(transport_of(ws), "abort", None)
+    if abort is None:
+        return False
+    abort()
+    return True

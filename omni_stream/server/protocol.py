@@ -44,11 +44,14 @@ __all__ = [
     "accepted",
     "cancelled",
     "check_id",
+    "clip",
+    "decode_json",
     "done",
     "dumps",
     "error",
     "pack_preview",
     "parse_client_message",
+    "parse_client_object",
     "progress",
     "unpack_preview",
 ]
@@ -188,14 +191,28 @@ def parse_client_message(data: str | bytes) -> ClientMessage:
     """
     if not isinstance(data, str):
         raise MessageError("bad_message", "binary messages are not accepted; send JSON text")
-    try:
-        obj = json.loads(data, parse_constant=_reject_constant)
-    except (ValueError, RecursionError) as exc:
-        raise MessageError("bad_json", _json_problem(exc)) from None
+    obj = decode_json(data)
     if not isinstance(obj, dict):
         raise MessageError(
             "bad_message", f"message must be a JSON object, got {_type_name(obj)}"
         )
+    return parse_client_object(obj)
+
+
+def decode_json(data: str | bytes) -> Any:
+    """JSON text (or UTF-8 bytes) to a value; raises MessageError ``bad_json`` naming the problem."""
+    try:
+        if isinstance(data, (bytes, bytearray)):
+            data = bytes(data).decode("utf-8")
+        return json.loads(data, parse_constant=_reject_constant)
+    except UnicodeDecodeError:
+        raise MessageError("bad_json", "invalid JSON: not UTF-8 text") from None
+    except (ValueError, RecursionError) as exc:
+        raise MessageError("bad_json", _json_problem(exc)) from None
+
+
+def parse_client_object(obj: dict[str, Any]) -> ClientMessage:
+    """:func:`parse_client_message` for a decoded JSON object (the HTTP API builds one)."""
     raw_id = obj.get("id")
     known_id = raw_id if isinstance(raw_id, str) and ID_PATTERN.fullmatch(raw_id) else None
     try:
@@ -204,6 +221,11 @@ def parse_client_message(data: str | bytes) -> ClientMessage:
         if exc.request_id is None:
             exc.request_id = known_id
         raise
+
+
+def clip(text: str, limit: int = MAX_ECHO) -> str:
+    """``text`` cut to ``limit`` characters (an error never echoes more of the client's input)."""
+    return _clip(text, limit)
 
 
 def _parse_object(obj: dict[str, Any]) -> ClientMessage:

@@ -1,21 +1,17 @@
-"""HTTP responses for the routes beside the websocket: ``/``, ``/health``, ``/metrics``, ``/models``.
+"""HTTP responses of the server's routes (Starlette responses; builders only, no I/O but the page file).
 
-The websocket library answers these from its ``process_request`` hook, one
-request per connection (``Connection: close``). Builders only, no I/O
-except reading the page file.
+Every JSON error body is ``{"error": code, "message": message}`` with the
+same codes as the websocket's ``error`` messages (docs/protocol.md).
 """
 
 from __future__ import annotations
 
-import email.utils
-import http
 import json
 from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
-from websockets.datastructures import Headers
-from websockets.http11 import Response
+from starlette.responses import Response
 
 from ..params import describe
 from ..preview import DECODERS, DEFAULT_QUALITY, FORMATS, PreviewSpec
@@ -23,7 +19,6 @@ from .limits import ServerLimits
 
 __all__ = [
     "PAGE",
-    "READ_ONLY_ROUTES",
     "STATIC_DIR",
     "error_response",
     "json_response",
@@ -32,34 +27,21 @@ __all__ = [
     "page_response",
     "preview_wire",
     "respond",
-    "without_body",
 ]
 
 STATIC_DIR = Path(__file__).parent / "static"
 PAGE = STATIC_DIR / "index.html"
 
-#: The routes beside the websocket; they answer GET and HEAD.
-READ_ONLY_ROUTES = frozenset({"/", "/index.html", "/health", "/metrics", "/models"})
+#: Headers on every answer: nothing here may be cached or sniffed.
+_COMMON = {"Cache-Control": "no-store", "X-Content-Type-Options": "nosniff"}
 
 
 def respond(
     status: int, body: bytes, content_type: str, *, extra: Mapping[str, str] | None = None
 ) -> Response:
-    """An HTTP response that closes its connection."""
-    code = http.HTTPStatus(status)
-    headers = Headers(
-        [
-            ("Date", email.utils.formatdate(usegmt=True)),
-            ("Connection", "close"),
-            ("Content-Length", str(len(body))),
-            ("Content-Type", content_type),
-            ("Cache-Control", "no-store"),
-            ("X-Content-Type-Options", "nosniff"),
-        ]
-    )
-    for key, value in (extra or {}).items():
-        headers[key] = value
-    return Response(code.value, code.phrase, headers, body)
+    """A response with ``body`` (Content-Length set) and the common headers."""
+    headers = {**_COMMON, **(extra or {})}
+    return Response(body, status_code=status, headers=headers, media_type=content_type)
 
 
 def json_response(status: int, payload: Any, *, extra: Mapping[str, str] | None = None) -> Response:
@@ -68,10 +50,15 @@ def json_response(status: int, payload: Any, *, extra: Mapping[str, str] | None 
 
 
 def error_response(
-    status: int, code: str, message: str, *, extra: Mapping[str, str] | None = None
+    status: int,
+    code: str,
+    message: str,
+    *,
+    extra: Mapping[str, str] | None = None,
+    **fields: Any,
 ) -> Response:
-    """``{"error": code, "message": message}`` with ``status``."""
-    return json_response(status, {"error": code, "message": message}, extra=extra)
+    """``{"error": code, "message": message, **fields}`` with ``status``."""
+    return json_response(status, {"error": code, "message": message, **fields}, extra=extra)
 
 
 def method_not_allowed(method: str, path: str, *, allow: tuple[str, ...]) -> Response:
@@ -85,14 +72,6 @@ def method_not_allowed(method: str, path: str, *, allow: tuple[str, ...]) -> Res
     )
 
 
-def without_body(response: Response) -> Response:
-    """``response`` for a HEAD request: the same status and headers, no body.
-
-    Content-Length stays that of the body a GET would get (RFC 9110, 9.3.2).
-    """
-    return Response(response.status_code, response.reason_phrase, Headers(response.headers), b"")
-
-
 def page_response(page: Path | None = None) -> Response:
     """The preview page (``PAGE`` unless given), read on every request; 404 JSON if missing.
 
@@ -103,7 +82,7 @@ def page_response(page: Path | None = None) -> Response:
         body = page.read_bytes()
     except FileNotFoundError:
         return error_response(404, "not_found", f"the preview page is not installed ({page.name})")
-    # The page talks to /ws on this origin only; keep other sites from framing it.
+    # The page talks to this origin only; keep other sites from framing it.
     return respond(
         200,
         body,

@@ -15,9 +15,12 @@ record is forgotten.
 
 from __future__ import annotations
 
+import json
 import time
 from collections.abc import Callable, Iterator, Mapping
 from typing import Any
+
+import anyio
 
 from . import protocol
 from .outbox import MemoryBudget, Outbox
@@ -43,6 +46,7 @@ class RequestRecord:
         preview: Mapping[str, Any],
         created_at: float,
         output: Mapping[str, Any] | None = None,
+        priority: int = 0,
     ) -> None:
         self.id = request_id
         self.owner = owner
@@ -51,10 +55,14 @@ class RequestRecord:
         self.preview = dict(preview)
         self.output = dict(output) if output is not None else None
         self.created_at = created_at
+        self.priority = priority
         self.cancel_reason: str | None = None
         self.ended_at: float | None = None
         self.outcome: str | None = None  # "done" | "cancelled" | "error" once ended
         self.latest_step = 0
+        #: The latest progress's estimate of the time left, None before the first.
+        self.latest_eta_s: float | None = None
+        self._ended_event: anyio.Event | None = None
         self._latest_progress: str | None = None
         self._latest_preview: bytes | None = None
         self._latest_preview_final = False
@@ -116,6 +124,8 @@ class RequestRecord:
         """Send a ``progress`` to every watcher, latest wins."""
         text = protocol.dumps(message)
         self.latest_step = step
+        eta = message.get("eta_s")
+        self.latest_eta_s = float(eta) if isinstance(eta, (int, float)) else None
         self._latest_progress = text
         self._recount()
         for outbox in self._watchers.values():
@@ -152,6 +162,32 @@ class RequestRecord:
         for outbox in self._watchers.values():
             outbox.put(text, kind)
         self._watchers.clear()
+        if self._ended_event is not None:
+            self._ended_event.set()
+
+    async def wait_ended(self) -> None:
+        """Return once the request has ended (at once if it has)."""
+        if self._terminal is not None:
+            return
+        if self._ended_event is None:
+            self._ended_event = anyio.Event()
+        await self._ended_event.wait()
+
+    def terminal_message(self) -> dict[str, Any] | None:
+        """The terminal message (``done`` / ``cancelled`` / ``error``) as a dict; None while running."""
+        return None if self._terminal is None else json.loads(self._terminal[0])
+
+    def latest_preview(self) -> tuple[protocol.PreviewHeader, memoryview] | None:
+        """The newest preview sent (the result, once done), split; None before the first."""
+        if self._latest_preview is None:
+            return None
+        return protocol.unpack_preview(self._latest_preview)
+
+    def result(self) -> tuple[protocol.PreviewHeader, memoryview] | None:
+        """The result (the final frame in its output format) once the request is done, else None."""
+        if self.outcome != "done" or not self._latest_preview_final or self._latest_preview is None:
+            return None
+        return protocol.unpack_preview(self._latest_preview)
 
     def retained_bytes(self) -> int:
         """Bytes this record holds for replay."""

@@ -136,11 +136,16 @@ async def http_get(server: Server, path: str, headers: dict[str, str] | None = N
         request = urllib.request.Request(server.http_url + path, headers=headers or {})
         try:
             with urllib.request.urlopen(request, timeout=20) as reply:
-                return HttpReply(reply.status, dict(reply.headers), reply.read())
+                return HttpReply(reply.status, _titled(reply.headers), reply.read())
         except urllib.error.HTTPError as err:
-            return HttpReply(err.code, dict(err.headers), err.read())
+            return HttpReply(err.code, _titled(err.headers), err.read())
 
     return await anyio.to_thread.run_sync(get)
+
+
+def _titled(headers: Any) -> dict[str, str]:
+    # HTTP header names are case-insensitive; uvicorn sends them lowercase.
+    return {"-".join(w.capitalize() for w in k.split("-")): v for k, v in headers.items()}
 
 
 class RawClient:

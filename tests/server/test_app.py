@@ -19,6 +19,7 @@ from omni_stream.engine import Health
 from omni_stream.models import Synthetic
 from omni_stream.preview import Previewer
 from omni_stream.server import Server
+from omni_stream.server.connection import transport_of
 
 from .conftest import (
     SMALL,
@@ -289,9 +290,10 @@ async def test_detached_request_survives_and_can_be_attached_after_reconnect() -
         assert msgs[0]["attached"] is True
         assert [m["type"] for m in msgs[1:3]] == ["progress", "preview"]
         assert msgs[1]["step"] >= 1
-        # The replayed preview may be older than the replayed progress; after it, order holds.
+        # The replayed preview may be older than the replayed progress; after it, order holds
+        # (counting the replayed progress: a preview of its step may be rendering as we attach).
         assert msgs[2]["step"] <= msgs[1]["step"]
-        check_stream([msgs[0], *msgs[3:]], "kept", 150)
+        check_stream([msgs[0], msgs[1], *msgs[3:]], "kept", 150)
         assert server.engine.statistics().cancelled == 0
         # After it ended: the result is replayed at once.
         async with connect(server.url) as ws:
@@ -307,8 +309,8 @@ async def test_retention_is_bounded_in_time() -> None:
     async with running(retention_s=0.2) as server, connect(server.url) as ws:
         await send(ws, type="generate", id="brief", params={**SMALL, "steps": 2}, detach=True)
         await until_end(ws, "brief")
-        assert len(server._registry) == 1
-        await wait_for(lambda: len(server._registry) == 0, what="retention to expire")
+        assert len(server.service.registry) == 1
+        await wait_for(lambda: len(server.service.registry) == 0, what="retention to expire")
         await send(ws, type="attach", id="brief")
         assert (await recv(ws))["code"] == "not_found"
 
@@ -374,7 +376,7 @@ async def test_one_encode_per_step_shared_by_watchers() -> None:
 
 
 def _stalled(server: Server) -> Any:
-    (conn,) = [c for c in server._connections.values()]
+    (conn,) = [c for c in server.connections.values()]
     return conn
 
 
@@ -395,23 +397,22 @@ async def test_a_stalled_client_never_delays_another_and_is_disconnected() -> No
             # Wait until the server's socket to it is backed up (writer blocked in drain).
             conn = _stalled(server)
             await wait_for(
-                lambda: conn.ws.transport.get_write_buffer_size() > 64 * 1024,
+                lambda: transport_of(conn.ws).get_write_buffer_size() > 64 * 1024,
                 what="the stalled client's socket to back up",
             )
             async with connect(server.url) as ws:
                 await send(ws, type="generate", id="quick", params={**SMALL, "steps": 20})
                 check_stream(await until_end(ws, "quick"), "quick", 20)
                 # Everything reached the healthy client while the stalled one stayed stuck.
-                assert conn.id in server._connections
-                assert conn.ws.transport.get_write_buffer_size() > 64 * 1024
+                assert conn.id in server.connections
+                assert transport_of(conn.ws).get_write_buffer_size() > 64 * 1024
                 # The stalled client keeps sending; the replies it never reads
                 # pile up until max_pending, and it is disconnected.
                 for _ in range(12):
                     await raw.send_text("not json")
-                await wait_for(lambda: conn.id not in server._connections, what="the disconnect")
+                await wait_for(lambda: conn.id not in server.connections, what="the disconnect")
                 # The close frame the server sent (the client never reads it).
-                assert conn.ws.protocol.close_sent.code == 1008
-                assert conn.ws.protocol.close_sent.reason.startswith("client not reading")
+                assert conn.close_text().startswith("1008 client not reading")
                 # Its request was cancelled; the server still serves.
                 await send(ws, type="generate", id="again", params={**SMALL, "steps": 3})
                 assert (await until_end(ws, "again"))[-1]["type"] == "done"
@@ -429,9 +430,8 @@ async def test_a_send_blocked_too_long_disconnects() -> None:
         try:
             await raw.send_text(json.dumps(FLOOD))
             conn = _stalled(server)
-            await wait_for(lambda: conn.id not in server._connections, what="the disconnect")
-            assert conn.ws.protocol.close_sent.code == 1008
-            assert "blocked" in conn.ws.protocol.close_sent.reason
+            await wait_for(lambda: conn.id not in server.connections, what="the disconnect")
+            assert conn.close_text().startswith("1008 ") and "blocked" in conn.close_text()
         finally:
             raw.close()
         await wait_for(lambda: server.engine.statistics().active == 0, what="its request to end")
@@ -607,10 +607,10 @@ async def test_a_bug_in_one_request_or_connection_never_kills_the_server(
     monkeypatch.setattr(consumer, "_publish", publish)
     monkeypatch.setattr(consumer, "_publish_result", publish_result)
     async with running() as server:
-        def attach(conn: Any, msg: Any) -> None:
+        def attach(conn_id: Any, outbox: Any, request_id: Any) -> None:
             raise RuntimeError("bug while handling a message")
 
-        monkeypatch.setattr(server, "_attach", attach)
+        monkeypatch.setattr(server.service, "attach", attach)
         async with connect(server.url) as ws:
             await send(ws, type="generate", id="buggy", params={**SMALL, "steps": 3})
             end = (await until_end(ws, "buggy"))[-1]

@@ -75,4 +75,4 @@ async def test_preview_threads_is_a_server_limit_from_the_environment(monkeypatc
     monkeypatch.setenv("OMNI_STREAM_PREVIEW_THREADS", "3")
     async with running(Synthetic()) as server:
         assert server.limits.preview_threads == 3
-        assert server._previewer.threads == 3
+        assert server.service.previewer.threads == 3

@@ -16,6 +16,7 @@ from omni_stream.errors import ParamsError
 from omni_stream.models import Synthetic
 from omni_stream.server import Server
 from omni_stream.server import app as server_app
+from omni_stream.server import service as server_service
 
 from .conftest import SMALL, Slow, running, send, until, until_end
 
@@ -43,7 +44,10 @@ def parse(reply: bytes) -> tuple[int, dict[str, str], bytes]:
 
 
 def request(method: str, path: str, *extra: str) -> bytes:
-    return "\r\n".join([f"{method} {path} HTTP/1.1", "Host: 127.0.0.1", *extra, "", ""]).encode()
+    # Connection: close, so that reading to the end does not wait out keep-alive.
+    return "\r\n".join(
+        [f"{method} {path} HTTP/1.1", "Host: 127.0.0.1", "Connection: close", *extra, "", ""]
+    ).encode()
 
 
 @pytest.mark.asyncio
@@ -69,8 +73,9 @@ async def test_other_methods_get_405_with_allow() -> None:
             ("POST", "/health", "GET, HEAD"),
             ("PUT", "/", "GET, HEAD"),
             ("DELETE", "/models", "GET, HEAD"),
-            ("POST", "/ws", "GET"),
-            ("HEAD", "/ws", "GET"),
+            ("POST", "/ws", "GET, HEAD"),
+            ("DELETE", "/v1/generations", "GET, POST, HEAD"),
+            ("PUT", "/v1/generations/x", "GET, DELETE, HEAD"),
         ]:
             status, headers, body = parse(await raw_http(server, request(method, path, "Content-Length: 0")))
             assert (status, headers["allow"]) == (405, allow), (method, path)
@@ -84,15 +89,47 @@ async def test_other_methods_get_405_with_allow() -> None:
 
 
 @pytest.mark.asyncio
-async def test_what_the_websocket_library_drops_unanswered() -> None:
-    # docs/protocol.md, "HTTP routes": websockets' own parser closes these
-    # connections before the server's hook sees a request.
+async def test_what_is_not_a_websocket_gets_an_http_answer() -> None:
+    # docs/http.md: a request the server can parse gets an HTTP answer, one it
+    # cannot a plain 400; /ws without an upgrade is told to upgrade.
     async with running() as server:
         with_body = request("POST", "/health", "Content-Length: 3") + b"abc"
-        assert await raw_http(server, with_body) == b""
-        assert await raw_http(server, b"hello there\r\n\r\n") == b""
-        assert await raw_http(server, b"GET / HTTP/2.0\r\n\r\n") == b""
+        status, headers, _ = parse(await raw_http(server, with_body))
+        assert (status, headers["allow"]) == (405, "GET, HEAD")
+        status, _, _ = parse(await raw_http(server, b"hello there\r\n\r\n"))
+        assert status == 400
+        status, headers, body = parse(await raw_http(server, request("GET", "/ws")))
+        assert (status, headers["upgrade"]) == (426, "websocket") and b"upgrade_required" in body
         # The server is none the worse.
+        status, _, _ = parse(await raw_http(server, request("GET", "/health")))
+        assert status == 200
+
+
+@pytest.mark.asyncio
+async def test_slow_request_headers_are_dropped(monkeypatch: pytest.MonkeyPatch) -> None:
+    # uvicorn alone would keep a connection that never finishes its headers forever.
+    from omni_stream.server import http11
+
+    monkeypatch.setattr(http11, "HEADER_TIMEOUT_S", 0.5)
+    async with running() as server:
+        reader, writer = await asyncio.open_connection(server.host, server.port)
+        try:
+            writer.write(b"GET /health HTTP/1.1\r\nHost: 127.0.0.1\r\n")  # never finished
+            await writer.drain()
+            with anyio.fail_after(10):
+                assert await reader.read() == b""  # dropped
+        finally:
+            writer.close()
+        # An idle connection too, and a kept-alive one after its first answer.
+        reader, writer = await asyncio.open_connection(server.host, server.port)
+        try:
+            writer.write(b"GET /health HTTP/1.1\r\nHost: 127.0.0.1\r\n\r\n")
+            await writer.drain()
+            with anyio.fail_after(10):
+                data = await reader.read()
+            assert data.startswith(b"HTTP/1.1 200")
+        finally:
+            writer.close()
         status, _, _ = parse(await raw_http(server, request("GET", "/health")))
         assert status == 200
 
@@ -167,7 +204,7 @@ async def test_a_non_loopback_address_without_a_token_warns(
 
 def test_emfile_from_the_loop_warns_once_a_minute(caplog: pytest.LogCaptureFixture, monkeypatch: pytest.MonkeyPatch) -> None:
     caplog.set_level(logging.WARNING)
-    handler = server_app._loop_exception_handler(server_app._FdWarning())
+    handler = server_app._loop_exception_handler(server_service.FdWarning())
     loop = asyncio.new_event_loop()
     try:
         emfile = {"message": "socket.accept() out of system resource",
@@ -179,8 +216,8 @@ def test_emfile_from_the_loop_warns_once_a_minute(caplog: pytest.LogCaptureFixtu
         assert len(fd_lines) == 1 and fd_lines[0].levelno == logging.WARNING
         assert "Too many open files" in fd_lines[0].getMessage()
         # A minute later it is said again.
-        now = server_app.time.monotonic()
-        monkeypatch.setattr(server_app.time, "monotonic", lambda: now + 61)
+        now = server_service.time.monotonic()
+        monkeypatch.setattr(server_service.time, "monotonic", lambda: now + 61)
         handler(loop, emfile)
         assert len([r for r in caplog.records if "out of file descriptors" in r.getMessage()]) == 2
         monkeypatch.undo()

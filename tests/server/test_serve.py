@@ -277,7 +277,7 @@ async def test_a_failed_server_task_shuts_the_server_down_unless_stay_dead(
     async def broken() -> None:
         raise KeyError("the books are wrong")
 
-    server._sweep_retained = broken  # type: ignore[method-assign]
+    server.service._sweep_retained = broken  # type: ignore[method-assign]
     with anyio.fail_after(20):
         async with server:
             if stay_dead:
