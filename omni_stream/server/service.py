@@ -658,6 +658,11 @@ def _log_request_done(record: RequestRecord, message: dict[str, Any], *, model: 
         "reason": message.get("reason") if same else None,
         "steps": record.latest_step,
         "total_steps": record.total,
+        # Frames the server took from the engine, those the engine replaced
+        # with newer ones while the server was busy (latest-wins), previews sent.
+        "frames": record.frames_taken,
+        "frames_dropped": max(0, record.latest_step - record.frames_taken),
+        "previews": record.previews_sent,
         "elapsed_s": round((record.ended_at or time.monotonic()) - record.created_at, 3),
         "detach": record.detach,
     }

@@ -60,6 +60,10 @@ class RequestRecord:
         self.ended_at: float | None = None
         self.outcome: str | None = None  # "done" | "cancelled" | "error" once ended
         self.latest_step = 0
+        #: Frames the server took from the engine (one progress each), and
+        #: previews it published: the per-request log line reports them.
+        self.frames_taken = 0
+        self.previews_sent = 0
         #: The latest progress's estimate of the time left, None before the first.
         self.latest_eta_s: float | None = None
         self._ended_event: anyio.Event | None = None
@@ -124,6 +128,7 @@ class RequestRecord:
         """Send a ``progress`` to every watcher, latest wins."""
         text = protocol.dumps(message)
         self.latest_step = step
+        self.frames_taken += 1
         eta = message.get("eta_s")
         self.latest_eta_s = float(eta) if isinstance(eta, (int, float)) else None
         self._latest_progress = text
@@ -135,6 +140,7 @@ class RequestRecord:
         """Send a packed preview frame to every watcher; a final one is must-deliver."""
         self._latest_preview = frame
         self._latest_preview_final = final
+        self.previews_sent += 1
         self._recount()
         # The pin keeps this step's progress (if still unsent) ahead of it.
         pin = (self.id, "progress")

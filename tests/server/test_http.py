@@ -6,6 +6,7 @@ import asyncio
 import errno
 import logging
 import re
+import time
 from typing import Any
 
 import anyio
@@ -166,13 +167,15 @@ async def test_each_request_logs_one_line_when_it_ends(caplog: pytest.LogCapture
     assert ok.levelno == logging.INFO
     assert re.fullmatch(
         r"request done id=ok-1 conn=\S+ model=slow outcome=done steps=3 total=3 "
-        r"elapsed_s=\d+\.\d+ detach=False",
+        r"frames=3 frames_dropped=0 previews=3 elapsed_s=\d+\.\d+ detach=False",
         ok.getMessage(),
     ), ok.getMessage()
     fields: dict[str, Any] = {k: getattr(ok, k) for k in (
-        "request_id", "model", "outcome", "code", "reason", "steps", "total_steps", "detach")}
+        "request_id", "model", "outcome", "code", "reason", "steps", "total_steps", "frames",
+        "frames_dropped", "previews", "detach")}
     assert fields == {"request_id": "ok-1", "model": "slow", "outcome": "done", "code": None,
-                      "reason": None, "steps": 3, "total_steps": 3, "detach": False}
+                      "reason": None, "steps": 3, "total_steps": 3, "frames": 3,
+                      "frames_dropped": 0, "previews": 3, "detach": False}
     assert ok.connection and ok.elapsed_s > 0  # type: ignore[attr-defined]
     gone = records["gone-1"]
     assert (gone.outcome, gone.reason) == ("cancelled", "client")  # type: ignore[attr-defined]
@@ -180,6 +183,32 @@ async def test_each_request_logs_one_line_when_it_ends(caplog: pytest.LogCapture
     bad = records["bad-1"]
     assert (bad.outcome, bad.code) == ("error", "step_failed")  # type: ignore[attr-defined]
     assert "outcome=error code=step_failed steps=1 total=4" in bad.getMessage()
+
+
+@pytest.mark.asyncio
+async def test_the_log_line_counts_frames_a_busy_server_let_the_engine_replace(
+    caplog: pytest.LogCaptureFixture, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    from omni_stream.server import session
+
+    caplog.set_level(logging.INFO, logger="omni_stream.server")
+    real = session.RequestRecord.publish_progress
+
+    def slow_publish(self: Any, step: int, message: Any) -> None:
+        time.sleep(0.02)  # the server falls behind a fast engine: latest-wins replaces frames
+        real(self, step, message)
+
+    monkeypatch.setattr(session.RequestRecord, "publish_progress", slow_publish)
+    async with running() as server, connect(server.url) as ws:
+        await send(ws, type="generate", id="fast", params={**SMALL, "steps": 200}, preview={"every": 50})
+        await until_end(ws, "fast")
+        with anyio.fail_after(10):
+            while "fast" not in _done_records(caplog):
+                await anyio.sleep(0.01)
+    line = _done_records(caplog)["fast"]
+    taken, dropped = line.frames, line.frames_dropped  # type: ignore[attr-defined]
+    assert taken + dropped == 200 and dropped > 0 and taken >= 1
+    assert f"frames={taken} frames_dropped={dropped}" in line.getMessage()
 
 
 @pytest.mark.asyncio
