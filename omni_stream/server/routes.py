@@ -14,7 +14,15 @@ from typing import Any
 from starlette.responses import Response
 
 from ..params import describe
-from ..preview import DECODERS, DEFAULT_QUALITY, FORMATS, PreviewSpec
+from ..preview import (
+    DECODERS,
+    DEFAULT_QUALITY,
+    FORMATS,
+    IMAGE_OUTPUTS,
+    VIDEO_OUTPUTS,
+    PreviewSpec,
+    has_video_encoder,
+)
 from .limits import ServerLimits
 
 __all__ = [
@@ -117,6 +125,7 @@ def models_payload(model: Any, default_preview: PreviewSpec, limits: ServerLimit
             "decoders": list(DECODERS),
             "default": preview_wire(default_preview),
         },
+        "output": _output_payload(bool(getattr(model, "produces_video", False))),
         "limits": {
             "max_steps": limits.max_steps,
             "max_image_size": limits.max_image_size,
@@ -124,3 +133,11 @@ def models_payload(model: Any, default_preview: PreviewSpec, limits: ServerLimit
             "max_message_bytes": limits.max_message_bytes,
         },
     }
+
+
+def _output_payload(video: bool) -> dict[str, Any]:
+    """The result formats this model's requests may ask for (``output.format``), default first."""
+    formats = list(VIDEO_OUTPUTS if video else IMAGE_OUTPUTS)
+    if video and not has_video_encoder():
+        formats.remove("mp4")  # PyAV missing: animated WebP is the default
+    return {"formats": formats, "default": {"format": formats[0], "quality": None}}

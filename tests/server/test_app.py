@@ -502,6 +502,8 @@ async def test_models_route_describes_the_params() -> None:
     assert names[:3] == ["steps", "shape", "work"]
     assert body["preview"]["default"]["format"] == "jpeg"
     assert body["limits"]["max_steps"] == 10_000
+    # The result formats a request may ask for (output.format), the default first.
+    assert body["output"] == {"formats": ["png", "jpeg", "webp", "raw"], "default": {"format": "png", "quality": None}}
 
 
 @pytest.mark.asyncio

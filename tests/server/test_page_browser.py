@@ -26,12 +26,14 @@ from pathlib import Path
 from typing import Any
 
 import anyio
+import httpx
 import pytest
 import websockets
 from PIL import Image
 
 import omni_stream as om
 from omni_stream import client as omc
+from omni_stream.params import Param
 from omni_stream.server import Server
 
 PAGE = Path(om.__file__).parent / "server" / "static" / "index.html"
@@ -227,11 +229,44 @@ class Tab:
         await self.call("Page.navigate", {"url": url})
         await self.wait_for("document.readyState === 'complete' && !!window.omniStream")
 
-    async def set_field(self, name: str, value: str) -> None:
+    async def set_field(self, name: str, value: str, group: str | None = None) -> None:
+        """Sets a form field: the first ``data-param=name``, or the one of ``group``."""
+        where = f"[data-group={json.dumps(group)}]" if group else ""
         await self.evaluate(
-            f"(() => {{ const el = document.querySelector('[data-param={json.dumps(name)}]');"
+            f"(() => {{ const el = document.querySelector('{where}[data-param={json.dumps(name)}]');"
             f" el.value = {json.dumps(value)}; return true; }})()"
         )
+
+    async def form(self) -> dict[str, Any]:
+        """Every field of the form, ``group.name`` -> its value (checked for a checkbox)."""
+        return await self.evaluate(
+            "Object.fromEntries([...document.querySelectorAll('[data-param]')].map(e =>"
+            " [e.dataset.group + '.' + e.dataset.param, e.type === 'checkbox' ? e.checked : e.value]))"
+        )
+
+    async def gallery(self) -> list[dict[str, Any]]:
+        """The gallery as the page lists it (newest first), with each entry's DOM."""
+        return await self.evaluate(
+            "window.omniStream.gallery.map(e => { const li = document.querySelector("
+            " `#gallery li[data-id=\"${e.id}\"]`); const a = li && li.querySelector('a.download');"
+            " const media = li && li.querySelector('img, video');"
+            " return {...e, domState: li && li.dataset.state, text: li && li.textContent,"
+            " download: a && a.download, label: a && a.getAttribute('aria-label'),"
+            " shown: !!media && (media.tagName === 'VIDEO' || (media.complete && media.naturalWidth > 0))};"
+            " })"
+        )
+
+    async def download(self, request_id: str) -> tuple[str, bytes]:
+        """The file name and the bytes behind the gallery's download link for ``request_id``."""
+        name, data = await self.evaluate(
+            "(async () => { const a = document.querySelector("
+            f" {json.dumps(f'#gallery li[data-id={json.dumps(request_id)}] a.download')});"
+            " const bytes = new Uint8Array(await (await fetch(a.href)).arrayBuffer());"
+            " let text = ''; for (let i = 0; i < bytes.length; i += 0x8000)"
+            " text += String.fromCharCode(...bytes.subarray(i, i + 0x8000));"
+            " return [a.download, btoa(text)]; })()"
+        )
+        return name, base64.b64decode(data)
 
     async def canvas_png(self) -> str:
         return await self.evaluate("document.getElementById('canvas').toDataURL('image/png')")
@@ -286,14 +321,43 @@ class SlowSynthetic(om.models.Synthetic):
         return super().step(states)
 
 
+class Recording(SlowSynthetic):
+    """SlowSynthetic that records the params of every request it starts (what the server got)."""
+
+    def __init__(self, step_s: float) -> None:
+        super().__init__(step_s)
+        self.seen: list[dict[str, Any]] = []
+
+    def start(self, params: Mapping[str, Any], device: Any) -> Any:
+        self.seen.append(dict(params))
+        return super().start(params, device)
+
+
+class NarrowSeed(Recording):
+    """Its seed may only be 1000-1009: a random seed must come from the param's own range."""
+
+    params = tuple(
+        Param("seed", "int", 1000, "random seed", minimum=1000, maximum=1009) if p.name == "seed" else p
+        for p in SlowSynthetic.params
+    )
+
+
 @asynccontextmanager
-async def serving(model: SlowSynthetic) -> AsyncIterator[Server]:
+async def serving(model: SlowSynthetic, **limits: Any) -> AsyncIterator[Server]:
     """A token-protected server on a free port, with short shutdown bounds."""
     async with Server(
         model, host="127.0.0.1", port=0, token=TOKEN, device="cpu",
-        shutdown_timeout_s=0.5, close_timeout_s=1.0,
+        shutdown_timeout_s=0.5, close_timeout_s=1.0, **limits,
     ) as server:
         yield server
+
+
+async def _server_output(server: Server, request_id: str) -> httpx.Response:
+    """``GET /v1/generations/{id}/output`` with the token, as any HTTP client would."""
+    async with httpx.AsyncClient(base_url=server.http_url) as http:
+        return await http.get(
+            f"/v1/generations/{request_id}/output", headers={"Authorization": f"Bearer {TOKEN}"}
+        )
 
 
 PARAMS = {"steps": 12, "shape": [3, 24, 20], "work": 0, "seed": 3}
@@ -318,6 +382,20 @@ async def _expected_final(server: Server, params: Mapping[str, Any], fmt: str) -
     finally:
         model.step_s = pause
     return _pixels(final.image())
+
+
+async def _render(tab: Tab, timeout: float = 15) -> str:
+    """Click Generate and wait for the result; its request id."""
+    before = await tab.evaluate("window.omniStream.requestId")
+    await tab.evaluate("document.getElementById('generate').click(), true")
+    await tab.wait_for(
+        f"window.omniStream.requestId !== {json.dumps(before)} && window.omniStream.done"
+        " && window.omniStream.finalDrawn || window.omniStream.state === 'error'",
+        timeout=timeout,
+    )
+    state = await tab.state()
+    assert state["state"] == "done", state
+    return state["requestId"]
 
 
 async def _generate_and_watch(tab: Tab) -> set[str]:
@@ -420,6 +498,12 @@ async def test_page_offers_the_result_and_plays_a_video_result(chromium: str) ->
         )
         request_id = await tab.evaluate("window.omniStream.requestId")
         assert shown == [False, True, False, f"{request_id}.mp4", True]
+        # The gallery shows a video result as a video, and offers the MP4 itself.
+        (entry,) = await tab.gallery()
+        assert entry["format"] == "mp4" and entry["download"] == f"{request_id}.mp4", entry
+        assert await tab.evaluate(
+            f"!!document.querySelector('#gallery li[data-id={json.dumps(request_id)}] video')"
+        )
 
 
 @needs_chromium
@@ -466,3 +550,146 @@ async def test_page_reports_refusals_failures_and_cancel(chromium: str) -> None:
         )
         state = await tab.state()
         assert "cannot reach" in state["status"], state
+
+
+@needs_chromium
+@pytest.mark.browser
+@pytest.mark.asyncio
+async def test_gallery_lists_results_newest_first_and_survives_a_reload(chromium: str) -> None:
+    # max_retained=2: the third result makes the server forget the first.
+    async with open_tab(chromium) as tab, serving(SlowSynthetic(0.01), max_retained=2) as server:
+        await tab.open(f"{server.http_url}/?token={TOKEN}")
+        await tab.wait_for("window.omniStream.state === 'ready' && window.omniStream.connected")
+        assert await tab.evaluate("document.getElementById('gallery-section').hidden") is True
+        ids: list[str] = []
+        outputs: dict[str, bytes] = {}
+        for seed, fmt, ext in ((11, "", "png"), (12, "jpeg", "jpg"), (13, "webp", "webp")):
+            await _fill_form(tab, dict(PARAMS, steps=5, seed=seed), "jpeg")
+            await tab.set_field("format", fmt, group="output")
+            request_id = await _render(tab)
+            # The download link holds exactly the server's output, under the server's name.
+            response = await _server_output(server, request_id)
+            assert response.status_code == 200, response.text
+            name, data = await tab.download(request_id)
+            assert name == f"{request_id}.{ext}"
+            assert f'filename="{name}"' in response.headers["content-disposition"]
+            assert data == response.content, f"{fmt or 'png'}: the download is not the result"
+            ids.append(request_id)
+            outputs[request_id] = response.content
+
+        gallery = await tab.gallery()
+        assert [e["id"] for e in gallery] == ids[::-1], "newest first"
+        assert await tab.evaluate(
+            "[...document.querySelectorAll('#gallery li')].map(li => li.dataset.id)"
+        ) == ids[::-1]
+        for entry, seed in zip(gallery, (13, 12, 11)):
+            assert entry["domState"] == "ready" and entry["source"] == "stream" and entry["shown"], entry
+            assert f"seed {seed}" in entry["text"] and "steps 5" in entry["text"], entry["text"]
+            assert entry["label"] == f"Download {entry['download']}"
+        # Only ids and params are kept, never image bytes.
+        stored = await tab.evaluate("sessionStorage.getItem('omniStream.gallery:/')")
+        assert len(stored) < 3000 and [e["id"] for e in json.loads(stored)] == ids[::-1]
+        assert (await _server_output(server, ids[0])).status_code == 404
+
+        # After a reload every entry is fetched again from the server; the forgotten one expired.
+        await tab.call("Page.reload")
+        await tab.wait_for("document.readyState === 'complete' && !!window.omniStream")
+        await tab.wait_for(
+            "window.omniStream.gallery.length === 3 && window.omniStream.gallery.every("
+            "e => e.state === 'ready' || e.state === 'expired')"
+            " && [...document.querySelectorAll('#gallery img')].every(i => i.complete)"
+        )
+        gallery = await tab.gallery()
+        assert [e["id"] for e in gallery] == ids[::-1]
+        newest, middle, oldest = gallery
+        assert middle["source"] == "server" and middle["shown"] and middle["seed"] == "12", middle
+        assert newest["domState"] == "ready" and newest["shown"], newest
+        for entry in (newest, middle):
+            assert await tab.download(entry["id"]) == (entry["download"], outputs[entry["id"]])
+        assert oldest["domState"] == "expired" and oldest["download"] is None, oldest
+        assert "expired" in oldest["text"] and "seed 11" in oldest["text"], oldest["text"]
+
+
+@needs_chromium
+@pytest.mark.browser
+@pytest.mark.asyncio
+async def test_seed_button_picks_a_seed_in_range_that_the_server_receives(chromium: str) -> None:
+    async with open_tab(chromium) as tab, serving(NarrowSeed(0.01)) as server:
+        await tab.open(f"{server.http_url}/?token={TOKEN}")
+        await tab.wait_for("window.omniStream.state === 'ready' && window.omniStream.connected")
+        button = await tab.evaluate(
+            "(() => { const b = document.getElementById('seed-random');"
+            " return b && [b.textContent, b.getAttribute('aria-label'), b.type, b.checkVisibility(),"
+            " b.parentElement.contains(document.querySelector('[data-param=seed]'))]; })()"
+        )
+        assert button == ["Random", "Random seed", "button", True, True], "no seed button beside the field"
+        await _fill_form(tab, dict(PARAMS, steps=3, seed=1000), "jpeg")
+        seeds = []
+        for _ in range(12):
+            await tab.evaluate("document.getElementById('seed-random').click(), true")
+            seeds.append(await tab.evaluate("document.querySelector('[data-param=seed]').value"))
+        assert all(re.fullmatch(r"\d+", s) and 1000 <= int(s) <= 1009 for s in seeds), seeds
+        assert len(set(seeds)) > 1, f"not random: {seeds}"
+        request_id = await _render(tab)
+        assert server.model.seen[-1]["seed"] == int(seeds[-1])
+        (entry,) = await tab.gallery()
+        assert entry["id"] == request_id and entry["seed"] == seeds[-1]
+        assert f"seed {seeds[-1]}" in entry["text"]
+
+
+@needs_chromium
+@pytest.mark.browser
+@pytest.mark.asyncio
+async def test_reload_mid_render_shows_the_running_requests_form(chromium: str) -> None:
+    # A seed past 2**53 must reach the server exactly (a JavaScript Number would round it).
+    params = {"steps": 30, "shape": [3, 16, 12], "work": 0, "seed": 2**63 - 1}
+    async with open_tab(chromium) as tab, serving(Recording(0.05)) as server:
+        await tab.open(f"{server.http_url}/?token={TOKEN}")
+        await tab.wait_for("window.omniStream.state === 'ready' && window.omniStream.connected")
+        defaults = await tab.form()
+        await _fill_form(tab, params, "png")
+        for name, value in (("every", "2"), ("max_size", "64")):
+            await tab.set_field(name, value, group="preview")
+        for name, value in (("format", "webp"), ("quality", "70")):
+            await tab.set_field(name, value, group="output")
+        sent = await tab.form()
+        assert sent != defaults
+        await tab.evaluate("document.getElementById('generate').click(), true")
+        request_id = await tab.wait_for("window.omniStream.requestId")
+        await tab.wait_for("window.omniStream.lastStep >= 2")
+
+        await tab.call("Page.reload")
+        await tab.wait_for("document.readyState === 'complete' && !!window.omniStream")
+        await tab.wait_for("window.omniStream.state === 'running' && window.omniStream.connected")
+        assert await tab.form() == sent, "the form does not show the resumed request"
+        state = await tab.state()
+        assert state["requestId"] == request_id and state["lastStep"] < params["steps"], state
+        assert await tab.evaluate("document.getElementById('generate').disabled") is True
+        assert server.model.seen[-1]["seed"] == 2**63 - 1
+        assert len(server.model.seen) == 1, "the reload started another request"
+
+        await tab.wait_for("window.omniStream.done && window.omniStream.finalDrawn", timeout=15)
+        (entry,) = await tab.gallery()
+        assert entry["id"] == request_id and entry["download"] == f"{request_id}.webp", entry
+        assert entry["seed"] == str(2**63 - 1) and f"seed {2**63 - 1}" in entry["text"]
+
+
+@needs_chromium
+@pytest.mark.browser
+@pytest.mark.asyncio
+async def test_page_works_without_session_storage(chromium: str) -> None:
+    async with open_tab(chromium) as tab, serving(SlowSynthetic(0.01)) as server:
+        await tab.call("Page.addScriptToEvaluateOnNewDocument", {"source": (
+            "Object.defineProperty(window, 'sessionStorage', {get() {"
+            " throw new DOMException('storage is off', 'SecurityError'); }});"
+        )})
+        await tab.open(f"{server.http_url}/?token={TOKEN}")
+        await tab.wait_for("window.omniStream.state === 'ready' && window.omniStream.connected")
+        assert await tab.evaluate("window.omniStream.storage") is False
+        await _fill_form(tab, dict(PARAMS, steps=3), "jpeg")
+        request_id = await _render(tab)
+        (entry,) = await tab.gallery()
+        assert entry["id"] == request_id and entry["shown"] and entry["download"] == f"{request_id}.png"
+        assert "session storage is off" in await tab.evaluate(
+            "document.getElementById('gallery-note').textContent"
+        )
