@@ -9,6 +9,14 @@ every client watching the request through its :class:`RequestRecord`.
 The final frame is not a preview: it is the request's result, encoded at
 full size in the request's ``output`` format (PNG by default, with the
 params in its metadata), never shrunk by ``preview.max_size``.
+
+Memory: the request's :class:`~omni_stream.server.outbox.MemoryReservation`
+(made at admission, ``admission.reserve_memory``) counts what it holds
+outside the outboxes against ``max_memory_bytes``. Each frame's size is
+checked against the estimate (the reservation grows when frames are
+larger); the reservation is released once the result is encoded, before it
+is published (then the result itself is counted, in the outboxes and the
+record), and in any case when the request ends.
 """
 
 from __future__ import annotations
@@ -29,6 +37,7 @@ from ..preview import Previewer, PreviewSpec, encode_output, should_preview
 from . import protocol
 from .admission import OutputSpec
 from .metrics import ServerMetrics
+from .outbox import MemoryReservation
 from .session import RequestRecord
 
 __all__ = ["stream_request"]
@@ -47,6 +56,7 @@ async def stream_request(
     params: dict[str, Any] | None = None,
     previewer: Previewer,
     metrics: ServerMetrics,
+    memory: MemoryReservation | None = None,
 ) -> dict[str, Any]:
     """Publish the request's steps into ``record``; return its terminal message.
 
@@ -54,21 +64,25 @@ async def stream_request(
     else ``engine``) or a request-ending ``error`` for the request's own
     failures. Raises only for bugs (the caller reports ``internal``) and
     for its own cancellation. Leaving cancels the engine request if it is
-    unfinished.
+    unfinished, and releases ``memory`` (see the module docstring).
     """
     rid = record.id
     try:
         async with stream:
             async for frame in stream:
+                if memory is not None:
+                    memory.observe_frame(_nbytes(frame))
+                result: Frame | None = frame
                 if not frame.final:
                     # A preview may poll the result ahead of it: then that comes next.
-                    frame = await _publish(
-                        record, frame, spec, stream=stream, previewer=previewer, metrics=metrics
+                    result = await _publish(
+                        record, frame, spec, stream=stream, previewer=previewer, metrics=metrics,
+                        memory=memory,
                     )
-                if frame is not None:
+                if result is not None:
                     await _publish_result(
-                        record, frame, output, decoder=spec.decoder, params=params,
-                        previewer=previewer, metrics=metrics,
+                        record, result, output, decoder=spec.decoder, params=params,
+                        previewer=previewer, metrics=metrics, memory=memory,
                     )
     except RequestCancelledError:
         return protocol.cancelled(rid, reason=record.cancel_reason or "engine")
@@ -83,7 +97,18 @@ async def stream_request(
         return protocol.error(
             "preview_failed", f"could not render a preview: {exc.__cause__}", request_id=rid
         )
+    finally:
+        if memory is not None:
+            memory.release()
     return protocol.done(rid, total=record.total, elapsed_s=time.monotonic() - record.created_at)
+
+
+def _nbytes(frame: Frame) -> int:
+    data = frame.data
+    try:
+        return int(data.numel()) * int(data.element_size())
+    except (AttributeError, TypeError):
+        return 0
 
 
 async def _publish(
@@ -94,6 +119,7 @@ async def _publish(
     stream: FrameStream,
     previewer: Previewer,
     metrics: ServerMetrics,
+    memory: MemoryReservation | None = None,
 ) -> Frame | None:
     """Publish a step's progress and, if due, its preview; return a result polled meanwhile."""
     _progress(record, frame, metrics)
@@ -109,6 +135,8 @@ async def _publish(
             # (With every > 1 only some steps are previewed, and skipping
             # ahead could miss them.)
             while (newer := stream.poll()) is not None:
+                if memory is not None:
+                    memory.observe_frame(_nbytes(newer))
                 if newer.final:
                     # The result is here: a preview of an older step would
                     # only delay it. (It is never rendered as a preview.)
@@ -144,6 +172,7 @@ async def _publish_result(
     params: dict[str, Any] | None,
     previewer: Previewer,
     metrics: ServerMetrics,
+    memory: MemoryReservation | None = None,
 ) -> None:
     _progress(record, frame, metrics)
     started = time.perf_counter()
@@ -167,6 +196,10 @@ async def _publish_result(
         height=image.height,
         mime=image.mime,
     )
+    if memory is not None:
+        # The engine is done with the request and the frame is encoded: from
+        # here on what it holds is its result, counted where it is queued.
+        memory.release()
     record.publish_preview(protocol.pack_preview(header, image.data), final=True)
 
 

@@ -124,11 +124,18 @@ class ServerMetrics:
             "(bounded by max_memory_bytes)",
             registry=r,
         )
+        self.memory_reserved_bytes = Gauge(
+            "omni_stream_memory_reserved_bytes",
+            "host memory reserved by running requests at admission (frames in flight, previews "
+            "rendering; bounded with memory_bytes by max_memory_bytes)",
+            registry=r,
+        )
         r.register(_EngineCollector(engine))
 
     def watch_memory(self, budget: Any) -> None:
-        """Report ``budget.used`` (a MemoryBudget) as ``omni_stream_memory_bytes`` at scrape time."""
+        """Report a MemoryBudget's ``used`` and ``reserved`` at scrape time."""
         self.memory_bytes.set_function(lambda: float(budget.used))
+        self.memory_reserved_bytes.set_function(lambda: float(budget.reserved))
 
     def observe_timings(self, timings: StepTimings) -> None:
         self.step_compute.observe(timings.compute_s)

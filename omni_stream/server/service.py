@@ -41,7 +41,7 @@ from . import admission, protocol, routes
 from .consumer import stream_request
 from .limits import ServerLimits
 from .metrics import ServerMetrics
-from .outbox import MemoryBudget, Outbox
+from .outbox import MemoryBudget, MemoryReservation, Outbox
 from .session import RequestRecord, RequestRegistry
 
 if TYPE_CHECKING:
@@ -309,7 +309,7 @@ class Service:
         every refusal is counted by its code.
         """
         try:
-            record, stream, spec, output = self._admit(conn_id, msg)
+            record, stream, spec, output, memory = self._admit(conn_id, msg)
         except protocol.MessageError as exc:
             self.metrics.rejections.labels(exc.code).inc()
             self.metrics.requests.labels("rejected").inc()
@@ -319,13 +319,13 @@ class Service:
             record.watch(conn_id, outbox, attached=False)
         assert self._tg is not None
         self._tg.start_soon(
-            self._consume, record, stream, spec, output, name=f"omni_stream request {record.id}"
+            self._consume, record, stream, spec, output, memory, name=f"omni_stream request {record.id}"
         )
         return record
 
     def _admit(
         self, conn_id: str, msg: protocol.Generate
-    ) -> tuple[RequestRecord, FrameStream, PreviewSpec, admission.OutputSpec]:
+    ) -> tuple[RequestRecord, FrameStream, PreviewSpec, admission.OutputSpec, MemoryReservation]:
         request_id = msg.id or uuid.uuid4().hex
         if self._tg is None:
             raise protocol.MessageError(
@@ -381,6 +381,10 @@ class Service:
             msg.output, video=bool(getattr(self.model, "produces_video", False)), request_id=request_id
         )
         total = admission.check_params(self.model, msg.params, self.limits, request_id=request_id)
+        memory = admission.reserve_memory(
+            self.memory, self.model, msg.params, engine=self.engine, request_id=request_id,
+            retry_after_s=lambda: self.retry_after(load),
+        )
         try:
             # The raw params: the engine validates them itself (the same checks).
             stream = self.engine.stream(
@@ -391,10 +395,12 @@ class Service:
                 priority=msg.priority,
             )
         except ParamsError as exc:
+            memory.release()
             raise protocol.MessageError(
                 "bad_params", exc.message, field=exc.field, request_id=request_id
             ) from None
         except EngineError as exc:
+            memory.release()
             raise protocol.MessageError(
                 "engine_unavailable", exc.message, request_id=request_id
             ) from None
@@ -408,7 +414,7 @@ class Service:
             created_at=time.monotonic(),
             priority=msg.priority,
         )
-        return record, stream, spec, output
+        return record, stream, spec, output, memory
 
     def cancel(self, conn_id: str, request_id: str, *, authenticated: bool | None = None) -> RequestRecord:
         """Cancel a request ``conn_id`` may see; raises MessageError ``not_found``."""
@@ -500,6 +506,7 @@ class Service:
         stream: FrameStream,
         spec: PreviewSpec,
         output: admission.OutputSpec,
+        memory: MemoryReservation | None = None,
     ) -> None:
         message: dict[str, Any] | None = None
         try:
@@ -511,6 +518,7 @@ class Service:
                 params={"model": self.model.name, **stream.params},
                 previewer=self.previewer,
                 metrics=self.metrics,
+                memory=memory,
             )
         except Exception as exc:
             logger.exception("request %s: the server failed while streaming it", record.id)

@@ -5,27 +5,39 @@ from __future__ import annotations
 import pytest
 
 import omni_stream as om
-
 from omni_stream.models import Synthetic
 from omni_stream.preview import PreviewSpec
 from omni_stream.server.admission import (
+    DEVICE_FRAMES_PER_REQUEST,
+    HOST_BATCH_RETAINED_BYTES,
+    HOST_FRAMES_PER_BATCH,
+    HOST_FRAMES_PER_LARGE_BATCH,
+    HOST_FRAMES_PER_REQUEST,
+    REQUEST_BASE_BYTES,
     RETRY_AFTER_MAX_S,
     RETRY_AFTER_MIN_S,
     BusyError,
     Load,
     OutputSpec,
-    output_spec,
     cap_preview,
     check_load,
     check_params,
     default_decoder,
+    estimate_memory,
+    frame_bytes,
+    host_batch_cost,
+    output_spec,
     preview_spec,
+    reserve_memory,
     retry_after,
+    state_on_host,
 )
 from omni_stream.server.limits import ServerLimits
+from omni_stream.server.outbox import MemoryBudget
 from omni_stream.server.protocol import MessageError
 
 LIMITS = ServerLimits(max_steps=50, max_image_size=256)
+MIB = 1 << 20
 
 
 def spec(wire: dict | None) -> PreviewSpec:
@@ -271,3 +283,125 @@ def test_priority_parses_within_its_range() -> None:
         with pytest.raises(MessageError) as info:
             parse(f'{{"type": "generate", "id": "p", "params": {{}}, "priority": {bad}}}')
         assert (info.value.code, info.value.field, info.value.request_id) == ("invalid_field", "priority", "p")
+
+
+# -- memory ---------------------------------------------------------------------------
+
+
+def test_frame_bytes_come_from_a_shape_param_or_the_image_sides() -> None:
+    assert frame_bytes(Synthetic(), {"shape": [3, 64, 32]}) == (3 * 64 * 32 * 4, "shape")
+    assert frame_bytes(Synthetic(), {}) == (4 * 64 * 64 * 4, "shape")  # the model's default shape
+    mixture = om.models.Mixture()
+    assert frame_bytes(mixture, {"size": 100}) == (3 * 100 * 100 * 4, "size")
+    assert frame_bytes(om.from_generator(lambda p: iter(())), {"steps": 3}) is None
+
+
+def test_the_estimate_is_a_base_plus_frames_own_and_shared_with_the_batch() -> None:
+    f = 3 * 64 * 64 * 4
+    est = estimate_memory(Synthetic(), {"shape": [3, 64, 64], "work": 2}, on_host=True, batch_size=8)
+    assert est.own == REQUEST_BASE_BYTES + HOST_FRAMES_PER_REQUEST * f
+    assert est.shared == f and est.batch_cost is host_batch_cost
+    assert est.alone == est.own + HOST_FRAMES_PER_BATCH * f
+    assert est.group == ("batch", ((3, 64, 64), 2)) and est.batch_size == 8
+    assert est.field == "shape"
+    on_device = estimate_memory(Synthetic(), {"shape": [3, 64, 64]}, on_host=False, batch_size=8)
+    assert (on_device.own, on_device.shared) == (REQUEST_BASE_BYTES + DEVICE_FRAMES_PER_REQUEST * f, 0)
+    assert on_device.alone == on_device.own
+
+
+def test_a_batchs_cost_per_frame_falls_past_what_the_allocator_keeps() -> None:
+    small = HOST_BATCH_RETAINED_BYTES
+    assert host_batch_cost(0) == 0
+    assert host_batch_cost(small) == HOST_FRAMES_PER_BATCH * small
+    assert host_batch_cost(small + MIB) == HOST_FRAMES_PER_BATCH * small + HOST_FRAMES_PER_LARGE_BATCH * MIB
+    costs = [host_batch_cost(n * MIB) for n in range(64)]
+    assert costs == sorted(costs)  # more frames never cost less
+
+
+def test_a_model_may_state_its_own_memory() -> None:
+    class Stated(Synthetic):
+        def memory_bytes(self, params: dict) -> int | None:
+            return None if params["steps"] == 1 else 1234 * params["steps"]
+
+    assert estimate_memory(Stated(), {"steps": 2}).alone == 2468
+    assert estimate_memory(Stated(), {"steps": 1}).alone > 2468  # None: the server's estimate
+
+
+def test_state_on_host_follows_the_engines_device() -> None:
+    class Dev:
+        def __init__(self, on_cpu: bool) -> None:
+            self.computes_on_cpu = on_cpu
+
+    class One:
+        def __init__(self, on_cpu: bool) -> None:
+            self.device = Dev(on_cpu)
+
+    class Group:
+        def __init__(self, *members: One) -> None:
+            self.members = members
+
+    assert state_on_host(One(True)) and not state_on_host(One(False))
+    assert state_on_host(Group(One(False), One(True))) and not state_on_host(Group(One(False)))
+    assert state_on_host(object())  # cannot tell: counted
+
+
+def test_a_request_over_half_the_memory_bound_is_refused_naming_the_limit() -> None:
+    budget = MemoryBudget(64 * MIB)
+    with pytest.raises(MessageError) as info:
+        reserve_memory(budget, Synthetic(), {"shape": [3, 1024, 1024]}, request_id="r")
+    err = info.value
+    assert (err.code, err.field, err.request_id) == ("limit_exceeded", "shape", "r")
+    assert "max_memory_bytes=67108864" in err.message
+    assert "OMNI_STREAM_MAX_MEMORY_BYTES" in err.message
+    assert budget.reserved == 0
+
+
+def test_a_request_that_does_not_fit_beside_the_others_gets_busy_until_one_ends() -> None:
+    params = {"shape": [3, 128, 128]}
+    alone = estimate_memory(Synthetic(), params).alone  # small frames: twice one costs twice
+    budget = MemoryBudget(2 * alone + 1000)
+    held = [reserve_memory(budget, Synthetic(), dict(params, seed=i), request_id=str(i)) for i in range(2)]
+    assert budget.reserved == 2 * alone
+    with pytest.raises(BusyError) as info:
+        reserve_memory(budget, Synthetic(), params, request_id="third", retry_after_s=lambda: 7.5)
+    err = info.value
+    assert (err.code, err.retry_after_s, err.request_id) == ("busy", 7.5, "third")
+    assert "max_memory_bytes" in err.message and "OMNI_STREAM_MAX_MEMORY_BYTES" in err.message
+    held[0].release()
+    held[0].release()  # idempotent
+    third = reserve_memory(budget, Synthetic(), params, request_id="third")
+    assert budget.reserved == 2 * alone
+    third.release()
+    held[1].release()
+    assert budget.reserved == 0
+
+
+def test_queued_messages_count_when_admitting() -> None:
+    params = {"shape": [3, 128, 128]}
+    alone = estimate_memory(Synthetic(), params).alone
+    budget = MemoryBudget(2 * alone)
+    budget.add(alone + 1)  # messages queued for clients
+    with pytest.raises(BusyError):
+        reserve_memory(budget, Synthetic(), params, request_id="r")
+    budget.release(1)
+    reserve_memory(budget, Synthetic(), params, request_id="r").release()
+
+
+def test_requests_batched_together_share_one_batch_of_temporaries() -> None:
+    # The batch's cost counts for the largest batch only: two shapes batch apart.
+    small, big = {"shape": [3, 64, 64]}, {"shape": [3, 128, 128]}
+    budget = MemoryBudget(1 << 30)
+
+    class Engine:
+        max_batch_size = 2
+
+    a = reserve_memory(budget, Synthetic(), small, engine=Engine(), request_id="a")
+    b = reserve_memory(budget, Synthetic(), big, engine=Engine(), request_id="b")
+    f_big = 3 * 128 * 128 * 4
+    assert budget.reserved == a.own + b.own + host_batch_cost(f_big)  # not a's: the larger batch counts
+    c = [reserve_memory(budget, Synthetic(), big, engine=Engine(), request_id=f"c{i}") for i in range(2)]
+    # Three of that shape, but at most two in a model call.
+    assert budget.reserved == a.own + 3 * b.own + host_batch_cost(2 * f_big)
+    for r in (a, b, *c):
+        r.release()
+    assert budget.reserved == 0
