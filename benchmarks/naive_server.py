@@ -31,8 +31,8 @@ from websockets.asyncio.server import ServerConnection, serve
 from websockets.exceptions import ConnectionClosed
 
 import omni_stream as om
+from omni_stream import protocol
 from omni_stream.preview import Previewer, PreviewSpec
-from omni_stream.server import protocol
 
 __all__ = ["NaiveServer"]
 

@@ -21,6 +21,7 @@ from websockets.asyncio.server import serve as ws_serve
 
 import omni_stream as om
 from omni_stream import client as omc
+from omni_stream import protocol as server_protocol
 from omni_stream.client import (
     ClientError,
     ConnectError,
@@ -33,11 +34,10 @@ from omni_stream.client import (
     RequestFailedError,
     RequestRejectedError,
     parse_preview_frame,
-    wire,
 )
-from omni_stream.client.stream import Inbox
+from omni_stream.protocol import client as wire
+from omni_stream.protocol.inbox import Inbox
 from omni_stream.server import Server
-from omni_stream.server import protocol as server_protocol
 
 SMALL: dict[str, Any] = {"shape": [3, 8, 6], "work": 0}
 RID = "req-1"
@@ -72,9 +72,7 @@ _DROP = object()
 def test_preview_formats_match_the_encoder() -> None:
     # The client restates the MIME table; the id pattern and error codes it
     # imports from the server's pure protocol module.
-    from omni_stream.preview import FORMATS
-
-    from omni_stream.preview import IMAGE_OUTPUTS, VIDEO_OUTPUTS
+    from omni_stream.preview import FORMATS, IMAGE_OUTPUTS, VIDEO_OUTPUTS
 
     # Previews, and the formats a result may come in.
     assert dict(omc.FORMATS) == {**FORMATS, **IMAGE_OUTPUTS, **VIDEO_OUTPUTS}

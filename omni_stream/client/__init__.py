@@ -14,15 +14,16 @@ its oldest intermediate previews, never the final one or the outcome.
 
 .. code-block:: text
 
-    wire.py        the protocol without I/O: constants, parsing, encoding
-    stream.py      one request: its inbox (a pure state machine) and RequestStream
-    connection.py  Client and connect(): the websocket, the reader, cancels
+    ../protocol/client.py  the protocol without I/O: constants, parsing, encoding
+    ../protocol/inbox.py   one request's inbox (a pure state machine)
+    stream.py              RequestStream, what the caller iterates
+    connection.py          Client and connect(): the websocket, the reader, cancels
 
 Errors (drawn in omni_stream/errors.py, re-exported here) are the engine's
 own where the meaning is the same, so code written against
 ``engine.stream()`` reads the same remotely: ParamsRejectedError is also
 om.ParamsError, RequestFailedError om.RequestError, RemoteCancelledError
-om.RequestCancelledError. BusyError (defined in wire.py) is the
+om.RequestCancelledError. BusyError (defined in omni_stream/protocol/client.py) is the
 RequestRejectedError of a server too busy to take a request; its
 ``retry_after_s`` says when to try again. Every error raised while serving a request
 carries its ``request_id``. Bad arguments (a malformed id, params that are
@@ -42,9 +43,15 @@ from ..errors import (
     RequestFailedError,
     RequestRejectedError,
 )
+from ..protocol.client import (
+    FORMATS,
+    BusyError,
+    PreviewFrame,
+    Progress,
+    parse_preview_frame,
+)
 from .connection import DEFAULT_MAX_SIZE, Client, connect
 from .stream import RequestStream
-from .wire import FORMATS, BusyError, PreviewFrame, Progress, parse_preview_frame
 
 __all__ = [
     "DEFAULT_MAX_SIZE",

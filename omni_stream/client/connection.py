@@ -1,6 +1,6 @@
 """Client and connect(): one websocket connection, its reader task, its requests.
 
-The reader parses every server message (wire.py) and hands it to the inbox
+The reader parses every server message (omni_stream/protocol/client.py) and hands it to the inbox
 of the request it names (stream.py), so several iterations run at once on
 one connection. A message or frame that breaks the protocol closes the
 connection with 1002 and fails every request on it with ProtocolError.
@@ -36,8 +36,7 @@ from ..errors import (
     ParamsError,
     ProtocolError,
 )
-from .stream import Inbox, RequestStream
-from .wire import (
+from ..protocol.client import (
     CLOSE_PROTOCOL_ERROR,
     ErrorMessage,
     Event,
@@ -51,6 +50,8 @@ from .wire import (
     parse_preview_frame,
     server_error,
 )
+from ..protocol.inbox import Inbox
+from .stream import RequestStream
 
 __all__ = [
     "DEFAULT_CLOSE_TIMEOUT",
@@ -84,7 +85,7 @@ class Client:
 
     ``token`` is sent as ``Authorization: Bearer TOKEN``. ``max_buffered``
     bounds the items one request buffers for a slow consumer (see
-    omni_stream/client/stream.py). Keepalive: a ping every ``ping_interval``
+    omni_stream/protocol/inbox.py). Keepalive: a ping every ``ping_interval``
     seconds; when no pong comes within ``ping_timeout``, the connection is
     dropped after ``close_timeout`` more (default DEFAULT_CLOSE_TIMEOUT) and
     running requests end with ConnectionClosedError (1006); ``None`` turns

@@ -11,22 +11,8 @@ docs/protocol.md (the websocket), docs/http.md (HTTP, SSE, mounting).
 
 from __future__ import annotations
 
-import importlib
-from typing import TYPE_CHECKING, Any
-
-if TYPE_CHECKING:
-    from .app import Server, serve
-    from .asgi import create_app
-    from .limits import ServerLimits
+from .app import Server, serve
+from .asgi import create_app
+from .limits import ServerLimits
 
 __all__ = ["Server", "ServerLimits", "create_app", "serve"]
-
-_LAZY = {"Server": ".app", "serve": ".app", "ServerLimits": ".limits", "create_app": ".asgi"}
-
-
-def __getattr__(name: str) -> Any:
-    # Lazy: the client imports the pure wire constants of .protocol and must
-    # not load the ASGI server, prometheus-client and the engine.
-    if name in _LAZY:
-        return getattr(importlib.import_module(_LAZY[name], __name__), name)
-    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

@@ -1,6 +1,6 @@
 """Checks a ``generate`` must pass before it reaches the engine (pure, no I/O).
 
-Each raises :class:`~omni_stream.server.protocol.MessageError` with the
+Each raises :class:`~omni_stream.protocol.MessageError` with the
 ``error`` code docs/protocol.md gives for it and the request id, so the
 server can reply and keep the connection open.
 
@@ -35,11 +35,17 @@ import torch
 
 from ..errors import ParamsError
 from ..model import StepModel, split_output
-from ..preview import IMAGE_OUTPUTS, VIDEO_OUTPUTS, PreviewSpec, check_output, has_video_encoder
+from ..preview import (
+    IMAGE_OUTPUTS,
+    VIDEO_OUTPUTS,
+    PreviewSpec,
+    check_output,
+    has_video_encoder,
+)
 from ..preview import default_decoder as preview_default_decoder
+from ..protocol import MessageError
 from .limits import ServerLimits, check_request_limits
 from .outbox import MemoryBudget, MemoryReservation
-from .protocol import MessageError
 
 __all__ = [
     "cap_preview", "check_params", "default_decoder", "preview_spec", "OutputSpec", "output_spec",

@@ -41,13 +41,14 @@ from starlette.responses import Response
 from starlette.routing import Route, WebSocketRoute
 from starlette.websockets import WebSocket
 
+from .. import protocol
 from ..engine import Engine
 from ..engine.group import engine_for
 from ..engine.like import EngineLike
 from ..errors import ParamsError
 from ..model import StepModel
 from ..preview import Previewer
-from . import protocol, routes, security
+from . import routes, security
 from .connection import ClientConnection
 from .http_api import HttpApi
 from .limits import ServerLimits, resolve_origins, resolve_token

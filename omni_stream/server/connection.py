@@ -22,7 +22,7 @@ import anyio
 import anyio.lowlevel
 from starlette.websockets import WebSocket, WebSocketDisconnect
 
-from . import protocol
+from .. import protocol
 from .limits import ServerLimits
 from .metrics import ServerMetrics
 from .outbox import MemoryBudget, Outbox, OutboxOverflowError

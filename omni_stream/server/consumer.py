@@ -25,6 +25,7 @@ import functools
 import time
 from typing import Any
 
+from .. import protocol
 from ..engine import FrameStream
 from ..errors import (
     EngineError,
@@ -34,7 +35,6 @@ from ..errors import (
 )
 from ..frame import Frame
 from ..preview import Previewer, PreviewSpec, encode_output, should_preview
-from . import protocol
 from .admission import OutputSpec
 from .metrics import ServerMetrics
 from .outbox import MemoryReservation

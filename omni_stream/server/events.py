@@ -19,12 +19,11 @@ import base64
 import json
 import logging
 from collections.abc import Callable
-from typing import Any
 
 import anyio
 from starlette.types import Receive, Scope, Send
 
-from . import protocol
+from .. import protocol
 from .outbox import Outbox, OutboxItem, OutboxOverflowError
 
 __all__ = ["EventStream", "parse_last_event_id", "sse_event"]

@@ -20,7 +20,8 @@ import anyio
 from starlette.requests import Request
 from starlette.responses import Response
 
-from . import protocol, routes
+from .. import protocol
+from . import routes
 from .events import EventStream, parse_last_event_id
 from .outbox import Outbox
 from .session import RequestRecord

@@ -216,7 +216,7 @@ def check_request_limits(model: Any, params: Mapping[str, Any], limits: ServerLi
     Raises MessageError (code ``limit_exceeded``) naming the param, the
     limit and its environment variable.
     """
-    from .protocol import MessageError  # here: protocol must not depend on limits
+    from ..protocol import MessageError  # here: protocol must not depend on limits
 
     total = int(model.total_steps(params))
     if total > limits.max_steps:

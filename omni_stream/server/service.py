@@ -33,11 +33,12 @@ from typing import TYPE_CHECKING, Any
 import anyio
 import anyio.abc
 
+from .. import protocol
 from ..engine import FrameStream
 from ..errors import EngineDeadError, EngineError, OmniStreamError, ParamsError
 from ..model import StepModel
 from ..preview import Previewer, PreviewSpec
-from . import admission, protocol, routes
+from . import admission, routes
 from .consumer import stream_request
 from .limits import ServerLimits
 from .metrics import ServerMetrics

@@ -22,7 +22,7 @@ from typing import Any
 
 import anyio
 
-from . import protocol
+from .. import protocol
 from .outbox import MemoryBudget, Outbox
 
 __all__ = ["RequestRecord", "RequestRegistry"]

@@ -20,8 +20,8 @@ from websockets.http11 import Response
 from websockets.uri import parse_uri
 
 from omni_stream.models import Synthetic
+from omni_stream.protocol import REQUEST_ENDING_CODES, unpack_preview
 from omni_stream.server import Server
-from omni_stream.server.protocol import REQUEST_ENDING_CODES, unpack_preview
 
 #: Small, fast request params: 16x16 RGB frames, no matmul load.
 SMALL: dict[str, Any] = {"shape": [3, 16, 16], "work": 0}

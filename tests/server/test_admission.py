@@ -7,6 +7,7 @@ import pytest
 import omni_stream as om
 from omni_stream.models import Synthetic
 from omni_stream.preview import PreviewSpec
+from omni_stream.protocol import MessageError
 from omni_stream.server.admission import (
     DEVICE_FRAMES_PER_REQUEST,
     HOST_BATCH_RETAINED_BYTES,
@@ -34,7 +35,6 @@ from omni_stream.server.admission import (
 )
 from omni_stream.server.limits import ServerLimits
 from omni_stream.server.outbox import MemoryBudget
-from omni_stream.server.protocol import MessageError
 
 LIMITS = ServerLimits(max_steps=50, max_image_size=256)
 MIB = 1 << 20
@@ -272,8 +272,8 @@ def test_num_frames_is_bounded_by_max_frames() -> None:
 
 
 def test_priority_parses_within_its_range() -> None:
+    from omni_stream import protocol
     from omni_stream.engine.scheduler import PRIORITY_MAX, PRIORITY_MIN
-    from omni_stream.server import protocol
 
     assert (protocol.MIN_PRIORITY, protocol.MAX_PRIORITY) == (PRIORITY_MIN, PRIORITY_MAX)
     parse = protocol.parse_client_message

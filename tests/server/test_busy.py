@@ -8,7 +8,7 @@ import pytest
 from websockets.asyncio.client import connect
 
 import omni_stream as om
-from omni_stream.server import protocol
+from omni_stream import protocol
 
 from .conftest import SMALL, Slow, http_get, running, send, until, until_end
 

@@ -22,10 +22,10 @@ from websockets.asyncio.client import connect
 
 import omni_stream as om
 from omni_stream.models import Synthetic
+from omni_stream.protocol import PreviewHeader, pack_preview
 from omni_stream.server import create_app
 from omni_stream.server.events import sse_event
 from omni_stream.server.outbox import OutboxItem
-from omni_stream.server.protocol import PreviewHeader, pack_preview
 
 from .conftest import SMALL, Slow, recv, running, send, until_end, wait_for
 

@@ -8,13 +8,13 @@ import pytest
 
 from omni_stream.errors import ParamsError
 from omni_stream.models import Synthetic
+from omni_stream.protocol import MessageError
 from omni_stream.server.limits import (
     ServerLimits,
     check_request_limits,
     resolve_origins,
     resolve_token,
 )
-from omni_stream.server.protocol import MessageError
 
 
 def test_defaults_allow_big_requests() -> None:

@@ -6,9 +6,9 @@ import json
 
 import pytest
 
-from omni_stream.server import protocol
+from omni_stream import protocol
+from omni_stream.protocol import MessageError
 from omni_stream.server.outbox import Outbox
-from omni_stream.server.protocol import MessageError
 from omni_stream.server.session import RequestRecord, RequestRegistry
 
 

@@ -56,9 +56,9 @@ __all__ = [
     "server_error",
 ]
 
-# One definition of the shared wire constants: the server's pure protocol
-# module (importing it loads neither the server nor the engine).
-from ..server.protocol import (  # noqa: E402
+# One definition of the shared wire constants: the messages module beside
+# this one (importing it loads neither the server nor the engine).
+from .messages import (  # noqa: E402
     ID_PATTERN,
     MAX_ID_LENGTH,
     MAX_PRIORITY,

@@ -1,4 +1,4 @@
-"""The websocket wire format (pure: no I/O): docs/protocol.md in code.
+"""The wire format, both sides (pure: no I/O): docs/protocol.md in code.
 
 Client messages are parsed and checked here into :class:`Generate`,
 :class:`Cancel` and :class:`Attach`; anything else raises
@@ -30,6 +30,8 @@ __all__ = [
     "CLOSE_POLICY_VIOLATION",
     "CLOSE_TRY_AGAIN_LATER",
     "ID_PATTERN",
+    "MAX_ECHO",
+    "MAX_ERROR_MESSAGE",
     "MAX_ID_LENGTH",
     "MAX_PRIORITY",
     "MIN_PRIORITY",

@@ -7,9 +7,9 @@ import struct
 
 import pytest
 
+from omni_stream import protocol
 from omni_stream.errors import ParamsError
-from omni_stream.server import protocol
-from omni_stream.server.protocol import (
+from omni_stream.protocol import (
     Attach,
     Cancel,
     Generate,

@@ -1,0 +1,147 @@
+"""One request's inbox on the client: a pure state machine (the reader feeds, the consumer takes).
+
+Who waits on whom: the connection's reader feeds an :class:`Inbox` and never
+waits on its consumer. Each inbox buffers what arrived for its request; when
+the consumer falls ``max_buffered`` items behind, the oldest intermediate
+progress and previews are dropped (latest wins, as on the server). The final
+preview and the outcome (``done``, ``cancelled``, ``error``) are never dropped.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections import deque
+
+import anyio
+
+from ..errors import ClientError, ProtocolError, RemoteCancelledError
+from .client import (
+    REJECTION_CODES,
+    Accepted,
+    Cancelled,
+    Done,
+    ErrorMessage,
+    Event,
+    PreviewFrame,
+    Progress,
+    server_error,
+)
+
+__all__ = ["Inbox"]
+
+logger = logging.getLogger("omni_stream.client")
+
+
+class Inbox:
+    """What arrived for one request, waiting for its consumer; never blocks the feeder."""
+
+    def __init__(self, request_id: str, *, want_progress: bool, max_buffered: int) -> None:
+        self.id = request_id
+        self.want_progress = want_progress
+        self.max_buffered = max_buffered
+        self.items: deque[Progress | PreviewFrame] = deque()
+        self.accepted: Accepted | None = None
+        self.done: Done | None = None
+        self.last_progress: Progress | None = None
+        self.final_seen = False
+        self.dropped = 0
+        self.finished = False  # an outcome arrived (or the connection ended)
+        self.outcome: ClientError | None = None  # None with finished: done
+        self._raised = False
+        self._wakeup: anyio.Event | None = None
+
+    def feed(self, event: Event) -> None:
+        """Take one event routed to this request. Never raises, never waits."""
+        if self.finished:
+            logger.debug("request %s: ignoring %s after its outcome", self.id, type(event).__name__)
+            return
+        if isinstance(event, ErrorMessage):
+            self._feed_error(event)
+        elif isinstance(event, Accepted):
+            if self.accepted is not None:
+                self.fail(ProtocolError("second 'accepted' for one request", request_id=self.id))
+            else:
+                self.accepted = event
+        elif self.accepted is None:
+            # docs/protocol.md: accepted comes first. Anything else first means
+            # the server and this client disagree about the request's state.
+            self.fail(
+                ProtocolError(
+                    f"server sent {type(event).__name__} before 'accepted'", request_id=self.id
+                )
+            )
+        elif isinstance(event, Progress):
+            self.last_progress = event
+            if self.want_progress:
+                self._push(event)
+        elif isinstance(event, PreviewFrame):
+            self.final_seen = self.final_seen or event.final
+            self._push(event)
+        elif isinstance(event, Done):
+            if not self.final_seen:
+                self.fail(
+                    ProtocolError("server sent 'done' without a final preview", request_id=self.id)
+                )
+                return
+            self.done = event
+            self._finish(None)
+        elif isinstance(event, Cancelled):
+            self._finish(
+                RemoteCancelledError(
+                    f"request cancelled ({event.reason})", reason=event.reason, request_id=self.id
+                )
+            )
+
+    def _feed_error(self, event: ErrorMessage) -> None:
+        accepted = self.accepted is not None
+        if accepted and event.code in REJECTION_CODES:
+            # A rejection naming a running request rejects some later message
+            # about it (a cancel racing its end gets not_found): the request
+            # itself goes on, and its own outcome is still to come. Unknown
+            # codes end it: a newer server's new failure must not hang us.
+            logger.debug("request %s: server rejected a message about it: %s", self.id, event.message)
+            return
+        self._finish(
+            server_error(
+                event.code, event.message, field=event.field, request_id=self.id, accepted=accepted
+            )
+        )
+
+    def _push(self, item: Progress | PreviewFrame) -> None:
+        self.items.append(item)
+        if len(self.items) > self.max_buffered:
+            # Latest wins: drop the oldest intermediate item; finals stay.
+            for i, old in enumerate(self.items):
+                if not (isinstance(old, PreviewFrame) and old.final):
+                    del self.items[i]
+                    self.dropped += 1
+                    break
+        self._wake()
+
+    def fail(self, error: ClientError) -> None:
+        """End the request with ``error`` unless it already ended."""
+        if not self.finished:
+            self._finish(error)
+
+    def _finish(self, outcome: ClientError | None) -> None:
+        self.finished = True
+        self.outcome = outcome
+        self._wake()
+
+    def _wake(self) -> None:
+        if self._wakeup is not None:
+            self._wakeup.set()
+            self._wakeup = None
+
+    async def get(self) -> Progress | PreviewFrame:
+        """The next item; raises StopAsyncIteration after ``done``, the error once after others."""
+        while True:
+            if self.items:
+                return self.items.popleft()
+            if self.finished:
+                if self.outcome is not None and not self._raised:
+                    self._raised = True
+                    raise self.outcome
+                raise StopAsyncIteration
+            self._wakeup = anyio.Event()
+            await self._wakeup.wait()
