@@ -1,0 +1,60 @@
+"""Engines on a Ray cluster: one Engine per Serve replica, behind one EngineLike.
+
+>>> from omni_stream.integrations.ray_serve import deploy
+>>> engine = deploy("diffusers:stabilityai/sd-turbo", replicas=4, num_gpus=1)   # doctest: +SKIP
+>>> async with engine:                                                          # doctest: +SKIP
+...     async for frame in engine.stream({"prompt": "a red cat", "steps": 4}):
+...         print(frame.step, frame.total)
+
+The modules, one job each::
+
+    deploy.py     deploy / undeploy / build_app / app_builder: the Serve application
+    replica.py    EngineReplica: the deployment's class (owner task, per-request pump, health)
+    remote.py     RemoteEngine: the front door's EngineLike over a DeploymentHandle
+    stream.py     RemoteStream: one request's frames, acknowledged, cancelled, errors translated
+    board.py      ReplicaBoard: the deployment actor relaying acknowledgements and reports
+    wire.py       what crosses Ray per request: Submit, Header, WireFrame, WireError (pure)
+    report.py     replica reports, and health / statistics made of them (pure)
+    card.py       ModelCard: the model's metadata, the front door's stand-in for it (pure)
+    translate.py  Ray's errors to this project's, at one boundary
+
+docs/scale-out.md says what each guarantees (cancel, backpressure, a lost
+replica) and what was measured. Needs the ``ray`` extra:
+``pip install "omni-stream[ray]"``.
+"""
+
+from __future__ import annotations
+
+try:
+    import ray.serve  # noqa: F401
+except ImportError as exc:  # pragma: no cover - exercised without the extra
+    raise ImportError(
+        f"omni_stream.integrations.ray_serve needs Ray Serve ({exc}); "
+        'install it with: pip install "omni-stream[ray]"'
+    ) from exc
+
+from .card import ModelCard
+from .deploy import DEPLOYMENT, app_builder, build_app, deploy, undeploy
+from .remote import DEFAULT_WINDOW, RemoteEngine, connect_ray
+from .replica import BOARD, EngineReplica, ModelSource, ReplicaSettings
+from .report import ReplicaReport, ReplicaView
+from .stream import RemoteStream
+
+__all__ = [
+    "BOARD",
+    "DEFAULT_WINDOW",
+    "DEPLOYMENT",
+    "EngineReplica",
+    "ModelCard",
+    "ModelSource",
+    "RemoteEngine",
+    "RemoteStream",
+    "ReplicaReport",
+    "ReplicaSettings",
+    "ReplicaView",
+    "app_builder",
+    "build_app",
+    "connect_ray",
+    "deploy",
+    "undeploy",
+]

@@ -1,0 +1,164 @@
+"""deploy / undeploy: run EngineReplicas as a Serve application, and ``app_builder`` for config files.
+
+``deploy`` is ``serve.run`` of :func:`build_app`, then a connected
+:class:`RemoteEngine`. ``app_builder`` is the same application for
+``serve deploy`` / ``serve run`` config files and KubeRay's ``RayService``
+(``import_path: omni_stream.integrations.ray_serve:app_builder``, the
+keyword arguments of ``build_app`` under ``args``).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from collections.abc import Mapping
+from typing import Any, cast
+
+import ray
+from ray import serve
+from ray.serve.config import DeploymentActorConfig
+from ray.serve.deployment import Deployment
+
+from ...errors import ParamsError
+from .board import ReplicaBoard
+from .remote import DEFAULT_WINDOW, RemoteEngine, connect_ray
+from .replica import BOARD, EngineReplica, ModelSource, ReplicaSettings
+
+__all__ = ["DEPLOYMENT", "app_builder", "build_app", "deploy", "undeploy"]
+
+logger = logging.getLogger("omni_stream.ray_serve")
+
+#: The deployment's name inside its application.
+DEPLOYMENT = "EngineReplica"
+#: Engine's own default max_batch_size (engine.py).
+_ENGINE_BATCH = 8
+
+
+def build_app(
+    model: ModelSource,
+    *,
+    replicas: int = 1,
+    num_gpus: float = 0,
+    num_cpus: float | None = None,
+    engine_kwargs: Mapping[str, Any] | None = None,
+    max_ongoing_requests: int | None = None,
+    ray_actor_options: Mapping[str, Any] | None = None,
+    settings: ReplicaSettings | None = None,
+    **deployment_options: Any,
+) -> Any:
+    """The Serve application (``Deployment.bind(...)``) of ``replicas`` EngineReplicas.
+
+    ``model``: a registry spec ("synthetic", "diffusers:ID", "module:attr"),
+    a StepModel (pickled to every replica) or a callable building one.
+    ``num_gpus`` / ``num_cpus`` per replica (``ray_actor_options`` for the
+    rest); ``engine_kwargs`` go to each replica's Engine (``device``
+    defaults to "auto": the replica's GPU when it has one).
+    ``max_ongoing_requests`` defaults to twice the engine's batch size, at
+    least 16 (Serve's own default of 5 would cap a replica below one
+    batch); a value below the batch size raises ParamsError.
+    ``deployment_options`` go to ``serve.deployment(...).options``
+    (``health_check_period_s``, ``graceful_shutdown_timeout_s``,
+    ``autoscaling_config`` with ``replicas=None``, ...).
+    """
+    kwargs = dict(engine_kwargs or {})
+    batch = kwargs.get("max_batch_size", _ENGINE_BATCH)
+    if max_ongoing_requests is None:
+        max_ongoing_requests = max(16, 2 * int(batch))
+    if isinstance(max_ongoing_requests, bool) or not isinstance(max_ongoing_requests, int) or (
+        max_ongoing_requests < batch
+    ):
+        raise ParamsError(
+            f"max_ongoing_requests must be an int of at least the engine's max_batch_size ({batch}), "
+            f"got {max_ongoing_requests!r}: Serve would never hand a replica a full batch",
+            field="max_ongoing_requests",
+        )
+    actor_options = dict(ray_actor_options or {})
+    actor_options.setdefault("num_gpus", num_gpus)
+    if num_cpus is not None:
+        actor_options["num_cpus"] = num_cpus
+    deployment = cast(Deployment, serve.deployment(EngineReplica)).options(
+        name=DEPLOYMENT,
+        num_replicas=replicas,
+        ray_actor_options=actor_options,
+        max_ongoing_requests=max_ongoing_requests,
+        deployment_actors=[
+            DeploymentActorConfig(
+                name=BOARD, actor_class=ray.remote(ReplicaBoard), actor_options={"num_cpus": 0}
+            )
+        ],
+        **deployment_options,
+    )
+    return deployment.bind(model, kwargs, settings or ReplicaSettings())
+
+
+def app_builder(args: Mapping[str, Any]) -> Any:
+    """The application for a Serve config file: ``args`` are :func:`build_app`'s keyword arguments.
+
+    ``model`` is required (a registry spec); ``replicas``, ``num_gpus``,
+    ``num_cpus``, ``engine_kwargs``, ``max_ongoing_requests`` are optional.
+    """
+    options = dict(args)
+    if "model" not in options:
+        raise ParamsError("the omni_stream application needs args.model (e.g. 'diffusers:ID')", field="model")
+    model = options.pop("model")
+    return build_app(model, **options)
+
+
+def deploy(
+    model: ModelSource,
+    *,
+    replicas: int = 1,
+    num_gpus: float = 0,
+    num_cpus: float | None = None,
+    engine_kwargs: Mapping[str, Any] | None = None,
+    name: str = "omni_stream",
+    max_ongoing_requests: int | None = None,
+    address: str | None = None,
+    window: int = DEFAULT_WINDOW,
+    ray_actor_options: Mapping[str, Any] | None = None,
+    settings: ReplicaSettings | None = None,
+    **deployment_options: Any,
+) -> RemoteEngine:
+    """Run the Serve application ``name`` (one Engine per replica) and return a connected RemoteEngine.
+
+    Blocks until every replica has loaded its model (``serve.run``); from
+    async code run it in a worker thread (called on a running event loop
+    it blocks the loop, and returns the RemoteEngine unconnected: entering
+    it connects). Starts Serve without its HTTP
+    proxy unless Serve runs already (the front door is omni_stream's own
+    server). Replaces an application of the same name. Arguments as
+    :func:`build_app`; ``address`` as :func:`connect_ray`; ``window`` as
+    RemoteEngine's; ``settings`` the replicas' (ReplicaSettings). Raises ParamsError for bad options, and what
+    ``serve.run`` raises when the replicas fail to start.
+    """
+    app = build_app(
+        model,
+        replicas=replicas,
+        num_gpus=num_gpus,
+        num_cpus=num_cpus,
+        engine_kwargs=engine_kwargs,
+        max_ongoing_requests=max_ongoing_requests,
+        ray_actor_options=ray_actor_options,
+        settings=settings,
+        **deployment_options,
+    )
+    connect_ray(address)
+    serve.start(proxy_location="Disabled")
+    serve.run(app, name=name, route_prefix=None)
+    engine = RemoteEngine(name, address=address, window=window)
+    if not _in_running_loop():
+        engine.connect()
+    return engine
+
+
+def _in_running_loop() -> bool:
+    try:
+        asyncio.get_running_loop()
+    except RuntimeError:
+        return False
+    return True
+
+
+def undeploy(name: str = "omni_stream") -> None:
+    """Delete the Serve application ``name`` (its replicas and board); a no-op when absent."""
+    serve.delete(name)

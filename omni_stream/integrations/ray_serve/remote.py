@@ -1,0 +1,487 @@
+"""RemoteEngine: a Serve application of EngineReplicas, used as one EngineLike.
+
+::
+
+    RemoteEngine.stream(params) ──handle.options(stream=True).stream.remote()──▶ a replica (Serve routes)
+      RemoteStream.__anext__ ◀── Header, WireFrame, ... (Ray streaming generator) ◀── EngineReplica.stream
+             │ ack(seq), fire and forget                                                  │ wait_acked
+             └──────────────────────────────▶ ReplicaBoard (a deployment actor) ◀──────────┘
+      poller (every poll_s) ◀── snapshot(): each replica's ReplicaReport ◀── report(), every report_s
+
+The front door never loads the model: ``model`` is the replicas' ModelCard.
+It checks params against the card at once (``stream`` raises ParamsError
+then); the replica checks them again with the real model.
+
+Cancellation: only ``DeploymentResponseGenerator.cancel()`` stops a
+request on its replica (dropping the generator or cancelling the task that
+reads it lets the replica run every remaining step), so every way a stream
+can end early calls it: ``cancel(id)``, ``aclose()``, leaving ``async
+with``, a ``break`` (the dropped stream's ``__del__``), the reader's own
+cancellation or timeout, and any error while reading.
+
+``health()``, ``statistics()`` and ``max_batch_size`` are synchronous and
+read the replicas' latest reports, which a background task fetches every
+``poll_s`` (report.py judges them). Enter and leave a RemoteEngine from
+one task; the Serve application outlives it (``undeploy`` deletes it).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import math
+import pickle
+import threading
+import time
+import uuid
+import weakref
+from collections.abc import Mapping
+from types import TracebackType
+from typing import Any
+
+import anyio
+import anyio.abc
+import anyio.to_thread
+import ray
+from ray import serve
+from ray.exceptions import RayError
+from ray.serve.exceptions import RayServeException
+
+from ...engine.delivery import POLICIES
+from ...engine.group import GroupStatistics
+from ...engine.scheduler import PRIORITY_MAX, PRIORITY_MIN
+from ...engine.stats import Health
+from ...errors import (
+    EngineClosedError,
+    EngineDeadError,
+    EngineStalledError,
+    ParamsError,
+)
+from ...frame import Frame
+from ...model import split_output
+from .card import ModelCard
+from .report import ReplicaReport, ReplicaView, sum_statistics, summarize, view
+from .stream import RemoteStream, cancel_response
+from .wire import Submit
+
+__all__ = ["DEFAULT_WINDOW", "RemoteEngine", "connect_ray"]
+
+logger = logging.getLogger("omni_stream.ray_serve")
+
+#: Frames a replica may have in transit to one reader (sent, not yet taken).
+DEFAULT_WINDOW = 2
+_BOARD_TIMEOUT_S = 5.0
+
+
+def connect_ray(address: str | None = None) -> None:
+    """``ray.init(address)`` unless this process is connected already.
+
+    ``address``: "auto", "ray://host:10001", "host:6379"; None starts a
+    local Ray instance unless ``RAY_ADDRESS`` names one.
+    """
+    if not ray.is_initialized():
+        ray.init(address=address, logging_level=logging.WARNING, log_to_driver=True)
+
+
+class RemoteEngine:
+    """The Serve application ``name`` of EngineReplicas, as one EngineLike.
+
+    ``address``: the Ray cluster to connect to (see :func:`connect_ray`);
+    ``window``: frames a replica may have in transit to one reader;
+    ``poll_s``: how often replica reports are read; a replica silent for
+    ``stale_after_s`` counts as lost; a deployment unreachable for
+    ``dead_after_s`` makes ``health()`` dead.
+
+    Connect with :meth:`connect` (blocking) or by entering it (``async
+    with``), which also starts the reports' poller; ``model`` is available
+    once connected. Satisfies EngineLike; enter and leave it from one task.
+    """
+
+    def __init__(
+        self,
+        name: str = "omni_stream",
+        *,
+        address: str | None = None,
+        window: int = DEFAULT_WINDOW,
+        poll_s: float = 0.25,
+        stale_after_s: float = 3.0,
+        dead_after_s: float = 30.0,
+    ) -> None:
+        if isinstance(window, bool) or not isinstance(window, int) or window < 1:
+            raise ParamsError(f"window must be a positive int, got {window!r}", field="window")
+        self._name = name
+        self._address = address
+        self._window = window
+        self._poll_s = float(poll_s)
+        self._stale_after_s = float(stale_after_s)
+        self._dead_after_s = float(dead_after_s)
+        self._handle: Any = None
+        self._card: ModelCard | None = None
+        self._board: Any = None
+        # Re-entrant: a stream's __del__ (any thread, any time) takes it too.
+        self._lock = threading.RLock()
+        # request id -> its open stream, weakly: a dropped stream must be
+        # collected (its __del__ cancels the replica's request).
+        self._streams: dict[str, weakref.ref[RemoteStream]] = {}
+        self._reports: dict[str, tuple[float, ReplicaReport]] = {}
+        self._lost: set[str] = set()  # replicas a stream saw die, until their reports age out
+        self._polled_at = time.monotonic()
+        self._unreachable_since: float | None = None
+        self._state = "new"  # new -> running -> closed
+        self._loop: asyncio.AbstractEventLoop | None = None
+        self._loop_thread: int | None = None
+        self._tg: anyio.abc.TaskGroup | None = None
+
+    # -- what it is ------------------------------------------------------------------
+
+    @property
+    def name(self) -> str:
+        """The Serve application's name."""
+        return self._name
+
+    @property
+    def model(self) -> ModelCard:
+        """The replicas' model card (name, params, ...); raises EngineClosedError before connecting."""
+        if self._card is None:
+            raise EngineClosedError(
+                f"RemoteEngine {self._name!r} is not connected yet; call connect() or enter it"
+            )
+        return self._card
+
+    @property
+    def max_batch_size(self) -> int:
+        """The live replicas' batch sizes summed (the card's until a replica has reported)."""
+        live = [v.report.max_batch_size for v in self.replicas() if not v.lost]
+        if live:
+            return sum(live)
+        return self._card.max_batch_size if self._card is not None else 1
+
+    def __repr__(self) -> str:
+        return f"<RemoteEngine {self._state} app={self._name!r}>"
+
+    # -- connecting and lifecycle --------------------------------------------------------
+
+    def connect(self) -> RemoteEngine:
+        """Connect to Ray and the application, and fetch the model card (blocking); returns self.
+
+        Raises EngineClosedError when no application ``name`` is running.
+        Call it outside an event loop (or from a worker thread).
+        """
+        if self._card is not None:
+            return self
+        connect_ray(self._address)
+        try:
+            handle = serve.get_app_handle(self._name)
+            card, board, _ = handle.describe.remote().result(timeout_s=60)
+        except (RayError, RayServeException, TimeoutError) as exc:
+            raise EngineClosedError(
+                f"no omni_stream application {self._name!r} is reachable on this Ray cluster: {exc}"
+            ) from exc
+        self._handle = handle
+        self._stream_handle = handle.options(stream=True)
+        self._board = board
+        self._card = card
+        return self
+
+    async def __aenter__(self) -> RemoteEngine:
+        await self.start()
+        return self
+
+    async def __aexit__(
+        self,
+        exc_type: type[BaseException] | None,
+        exc: BaseException | None,
+        tb: TracebackType | None,
+    ) -> None:
+        await self.aclose()
+
+    async def start(self) -> None:
+        """Connect (in a worker thread) if need be, read the reports once, start the poller.
+
+        Raises EngineClosedError if started before or when the application
+        is not reachable.
+        """
+        if self._state != "new":
+            raise EngineClosedError("a RemoteEngine can be started once; create a new one")
+        if self._card is None:
+            await anyio.to_thread.run_sync(self.connect)
+        self._loop = asyncio.get_running_loop()
+        self._loop_thread = threading.get_ident()
+        self._state = "running"
+        await self.refresh()
+        self._tg = anyio.create_task_group()
+        await self._tg.__aenter__()
+        self._tg.start_soon(self._poll_forever)
+
+    async def aclose(self) -> None:
+        """Stop polling; open streams end with EngineClosedError (their replica requests cancelled).
+
+        The Serve application keeps running (``undeploy`` deletes it).
+        """
+        if self._state == "closed":
+            return
+        was = self._state
+        self._state = "closed"
+        for stream in self._open_streams():
+            stream._cancel(EngineClosedError("the RemoteEngine was closed", request_id=stream.request_id))
+        if was == "running" and self._tg is not None:
+            self._tg.cancel_scope.cancel()
+            await self._tg.__aexit__(None, None, None)
+
+    # -- submitting ------------------------------------------------------------------------
+
+    def _check_open(self, request_id: str | None) -> None:
+        if self._state != "running":
+            what = "not started (use `async with RemoteEngine(...)`)" if self._state == "new" else "closed"
+            raise EngineClosedError(f"the RemoteEngine is {what}", request_id=request_id)
+        h = self.health()
+        if h.status == "dead":
+            raise EngineDeadError(h.reason or "the deployment is unreachable", request_id=request_id)
+
+    def stream(
+        self,
+        params: Mapping[str, Any] | None = None,
+        *,
+        request_id: str | None = None,
+        policy: str = "all",
+        timeout: float | None = None,
+        preview_every: int | None = None,
+        priority: int = 0,
+    ) -> RemoteStream:
+        """Submit a request to the deployment (Serve picks the replica); returns its frames.
+
+        Raises at once ParamsError (params the card refuses, bad options, a
+        request_id still streaming through this RemoteEngine),
+        EngineDeadError (the deployment is unreachable) or
+        EngineClosedError. Iterating raises what ``Engine.stream`` does,
+        the replica's ParamsError for params only its model refuses, and
+        EngineDeadError naming the replica when it is lost.
+        """
+        if request_id is None:
+            request_id = uuid.uuid4().hex
+        if not isinstance(request_id, str) or not request_id:
+            raise ParamsError(f"request_id must be a non-empty string, got {request_id!r}", field="request_id")
+        self._check_open(request_id)
+        _check_options(policy, timeout, preview_every, priority, request_id)
+        with self._lock:
+            if self._live(request_id) is not None:
+                raise ParamsError(
+                    f"request_id {request_id!r} is already running", field="request_id", request_id=request_id
+                )
+        card = self.model
+        try:
+            rest, output = split_output(card, params)
+            checked = card.validate(rest)
+            if output is not None:
+                checked["output"] = output
+            total = card.total_steps(checked)
+        except ParamsError as exc:
+            exc.request_id = request_id
+            raise
+        submit = Submit(
+            key=uuid.uuid4().hex,
+            request_id=request_id,
+            policy=policy,
+            timeout=None if timeout is None else float(timeout),
+            preview_every=preview_every,
+            priority=priority,
+            window=self._window,
+        )
+        response = self._stream_handle.stream.remote(
+            None if params is None else dict(params), submit
+        )
+        stream = RemoteStream(
+            self, response, key=submit.key, request_id=request_id, total=total, params=checked
+        )
+        with self._lock:
+            self._streams[request_id] = weakref.ref(stream)
+        return stream
+
+    async def generate(
+        self,
+        params: Mapping[str, Any] | None = None,
+        *,
+        request_id: str | None = None,
+        policy: str = "latest",
+        timeout: float | None = None,
+        preview_every: int | None = None,
+        priority: int = 0,
+    ) -> Frame:
+        """Run a request to its end; returns the final Frame. Raises as ``stream`` does."""
+        final: Frame | None = None
+        async with self.stream(
+            params, request_id=request_id, policy=policy, timeout=timeout,
+            preview_every=preview_every, priority=priority,
+        ) as frames:
+            async for frame in frames:
+                final = frame
+        assert final is not None and final.final
+        return final
+
+    def cancel(self, request_id: str) -> bool:
+        """Cancel a request on its replica; True if it was still streaming. Safe from any thread.
+
+        Its reader gets RequestCancelledError.
+        """
+        with self._lock:
+            stream = self._live(request_id)
+        if stream is None or stream._done:
+            return False
+        if self._loop is not None and threading.get_ident() != self._loop_thread:
+            try:
+                self._loop.call_soon_threadsafe(stream._cancel)
+            except RuntimeError:
+                return False
+            return True
+        return stream._cancel()
+
+    def _live(self, request_id: str) -> RemoteStream | None:
+        ref = self._streams.get(request_id)
+        return None if ref is None else ref()
+
+    def _open_streams(self) -> list[RemoteStream]:
+        with self._lock:
+            streams = [ref() for ref in self._streams.values()]
+        return [s for s in streams if s is not None]
+
+    def _forget(self, stream: RemoteStream) -> None:
+        with self._lock:
+            ref = self._streams.get(stream.request_id)
+            if ref is not None and ref() in (stream, None):
+                del self._streams[stream.request_id]
+
+    def _ack(self, key: str, seq: int) -> None:
+        self._board.ack.remote(key, seq)  # fire and forget
+
+    def _cancel_threadsafe(self, response: Any) -> None:
+        # From a stream's __del__, wherever the collector runs it.
+        loop = self._loop
+        if loop is not None and not loop.is_closed() and threading.get_ident() != self._loop_thread:
+            try:
+                loop.call_soon_threadsafe(cancel_response, response)
+                return
+            except RuntimeError:
+                pass
+        cancel_response(response)
+
+    # -- reports: health and statistics ------------------------------------------------------
+
+    async def refresh(self) -> None:
+        """Read every replica's report now (the poller does so every ``poll_s``)."""
+        try:
+            with anyio.fail_after(_BOARD_TIMEOUT_S):
+                snapshot = await self._board.snapshot.remote()
+        except (RayError, TimeoutError) as exc:
+            now = time.monotonic()
+            if self._unreachable_since is None:
+                self._unreachable_since = now
+                logger.warning("RemoteEngine %s: the board did not answer: %r", self._name, exc)
+            await self._rediscover()
+            return
+        self._unreachable_since = None
+        self._polled_at = time.monotonic()
+        reports: dict[str, tuple[float, ReplicaReport]] = {}
+        for replica, (age, blob) in snapshot.items():
+            try:
+                reports[replica] = (age, pickle.loads(blob))
+            except Exception:  # noqa: BLE001 - a replica of another version; skip it
+                logger.warning("RemoteEngine %s: unreadable report from replica %s", self._name, replica)
+        self._reports = reports
+        self._lost &= set(reports)
+        now = time.monotonic()
+        for stream in self._open_streams():
+            stream._reack_if_waiting(now)
+
+    async def _rediscover(self) -> None:
+        # The board died and Serve made a new one: ask a replica for its handle.
+        try:
+            with anyio.fail_after(_BOARD_TIMEOUT_S):
+                _, board, _ = await self._handle.describe.remote()
+        except (RayError, TimeoutError):
+            return
+        self._board = board
+
+    async def _poll_forever(self) -> None:
+        # A child of the RemoteEngine's task group: raising would cancel the
+        # task that entered it (the server's, say). Ray's failures are
+        # handled in refresh(); anything else is logged, and polling goes on.
+        while True:
+            await anyio.sleep(self._poll_s)
+            try:
+                await self.refresh()
+            except Exception:  # noqa: BLE001 - see above
+                logger.exception("RemoteEngine %s: reading the replicas' reports failed", self._name)
+
+    def replicas(self) -> list[ReplicaView]:
+        """Each replica's latest report, its age and whether it counts as lost, by name."""
+        since = time.monotonic() - self._polled_at
+        aged = {r: (age + since, report) for r, (age, report) in self._reports.items()}
+        return view(aged, stale_after_s=self._stale_after_s, known_lost=self._lost)
+
+    def _mark_lost(self, replica: str) -> None:
+        # Ray told a reader the replica died: health says so now, not once
+        # its report is stale_after_s old.
+        self._lost.add(replica)
+
+    def statistics(self) -> GroupStatistics:
+        """The live replicas' counters summed, each replica's in ``members`` (as of the last poll)."""
+        return sum_statistics([v.report.health.statistics for v in self.replicas() if not v.lost])
+
+    def health(self) -> Health:
+        """ok while any replica is ok; stalled when none is (Serve replaces them); dead when the
+        deployment has not answered for ``dead_after_s``; closed outside ``async with``."""
+        unreachable = (
+            None if self._unreachable_since is None else time.monotonic() - self._unreachable_since
+        )
+        return summarize(
+            self.replicas(),
+            name=self._name,
+            state=self._state,
+            unreachable_s=unreachable,
+            dead_after_s=self._dead_after_s,
+        )
+
+    def check_health(self) -> None:
+        """Return while any replica is ok; raise EngineStalledError, EngineDeadError or EngineClosedError."""
+        h = self.health()
+        if h.status == "ok":
+            return
+        reason = h.reason or f"the deployment is {h.status}"
+        if h.status == "dead":
+            raise EngineDeadError(reason)
+        if h.status == "stalled":
+            raise EngineStalledError(reason)
+        raise EngineClosedError(reason)
+
+
+def _check_options(
+    policy: str, timeout: float | None, preview_every: int | None, priority: int, request_id: str
+) -> None:
+    """Engine.stream's option checks, at the front door (so they raise at once)."""
+    if policy not in POLICIES:
+        raise ParamsError(
+            f"policy must be one of {', '.join(POLICIES)}, got {policy!r}", field="policy", request_id=request_id
+        )
+    if timeout is not None and (
+        isinstance(timeout, bool)
+        or not isinstance(timeout, (int, float))
+        or not math.isfinite(timeout)
+        or timeout <= 0
+    ):
+        raise ParamsError(
+            f"timeout must be a positive number of seconds, got {timeout!r}", field="timeout", request_id=request_id
+        )
+    if preview_every is not None and (
+        isinstance(preview_every, bool) or not isinstance(preview_every, int) or preview_every < 1
+    ):
+        raise ParamsError(
+            f"preview_every must be a positive int or None, got {preview_every!r}",
+            field="preview_every",
+            request_id=request_id,
+        )
+    if isinstance(priority, bool) or not isinstance(priority, int) or not PRIORITY_MIN <= priority <= PRIORITY_MAX:
+        raise ParamsError(
+            f"priority must be an int from {PRIORITY_MIN} to {PRIORITY_MAX}, got {priority!r}",
+            field="priority",
+            request_id=request_id,
+        )

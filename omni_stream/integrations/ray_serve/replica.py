@@ -1,0 +1,334 @@
+"""EngineReplica: one Engine in one Serve replica, streaming to RemoteStreams.
+
+Lifecycle. Serve runs a replica's ``async __init__``, its requests, its
+``check_health`` and its ``__del__`` on one event loop but in different
+tasks, while an Engine (its anyio task group) must be entered and left in
+one task. So ``__init__`` starts one long-lived *owner* task that enters
+the engine, publishes reports while it runs, and leaves it when
+``__del__`` asks; ``__init__`` returns once the engine is running (or
+raises what stopped it, and Serve retries the constructor).
+
+A request (``stream``) is one async generator on that loop: it submits to
+the engine (``policy`` as the reader asked: "latest" coalesces on the
+engine's single slot, "all" pauses the request), yields a Header, then
+frames, each only once the reader has acknowledged all but ``window - 1``
+of those sent (the board relays the acknowledgements), and ends with the
+final frame or a WireError. So the engine never waits on the network, the
+frames in transit stay within ``window`` per request, and the final frame
+is never dropped. Serve's cancellation (``DeploymentResponseGenerator
+.cancel()``) arrives as CancelledError at the generator's current await;
+leaving ``async with frames`` then cancels the engine request, which stops
+within one step.
+
+Health. ``check_health`` (Serve calls it every ``health_check_period_s``)
+raises what ``engine.check_health()`` raises, so Serve replaces a replica
+whose engine is dead or stalled. A replica that Serve will replace (its
+third failed check in a row, Serve's threshold) first ends its in-flight
+requests with EngineDeadError naming it, rather than leaving their readers
+to wait out Serve's graceful shutdown (20 s by default).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import copy
+import logging
+import os
+import pickle
+import time
+from collections.abc import AsyncIterator, Callable, Mapping
+from dataclasses import dataclass
+from typing import Any
+
+import anyio
+import anyio.to_thread
+import ray
+from ray import serve
+from ray.exceptions import RayActorError
+
+from ...engine import Engine
+from ...errors import (
+    EngineDeadError,
+    EngineError,
+    OmniStreamError,
+    RequestCancelledError,
+)
+from ...model import StepModel
+from .card import ModelCard
+from .report import ReplicaReport
+from .wire import Header, Item, Submit, WireError, WireFrame
+
+__all__ = ["BOARD", "EngineReplica", "ModelSource", "ReplicaSettings"]
+
+logger = logging.getLogger("omni_stream.ray_serve")
+
+#: The name of the deployment actor that relays acknowledgements and reports.
+BOARD = "omni_stream_board"
+
+#: What a replica builds its model from: a registry spec ("synthetic",
+#: "diffusers:ID", "module:attr"), a StepModel (pickled to each replica), or
+#: a callable returning one (called once per replica).
+ModelSource = str | StepModel | Callable[[], StepModel]
+
+#: Serve's REPLICA_HEALTH_CHECK_UNHEALTHY_THRESHOLD: failed checks in a row
+#: before it stops a replica.
+_CHECKS_BEFORE_REPLACEMENT = 3
+#: How long one wait on the board for an acknowledgement lasts before the
+#: replica looks again (it also looks at once when one arrives).
+_ACK_WAIT_S = 2.0
+#: A board call that takes longer than this counts as failed.
+_BOARD_TIMEOUT_S = 5.0
+
+
+@dataclass(frozen=True, slots=True)
+class ReplicaSettings:
+    """How a replica behaves.
+
+    ``report_s``: how often it publishes its report. ``shutdown_s``: how
+    long ``__del__`` waits for the engine to close. ``max_window``: the
+    most frames in transit per request, whatever a reader asks.
+    ``reader_timeout_s``: a request whose reader has acknowledged nothing
+    for this long, while frames wait for it, is cancelled (its front door
+    died without cancelling it, or stopped reading for good).
+    """
+
+    report_s: float = 0.25
+    shutdown_s: float = 15.0
+    max_window: int = 16
+    reader_timeout_s: float = 120.0
+
+
+@dataclass(slots=True)
+class _Flow:
+    """One request's flow control, on the replica's loop."""
+
+    key: str
+    request_id: str
+    window: int
+    sent: int = 0
+    acked: int = 0
+    #: Set when the replica ends the request itself (it is being replaced).
+    failure: OmniStreamError | None = None
+
+
+def _build_model(source: ModelSource) -> StepModel:
+    if isinstance(source, StepModel):
+        return source
+    if isinstance(source, str):
+        from ...models.registry import load_model
+
+        return load_model(source)
+    model = source()
+    if not isinstance(model, StepModel):
+        raise TypeError(f"the model factory returned {type(model).__name__}, not an omni_stream.StepModel")
+    return model
+
+
+class EngineReplica:
+    """The deployment's class: one Engine per replica (see the module docstring)."""
+
+    async def __init__(  # type: ignore[misc]  # Serve awaits an async __init__
+        self,
+        model: ModelSource,
+        engine_kwargs: Mapping[str, Any] | None = None,
+        settings: ReplicaSettings | None = None,
+    ) -> None:
+        self._settings = settings or ReplicaSettings()
+        context = serve.get_replica_context()
+        self._replica = context.replica_id.unique_id
+        self._node = ray.get_runtime_context().get_node_id()
+        built = await anyio.to_thread.run_sync(_build_model, model)
+        self._card = ModelCard.of(built)
+        # A copy: Serve pickles the init arguments again after __init__, and
+        # a Device instance among them holds threads once its engine runs.
+        self._engine = Engine(built, **copy.deepcopy(dict(engine_kwargs or {})))
+        self._board = serve.get_deployment_actor(BOARD)
+        self._flows: dict[str, _Flow] = {}
+        self._failed_checks = 0
+        self._ready = asyncio.Event()
+        self._stop = asyncio.Event()
+        self._closed = asyncio.Event()
+        self._failure: BaseException | None = None
+        # The one task that enters and leaves the engine. A root task, like
+        # anyio.run's: nothing above it on this loop belongs to us.
+        self._owner = asyncio.get_running_loop().create_task(
+            self._own(), name=f"omni-stream-replica-{self._replica}"
+        )
+        await self._ready.wait()
+        if self._failure is not None:
+            raise self._failure
+        logger.info(
+            "replica %s: %s on %s, max_batch_size %d",
+            self._replica, self._card.name, self._engine.device.name, self._engine.max_batch_size,
+        )
+
+    async def _own(self) -> None:
+        try:
+            async with self._engine:
+                self._ready.set()
+                async with anyio.create_task_group() as tg:
+                    tg.start_soon(self._report_forever)
+                    await self._stop.wait()
+                    tg.cancel_scope.cancel()
+        except BaseException as exc:  # noqa: BLE001 - kept for __init__ and check_health
+            self._failure = exc
+            if not isinstance(exc, asyncio.CancelledError):
+                logger.exception("replica %s: the engine's owner task failed", self._replica)
+        finally:
+            self._ready.set()
+            self._closed.set()
+
+    async def __del__(self) -> None:
+        # Serve's graceful shutdown, after in-flight requests drained (or its
+        # graceful_shutdown_timeout_s passed). Requests still open end with
+        # EngineClosedError as the engine closes.
+        self._stop.set()
+        with anyio.move_on_after(self._settings.shutdown_s):
+            await self._closed.wait()
+        try:
+            with anyio.fail_after(1.0):
+                await self._board.leave.remote(self._replica)
+        except Exception:  # noqa: BLE001 - the board ages the report out anyway
+            pass
+
+    # -- what front doors call ------------------------------------------------------
+
+    async def describe(self) -> tuple[ModelCard, Any, str]:
+        """The model's card, the board's handle and this replica's name."""
+        return self._card, self._board, self._replica
+
+    async def stream(self, params: Mapping[str, Any] | None, submit: Submit) -> AsyncIterator[Item]:
+        """One request's items: Header, WireFrames, or a WireError (see the module docstring)."""
+        try:
+            self._check_owner()
+            frames = self._engine.stream(
+                params,
+                request_id=submit.request_id,
+                policy=submit.policy,
+                timeout=submit.timeout,
+                preview_every=submit.preview_every,
+                priority=submit.priority,
+            )
+        except OmniStreamError as exc:
+            yield WireError.of(exc)
+            return
+        flow = _Flow(submit.key, frames.request_id, min(max(1, submit.window), self._settings.max_window))
+        self._flows[flow.key] = flow
+        try:
+            async with frames:
+                yield Header(self._replica, frames.request_id, frames.total)
+                while True:
+                    await self._credit(flow)
+                    if flow.failure is not None:
+                        yield WireError.of(flow.failure)
+                        return
+                    try:
+                        frame = await frames.__anext__()
+                    except StopAsyncIteration:
+                        return
+                    except OmniStreamError as exc:
+                        yield WireError.of(flow.failure or exc)
+                        return
+                    flow.sent += 1
+                    yield WireFrame.of(frame, flow.sent)
+                    if frame.final:
+                        return
+        finally:
+            del self._flows[flow.key]
+            self._board.forget.remote(flow.key)  # fire and forget
+
+    async def _credit(self, flow: _Flow) -> None:
+        """Return once fewer than ``flow.window`` frames are unacknowledged.
+
+        Sets ``flow.failure`` (RequestCancelledError) when the reader has
+        acknowledged nothing for ``reader_timeout_s``.
+        """
+        progress = time.monotonic()
+        while flow.sent - flow.acked >= flow.window and flow.failure is None:
+            if time.monotonic() - progress > self._settings.reader_timeout_s:
+                flow.failure = RequestCancelledError(
+                    f"replica {self._replica}: the reader took no frame for "
+                    f"{self._settings.reader_timeout_s:.0f} s",
+                    request_id=flow.request_id,
+                )
+                return
+            try:
+                with anyio.fail_after(_ACK_WAIT_S + _BOARD_TIMEOUT_S):
+                    acked = await self._board.wait_acked.remote(
+                        flow.key, flow.sent - flow.window + 1, _ACK_WAIT_S
+                    )
+            except (RayActorError, TimeoutError):
+                # The board is being replaced: its state (acks) is lost, and
+                # the reader re-sends its latest ack while it waits.
+                await self._refresh_board()
+                continue
+            if acked > flow.acked:
+                flow.acked = int(acked)
+                progress = time.monotonic()
+
+    # -- health ------------------------------------------------------------------------
+
+    def _check_owner(self) -> None:
+        if self._closed.is_set() and not self._stop.is_set():
+            error = EngineDeadError(
+                f"replica {self._replica}: the engine's owner task ended: {self._failure!r}"
+            )
+            error.__cause__ = self._failure
+            raise error
+
+    async def check_health(self) -> None:
+        """Raise EngineDeadError, EngineStalledError or EngineClosedError when the engine is not ok.
+
+        Serve calls it every ``health_check_period_s`` and replaces the
+        replica after three failures in a row; before the third raises,
+        the requests still open end with EngineDeadError naming this replica.
+        """
+        try:
+            self._check_owner()
+            self._engine.check_health()
+        except EngineError as exc:
+            self._failed_checks += 1
+            if self._failed_checks >= _CHECKS_BEFORE_REPLACEMENT:
+                self._fail_in_flight(exc)
+            raise
+        self._failed_checks = 0
+
+    def _fail_in_flight(self, why: EngineError) -> None:
+        for flow in list(self._flows.values()):
+            if flow.failure is None:
+                flow.failure = EngineDeadError(
+                    f"replica {self._replica} is being replaced: {why.message}", request_id=flow.request_id
+                )
+                flow.failure.__cause__ = why
+                self._engine.cancel(flow.request_id)
+
+    def report(self) -> ReplicaReport:
+        """This replica's report, as published to the board."""
+        return ReplicaReport(
+            replica=self._replica,
+            health=self._engine.health(),
+            max_batch_size=self._engine.max_batch_size,
+            streams=len(self._flows),
+            in_transit=sum(f.sent - f.acked for f in self._flows.values()),
+            pid=os.getpid(),
+            node=self._node,
+        )
+
+    async def _report_forever(self) -> None:
+        while True:
+            blob = pickle.dumps(self.report())
+            try:
+                with anyio.fail_after(_BOARD_TIMEOUT_S):
+                    await self._board.report.remote(self._replica, blob)
+            except (RayActorError, TimeoutError):
+                await self._refresh_board()
+            await anyio.sleep(self._settings.report_s)
+
+    async def _refresh_board(self) -> None:
+        # Serve recreates a deployment actor that died; until then the name
+        # does not resolve (ValueError). Back off a little either way.
+        await anyio.sleep(0.2)
+        try:
+            self._board = serve.get_deployment_actor(BOARD)
+        except ValueError:
+            logger.warning("replica %s: the board is not back yet", self._replica)

@@ -1,0 +1,100 @@
+"""Ray's errors, translated to this project's at one boundary (the RemoteStream's reads).
+
+=====================================================  ==========================================
+what Ray raised                                        what the reader gets
+=====================================================  ==========================================
+``RayTaskError`` wrapping one of this project's        that error (the replica's, unwrapped)
+``RayTaskError`` wrapping anything else                StepFailedError, ``__cause__`` the original
+``ray.serve`` RequestCancelledError,                   RequestCancelledError
+``TaskCancelledError`` (``.cancel()`` took effect)
+``ActorDiedError``, ``ActorUnavailableError``,         EngineDeadError naming the replica; the
+``WorkerCrashedError``, ``NodeDiedError``,             other replicas keep serving
+``OwnerDiedError`` (the replica or its node is gone)
+``BackPressureError`` (``max_queued_requests``)        EngineError: the deployment is full
+``DeploymentUnavailableError``                         EngineClosedError: the application is gone
+anything else from Ray (``RayError``)                  EngineError, ``__cause__`` the original
+=====================================================  ==========================================
+
+The reader's own cancellation (``asyncio.CancelledError``, anyio's cancel
+scopes) is never translated: the caller re-raises it untouched. Every error
+translated here carries the request's id, and ``__cause__`` is Ray's.
+"""
+
+from __future__ import annotations
+
+from ray import exceptions as ray_errors
+from ray.serve import exceptions as serve_errors
+
+from ...errors import (
+    EngineClosedError,
+    EngineDeadError,
+    EngineError,
+    OmniStreamError,
+    RequestCancelledError,
+    StepFailedError,
+)
+
+__all__ = ["LOST", "translate"]
+
+#: Ray's ways of saying a replica (its process, or its node) is gone.
+LOST: tuple[type[BaseException], ...] = (
+    ray_errors.ActorDiedError,
+    ray_errors.ActorUnavailableError,
+    ray_errors.RayActorError,
+    ray_errors.WorkerCrashedError,
+    ray_errors.NodeDiedError,
+    ray_errors.OwnerDiedError,
+    ray_errors.LocalRayletDiedError,
+)
+
+
+def _first_line(exc: BaseException) -> str:
+    text = str(exc).strip().splitlines()
+    return text[0] if text else type(exc).__name__
+
+
+def translate(
+    exc: BaseException, *, request_id: str, replica: str | None, step: int = 0
+) -> OmniStreamError:
+    """This project's error for ``exc``, raised while reading request ``request_id``.
+
+    ``replica`` names the replica running it where known (its Header came),
+    ``step`` is the last step the reader got. Never call it with the
+    reader's own cancellation.
+    """
+    where = f"replica {replica}" if replica else "its replica"
+    if isinstance(exc, OmniStreamError) and not isinstance(exc, ray_errors.RayError):
+        if exc.request_id is None:
+            exc.request_id = request_id
+        return exc
+    if isinstance(exc, ray_errors.RayTaskError):
+        cause = exc.cause
+        if isinstance(cause, OmniStreamError):
+            if cause.request_id is None:
+                cause.request_id = request_id
+            return cause
+        if isinstance(cause, BaseException) and isinstance(cause, (*LOST, ray_errors.TaskCancelledError)):
+            return translate(cause, request_id=request_id, replica=replica, step=step)
+        err: OmniStreamError = StepFailedError(
+            f"{where} raised {cause!r} while serving the request",
+            request_id=request_id,
+            step=step + 1,
+        )
+        err.__cause__ = cause if isinstance(cause, BaseException) else exc
+        return err
+    if isinstance(exc, ray_errors.TaskCancelledError):  # Serve's RequestCancelledError too
+        err = RequestCancelledError("cancelled", request_id=request_id)
+    elif isinstance(exc, LOST):
+        err = EngineDeadError(f"{where} was lost: {_first_line(exc)}", request_id=request_id)
+    elif isinstance(exc, serve_errors.BackPressureError):
+        err = EngineError(
+            f"the deployment is full (max_queued_requests): {_first_line(exc)}", request_id=request_id
+        )
+    elif isinstance(exc, serve_errors.DeploymentUnavailableError):
+        err = EngineClosedError(
+            f"the Serve application is unavailable: {_first_line(exc)}", request_id=request_id
+        )
+    else:
+        err = EngineError(f"Ray failed the request: {exc!r}", request_id=request_id)
+    err.__cause__ = exc
+    return err
