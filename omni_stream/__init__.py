@@ -25,6 +25,7 @@ from .errors import (
     EngineDeadError,
     EngineError,
     EngineStalledError,
+    LifecycleError,
     OmniStreamError,
     ParamsError,
     RequestCancelledError,
@@ -69,6 +70,7 @@ __all__ = [
     "EngineDeadError",
     "EngineStalledError",
     "EngineClosedError",
+    "LifecycleError",
 ]
 
 

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import functools
 import inspect
 import json
 import logging
@@ -17,21 +18,20 @@ import re
 import subprocess
 import sys
 import time
-from collections.abc import Coroutine, Sequence
+from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any, NoReturn, TextIO
 
-
 from . import __version__
-from .config import env_str
+from .config import TOKEN_ENV, run, token as env_token
 from .errors import OmniStreamError, ParamsError
 from .model import StepModel, split_output
+from .params import positive_int
 
+# TOKEN_ENV (config.py's) is re-exported: cli.TOKEN_ENV is where it was first defined.
 __all__ = ["main", "build_parser", "ProgressBar", "TOKEN_ENV"]
 
 PROG = "omni-stream"
-#: Where ``serve`` reads its bearer token when ``--token`` is not given.
-TOKEN_ENV = "OMNI_STREAM_TOKEN"
 #: ``serve``'s exit statuses when it shut itself down (README, docs/protocol.md).
 EXIT_ENGINE_DEAD = 3
 EXIT_SERVER_FAILED = 4
@@ -125,12 +125,9 @@ def _error(message: str) -> None:
 
 def _positive_int(text: str) -> int:
     try:
-        value = int(text)
-    except ValueError:
+        return positive_int(int(text), "value")
+    except ValueError:  # not an integer, or ParamsError: not positive
         raise argparse.ArgumentTypeError(f"expected a positive integer, got {text!r}") from None
-    if value < 1:
-        raise argparse.ArgumentTypeError(f"expected a positive integer, got {text!r}")
-    return value
 
 
 def _non_negative_int(text: str) -> int:
@@ -162,15 +159,6 @@ def _key_value(text: str) -> tuple[str, Any]:
     except ValueError:
         value = raw  # a bare word is a string: -p sampler=euler
     return key.strip(), value
-
-
-def _run(coro: Coroutine[Any, Any, Any]) -> Any:
-    """Run ``coro`` on uvloop when it is installed, else on asyncio's loop."""
-    try:
-        import uvloop
-    except ImportError:
-        return asyncio.run(coro)
-    return uvloop.run(coro)
 
 
 # -- progress ------------------------------------------------------------------
@@ -299,7 +287,7 @@ async def _generate(
 ) -> Any:
     """Run one request; ``checked`` receives its params as the model checked them."""
     from .engine import Engine
-    from .preview import PreviewSpec, Previewer, should_preview
+    from .preview import Previewer, PreviewSpec, should_preview
 
     previewer = Previewer()
     spec = None
@@ -393,8 +381,9 @@ def _cmd_generate(args: argparse.Namespace) -> int:
     progress = ProgressBar(sys.stderr, live=sys.stderr.isatty())
     checked: dict[str, Any] = {}
     try:
-        final = _run(
-            _generate(
+        final = run(
+            functools.partial(
+                _generate,
                 model,
                 params,
                 device=args.device,
@@ -512,14 +501,31 @@ def _cmd_models(args: argparse.Namespace) -> int:
 
 
 def _cmd_serve(args: argparse.Namespace) -> int:
-    token = args.token or env_str(TOKEN_ENV)
+    token = args.token or env_token()
     from .engine.group import names_group
 
     def load() -> Any:
         return _load_model(args.model, args.preview_vae)
 
-    # A group builds one model per device with the factory (before it listens).
-    model = load if names_group(args.device) else load()
+    model: Any
+    if args.ray:
+        if names_group(args.device):
+            raise _UsageError(
+                "--ray runs one engine per replica: give one --device (auto: the replica's GPU)"
+            )
+        try:
+            from .integrations.ray_serve import deploy
+        except ImportError as exc:
+            _error(f"--ray needs Ray Serve: pip install 'omni-stream[ray]' ({exc})")
+            return 2
+        # The replicas build the model; this process only serves in front of them.
+        model = deploy(
+            load, replicas=args.replicas, num_gpus=args.num_gpus, address=args.ray_address,
+            engine_kwargs={"device": args.device},
+        )
+    else:
+        # A group builds one model per device with the factory (before it listens).
+        model = load if names_group(args.device) else load()
     # A server's operator wants its lifecycle lines (the URL it listens on,
     # shutdown), not only warnings.
     root = logging.getLogger("omni_stream")
@@ -529,6 +535,7 @@ def _cmd_serve(args: argparse.Namespace) -> int:
             handler.setLevel(logging.INFO)
     from .errors import EngineDeadError
 
+    serve: Callable[..., object]  # blocking, or a coroutine to run (the CLI's tests' stand-in)
     try:
         from .server import serve
     except ImportError as exc:
@@ -554,7 +561,7 @@ def _cmd_serve(args: argparse.Namespace) -> int:
         )
         # serve() may block and run its own loop, or be a coroutine for us to run.
         if inspect.iscoroutine(result):
-            _run(result)
+            run(lambda: result)
     except EngineDeadError:
         # The server logged why (one ERROR line) before it shut down; a
         # distinct status tells a supervisor to replace the process.
@@ -600,7 +607,7 @@ def build_parser() -> argparse.ArgumentParser:
                         help="log more, with tracebacks (give it before COMMAND)")
     sub = parser.add_subparsers(dest="command", metavar="COMMAND", parser_class=_Parser)
     # Every subcommand's --help shows the defaults.
-    helpful = {"formatter_class": _DefaultsFormatter}
+    helpful: dict[str, Any] = {"formatter_class": _DefaultsFormatter}
 
     gen = sub.add_parser("generate", help="run one request and write its result", **helpful)
     gen.add_argument("prompt", nargs="?", metavar="PROMPT",
@@ -646,6 +653,16 @@ def build_parser() -> argparse.ArgumentParser:
     srv.add_argument("--device", default="auto",
                      help="auto, cpu, cuda, cuda:N or sim; several (cuda:0,cuda:1) or 'all' "
                      "serve one engine group, a model per device")
+    srv.add_argument("--ray", action="store_true",
+                     help="run the model as Ray Serve replicas, one engine each, and serve in front "
+                     "of them (the ray extra; docs/scale-out.md)")
+    srv.add_argument("--ray-address", metavar="ADDR", default=None,
+                     help="with --ray: the Ray cluster (auto, HOST:6379); default $RAY_ADDRESS, "
+                     "else a local Ray")
+    srv.add_argument("--replicas", type=_positive_int, default=1, metavar="N",
+                     help="with --ray: replicas")
+    srv.add_argument("--num-gpus", type=float, default=0.0, metavar="G",
+                     help="with --ray: GPUs per replica; a fraction packs several on one GPU")
     srv.add_argument("--stay-dead", action="store_true",
                      help="keep running (/health 503) when the engine dies, for debugging; "
                      f"by default the server shuts down and exits with status {EXIT_ENGINE_DEAD}")

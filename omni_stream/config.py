@@ -3,7 +3,10 @@
 Every knob is read where it is used, through a function here, on every call:
 never frozen at import, so a malformed value cannot break ``import`` and a
 test can set it with ``monkeypatch.setenv`` without reloading anything.
-Each variable is listed in ``docs/configuration.md``.
+Each variable is listed in ``docs/configuration.md``. The server's limits
+(``OMNI_STREAM_MAX_*`` and the like) are named beside the limits they set,
+in ``omni_stream/server/limits.py``, and read through the functions here.
+:func:`run` is the one place that picks the event loop.
 
 Why the step timeout is long and never raises: the engine we learn from
 bounded the wait for a step's output at a hard-coded 30 s. The wait covers
@@ -19,8 +22,15 @@ import logging
 import math
 import os
 import threading
+from collections.abc import Awaitable, Callable
+from typing import Any, TypeVar
+
+from .params import positive_int
 
 __all__ = [
+    "TOKEN_ENV",
+    "token",
+    "run",
     "STEP_TIMEOUT_ENV",
     "DEFAULT_STEP_TIMEOUT_S",
     "timeout",
@@ -38,11 +48,15 @@ __all__ = [
 
 logger = logging.getLogger("omni_stream.config")
 
+T = TypeVar("T")
+
 STEP_TIMEOUT_ENV = "OMNI_STREAM_STEP_TIMEOUT"
 DEFAULT_STEP_TIMEOUT_S = 600.0
 TORCH_THREADS_ENV = "OMNI_STREAM_TORCH_THREADS"
 #: A tiny autoencoder (path or model id) that decodes previews on the producer's device.
 PREVIEW_VAE_ENV = "OMNI_STREAM_PREVIEW_VAE"
+#: The server's bearer token, where ``serve --token`` / ``Server(token=)`` give none.
+TOKEN_ENV = "OMNI_STREAM_TOKEN"
 
 _warned: set[tuple[str, str]] = set()
 _warned_lock = threading.Lock()
@@ -168,10 +182,9 @@ def default_torch_threads(members: int = 1, *, cores: int | None = None) -> int:
     ``usable_cores()`` and ``reserved`` is ``SERVING_CORES`` (one on a
     two-core machine, none on one core). ``members``: engines stepping on
     the CPU in this process (an EngineGroup of N cpu devices splits the
-    cores N ways). Raises ValueError for ``members`` < 1.
+    cores N ways). Raises ParamsError for ``members`` < 1.
     """
-    if isinstance(members, bool) or not isinstance(members, int) or members < 1:
-        raise ValueError(f"members must be a positive int, got {members!r}")
+    positive_int(members, "members")
     if cores is None:
         cores = usable_cores()
     reserved = min(SERVING_CORES, cores - 1)
@@ -196,7 +209,7 @@ def torch_threads(members: int = 1) -> int:
     thread's idle OpenMP team when it starts, so the producer's team is the
     only one and steps as fast as a plain script in the main thread;
     docs/performance.md, "Where torch runs"), and one thread left a 16-core
-    box 15 cores idle. Raises ValueError for ``members`` < 1.
+    box 15 cores idle. Raises ParamsError for ``members`` < 1.
     """
     default = default_torch_threads(members)
     return env_int(TORCH_THREADS_ENV, default)
@@ -205,3 +218,27 @@ def torch_threads(members: int = 1) -> int:
 def preview_vae() -> str | None:
     """The tiny autoencoder for previews (``OMNI_STREAM_PREVIEW_VAE``): a path or model id, or None."""
     return env_str(PREVIEW_VAE_ENV)
+
+
+def token() -> str | None:
+    """The server's bearer token from ``OMNI_STREAM_TOKEN``, or None when unset or empty."""
+    return env_str(TOKEN_ENV)
+
+
+def run(main: Callable[..., Awaitable[T]], *args: Any) -> T:
+    """Run ``main(*args)`` to completion on a new event loop; return what it returns.
+
+    uvloop where it is installed (a dependency everywhere but Windows), else
+    asyncio's own loop. The one place that picks the loop: ``omni-stream
+    generate`` and ``serve`` and :func:`omni_stream.server.serve` all run
+    through here.
+    """
+    import anyio
+
+    try:
+        import uvloop  # noqa: F401 - only whether it is there
+    except ImportError:  # pragma: no cover - uvloop is a dependency off Windows
+        options: dict[str, Any] = {}
+    else:
+        options = {"use_uvloop": True}
+    return anyio.run(main, *args, backend="asyncio", backend_options=options)

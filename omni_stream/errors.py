@@ -3,7 +3,13 @@
 .. code-block:: text
 
     OmniStreamError                  root of everything raised here
-    ├── ParamsError (ValueError)     a request's params, or an option, are invalid
+    ├── ParamsError (ValueError)     a request's params, or an option, are invalid (.field)
+    │   └── MessageError             server: a client message it rejects (.code, the ``error``
+    │       │                        code to answer with)
+    │       └── ServerBusyError      server: a ``generate`` refused with ``busy`` (.retry_after_s)
+    ├── LifecycleError (RuntimeError)  an Engine, EngineGroup, Server or Client started twice,
+    │   │                            or used before it started or after it closed
+    │   └── PoolClosedError          device: the host buffer pool closed under a waiting acquire()
     ├── RequestError                 one request ended badly; carries request_id
     │   ├── StepFailedError          the model raised; __cause__ is its exception
     │   ├── StepTimeoutError         a step's output did not arrive within the bound
@@ -11,7 +17,11 @@
     ├── EngineError                  the engine itself cannot serve
     │   ├── EngineDeadError          its own machinery died; every request fails
     │   ├── EngineStalledError       one step has run longer than timeout()
-    │   └── EngineClosedError        the engine was shut down (or never started)
+    │   └── EngineClosedError        also LifecycleError: the engine was shut down (or never
+    │                                started, or is started twice)
+    ├── ServerFailedError            a task of the server failed, so it shut down; __cause__ is why
+    ├── OutboxOverflowError          server: a client stopped reading and its outbox went over
+    │                                a bound (.limit); the server disconnects it
     └── ClientError                  om.client: the server or the connection ended a call
         │                            (.code, the server's error code, and .field, where known)
         ├── ConnectError             the websocket could not be opened: refused, unreachable,
@@ -20,12 +30,15 @@
         │                            used after closing (.close_code, .close_reason)
         ├── ProtocolError            the server sent something docs/protocol.md does not allow
         ├── RequestRejectedError     an ``error`` rejecting generate / attach: nothing started
-        │   └── ParamsRejectedError  also ParamsError: bad_params, invalid_field, limit_exceeded
+        │   ├── ParamsRejectedError  also ParamsError: bad_params, invalid_field, limit_exceeded
+        │   └── BusyError            ``busy``: the server is too busy now (.retry_after_s)
         ├── RequestFailedError       also RequestError: an ``error`` ending an accepted request
         └── RemoteCancelledError     also RequestCancelledError: ``cancelled`` (.reason)
 
 The client's errors are also the engine's where the meaning is the same,
 so code written against ``engine.stream()`` reads the same remotely.
+LifecycleError is a RuntimeError because that is what a Server or Client
+started twice raised before it existed.
 The caller's own cancellation (``asyncio.CancelledError`` and anyio's
 cancel scopes) is never wrapped in, or swallowed by, any of these.
 Every error raised while serving a request carries its ``request_id``.
@@ -46,6 +59,10 @@ from typing import Any
 __all__ = [
     "OmniStreamError",
     "ParamsError",
+    "MessageError",
+    "ServerBusyError",
+    "LifecycleError",
+    "PoolClosedError",
     "RequestError",
     "StepFailedError",
     "StepTimeoutError",
@@ -54,12 +71,15 @@ __all__ = [
     "EngineDeadError",
     "EngineStalledError",
     "EngineClosedError",
+    "ServerFailedError",
+    "OutboxOverflowError",
     "ClientError",
     "ConnectError",
     "ConnectionClosedError",
     "ProtocolError",
     "RequestRejectedError",
     "ParamsRejectedError",
+    "BusyError",
     "RequestFailedError",
     "RemoteCancelledError",
 ]
@@ -102,7 +122,7 @@ class OmniStreamError(Exception):
         self.__dict__.update(attrs)
         # Foreign exceptions pickle without their own __cause__: relink them.
         # The last link may be one of ours, which carried its own chain.
-        for exc, cause in zip(chain, chain[1:]):
+        for exc, cause in zip(chain, chain[1:], strict=False):
             exc.__cause__ = cause
         self.__cause__ = chain[0] if chain else None
         self.__suppress_context__ = suppress
@@ -156,6 +176,45 @@ class ParamsError(OmniStreamError, ValueError):
         self.field = field
 
 
+class MessageError(ParamsError):
+    """A client message the server rejects; ``code`` is the ``error`` code to send.
+
+    ``field`` names the offending field and ``request_id`` the request the
+    message named, where known.
+    """
+
+    def __init__(
+        self,
+        code: str,
+        message: str,
+        *,
+        field: str | None = None,
+        request_id: str | None = None,
+    ) -> None:
+        super().__init__(message, field=field, request_id=request_id)
+        self.code = code
+
+
+class ServerBusyError(MessageError):
+    """A ``generate`` refused with ``busy``; ``retry_after_s`` says when to try again."""
+
+    def __init__(self, message: str, *, retry_after_s: float, request_id: str | None = None) -> None:
+        super().__init__("busy", message, request_id=request_id)
+        self.retry_after_s = retry_after_s
+
+
+class LifecycleError(OmniStreamError, RuntimeError):
+    """Used in the wrong state: started twice, or used before it started or after it closed.
+
+    Raised by an Engine (as EngineClosedError), an EngineGroup, a Server and
+    a Client (see ``omni_stream.lifecycle``).
+    """
+
+
+class PoolClosedError(LifecycleError):
+    """``PinnedBufferPool.acquire`` was interrupted because the pool was closed."""
+
+
 class RequestError(OmniStreamError):
     """One request ended without its final frame."""
 
@@ -195,8 +254,24 @@ class EngineStalledError(EngineError):
     """One step has been running on the accelerator longer than ``timeout()``."""
 
 
-class EngineClosedError(EngineError):
-    """The engine was shut down, or was used outside ``async with``."""
+class EngineClosedError(EngineError, LifecycleError):
+    """The engine was shut down, was used outside ``async with``, or was started twice."""
+
+
+class ServerFailedError(OmniStreamError):
+    """A task of the server itself failed, so it shut down; ``__cause__`` is what that task raised."""
+
+
+class OutboxOverflowError(OmniStreamError):
+    """A client's outbox overflowed; ``limit`` names the bound it went over.
+
+    ``max_pending`` or ``max_pending_bytes`` (the client is not reading), or
+    ``max_memory_bytes`` (the server's memory budget closed it).
+    """
+
+    def __init__(self, message: str, *, limit: str) -> None:
+        super().__init__(message)
+        self.limit = limit
 
 
 class ClientError(OmniStreamError):
@@ -255,6 +330,20 @@ class RequestRejectedError(ClientError):
 
 class ParamsRejectedError(RequestRejectedError, ParamsError):
     """The server rejected the request's params or fields; ``field`` names the one at fault."""
+
+
+class BusyError(RequestRejectedError):
+    """The server is too busy to take the request (``busy``); nothing was started.
+
+    ``retry_after_s`` is the server's estimate of when to try again
+    (None when it gave none).
+    """
+
+    def __init__(
+        self, message: str, *, retry_after_s: float | None = None, request_id: str | None = None
+    ) -> None:
+        super().__init__(message, code="busy", request_id=request_id)
+        self.retry_after_s = retry_after_s
 
 
 class RequestFailedError(ClientError, RequestError):

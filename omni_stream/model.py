@@ -60,7 +60,7 @@ from typing import Any, Protocol
 import torch
 
 from .errors import ParamsError, StepFailedError
-from .params import Param, validate
+from .params import Param, positive_int, validate
 
 __all__ = [
     "StepModel", "GeneratorModel", "from_generator", "RequestStopped", "Emit", "OUTPUTS",
@@ -126,7 +126,7 @@ class StepModel(abc.ABC):
         """Requests with equal keys may share a ``step`` call; None never batches."""
         return None
 
-    def load(self, device: torch.device) -> None:
+    def load(self, device: torch.device) -> None:  # noqa: B027 - an optional hook: doing nothing is the default
         """Called once on the producer thread before the first ``start``."""
 
     @abc.abstractmethod
@@ -137,7 +137,7 @@ class StepModel(abc.ABC):
     def step(self, states: Sequence[Any]) -> Sequence[torch.Tensor]:
         """Advance every state by one step; return one frame tensor per state."""
 
-    def close(self, state: Any) -> None:
+    def close(self, state: Any) -> None:  # noqa: B027 - an optional hook: doing nothing is the default
         """Release one request's state; called exactly once, however it ended."""
 
     def decode(self, state: Any, frame: torch.Tensor) -> torch.Tensor:
@@ -194,11 +194,10 @@ class GeneratorModel(StepModel):
         if not callable(fn):
             raise TypeError(f"from_generator needs a callable, got {type(fn).__name__}")
         if total is not None and not callable(total):
-            if isinstance(total, bool) or not isinstance(total, int) or total < 1:
-                raise ValueError(f"from_generator total must be a positive int, got {total!r}")
+            positive_int(total, "total", what="from_generator total")
         self._fn = fn
         self._total = total
-        self.name = name or getattr(fn, "__name__", "generator")
+        self.name = name or str(getattr(fn, "__name__", "generator"))
 
     def validate(self, params: Mapping[str, Any] | None) -> dict[str, Any]:
         # The wrapped function owns its params; only the shape of the mapping
@@ -225,12 +224,7 @@ class GeneratorModel(StepModel):
             total = self._total(params)
         else:
             total = self._total
-        if isinstance(total, bool) or not isinstance(total, int) or total < 1:
-            raise ParamsError(
-                f"{self.name}: the step count must be a positive int, got {total!r}",
-                field="steps",
-            )
-        return total
+        return positive_int(total, "steps", what=f"{self.name}: the step count")
 
     def start(self, params: Mapping[str, Any], device: torch.device) -> Iterator[torch.Tensor]:
         return iter(self._fn(params))

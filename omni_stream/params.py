@@ -16,9 +16,35 @@ from typing import Any
 
 from .errors import ParamsError
 
-__all__ = ["Param", "validate", "describe"]
+__all__ = ["Param", "validate", "describe", "positive_int"]
 
 _KINDS = ("int", "float", "str", "bool", "shape")
+
+
+def positive_int(
+    value: object,
+    name: str,
+    *,
+    env: str | None = None,
+    what: str | None = None,
+    request_id: str | None = None,
+) -> int:
+    """``value`` if it is an int of at least 1, else ParamsError naming it.
+
+    The one check of a positive-integer option, argument or result. ``name``
+    is the option (the error's ``field``); ``what`` words it in the message
+    where the name alone would not say enough (default: ``name``); ``env``
+    is the environment variable behind it, where there is one, named too.
+    A bool is not an int here, and neither is an integral float.
+    """
+    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+        subject = what or name
+        if env:
+            subject += f" ({env})"
+        raise ParamsError(
+            f"{subject} must be a positive integer, got {value!r}", field=name, request_id=request_id
+        )
+    return value
 
 
 @dataclass(frozen=True, slots=True)

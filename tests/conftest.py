@@ -1,12 +1,23 @@
-"""Every async test runs twice: under asyncio's default loop and under uvloop."""
+"""Every async test runs twice: under asyncio's default loop and under uvloop.
+
+Also what tests in several folders share: ``one_torch_thread``, the ``Slow``
+model and a ``running`` server (tests/server/conftest.py has the server
+tests' own helpers).
+"""
 
 from __future__ import annotations
 
 import asyncio
 import logging
-from collections.abc import Mapping
+import time
+from collections.abc import AsyncIterator, Iterator, Mapping, Sequence
+from contextlib import asynccontextmanager, contextmanager
+from typing import Any
 
 import pytest
+import torch
+
+from omni_stream.models import Synthetic
 
 
 # optionalhook: the GPU machine runs the GPU tests without pytest-asyncio.
@@ -26,3 +37,47 @@ def pytest_asyncio_loop_factories(config, item) -> Mapping[str, object]:
 def _omni_stream_logs(caplog):
     caplog.set_level(logging.INFO, logger="omni_stream")
     yield
+
+
+@contextmanager
+def one_torch_thread() -> Iterator[None]:
+    """torch on one thread meanwhile.
+
+    One thread is the engine producer's default on a small box, so results
+    compare bit for bit with ``pipe()`` run here; and tiny models on a shared
+    2-core box spend far longer (~40x measured) with two OpenMP threads
+    waiting for each other than computing.
+    """
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        yield
+    finally:
+        torch.set_num_threads(before)
+
+
+class Slow(Synthetic):
+    """Synthetic whose steps sleep (no CPU burned): requests that stay running a while."""
+
+    name = "slow"
+
+    def __init__(self, delay: float = 0.01) -> None:
+        super().__init__()
+        self.delay = delay
+
+    def step(self, states: Sequence[Any]) -> list[Any]:
+        time.sleep(self.delay)
+        return super().step(states)
+
+
+@asynccontextmanager
+async def running(model: Any = None, **options: Any) -> AsyncIterator[Any]:
+    """A started Server on 127.0.0.1, a free port, short shutdown bounds; ``options`` as Server's."""
+    # Imported here: the engine's tests run where the server's dependencies are missing.
+    from omni_stream.server import Server
+
+    options.setdefault("device", "cpu")
+    options.setdefault("shutdown_timeout_s", 0.5)
+    options.setdefault("close_timeout_s", 1.0)
+    async with Server(model or Synthetic(), host="127.0.0.1", port=0, **options) as server:
+        yield server

@@ -142,3 +142,18 @@ def test_every_figure_module_has_a_run():
 
     for name, module in FIGURES.items():
         assert callable(importlib.import_module(module).run), name
+
+
+@pytest.mark.parametrize(
+    ("transport", "extra"), [("sse", None), ("sse_post", None), ("sse", "stuck")]
+)
+def test_fanout_sse_readers_get_previews_to_the_end(transport, extra):
+    # The fanout figure's event-stream rows (fanout.sse.*), at toy size: the
+    # whole figure takes ~20 s in quick mode, most of it the naive peer's
+    # stalled-client deadline.
+    from benchmarks import fanout
+
+    s = asyncio.run(fanout._sample("ours", extra, 3, 2, 10.0, transport))
+    assert s["finished"] == s["clients"] == 3, s
+    assert s["outcomes"] == (["done", "stuck"] if extra else ["done"]), s
+    assert s["frames"] >= 3 and math.isfinite(s["p99_ms"]) and s["fps"] > 0, s

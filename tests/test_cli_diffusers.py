@@ -12,6 +12,7 @@ from omni_stream import cli
 
 pytest.importorskip("diffusers")
 
+from .conftest import one_torch_thread  # noqa: E402
 from .models.test_diffusers import text_sd_pipe  # noqa: E402
 from .models.test_diffusers_output import tiny_taesd  # noqa: E402
 
@@ -24,14 +25,12 @@ pytestmark = [
 @pytest.fixture(scope="module")
 def saved(tmp_path_factory):
     """A tiny text-to-image pipeline and a tiny autoencoder, saved as from_pretrained reads them."""
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)  # the producer's default: results equal pipe()'s bit for bit
-    root = tmp_path_factory.mktemp("pipes")
-    pipe = text_sd_pipe(root)
-    pipe.save_pretrained(root / "sd")
-    tiny_taesd().save_pretrained(root / "taesd")
-    yield root, pipe
-    torch.set_num_threads(before)
+    with one_torch_thread():  # the producer's default: results equal pipe()'s bit for bit
+        root = tmp_path_factory.mktemp("pipes")
+        pipe = text_sd_pipe(root)
+        pipe.save_pretrained(root / "sd")
+        tiny_taesd().save_pretrained(root / "taesd")
+        yield root, pipe
 
 
 def test_generate_writes_the_pipelines_image_at_full_size(saved, capsys, tmp_path):

@@ -7,8 +7,7 @@ import io
 import json
 import math
 import socket
-import time
-from collections.abc import AsyncIterator, Callable, Sequence
+from collections.abc import AsyncIterator, Callable
 from contextlib import asynccontextmanager
 from typing import Any
 
@@ -37,7 +36,8 @@ from omni_stream.client import (
 )
 from omni_stream.protocol import client as wire
 from omni_stream.protocol.inbox import Inbox
-from omni_stream.server import Server
+
+from .conftest import Slow, running
 
 SMALL: dict[str, Any] = {"shape": [3, 8, 6], "work": 0}
 RID = "req-1"
@@ -315,27 +315,6 @@ def test_bad_arguments_raise_params_error_naming_the_field() -> None:
 # ---- against the real server ----------------------------------------------------
 
 
-class Slow(om.models.Synthetic):
-    """Synthetic whose steps sleep: requests that stay running a while."""
-
-    def __init__(self, delay: float) -> None:
-        super().__init__()
-        self.delay = delay
-
-    def step(self, states: Sequence[Any]) -> list[Any]:
-        time.sleep(self.delay)
-        return super().step(states)
-
-
-@asynccontextmanager
-async def serving(model: om.StepModel | None = None, **options: Any) -> AsyncIterator[Server]:
-    async with Server(
-        model or om.models.Synthetic(), host="127.0.0.1", port=0, device="cpu",
-        shutdown_timeout_s=0.5, close_timeout_s=1.0, **options,
-    ) as server:
-        yield server
-
-
 async def _eventually(cond: Callable[[], bool], what: str) -> None:
     with anyio.fail_after(20):  # a bound against hanging, not a timing assertion
         while not cond():
@@ -344,7 +323,7 @@ async def _eventually(cond: Callable[[], bool], what: str) -> None:
 
 @pytest.mark.asyncio
 async def test_generate_yields_progress_and_frames_in_order_final_last(tmp_path) -> None:
-    async with serving() as server, omc.connect(server.url) as client:
+    async with running() as server, omc.connect(server.url) as client:
         stream = client.generate(dict(SMALL, steps=6, seed=4), preview={"format": "raw"},
                                  progress=True)
         items = [item async for item in stream]
@@ -376,7 +355,7 @@ async def test_generate_yields_progress_and_frames_in_order_final_last(tmp_path)
 
 @pytest.mark.asyncio
 async def test_errors_and_cancellation_leave_the_client_block_unwrapped() -> None:
-    async with serving(Slow(0.02)) as server:
+    async with running(Slow(0.02)) as server:
         # The body's error comes out as itself, not inside an ExceptionGroup.
         with pytest.raises(ParamsRejectedError):
             async with omc.connect(server.url) as client:
@@ -397,7 +376,7 @@ async def test_errors_and_cancellation_leave_the_client_block_unwrapped() -> Non
 async def test_concurrent_generates_share_one_connection() -> None:
     specs = {f"seed-{seed}": dict(SMALL, steps=3 + seed, seed=seed) for seed in range(4)}
     results: dict[str, list[PreviewFrame]] = {}
-    async with serving(Slow(0.005)) as server, omc.connect(server.url) as client:
+    async with running(Slow(0.005)) as server, omc.connect(server.url) as client:
 
         async def run(rid: str) -> None:
             results[rid] = [f async for f in client.generate(specs[rid], id=rid,
@@ -417,7 +396,7 @@ async def test_concurrent_generates_share_one_connection() -> None:
 
 @pytest.mark.asyncio
 async def test_cancel_ends_the_iteration_with_remote_cancelled() -> None:
-    async with serving(Slow(0.02)) as server, omc.connect(server.url) as client:
+    async with running(Slow(0.02)) as server, omc.connect(server.url) as client:
         stream = client.generate(dict(SMALL, steps=500), preview={"format": "raw"})
         with pytest.raises(RemoteCancelledError) as info:
             async for frame in stream:
@@ -430,7 +409,7 @@ async def test_cancel_ends_the_iteration_with_remote_cancelled() -> None:
 
 @pytest.mark.asyncio
 async def test_breaking_out_cancels_unless_detached() -> None:
-    async with serving(Slow(0.02)) as server, omc.connect(server.url) as client:
+    async with running(Slow(0.02)) as server, omc.connect(server.url) as client:
         engine = server.engine
         # A plain break: the stream is dropped, which sends the cancel.
         async for _frame in client.generate(dict(SMALL, steps=500), preview={"format": "raw"}):
@@ -457,7 +436,7 @@ async def test_breaking_out_cancels_unless_detached() -> None:
 
 @pytest.mark.asyncio
 async def test_attach_after_reconnect_replays_and_finishes() -> None:
-    async with serving(Slow(0.02)) as server:
+    async with running(Slow(0.02)) as server:
         async with omc.connect(server.url) as first:
             stream = first.generate(dict(SMALL, steps=40, seed=9), detach=True,
                                     preview={"format": "raw"})
@@ -484,7 +463,7 @@ async def test_attach_after_reconnect_replays_and_finishes() -> None:
 
 @pytest.mark.asyncio
 async def test_bad_params_raise_params_error_naming_the_field() -> None:
-    async with serving() as server, omc.connect(server.url) as client:
+    async with running() as server, omc.connect(server.url) as client:
         cases = [
             ({"steps": 0}, None, "steps", "bad_params"),
             ({"stepz": 3}, None, "stepz", "bad_params"),
@@ -506,7 +485,7 @@ async def test_bad_params_raise_params_error_naming_the_field() -> None:
 
 @pytest.mark.asyncio
 async def test_one_id_per_connection_and_duplicate_ids_across_connections() -> None:
-    async with serving(Slow(0.02)) as server, omc.connect(server.url) as client:
+    async with running(Slow(0.02)) as server, omc.connect(server.url) as client:
         first = client.generate(dict(SMALL, steps=200), id="shared-id")
         await first.__anext__()
         with pytest.raises(om.ParamsError, match="already being watched") as info:
@@ -521,7 +500,7 @@ async def test_one_id_per_connection_and_duplicate_ids_across_connections() -> N
 
 @pytest.mark.asyncio
 async def test_token_and_refused_connections_raise_connect_error() -> None:
-    async with serving(token="sesame") as server:
+    async with running(token="sesame") as server:
         with pytest.raises(ConnectError) as info:
             async with omc.connect(server.url):
                 pass
@@ -557,7 +536,7 @@ async def test_server_shutdown_cancels_with_reason_and_closes() -> None:
             seen["later"] = closed.value.close_code
 
     # The server shuts down (leaving `async with`) while the request runs.
-    async with anyio.create_task_group() as tg, serving(Slow(0.02)) as server:
+    async with anyio.create_task_group() as tg, running(Slow(0.02)) as server:
         await tg.start(watch, server.url)
     assert seen == {"reason": "shutdown", "code": 1001, "later": 1001}
 
@@ -716,7 +695,7 @@ def test_generate_message_carries_a_checked_priority() -> None:
 
 @pytest.mark.asyncio
 async def test_a_busy_server_raises_busy_error_and_priority_reaches_it() -> None:
-    async with serving(Slow(0.02), max_active=1, max_queued=1) as server, omc.connect(server.url) as client:
+    async with running(Slow(0.02), max_active=1, max_queued=1) as server, omc.connect(server.url) as client:
         first = client.generate(dict(SMALL, steps=5000), priority=4)
         second = client.generate(dict(SMALL, steps=5000))
         await first.__anext__()

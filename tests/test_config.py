@@ -166,3 +166,33 @@ def test_an_engine_takes_the_default_when_it_is_built(cores, monkeypatch):
     monkeypatch.setenv(config.TORCH_THREADS_ENV, "2")
     assert om.Engine(om.models.Synthetic(), device="cpu")._producer._torch_threads == 2
     assert om.Engine(om.models.Synthetic(), device="cpu", torch_threads=5)._producer._torch_threads == 5
+
+
+# -- the token, and the event loop ------------------------------------------------
+
+
+def test_the_token_is_read_from_one_variable_everywhere(monkeypatch):
+    from omni_stream import cli
+    from omni_stream.server import limits
+
+    assert cli.TOKEN_ENV is config.TOKEN_ENV and limits.TOKEN_ENV is config.TOKEN_ENV
+    monkeypatch.setenv(config.TOKEN_ENV, " s3cret ")
+    assert config.token() == limits.resolve_token(None) == "s3cret"
+    monkeypatch.setenv(config.TOKEN_ENV, " ")
+    assert config.token() is None
+
+
+def test_run_picks_uvloop_where_it_is_installed():
+    import asyncio
+
+    async def loop_module(x: int) -> tuple[str, int]:
+        return type(asyncio.get_running_loop()).__module__, x
+
+    module, x = config.run(loop_module, 7)
+    assert x == 7
+    try:
+        import uvloop  # noqa: F401
+    except ImportError:  # pragma: no cover - uvloop is a dependency off Windows
+        assert module.startswith("asyncio")
+    else:
+        assert module.startswith("uvloop")

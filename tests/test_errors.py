@@ -35,6 +35,8 @@ SAMPLE_ARGS = {
     "close_code": 1011,
     "close_reason": "server going away",
     "reason": "disconnect",
+    "limit": "max_pending",
+    "retry_after_s": 4.0,
 }
 
 
@@ -47,8 +49,7 @@ def build(cls: type[BaseException]) -> BaseException:
         if name not in SAMPLE_ARGS:
             raise AssertionError(f"{cls.__name__}({name}=...): add a sample value to SAMPLE_ARGS")
         kwargs[name] = SAMPLE_ARGS[name]
-    message = kwargs.pop("message")
-    return cls(message, **kwargs)
+    return cls(**kwargs)  # by keyword: MessageError takes ``code`` before ``message``
 
 
 def caused(exc: BaseException) -> BaseException:
@@ -147,3 +148,30 @@ def test_a_cyclic_cause_chain_does_not_loop():
     b.__cause__ = a
     back = pickle.loads(pickle.dumps(a))
     assert str(back.__cause__) == "b"
+
+
+def test_one_error_for_the_wrong_state_and_it_is_still_a_runtime_error():
+    # Server and Client raised RuntimeError before LifecycleError existed.
+    assert issubclass(errors.LifecycleError, RuntimeError)
+    assert issubclass(errors.EngineClosedError, errors.LifecycleError)
+    assert issubclass(errors.EngineClosedError, errors.EngineError)
+    assert issubclass(errors.PoolClosedError, errors.LifecycleError)
+
+
+def test_the_old_homes_of_moved_errors_still_import():
+    from omni_stream.client import BusyError
+    from omni_stream.device import PoolClosedError
+    from omni_stream.protocol import MessageError
+    from omni_stream.server.app import ServerFailedError
+    from omni_stream.server.outbox import OutboxOverflowError
+
+    assert (BusyError, PoolClosedError, MessageError, ServerFailedError, OutboxOverflowError) == (
+        errors.BusyError, errors.PoolClosedError, errors.MessageError,
+        errors.ServerFailedError, errors.OutboxOverflowError,
+    )
+
+
+def test_every_class_in_the_tree_is_drawn_in_the_docstring():
+    drawn = errors.__doc__ or ""
+    missing = [cls.__name__ for cls in ERROR_CLASSES if f" {cls.__name__} " not in drawn]
+    assert not missing, f"errors.py's docstring does not draw {missing}"

@@ -23,17 +23,17 @@ Errors (drawn in omni_stream/errors.py, re-exported here) are the engine's
 own where the meaning is the same, so code written against
 ``engine.stream()`` reads the same remotely: ParamsRejectedError is also
 om.ParamsError, RequestFailedError om.RequestError, RemoteCancelledError
-om.RequestCancelledError. BusyError (defined in omni_stream/protocol/client.py) is the
-RequestRejectedError of a server too busy to take a request; its
-``retry_after_s`` says when to try again. Every error raised while serving a request
-carries its ``request_id``. Bad arguments (a malformed id, params that are
-not a JSON object) raise om.ParamsError naming the field, before anything
-is sent.
+om.RequestCancelledError. BusyError is the RequestRejectedError of a
+server too busy to take a request; its ``retry_after_s`` says when to try
+again. Every error raised while serving a request carries its
+``request_id``. Bad arguments (a malformed id, params that are not a JSON
+object) raise om.ParamsError naming the field, before anything is sent.
 """
 
 from __future__ import annotations
 
 from ..errors import (
+    BusyError,
     ClientError,
     ConnectError,
     ConnectionClosedError,
@@ -45,7 +45,6 @@ from ..errors import (
 )
 from ..protocol.client import (
     FORMATS,
-    BusyError,
     PreviewFrame,
     Progress,
     parse_preview_frame,

@@ -10,6 +10,7 @@ Websockets' exceptions are translated here and nowhere else.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import logging
 import math
@@ -20,8 +21,7 @@ from typing import Any, Final, Literal, overload
 
 import anyio
 import anyio.abc
-from websockets.asyncio.client import ClientConnection
-from websockets.asyncio.client import connect as _ws_connect
+from websockets.asyncio.client import ClientConnection, connect as _ws_connect
 from websockets.exceptions import (
     ConnectionClosed,
     InvalidHandshake,
@@ -33,9 +33,12 @@ from ..errors import (
     ClientError,
     ConnectError,
     ConnectionClosedError,
+    LifecycleError,
     ParamsError,
     ProtocolError,
 )
+from ..lifecycle import Lifecycle
+from ..params import positive_int
 from ..protocol.client import (
     CLOSE_PROTOCOL_ERROR,
     ErrorMessage,
@@ -92,7 +95,8 @@ class Client:
     either off. Other keyword arguments go to
     ``websockets.asyncio.client.connect`` (``open_timeout``, ``max_size``
     (default DEFAULT_MAX_SIZE), ``close_timeout``, ...). Entering raises
-    ConnectError; ParamsError for a bad url, token or option.
+    ConnectError, and LifecycleError the second time; ParamsError for a bad
+    url, token or option.
     """
 
     def __init__(
@@ -109,10 +113,7 @@ class Client:
             raise ParamsError(f"url must be a ws:// or wss:// URL, got {url!r:.120}", field="url")
         if token is not None and (not isinstance(token, str) or not token):
             raise ParamsError("token must be a non-empty string or None", field="token")
-        if isinstance(max_buffered, bool) or not isinstance(max_buffered, int) or max_buffered < 1:
-            raise ParamsError(
-                f"max_buffered must be an integer >= 1, got {max_buffered!r}", field="max_buffered"
-            )
+        positive_int(max_buffered, "max_buffered")
         for name, value in (("ping_interval", ping_interval), ("ping_timeout", ping_timeout)):
             if value is not None and (
                 isinstance(value, bool)
@@ -140,18 +141,18 @@ class Client:
         )
         self._inboxes: dict[str, Inbox] = {}
         self._closed: ConnectionClosedError | None = None
-        self._state: Literal["new", "open", "closed"] = "new"
+        self._state = Lifecycle.NEW
 
     # -- lifecycle --
 
     async def __aenter__(self) -> Client:  # noqa: PYI034 - subclasses are not expected
-        if self._state != "new":
-            raise RuntimeError("a Client can be entered once; create a new one")
-        self._state = "open"
+        if self._state is not Lifecycle.NEW:
+            raise LifecycleError("a Client can be entered once; create a new one")
+        self._state = Lifecycle.RUNNING
         try:
             self._ws = await self._connect()
         except BaseException:
-            self._state = "closed"
+            self._state = Lifecycle.CLOSED
             raise
         self._loop = asyncio.get_running_loop()
         self._tg = anyio.create_task_group()
@@ -181,7 +182,7 @@ class Client:
 
     async def aclose(self) -> None:
         """Close the websocket (1000); requests still running end with ConnectionClosedError."""
-        self._state = "closed"
+        self._state = Lifecycle.CLOSED
         self._cancels_send.close()
         if self._ws is not None:
             await self._ws.close()
@@ -190,7 +191,7 @@ class Client:
     @property
     def closed(self) -> bool:
         """True once the connection closed, from either side."""
-        return self._closed is not None or self._state == "closed"
+        return self._closed is not None or self._state is Lifecycle.CLOSED
 
     @property
     def close_code(self) -> int | None:
@@ -340,7 +341,7 @@ class Client:
     # -- internals shared with RequestStream --
 
     async def _open_request(self, inbox: Inbox, message: str) -> None:
-        if self._state != "open" or self._closed is not None:
+        if self._state is not Lifecycle.RUNNING or self._closed is not None:
             raise self._closed_error(inbox.id)
         if inbox.id in self._inboxes:
             raise ParamsError(
@@ -367,16 +368,12 @@ class Client:
         self._forget(inbox)
         if not (unfinished and cancel) or self._loop is None or self.closed:
             return
-        try:
+        with contextlib.suppress(RuntimeError):  # the loop is closed: the server cancels on disconnect
             self._loop.call_soon_threadsafe(self._queue_cancel, inbox.id)
-        except RuntimeError:
-            pass  # the loop is closed: the server cancels on disconnect
 
     def _queue_cancel(self, request_id: str) -> None:
-        try:
+        with contextlib.suppress(anyio.ClosedResourceError):  # closing: the server cancels on disconnect
             self._cancels_send.send_nowait(request_id)
-        except anyio.ClosedResourceError:
-            pass  # closing: the server cancels on disconnect
 
     async def _send_queued_cancels(self) -> None:
         async with self._cancels_receive:
@@ -387,7 +384,7 @@ class Client:
                     return  # the connection is gone: the server cancels on disconnect
 
     async def _send(self, text: str, *, request_id: str | None = None) -> None:
-        if self._ws is None or self._state != "open" or self._closed is not None:
+        if self._ws is None or self._state is not Lifecycle.RUNNING or self._closed is not None:
             raise self._closed_error(request_id)
         try:
             await self._ws.send(text)

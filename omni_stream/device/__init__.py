@@ -53,7 +53,9 @@ def resolve_device(spec: str | torch.device | Device) -> Device:
             try:
                 index = int(name.split(":", 1)[1])
             except ValueError:
-                raise ParamsError(f"device {spec!r}: expected cuda:N with an integer N", field="device") from None
+                raise ParamsError(
+                    f"device {spec!r}: expected cuda:N with an integer N", field="device"
+                ) from None
         try:
             return CudaDevice(index)
         except (RuntimeError, ValueError) as exc:

@@ -92,10 +92,10 @@ class Device(abc.ABC):
     def name(self) -> str:
         return str(self.torch_device) if self.kind != "sim" else "sim"
 
-    def prepare_thread(self) -> None:
+    def prepare_thread(self) -> None:  # noqa: B027 - an optional hook: doing nothing is the default
         """Called once on the producer thread before any model code runs."""
 
-    def after_step(self) -> None:
+    def after_step(self) -> None:  # noqa: B027 - an optional hook: doing nothing is the default
         """Called on the producer thread after each ``model.step`` returns."""
 
     @abc.abstractmethod
@@ -122,5 +122,5 @@ class Device(abc.ABC):
         """
         return None
 
-    def close(self) -> None:
+    def close(self) -> None:  # noqa: B027 - an optional hook: doing nothing is the default
         """Release streams and worker threads; idempotent."""

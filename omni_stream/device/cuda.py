@@ -49,7 +49,8 @@ class CudaDevice(Device):
     def prepare_thread(self) -> None:
         # The current device is per thread: set it on the producer thread.
         torch.cuda.set_device(self.torch_device)
-        self._copy_stream = torch.cuda.Stream(device=self.torch_device)
+        # torch declares Stream.__new__ without types.
+        self._copy_stream = torch.cuda.Stream(device=self.torch_device)  # type: ignore[no-untyped-call]
 
     def host_buffer(self, shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
         return torch.empty(shape, dtype=dtype, pin_memory=True)
@@ -60,7 +61,7 @@ class CudaDevice(Device):
             raise RuntimeError("CudaDevice.copy_to_host before prepare_thread()")
         compute = torch.cuda.current_stream(self.torch_device)
         stream.wait_stream(compute)
-        event = torch.cuda.Event(blocking=True)
+        event = torch.cuda.Event(blocking=True)  # type: ignore[no-untyped-call]  # untyped __new__ in torch
         with torch.cuda.stream(stream):
             dst.copy_(src, non_blocking=True)
             event.record(stream)

@@ -25,6 +25,8 @@ import glob
 import logging
 import os
 import threading
+from collections.abc import Callable
+from typing import Literal
 
 import torch
 
@@ -34,10 +36,12 @@ logger = logging.getLogger("omni_stream.device")
 
 _OMP_PAUSE_SOFT = 1
 _lock = threading.Lock()
-_pause: object = None  # None: not looked up yet; False: unavailable; else the C function
+#: ``omp_pause_resource_all(kind) -> int`` (0: done), through ctypes.
+_PauseFn = Callable[[int], int]
+_pause: _PauseFn | Literal[False] | None = None  # None: not looked up yet; False: unavailable
 
 
-def _find_pause() -> object:
+def _find_pause() -> _PauseFn | Literal[False]:
     """``omp_pause_resource_all`` from the libgomp torch loaded, or False."""
     here = os.path.dirname(torch.__file__)
     # Only the GNU libgomp shipped with torch (torch/lib on x86-64 wheels,
@@ -59,11 +63,12 @@ def _find_pause() -> object:
         if fn is not None:
             fn.argtypes = [ctypes.c_int]
             fn.restype = ctypes.c_int
-            return fn
+            pause: _PauseFn = fn
+            return pause
     return False
 
 
-def _lookup() -> object:
+def _lookup() -> _PauseFn | Literal[False]:
     global _pause
     with _lock:
         if _pause is None:
@@ -90,7 +95,7 @@ def release_idle_team() -> bool:
     fn = _lookup()
     if fn is False:
         return False
-    return fn(_OMP_PAUSE_SOFT) == 0  # type: ignore[operator]
+    return fn(_OMP_PAUSE_SOFT) == 0
 
 
 def set_torch_threads_here(n: int) -> None:

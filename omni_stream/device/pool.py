@@ -25,15 +25,13 @@ from dataclasses import dataclass
 
 import torch
 
+from ..errors import PoolClosedError
+from ..params import positive_int
 from .base import CopyEvent
 
 __all__ = ["BufferLease", "PinnedBufferPool", "PoolStatistics", "PoolClosedError"]
 
 _Key = tuple[tuple[int, ...], torch.dtype]
-
-
-class PoolClosedError(RuntimeError):
-    """``acquire`` was interrupted because the pool was closed."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -69,8 +67,7 @@ class PinnedBufferPool:
         *,
         max_buffers: int = 64,
     ) -> None:
-        if max_buffers < 1:
-            raise ValueError(f"max_buffers must be >= 1, got {max_buffers}")
+        positive_int(max_buffers, "max_buffers")
         self._allocate = allocate
         self._max = max_buffers
         self._free: dict[_Key, list[torch.Tensor]] = defaultdict(list)
@@ -85,6 +82,7 @@ class PinnedBufferPool:
         Raises PoolClosedError if the pool is closed while waiting.
         """
         key = (tuple(shape), dtype)
+        buf: torch.Tensor | None  # None: allocate a new one, outside the lock
         with self._cond:
             while True:
                 if self._closed:
@@ -117,7 +115,7 @@ class PinnedBufferPool:
     def _evict_one(self) -> bool:
         # Caller holds the lock. Free one idle buffer of any shape so a new
         # shape can be allocated without exceeding the cap.
-        for key, bufs in self._free.items():
+        for bufs in self._free.values():
             if bufs:
                 bufs.pop()
                 self._total -= 1

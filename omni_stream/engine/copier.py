@@ -38,6 +38,7 @@ from typing import Any
 import anyio
 import torch
 
+from .._wakeup import Wakeup
 from ..device import Device, PinnedBufferPool
 from ..device.base import wait_event
 from ..device.pool import BufferLease
@@ -86,9 +87,8 @@ class Copier:
         self._pool = pool
         self._frame_dtype = frame_dtype
         self._inbox: deque[CopyTicket] = deque()
-        # asyncio.Event, not anyio's: loop-only and on the per-frame path,
-        # where anyio's backend look-up per Event costs measurable time.
-        self._wakeup = asyncio.Event()
+        # Wakes ``run`` for tickets in the inbox or a failed hand-over.
+        self._wakeup = Wakeup()
         self._limiter = anyio.CapacityLimiter(1)
         self._loop: asyncio.AbstractEventLoop | None = None
         self._deliver: Callable[[list[CopyTicket]], Any] | None = None
@@ -189,19 +189,19 @@ class Copier:
                 # in a callback it would only reach the loop's exception
                 # handler, and the engine would live on as a zombie.
                 self._failure = exc
-                self._wakeup.set()
+                self._wakeup.wake()
             return
         # Behind a failed hand-over too: nothing may be delivered after a gap.
         self._inbox.extend(tickets)
-        self._wakeup.set()
+        self._wakeup.wake()
 
     async def run(self, deliver: Callable[[list[CopyTicket]], Any]) -> None:
         """Forever: wait for tickets, finish their copies, ``deliver`` them in order."""
         self._loop = asyncio.get_running_loop()
         self._deliver = deliver
         while True:
-            await self._wakeup.wait()
-            self._wakeup.clear()
+            while not self._inbox and self._failure is None:
+                await self._wakeup.wait()
             if self._failure is not None:
                 raise self._failure
             while self._inbox:
@@ -242,9 +242,8 @@ class Copier:
         """Worker thread: wait a bounded time for the batch's copies; complete it once all landed."""
         for t in batch:
             lease = t.lease
-            if lease is not None and lease.event is not None:
-                if not wait_event(lease.event, _WAIT_SLICE_S):
-                    return False
+            if lease is not None and lease.event is not None and not wait_event(lease.event, _WAIT_SLICE_S):
+                return False
         self._complete(batch)
         return True
 

@@ -19,8 +19,7 @@ from __future__ import annotations
 
 from collections import deque
 
-import asyncio
-
+from .._wakeup import Wakeup
 from ..frame import Frame
 
 __all__ = ["Delivery", "POLICIES"]
@@ -41,8 +40,7 @@ class Delivery:
         self._error: BaseException | None = None
         self._drain = True
         self._ended = False
-        # asyncio.Event: loop-only, per frame (anyio's costs a backend look-up).
-        self._wakeup: asyncio.Event | None = None
+        self._wakeup = Wakeup()
 
     def put(self, frame: Frame) -> Frame | None:
         """Queue ``frame``; returns the frame it replaced ("latest"), else None.
@@ -57,7 +55,7 @@ class Delivery:
         self._frames.append(frame)
         if frame.final:
             self._ended = True
-        self._wake()
+        self._wakeup.wake()
         return replaced
 
     def end(self, error: BaseException | None = None, *, drain: bool = True) -> None:
@@ -72,7 +70,7 @@ class Delivery:
             self._drain = drain
             if not drain:
                 self._frames.clear()
-        self._wake()
+        self._wakeup.wake()
 
     def get_nowait(self) -> Frame | None:
         """The next frame, None if none is ready; raises the ending error or StopAsyncIteration."""
@@ -90,13 +88,4 @@ class Delivery:
             frame = self.get_nowait()
             if frame is not None:
                 return frame
-            # Shared, not replaced: a second concurrent reader must not
-            # strand the first one's wake-up.
-            if self._wakeup is None:
-                self._wakeup = asyncio.Event()
             await self._wakeup.wait()
-
-    def _wake(self) -> None:
-        if self._wakeup is not None:
-            self._wakeup.set()
-            self._wakeup = None

@@ -21,6 +21,7 @@ also touches lives in the RequestTable under its lock.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import dataclasses
 import logging
 import math
@@ -34,7 +35,12 @@ from typing import Any
 import anyio
 import torch
 
-from ..config import STEP_TIMEOUT_ENV, timeout as default_timeout, torch_threads as default_torch_threads
+from ..config import (
+    STEP_TIMEOUT_ENV,
+    TORCH_THREADS_ENV,
+    timeout as default_timeout,
+    torch_threads as default_torch_threads,
+)
 from ..device import Device, PinnedBufferPool, resolve_device
 from ..device.openmp import release_idle_team
 from ..errors import (
@@ -45,7 +51,9 @@ from ..errors import (
     RequestCancelledError,
 )
 from ..frame import Frame
+from ..lifecycle import Lifecycle
 from ..model import StepModel, split_output
+from ..params import positive_int
 from .copier import Copier
 from .delivery import POLICIES, Delivery
 from .output_processor import OutputProcessor
@@ -61,12 +69,6 @@ __all__ = ["Engine"]
 logger = logging.getLogger("omni_stream.engine")
 
 _MAX_ID_LEN = 256
-
-
-def _positive_int(name: str, value: Any) -> int:
-    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-        raise ParamsError(f"Engine option {name} must be a positive int, got {value!r}", field=name)
-    return value
 
 
 class Engine:
@@ -106,13 +108,13 @@ class Engine:
                 field="model",
             )
         limits = Limits(
-            max_batch_size=_positive_int("max_batch_size", max_batch_size),
-            max_run_ahead=_positive_int("max_run_ahead", max_run_ahead),
-            queue_size=_positive_int("queue_size", queue_size),
+            max_batch_size=positive_int(max_batch_size, "max_batch_size"),
+            max_run_ahead=positive_int(max_run_ahead, "max_run_ahead"),
+            queue_size=positive_int(queue_size, "queue_size"),
         )
         if max_buffers is None:
             max_buffers = max(16, 2 * limits.max_batch_size * limits.max_run_ahead)
-        _positive_int("max_buffers", max_buffers)
+        positive_int(max_buffers, "max_buffers")
         # A batch holds one lease per output until it is posted: a batch
         # larger than the pool would wait on itself forever. Devices that
         # hand frames over without a buffer (CPU, ``copy_owned``) lease one
@@ -135,7 +137,7 @@ class Engine:
             )
         if torch_threads is None:
             torch_threads = default_torch_threads()
-        _positive_int("torch_threads", torch_threads)
+        positive_int(torch_threads, "torch_threads", env=TORCH_THREADS_ENV)
         self.model = model
         self.device = resolve_device(device)
         self._shutdown_timeout = float(shutdown_timeout)
@@ -150,7 +152,7 @@ class Engine:
         self._output = OutputProcessor(self._table, self._producer, model)
         # The processor's own dict, not a copy: ending a request removes it.
         self._by_id: dict[str, Request] = self._output.by_id
-        self._state = "new"  # new -> running -> closing -> closed
+        self._state = Lifecycle.NEW
         self._dead: BaseException | None = None
         self._loop: asyncio.AbstractEventLoop | None = None
         self._loop_thread: int | None = None
@@ -175,12 +177,12 @@ class Engine:
 
     async def start(self) -> None:
         """Start the task group and the producer thread. Raises EngineClosedError if reused."""
-        if self._state != "new":
+        if self._state is not Lifecycle.NEW:
             raise EngineClosedError("an Engine can be started once; create a new one")
         self._loop = asyncio.get_running_loop()
         self._output.loop = self._loop
         self._loop_thread = threading.get_ident()
-        self._state = "running"
+        self._state = Lifecycle.RUNNING
         if self.device.computes_on_cpu:
             # The loop thread usually built the model, so it may keep an idle
             # OpenMP team; beside the producer's, that makes libgomp sleep on
@@ -201,12 +203,12 @@ class Engine:
         A step stuck on the device delays this by at most ``shutdown_timeout``
         (logged); the producer thread is then abandoned (it is a daemon).
         """
-        if self._state in ("closing", "closed"):
+        if self._state.ending:
             return
-        if self._state == "new":
-            self._state = "closed"
+        if self._state is Lifecycle.NEW:
+            self._state = Lifecycle.CLOSED
             return
-        self._state = "closing"
+        self._state = Lifecycle.CLOSING
         try:
             # Shielded: aclose often runs *because* an outer scope was
             # cancelled, and leaving early would skip the task group's exit.
@@ -243,7 +245,7 @@ class Engine:
                         "are abandoned", stuck,
                     )
                 self.device.close()
-            self._state = "closed"
+            self._state = Lifecycle.CLOSED
 
     def _stop_producer(self) -> None:
         with self._table.cond:
@@ -259,7 +261,7 @@ class Engine:
         except Exception as exc:
             self._die(exc, where=name)
         else:
-            if self._state == "running":
+            if self._state is Lifecycle.RUNNING:
                 self._die(RuntimeError(f"the {name} stopped unexpectedly"), where=name)
 
     async def _run_producer(self) -> None:
@@ -269,7 +271,7 @@ class Engine:
         self._thread.start()
         await self._producer_done.wait()
         error = self._producer_error
-        if error is not None and self._state == "running":
+        if error is not None and self._state is Lifecycle.RUNNING:
             if not isinstance(error, Exception):
                 # SystemExit and friends from the thread must not cancel the
                 # task that owns the engine: the engine dies, visibly.
@@ -284,17 +286,15 @@ class Engine:
             error = exc
         loop = self._loop
         assert loop is not None
-        try:
+        with contextlib.suppress(RuntimeError):  # the loop is gone; nobody is left to tell
             loop.call_soon_threadsafe(self._producer_exited, error)
-        except RuntimeError:
-            pass  # the loop is gone; nobody is left to tell
 
     def _producer_exited(self, error: BaseException | None) -> None:
         self._producer_error = error
         self._producer_done.set()
 
     def _die(self, exc: BaseException, *, where: str) -> None:
-        if self._dead is not None or self._state != "running":
+        if self._dead is not None or self._state is not Lifecycle.RUNNING:
             return
         self._dead = exc
         logger.error("engine dead: the %s failed: %r", where, exc, exc_info=exc)
@@ -311,8 +311,11 @@ class Engine:
             raise EngineDeadError(
                 f"the engine is dead: {self._dead!r}", request_id=request_id
             ) from self._dead
-        if self._state != "running":
-            what = "not started (use `async with Engine(...)`)" if self._state == "new" else "shut down"
+        if self._state is not Lifecycle.RUNNING:
+            if self._state is Lifecycle.NEW:
+                what = "not started (use `async with Engine(...)`)"
+            else:
+                what = "shut down"
             raise EngineClosedError(f"the engine is {what}", request_id=request_id)
 
     def stream(
@@ -368,14 +371,8 @@ class Engine:
                 field="timeout",
                 request_id=request_id,
             )
-        if preview_every is not None and (
-            isinstance(preview_every, bool) or not isinstance(preview_every, int) or preview_every < 1
-        ):
-            raise ParamsError(
-                f"preview_every must be a positive int or None, got {preview_every!r}",
-                field="preview_every",
-                request_id=request_id,
-            )
+        if preview_every is not None:
+            positive_int(preview_every, "preview_every", request_id=request_id)
         if (
             isinstance(priority, bool)
             or not isinstance(priority, int)
@@ -402,12 +399,9 @@ class Engine:
             raise
         except (ValueError, TypeError, KeyError) as exc:
             raise ParamsError(f"{self.model.name}: {exc}", request_id=request_id) from exc
-        if isinstance(total, bool) or not isinstance(total, int) or total < 1:
-            raise ParamsError(
-                f"{self.model.name}.total_steps returned {total!r}; it must be a positive int",
-                field="steps",
-                request_id=request_id,
-            )
+        positive_int(
+            total, "steps", what=f"{self.model.name}.total_steps()'s count", request_id=request_id
+        )
         with self._table.cond:
             self._table.arrivals += 1
             r = Request(
@@ -479,9 +473,9 @@ class Engine:
         name = self.device.name
         if self._dead is not None:
             return Health("dead", f"engine machinery failed: {self._dead!r}", stats, name)
-        if self._state in ("closing", "closed"):
+        if self._state.ending:
             return Health("closed", "the engine was shut down", stats, name)
-        if self._state == "new":
+        if self._state is Lifecycle.NEW:
             return Health("closed", "the engine was not started", stats, name)
         if self._thread is not None and not self._thread.is_alive() and self._producer_done.is_set():
             return Health("dead", "the producer thread exited", stats, name)

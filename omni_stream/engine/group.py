@@ -40,6 +40,7 @@ from ..errors import (
     ParamsError,
 )
 from ..frame import Frame
+from ..lifecycle import Lifecycle
 from ..model import StepModel
 from .engine import Engine
 from .stats import EngineStatistics, Health
@@ -294,7 +295,8 @@ class EngineGroup:
             on_cpu = sum(1 for d in resolved if d.computes_on_cpu)
             engine_options["torch_threads"] = config.torch_threads(members=max(1, on_cpu))
         self._members: tuple[Engine, ...] = tuple(
-            Engine(model, device=device, **engine_options) for model, device in zip(models, resolved)
+            Engine(model, device=device, **engine_options)
+            for model, device in zip(models, resolved, strict=True)
         )
         # request id -> (member index, its stream's token). Written on the loop; read
         # by cancel() from any thread and cleared by a stream's __del__
@@ -302,7 +304,7 @@ class EngineGroup:
         # collection may run __del__ while this thread holds it).
         self._where: dict[str, tuple[int, object]] = {}
         self._lock = threading.RLock()
-        self._state = "new"  # new -> running -> closing -> closed
+        self._state = Lifecycle.NEW
 
     # -- what it is --------------------------------------------------------------
 
@@ -327,7 +329,7 @@ class EngineGroup:
         return sum(m.max_batch_size for m in self._members)
 
     def __repr__(self) -> str:
-        return f"<EngineGroup {self._state} devices={','.join(self.devices)}>"
+        return f"<EngineGroup {self._state.value} devices={','.join(self.devices)}>"
 
     # -- lifecycle ---------------------------------------------------------------
 
@@ -348,9 +350,9 @@ class EngineGroup:
 
         Raises EngineClosedError if the group was started before.
         """
-        if self._state != "new":
+        if self._state is not Lifecycle.NEW:
             raise EngineClosedError("an EngineGroup can be started once; create a new one")
-        self._state = "running"
+        self._state = Lifecycle.RUNNING
         entered = 0
         try:
             for member in self._members:
@@ -360,13 +362,13 @@ class EngineGroup:
                 entered += 1
                 await member.start()
         except BaseException:
-            self._state = "closing"
+            self._state = Lifecycle.CLOSING
             try:
                 await self._close(self._members[:entered])
             except Exception:
                 logger.exception("closing the members started before the failure raised")
             finally:
-                self._state = "closed"
+                self._state = Lifecycle.CLOSED
             raise
 
     async def aclose(self) -> None:
@@ -375,16 +377,16 @@ class EngineGroup:
         A member whose device is wedged delays this by its ``shutdown_timeout``.
         The first error a member's close raised is re-raised once all are closed.
         """
-        if self._state in ("closing", "closed"):
+        if self._state.ending:
             return
-        if self._state == "new":
-            self._state = "closed"
+        if self._state is Lifecycle.NEW:
+            self._state = Lifecycle.CLOSED
             return
-        self._state = "closing"
+        self._state = Lifecycle.CLOSING
         try:
             await self._close(self._members)
         finally:
-            self._state = "closed"
+            self._state = Lifecycle.CLOSED
 
     @staticmethod
     async def _close(members: Sequence[Engine]) -> None:
@@ -403,8 +405,11 @@ class EngineGroup:
     # -- submitting ----------------------------------------------------------------
 
     def _check_open(self, request_id: str | None) -> None:
-        if self._state != "running":
-            what = "not started (use `async with EngineGroup(...)`)" if self._state == "new" else "shut down"
+        if self._state is not Lifecycle.RUNNING:
+            if self._state is Lifecycle.NEW:
+                what = "not started (use `async with EngineGroup(...)`)"
+            else:
+                what = "shut down"
             raise EngineClosedError(f"the engine group is {what}", request_id=request_id)
 
     def _pick(self, request_id: str | None) -> int:
@@ -427,7 +432,9 @@ class EngineGroup:
             raise EngineDeadError(
                 f"every member of the engine group is dead or closed: {reason}", request_id=request_id
             ) from dead
-        raise EngineClosedError(f"every member of the engine group is closed: {reason}", request_id=request_id)
+        raise EngineClosedError(
+            f"every member of the engine group is closed: {reason}", request_id=request_id
+        )
 
     def stream(
         self,
@@ -545,9 +552,9 @@ class EngineGroup:
         healths = self._health_of_members()
         stats = _sum_statistics([h.statistics for h in healths])
         devices = ",".join(h.device for h in healths)
-        if self._state == "new":
+        if self._state is Lifecycle.NEW:
             return Health("closed", "the engine group was not started", stats, devices)
-        if self._state in ("closing", "closed"):
+        if self._state.ending:
             return Health("closed", "the engine group was shut down", stats, devices)
         statuses = {h.status for h in healths}
         if "ok" in statuses:

@@ -22,10 +22,12 @@ producer: it is the backpressure.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 from collections import deque
 from typing import Protocol
 
+from .._wakeup import Wakeup
 from ..config import STEP_TIMEOUT_ENV, timeout as default_timeout
 from ..errors import OmniStreamError, RequestCancelledError, StepFailedError, StepTimeoutError
 from ..frame import Frame, StepTimings
@@ -54,16 +56,15 @@ class _Mailbox:
 
     def __init__(self) -> None:
         self._items: deque[list[CopyTicket]] = deque()
-        self._ready = asyncio.Event()
+        self._ready = Wakeup()
 
     def extend(self, tickets: list[CopyTicket]) -> None:
         self._items.append(tickets)
-        self._ready.set()
+        self._ready.wake()
 
     async def take(self) -> list[list[CopyTicket]]:
         """Wait for at least one batch; return every batch queued, oldest first."""
         while not self._items:
-            self._ready.clear()
             await self._ready.wait()
         items = list(self._items)
         self._items.clear()
@@ -86,7 +87,7 @@ class OutputProcessor:
         #: The loop ``abandon_threadsafe`` schedules onto; set by ``Engine.start``.
         self.loop: asyncio.AbstractEventLoop | None = None
         # Copier -> consumer, loop-only: the copier's ``deliver`` is
-        # ``copied.extend``. A deque and an event rather than an anyio memory
+        # ``copied.extend``. A deque and a Wakeup rather than an anyio memory
         # stream: it is on the per-frame path, and the stream's checkpoints
         # and backend look-ups cost tens of microseconds a frame. Its depth is
         # bounded by max_run_ahead per live request.
@@ -184,10 +185,8 @@ class OutputProcessor:
         loop = self.loop
         if loop is None or r.finalized:
             return
-        try:
+        with contextlib.suppress(RuntimeError):  # loop closed: the engine is gone with it
             loop.call_soon_threadsafe(self.abandon, r)
-        except RuntimeError:
-            pass  # loop closed: the engine is gone with it
 
     def step_timeout(self, r: Request) -> float:
         """Seconds the reader of ``r`` waits for one step: its ``timeout=``, else the config's, now."""

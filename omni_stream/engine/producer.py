@@ -26,9 +26,9 @@ from typing import Any
 
 import torch
 
+from ..config import STEP_TIMEOUT_ENV, timeout as default_timeout
 from ..device import Device, PoolClosedError
 from ..device.openmp import set_torch_threads_here
-from ..config import STEP_TIMEOUT_ENV, timeout as default_timeout
 from ..errors import OmniStreamError, StepFailedError, StepTimeoutError
 from ..model import RequestStopped, StepModel
 from .copier import Copier, CopyTicket
@@ -170,8 +170,8 @@ class Producer:
                         with self._busy((r.id,)):
                             r.state = self._model.start(r.params, self._device.torch_device)
                         r.started = True
-                    except Exception as exc:
-                        tickets.append(self._failure(r, exc))
+                    except Exception as start_exc:
+                        tickets.append(self._failure(r, start_exc))
                         continue
                 ready.append(r)
             if ready and self._model.runs_whole_requests:
@@ -249,7 +249,7 @@ class Producer:
             got = len(outs) if isinstance(outs, Sequence) else type(outs).__name__
             err = TypeError(f"model.step returned {got} frames for {len(batch)} states")
             return [(r, None, err, compute_s) for r in batch]
-        return [(r, out, self._check_output(out), compute_s) for r, out in zip(batch, outs)]
+        return [(r, out, self._check_output(out), compute_s) for r, out in zip(batch, outs, strict=True)]
 
     def _decode(
         self, r: Request, frame: torch.Tensor, decode: Callable[[Any, torch.Tensor], Any]

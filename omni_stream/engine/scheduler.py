@@ -21,6 +21,8 @@ from collections.abc import Hashable, Iterable, Sequence
 from dataclasses import dataclass
 from typing import Final, Protocol, TypeVar
 
+from ..params import positive_int
+
 __all__ = [
     "AGE_ROUNDS",
     "PRIORITY_MAX",
@@ -73,8 +75,7 @@ class BatchLimits:
     max_batch_size: int
 
     def __post_init__(self) -> None:
-        if self.max_batch_size < 1:
-            raise ValueError(f"max_batch_size must be >= 1, got {self.max_batch_size}")
+        positive_int(self.max_batch_size, "max_batch_size")
 
 
 def effective_priority(priority: int, waited_rounds: int, *, age_rounds: int = AGE_ROUNDS) -> int:

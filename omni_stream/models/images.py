@@ -5,8 +5,9 @@ gradients, patterns, glyphs) rendered from signed distances, so edges are
 anti-aliased at every size and nothing is loaded from disk. Drawing uses
 numpy, not torch: single-threaded elementwise math that runs at full speed
 on any thread (torch's OpenMP pool slows down badly when a second thread
-uses it, and the model renders on the engine's producer thread). Every image is tagged with words; :func:`select` maps a text
-prompt to the components it names.
+uses it, and the model renders on the engine's producer thread). Every
+image is tagged with words; :func:`select` maps a text prompt to the
+components it names.
 
 Rendered images are quantised to 257 levels (multiples of 1/128 in
 [-1, 1]): the Mixture model relies on that to make its reductions exact.
@@ -28,11 +29,14 @@ import math
 import re
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
+from typing import Any
 
 import numpy as np
+import numpy.typing as npt
 import torch
 
 from ..errors import ParamsError
+from ..params import positive_int
 
 __all__ = [
     "COMPONENTS",
@@ -48,7 +52,9 @@ __all__ = [
 LEVELS = 128
 
 Color = tuple[float, float, float]
-Array = np.ndarray
+#: Float [S, S] planes and [3, S, S] images: float32 at run time, but numpy's
+#: stubs promote float32 with a Python float to float64, so any float here.
+Array = npt.NDArray[np.floating[Any]]
 
 # sRGB in [0, 1].
 RED: Color = (0.86, 0.13, 0.15)
@@ -78,11 +84,13 @@ class _Canvas:
         self.x = np.broadcast_to(centres[None, :], (size, size))
 
     def fill(self, color: Color) -> Array:
-        return np.broadcast_to(_rgb(color), (3, self.size, self.size)).copy()
+        image: Array = np.broadcast_to(_rgb(color), (3, self.size, self.size)).copy()
+        return image
 
     def cover(self, distance: Array) -> Array:
         """Anti-aliased coverage of the region where ``distance`` < 0."""
-        return np.clip(0.5 - distance / self.px, 0.0, 1.0)
+        coverage: Array = np.clip(0.5 - distance / self.px, 0.0, 1.0)
+        return coverage
 
 
 def _rgb(color: Color) -> Array:
@@ -106,8 +114,8 @@ def _gradient(colors: Sequence[Color], t: Array) -> Array:
     pos = np.clip(t, 0.0, 1.0) * (len(colors) - 1)
     lo = np.minimum(np.floor(pos), len(colors) - 2).astype(np.int64)
     frac = (pos - lo)[None]
-    a = pal[lo].transpose(2, 0, 1)
-    b = pal[lo + 1].transpose(2, 0, 1)
+    a: Array = pal[lo].transpose(2, 0, 1)
+    b: Array = pal[lo + 1].transpose(2, 0, 1)
     return a + (b - a) * frac
 
 
@@ -136,8 +144,8 @@ def _bands(c: _Canvas, u: Array, per_unit: float, colors: Sequence[Color],
     else:
         idx, prev = np.clip(idx, 0, n - 1), np.clip(prev, 0, n - 1)
     pal = np.array(colors, dtype=np.float32)
-    a = pal[prev].transpose(2, 0, 1)
-    b = pal[idx].transpose(2, 0, 1)
+    a: Array = pal[prev].transpose(2, 0, 1)
+    b: Array = pal[idx].transpose(2, 0, 1)
     return a + (b - a) * w[None]
 
 
@@ -161,7 +169,7 @@ def _rotate(c: _Canvas, cx: float, cy: float, angle: float) -> tuple[Array, Arra
 def _box(c: _Canvas, cx: float, cy: float, hw: float, hh: float, angle: float = 0.0) -> Array:
     px, py = _rotate(c, cx, cy, angle)
     qx, qy = np.abs(px) - hw, np.abs(py) - hh
-    outside = np.sqrt(np.maximum(qx, 0) ** 2 + np.maximum(qy, 0) ** 2)
+    outside: Array = np.sqrt(np.maximum(qx, 0) ** 2 + np.maximum(qy, 0) ** 2)
     return outside + np.minimum(np.maximum(qx, qy), 0)
 
 
@@ -173,7 +181,7 @@ def _segment(c: _Canvas, ax: float, ay: float, bx: float, by: float) -> Array:
 
 
 def _strokes(c: _Canvas, segments: Sequence[tuple[float, float, float, float]], width: float) -> Array:
-    d = np.min(np.stack([_segment(c, *seg) for seg in segments]), axis=0)
+    d: Array = np.min(np.stack([_segment(c, *seg) for seg in segments]), axis=0)
     return d - width / 2
 
 
@@ -264,12 +272,12 @@ def _lime_gradient(c: _Canvas) -> Array:
 
 def _colour_wheel(c: _Canvas) -> Array:
     hue = (np.arctan2(c.y, c.x) / (2 * math.pi)) % 1.0
-    rgb = np.stack([
+    rgb: Array = np.stack([
         np.clip(np.abs(hue * 6 - 3) - 1, 0, 1),
         np.clip(2 - np.abs(hue * 6 - 2), 0, 1),
         np.clip(2 - np.abs(hue * 6 - 4), 0, 1),
     ])
-    r = np.minimum(np.sqrt(c.x ** 2 + c.y ** 2), 1.0)[None]
+    r: Array = np.minimum(np.sqrt(c.x ** 2 + c.y ** 2), 1.0)[None]
     return 1.0 + (rgb - 1.0) * r  # white centre, saturated rim
 
 
@@ -447,10 +455,9 @@ _WORD = re.compile(r"[a-z]+")
 def render(component: ComponentImage, size: int) -> torch.Tensor:
     """Draw one image: float32 [3, size, size], multiples of 1/LEVELS in [-1, 1].
 
-    Raises ValueError for a size below 1.
+    Raises ParamsError for a size below 1.
     """
-    if isinstance(size, bool) or not isinstance(size, int) or size < 1:
-        raise ValueError(f"image size must be a positive int, got {size!r}")
+    positive_int(size, "size", what="image size")
     img = np.clip(component.draw(_Canvas(size)), 0.0, 1.0)
     # sRGB [0, 1] -> [-1, 1], then onto the level grid; "+ 0.0" turns the
     # -0.0 that rounding leaves into +0.0.

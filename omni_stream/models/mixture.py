@@ -33,7 +33,7 @@ import torch
 
 from ..errors import ParamsError
 from ..model import StepModel
-from ..params import Param
+from ..params import Param, positive_int
 from . import images, samplers
 
 __all__ = ["Mixture"]
@@ -124,8 +124,7 @@ class _BankCache:
     """
 
     def __init__(self, max_entries: int, max_bytes: int) -> None:
-        if max_entries < 1:
-            raise ValueError(f"cache_sizes must be >= 1, got {max_entries}")
+        positive_int(max_entries, "cache_sizes")
         if max_bytes < 0:
             raise ValueError(f"cache_bytes must be >= 0, got {max_bytes}")
         self.max_entries = max_entries
@@ -268,10 +267,9 @@ class Mixture(StepModel):
 
         One size takes 12 bytes per image value up to 512 pixels (the images
         in float32 and float64: 71 MB at 256, 283 MB at 512), 4 above it.
-        Raises ValueError for a bound below 1 (``cache_bytes``: below 0).
+        Raises ParamsError for a bound below 1 (ValueError for ``cache_bytes`` below 0).
         """
-        if max_batch_size < 1:
-            raise ValueError(f"max_batch_size must be >= 1, got {max_batch_size}")
+        positive_int(max_batch_size, "max_batch_size")
         self.max_batch_size = max_batch_size
         self._banks = _BankCache(cache_sizes, cache_bytes)
 
@@ -336,7 +334,7 @@ class Mixture(StepModel):
         # every state as it was.
         frames = []
         side = bank.size
-        for s, (x_next, x0, frame) in zip(states, results):
+        for s, (x_next, x0, frame) in zip(states, results, strict=True):
             s.x = x_next
             s.x0_prev = x0
             s.step += 1
@@ -397,7 +395,7 @@ class Mixture(StepModel):
                     z[i] = _noise(s.seed, s.step + 1, bank.dims)
             x_next.add_(z.to(device).mul_(cn))
             del z
-        return list(zip(x_next.unbind(0), x0.unbind(0), frames.unbind(0)))
+        return list(zip(x_next.unbind(0), x0.unbind(0), frames.unbind(0), strict=True))
 
     def close(self, state: _State) -> None:
         # Drop the tensors now rather than whenever the engine lets go of the state.

@@ -69,7 +69,9 @@ def load_model(spec: str) -> StepModel:
     try:
         obj = getattr(module, attr)
     except AttributeError:
-        raise ParamsError(f"model {spec!r}: {module_name!r} has no attribute {attr!r}", field="model") from None
+        raise ParamsError(
+            f"model {spec!r}: {module_name!r} has no attribute {attr!r}", field="model"
+        ) from None
     if isinstance(obj, StepModel):
         return obj
     if callable(obj):

@@ -17,6 +17,8 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
+from ..params import positive_int
+
 __all__ = [
     "RHO",
     "SAMPLERS",
@@ -54,10 +56,9 @@ def sigma_max(dims: int) -> float:
 def karras_sigmas(steps: int, sig_max: float, sig_min: float = SIGMA_MIN, rho: float = RHO) -> list[float]:
     """``steps + 1`` noise levels from ``sig_max`` down to ``sig_min``, then 0.
 
-    Raises ValueError for ``steps`` < 1 or a bad range.
+    Raises ParamsError for ``steps`` < 1, ValueError for a bad range.
     """
-    if steps < 1:
-        raise ValueError(f"steps must be >= 1, got {steps}")
+    positive_int(steps, "steps")
     if not 0 < sig_min < sig_max:
         raise ValueError(f"need 0 < sigma_min < sigma_max, got {sig_min}, {sig_max}")
     if steps == 1:

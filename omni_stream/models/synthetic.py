@@ -116,8 +116,12 @@ class Synthetic(StepModel):
         x = torch.randn(shape, generator=gen, dtype=torch.float32)
         base = torch.rand(shape, generator=gen, dtype=torch.float32) * 2 - 1
         load = torch.randn(_WORK_DIM, _WORK_DIM, generator=gen, dtype=torch.float32)
-        to = dict(device=device, dtype=self.dtype)
-        return _State(params=params, x=x.to(**to), base=base.to(**to), load=load.to(**to))
+        return _State(
+            params=params,
+            x=x.to(device=device, dtype=self.dtype),
+            base=base.to(device=device, dtype=self.dtype),
+            load=load.to(device=device, dtype=self.dtype),
+        )
 
     def step(self, states: Sequence[_State]) -> list[torch.Tensor]:
         # Faults first: a raising step must leave every state untouched.
@@ -134,7 +138,7 @@ class Synthetic(StepModel):
             load = torch.stack([s.load for s in states])
             for _ in range(work):
                 load = torch.tanh(load @ self._weight)
-            for s, row in zip(states, load.unbind(0)):
+            for s, row in zip(states, load.unbind(0), strict=True):
                 s.load = row
         # Frame i relaxes from noise towards `base`; elementwise only, so
         # batching cannot change a bit. Per-sample factors stay per sample.
@@ -146,7 +150,7 @@ class Synthetic(StepModel):
         bases = torch.stack([s.base for s in states])
         new = xs * (1 - alpha) + bases * alpha
         frames = []
-        for s, row in zip(states, new.unbind(0)):
+        for s, row in zip(states, new.unbind(0), strict=True):
             s.x = row
             s.step += 1
             frames.append(row)

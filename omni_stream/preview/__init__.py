@@ -39,7 +39,7 @@ from .encode import (
     fit_size,
     video_strip,
 )
-from .render import VIDEO_MODES, PreviewSpec, Previewer, render_sync, should_preview
+from .render import VIDEO_MODES, Previewer, PreviewSpec, render_sync, should_preview
 from .save import (
     IMAGE_OUTPUTS,
     IMAGE_SUFFIXES,

@@ -306,11 +306,12 @@ def unpack_flux(packed: np.ndarray, latent_size: tuple[int, int] | None = None) 
         h2, w2 = h // 2, w // 2
     channels = width // 4
     # [i, j, c, dy, dx] -> [c, i, dy, j, dx] -> [c, 2i+dy, 2j+dx]: one copy.
-    return (
+    latent: np.ndarray = (
         packed.reshape(h2, w2, channels, 2, 2)
         .transpose(2, 0, 3, 1, 4)
         .reshape(channels, 2 * h2, 2 * w2)
     )
+    return latent
 
 
 def _flux_array(x: np.ndarray, latent_size: tuple[int, int] | None = None) -> np.ndarray:
@@ -355,7 +356,7 @@ _SPREAD = 2.0
 def _projection(channels: int) -> tuple[tuple[float, float, float], ...]:
     rng = np.random.RandomState(_PROJECTION_SEED)
     weights = rng.standard_normal((max(channels, 1), 3))
-    return tuple(tuple(float(v) for v in row) for row in weights[:channels])
+    return tuple((float(r), float(g), float(b)) for r, g, b in weights[:channels])
 
 
 def _grey(a: np.ndarray) -> np.ndarray:

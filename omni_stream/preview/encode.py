@@ -38,6 +38,7 @@ except ImportError:  # pragma: no cover - tests set it to None for the fallback
     simplejpeg = None
 
 from ..errors import ParamsError
+from ..params import positive_int
 
 __all__ = [
     "FORMATS",
@@ -120,11 +121,7 @@ def check_options(format: Any, quality: Any, max_size: Any) -> None:
                 f"quality must be an integer from 1 to 100, got {quality!r}", field="quality"
             )
     if max_size is not None:
-        if isinstance(max_size, bool) or not isinstance(max_size, int) or max_size < 1:
-            raise ParamsError(
-                f"max_size must be a positive integer or null, got {max_size!r}",
-                field="max_size",
-            )
+        positive_int(max_size, "max_size", what="max_size (or null)")
 
 
 def fit_size(width: int, height: int, max_size: int | None) -> tuple[int, int]:
@@ -206,7 +203,8 @@ def _encode_jpeg(image: Image.Image | np.ndarray, quality: int) -> bytes:
     """
     if simplejpeg is not None:
         rgb = np.ascontiguousarray(image)
-        return simplejpeg.encode_jpeg(rgb, quality=quality, colorspace="RGB", colorsubsampling="420")
+        data: bytes = simplejpeg.encode_jpeg(rgb, quality=quality, colorspace="RGB", colorsubsampling="420")
+        return data
     if isinstance(image, np.ndarray):
         image = Image.fromarray(image)
     buf = io.BytesIO()

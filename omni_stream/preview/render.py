@@ -19,6 +19,7 @@ import torch
 
 from ..errors import ParamsError
 from ..frame import Frame
+from ..params import positive_int
 from .decode import DECODERS, Decoder, _decode, decoder_for
 from .encode import (
     DEFAULT_FPS,
@@ -61,9 +62,7 @@ class PreviewSpec:
     decode: Decoder = field(init=False, repr=False, compare=False)
 
     def __post_init__(self) -> None:
-        every = self.every
-        if isinstance(every, bool) or not isinstance(every, int) or every < 1:
-            raise ParamsError(f"every must be an integer >= 1, got {every!r}", field="every")
+        positive_int(self.every, "every")
         check_options(self.format, self.quality, self.max_size)
         if not isinstance(self.video, str) or self.video not in VIDEO_MODES:
             raise ParamsError(
@@ -112,8 +111,7 @@ def should_preview(step: int, total: int, every: int) -> bool:
 
     Raises ParamsError (field ``every``) when ``every`` < 1.
     """
-    if every < 1:
-        raise ParamsError(f"every must be an integer >= 1, got {every!r}", field="every")
+    positive_int(every, "every")
     return step >= total or step % every == 0
 
 
@@ -168,10 +166,7 @@ class Previewer:
 
     def __init__(self, *, threads: int = 1) -> None:
         """Raises ParamsError (field ``threads``) when ``threads`` < 1."""
-        if isinstance(threads, bool) or not isinstance(threads, int) or threads < 1:
-            raise ParamsError(
-                f"preview threads must be an integer >= 1, got {threads!r}", field="threads"
-            )
+        positive_int(threads, "threads", what="preview threads")
         self._threads = threads
         self._limiter = anyio.CapacityLimiter(threads)
         self._reserved = anyio.CapacityLimiter(threads)

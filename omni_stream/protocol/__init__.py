@@ -10,7 +10,7 @@
 - :mod:`.inbox`: one request's inbox on the client, a pure state machine.
 
 The server's rules (admission, ownership, attach, retention) are
-``omni_stream.server.service`` and ``.session``; the I/O layers (the
+``omni_stream.server.service`` and ``.records``; the I/O layers (the
 server's front doors, the client's connection) are thin pumps around these.
 Importing this package loads neither the server nor the engine.
 """

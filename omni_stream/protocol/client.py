@@ -22,6 +22,7 @@ from typing import Any, Final
 from PIL import Image
 
 from ..errors import (
+    BusyError,
     ClientError,
     ParamsError,
     ParamsRejectedError,
@@ -70,19 +71,6 @@ from .messages import (  # noqa: E402
 #: Rejections that mean "your input is wrong": raised as ParamsRejectedError.
 PARAMS_CODES: Final = frozenset({"bad_params", "invalid_field", "limit_exceeded"})
 
-
-class BusyError(RequestRejectedError):
-    """The server is too busy to take the request (``busy``); nothing was started.
-
-    ``retry_after_s`` is the server's estimate of when to try again
-    (None when it gave none).
-    """
-
-    def __init__(
-        self, message: str, *, retry_after_s: float | None = None, request_id: str | None = None
-    ) -> None:
-        super().__init__(message, code="busy", request_id=request_id)
-        self.retry_after_s = retry_after_s
 
 #: Preview formats and the MIME type each header must carry.
 FORMATS: Final[Mapping[str, str]] = {

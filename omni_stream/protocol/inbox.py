@@ -12,8 +12,7 @@ from __future__ import annotations
 import logging
 from collections import deque
 
-import anyio
-
+from .._wakeup import Wakeup
 from ..errors import ClientError, ProtocolError, RemoteCancelledError
 from .client import (
     REJECTION_CODES,
@@ -48,7 +47,7 @@ class Inbox:
         self.finished = False  # an outcome arrived (or the connection ended)
         self.outcome: ClientError | None = None  # None with finished: done
         self._raised = False
-        self._wakeup: anyio.Event | None = None
+        self._wakeup = Wakeup()
 
     def feed(self, event: Event) -> None:
         """Take one event routed to this request. Never raises, never waits."""
@@ -116,7 +115,7 @@ class Inbox:
                     del self.items[i]
                     self.dropped += 1
                     break
-        self._wake()
+        self._wakeup.wake()
 
     def fail(self, error: ClientError) -> None:
         """End the request with ``error`` unless it already ended."""
@@ -126,12 +125,7 @@ class Inbox:
     def _finish(self, outcome: ClientError | None) -> None:
         self.finished = True
         self.outcome = outcome
-        self._wake()
-
-    def _wake(self) -> None:
-        if self._wakeup is not None:
-            self._wakeup.set()
-            self._wakeup = None
+        self._wakeup.wake()
 
     async def get(self) -> Progress | PreviewFrame:
         """The next item; raises StopAsyncIteration after ``done``, the error once after others."""
@@ -143,5 +137,4 @@ class Inbox:
                     self._raised = True
                     raise self.outcome
                 raise StopAsyncIteration
-            self._wakeup = anyio.Event()
             await self._wakeup.wait()

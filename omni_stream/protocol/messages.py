@@ -20,8 +20,10 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any, Final
 
-from ..errors import ParamsError
+from ..errors import MessageError
 
+# MessageError is defined in errors.py with every other error; re-exported here,
+# where the wire's rules raise it.
 __all__ = [
     "CANCEL_REASONS",
     "CLOSE_GOING_AWAY",
@@ -104,25 +106,6 @@ MAX_ECHO: Final = 64
 #: Most characters of an error's ``message``: a backstop for messages built
 #: outside this module (model params, admission) that echo client input.
 MAX_ERROR_MESSAGE: Final = 512
-
-
-class MessageError(ParamsError):
-    """A client message the server rejects; ``code`` is the ``error`` code to send.
-
-    ``field`` names the offending field and ``request_id`` the request the
-    message named, where known.
-    """
-
-    def __init__(
-        self,
-        code: str,
-        message: str,
-        *,
-        field: str | None = None,
-        request_id: str | None = None,
-    ) -> None:
-        super().__init__(message, field=field, request_id=request_id)
-        self.code = code
 
 
 @dataclass(frozen=True, slots=True)

@@ -9,7 +9,8 @@ in turn, a batch a model call, so every request admitted slows every
 other's steps. :class:`Load` measures the engine against ``max_active`` +
 ``max_queued``; :func:`check_load` refuses a ``generate`` past them, or
 past its connection's fair share once the queue is over half full, with
-:class:`BusyError` and a ``retry_after_s`` from :func:`retry_after`.
+:class:`~omni_stream.errors.ServerBusyError` and a ``retry_after_s`` from
+:func:`retry_after`.
 
 Memory (docs/reliability.md, "exhaust"): a running request holds host
 memory outside every outbox: its state in the engine, each step's
@@ -33,24 +34,23 @@ from typing import Any, Final
 
 import torch
 
-from ..errors import ParamsError
+from ..errors import MessageError, ParamsError, ServerBusyError
 from ..model import StepModel, split_output
 from ..preview import (
     IMAGE_OUTPUTS,
     VIDEO_OUTPUTS,
     PreviewSpec,
     check_output,
+    default_decoder as preview_default_decoder,
     has_video_encoder,
 )
-from ..preview import default_decoder as preview_default_decoder
-from ..protocol import MessageError
 from .limits import ServerLimits, check_request_limits
 from .outbox import MemoryBudget, MemoryReservation
 
 __all__ = [
     "cap_preview", "check_params", "default_decoder", "preview_spec", "OutputSpec", "output_spec",
     "IMAGE_FORMATS", "VIDEO_FORMATS",
-    "BusyError", "Load", "check_load", "retry_after", "RETRY_AFTER_MIN_S", "RETRY_AFTER_MAX_S",
+    "ServerBusyError", "Load", "check_load", "retry_after", "RETRY_AFTER_MIN_S", "RETRY_AFTER_MAX_S",
     "MemoryEstimate", "estimate_memory", "frame_bytes", "reserve_memory", "state_on_host",
     "HOST_FRAMES_PER_REQUEST", "HOST_FRAMES_PER_BATCH", "HOST_BATCH_RETAINED_BYTES",
     "HOST_FRAMES_PER_LARGE_BATCH", "DEVICE_FRAMES_PER_REQUEST", "REQUEST_BASE_BYTES",
@@ -198,14 +198,6 @@ RETRY_AFTER_MIN_S: Final = 1.0
 RETRY_AFTER_MAX_S: Final = 60.0
 
 
-class BusyError(MessageError):
-    """A ``generate`` refused with ``busy``; ``retry_after_s`` says when to try again."""
-
-    def __init__(self, message: str, *, retry_after_s: float, request_id: str | None = None) -> None:
-        super().__init__("busy", message, request_id=request_id)
-        self.retry_after_s = retry_after_s
-
-
 @dataclass(frozen=True, slots=True)
 class Load:
     """The engine's requests against the server's bound.
@@ -279,10 +271,7 @@ def retry_after(
     left = [r for r in remaining if r > 0]
     if step_s is None or not left:
         return RETRY_AFTER_MIN_S
-    if whole_requests:
-        calls_per_step = 1.0
-    else:
-        calls_per_step = max(1.0, held / max(1.0, batch_size or 1.0))
+    calls_per_step = 1.0 if whole_requests else max(1.0, held / max(1.0, batch_size or 1.0))
     estimate = min(left) * calls_per_step * step_s
     if not math.isfinite(estimate):
         return RETRY_AFTER_MAX_S
@@ -303,7 +292,7 @@ def check_load(
     ``own``: requests the asking connection runs; ``connections``: open
     connections, counted whether or not they hold work (one just refused
     holds none, and must still count, or whoever holds the queue refills
-    each slot first). Raises BusyError with ``retry_after_s()``.
+    each slot first). Raises ServerBusyError with ``retry_after_s()``.
     """
     names = "max_active + max_queued, OMNI_STREAM_MAX_ACTIVE / OMNI_STREAM_MAX_QUEUED"
     share = load.fair_share(connections)
@@ -318,7 +307,9 @@ def check_load(
     else:
         return
     retry = retry_after_s()
-    raise BusyError(f"{why}; try again in about {retry:g} s", retry_after_s=retry, request_id=request_id)
+    raise ServerBusyError(
+        f"{why}; try again in about {retry:g} s", retry_after_s=retry, request_id=request_id
+    )
 
 
 # -- memory ------------------------------------------------------------------------
@@ -535,7 +526,7 @@ def reserve_memory(
 
     Raises MessageError ``limit_exceeded`` (field: the param the estimate
     comes from) when the estimate alone is over
-    :data:`MAX_REQUEST_MEMORY_SHARE` of ``max_memory_bytes``, and BusyError
+    :data:`MAX_REQUEST_MEMORY_SHARE` of ``max_memory_bytes``, and ServerBusyError
     (``retry_after_s()``, else the minimum) when it does not fit beside
     what the server holds now: queued messages, retained results and the
     reservations of running requests.
@@ -561,7 +552,7 @@ def reserve_memory(
         est.own, est.shared, group=est.group, batch_size=est.batch_size, batch_cost=est.batch_cost
     ):
         retry = retry_after_s() if retry_after_s is not None else RETRY_AFTER_MIN_S
-        raise BusyError(
+        raise ServerBusyError(
             f"the server is short of memory: it holds {_mib(budget.total)} of max_memory_bytes="
             f"{limit} ({env}) for running requests and queued messages, and this request needs "
             f"about {_mib(est.alone)}; try again in about {retry:g} s",

@@ -30,15 +30,18 @@ import anyio
 import anyio.abc
 import uvicorn
 
-from ..errors import OmniStreamError, ParamsError
+from ..config import run
+from ..errors import LifecycleError, OmniStreamError, ParamsError, ServerFailedError
+from ..lifecycle import Lifecycle
 from ..model import StepModel
 from ..preview import Previewer
 from . import security
 from .asgi import FrontDoor, app_for, build_front_door
 from .http11 import DeadlineH11Protocol
 from .metrics import ServerMetrics
-from .service import FdWarning, ServerFailedError
+from .service import FdWarning
 
+# ServerFailedError (errors.py's) is re-exported: the CLI imports it from here.
 __all__ = ["Server", "ServerFailedError", "serve"]
 
 logger = logging.getLogger("omni_stream.server")
@@ -102,7 +105,7 @@ class Server:
         self._uvicorn: _Uvicorn | None = None
         self._tg: anyio.abc.TaskGroup | None = None
         self._stack: contextlib.AsyncExitStack | None = None
-        self._state = "new"  # new -> running -> closing -> closed
+        self._state = Lifecycle.NEW
         self._shutdown_requested = anyio.Event()
         self._force_shutdown = anyio.Event()
         self._shutdown_done = anyio.Event()
@@ -129,9 +132,9 @@ class Server:
 
     @property
     def port(self) -> int:
-        """The bound port; raises RuntimeError before the server started."""
+        """The bound port; raises LifecycleError before the server started."""
         if self._port is None:
-            raise RuntimeError("the server is not started; use `async with Server(...)`")
+            raise LifecycleError("the server is not started; use `async with Server(...)`")
         return self._port
 
     @property
@@ -147,7 +150,7 @@ class Server:
 
     @property
     def closing(self) -> bool:
-        return self._state in ("closing", "closed")
+        return self._state.ending
 
     @property
     def fatal(self) -> OmniStreamError | None:
@@ -173,10 +176,10 @@ class Server:
         await self.aclose()
 
     async def start(self) -> None:
-        """Start the engine (if owned) and listen. Raises RuntimeError if started twice."""
-        if self._state != "new":
-            raise RuntimeError("a Server can be started once; create a new one")
-        self._state = "running"
+        """Start the engine (if owned) and listen. Raises LifecycleError if started twice."""
+        if self._state is not Lifecycle.NEW:
+            raise LifecycleError("a Server can be started once; create a new one")
+        self._state = Lifecycle.RUNNING
         stack = contextlib.AsyncExitStack()
         try:
             sockets = _bind(self._host, self._requested_port)
@@ -204,7 +207,7 @@ class Server:
             with anyio.fail_after(30):
                 await started.wait()
         except BaseException:
-            self._state = "closed"
+            self._state = Lifecycle.CLOSED
             await stack.aclose()
             raise
         self._stack = stack
@@ -268,13 +271,13 @@ class Server:
         concurrent callers. The engine and the server's tasks are released
         by :meth:`aclose`.
         """
-        if self._state == "new":
-            self._state = "closed"
+        if self._state is Lifecycle.NEW:
+            self._state = Lifecycle.CLOSED
             return
-        if self._state != "running":
+        if self._state is not Lifecycle.RUNNING:
             await self._shutdown_done.wait()
             return
-        self._state = "closing"
+        self._state = Lifecycle.CLOSING
         self._shutdown_requested.set()
         try:
             # Keep listening through the grace period: probes see /health
@@ -306,14 +309,14 @@ class Server:
         try:
             await stack.aclose()
         finally:
-            self._state = "closed"
+            self._state = Lifecycle.CLOSED
             logger.info("omni_stream server on port %s closed", self._port)
 
     def _fatal_error(self, error: OmniStreamError) -> None:
         # Wakes serve_forever; shutdown() itself also runs here for servers
         # used without it (it is idempotent and answers concurrent callers).
         self.request_shutdown()
-        if self._tg is not None and self._state == "running":
+        if self._tg is not None and self._state is Lifecycle.RUNNING:
             self._tg.start_soon(self.shutdown, name="omni_stream fatal shutdown")
 
 
@@ -411,8 +414,10 @@ def serve(
     models; with ``device`` naming several ("cuda:0,cuda:1", "all") it runs
     an :class:`~omni_stream.EngineGroup`, one model per device (a name or a
     factory then, not one StepModel). Uses uvloop when it
-    is installed. Inside async code use ``async with Server(...) as server:
-    await server.serve_forever()`` instead.
+    is installed. ``model`` may also be an engine (``Engine``, ``EngineGroup``,
+    a Ray ``RemoteEngine``): serve() then starts and closes it. Inside async
+    code use ``async with Server(...) as server: await
+    server.serve_forever()`` instead.
 
     When the engine dies (or a task of the server fails) it answers the
     requests in flight, shuts down and raises EngineDeadError (or
@@ -426,23 +431,34 @@ def serve(
 
         spec = model
         model = (lambda: load_model(spec)) if names_group(device) else load_model(spec)
-    server = Server(
-        model, host=host, port=port, token=token, allow_origins=allow_origins, device=device,
+    options: dict[str, Any] = dict(
+        host=host, port=port, token=token, allow_origins=allow_origins, device=device,
         stay_dead=stay_dead, metrics_public=metrics_public, **limits,
     )
+    servers: list[Server] = []
 
     async def main() -> None:
-        # Our own loop: out-of-descriptors reports become one clear warning.
-        asyncio.get_running_loop().set_exception_handler(_loop_exception_handler(server.service.fd_warning))
-        async with server:
-            await server.serve_forever()
+        async with contextlib.AsyncExitStack() as stack:
+            if _is_engine(model):
+                # An engine given to serve() is serve()'s to run: nobody else
+                # could (this call blocks). A remote one connects here.
+                await stack.enter_async_context(model)
+            server = Server(model, **options)
+            servers.append(server)
+            # Our own loop: out-of-descriptors reports become one clear warning.
+            asyncio.get_running_loop().set_exception_handler(
+                _loop_exception_handler(server.service.fd_warning)
+            )
+            async with server:
+                await server.serve_forever()
+    run(main)
+    if servers and servers[0].fatal is not None:
+        raise servers[0].fatal
 
-    try:
-        import uvloop  # noqa: F401
-    except ImportError:  # pragma: no cover - uvloop is a dependency off Windows
-        options: dict[str, Any] = {}
-    else:
-        options = {"use_uvloop": True}
-    anyio.run(main, backend="asyncio", backend_options=options)
-    if server.fatal is not None:
-        raise server.fatal
+
+def _is_engine(obj: Any) -> bool:
+    """An engine (EngineLike), told apart without touching it: a remote one may not be connected yet."""
+    if isinstance(obj, StepModel):
+        return False
+    kind = type(obj)
+    return all(hasattr(kind, name) for name in ("stream", "cancel", "health", "__aenter__", "__aexit__"))

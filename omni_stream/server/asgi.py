@@ -30,7 +30,7 @@ from __future__ import annotations
 
 import contextlib
 import logging
-from collections.abc import AsyncIterator, Sequence
+from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
 from typing import Any
 
 import anyio
@@ -48,7 +48,7 @@ from ..engine.like import EngineLike
 from ..errors import ParamsError
 from ..model import StepModel
 from ..preview import Previewer
-from . import routes, security
+from . import responses, security
 from .connection import ClientConnection
 from .http_api import HttpApi
 from .limits import ServerLimits, resolve_origins, resolve_token
@@ -58,6 +58,9 @@ from .service import Service
 __all__ = ["FrontDoor", "create_app"]
 
 logger = logging.getLogger("omni_stream.server")
+
+#: An HTTP route's handler.
+Handler = Callable[[Request], Awaitable[Response]]
 
 
 class FrontDoor:
@@ -114,7 +117,7 @@ class FrontDoor:
         if self.token is None or self.authenticated(conn):
             return None
         self.service.metrics.handshakes_refused.labels("unauthorized").inc()
-        return routes.error_response(
+        return responses.error_response(
             401,
             "unauthorized",
             "this server needs a token: send 'Authorization: Bearer TOKEN' or ?token=TOKEN",
@@ -135,7 +138,7 @@ class FrontDoor:
         ):
             return None
         self.service.metrics.handshakes_refused.labels("forbidden_origin").inc()
-        return routes.error_response(
+        return responses.error_response(
             403,
             "forbidden_origin",
             f"origin {protocol.clip(str(origin))!r} is not allowed; start the server with allow_origins "
@@ -229,7 +232,7 @@ def app_for(door: FrontDoor) -> Starlette:
     api = HttpApi(door)
     service = door.service
 
-    def guarded(handler: Any, *, public: bool = False) -> Any:
+    def guarded(handler: Handler, *, public: bool = False) -> Handler:
         async def endpoint(request: Request) -> Response:
             if not public:
                 refused = door.refuse_token(request)
@@ -240,18 +243,18 @@ def app_for(door: FrontDoor) -> Starlette:
         return endpoint
 
     async def page(request: Request) -> Response:
-        return routes.page_response()
+        return responses.page_response()
 
     async def health(request: Request) -> Response:
         status, payload = service.health_payload()
-        return routes.json_response(status, payload)
+        return responses.json_response(status, payload)
 
     async def metrics(request: Request) -> Response:
-        return routes.respond(200, service.metrics.render(), CONTENT_TYPE)
+        return responses.respond(200, service.metrics.render(), CONTENT_TYPE)
 
     async def models(request: Request) -> Response:
-        return routes.json_response(
-            200, routes.models_payload(service.model, service.default_preview, service.limits)
+        return responses.json_response(
+            200, responses.models_payload(service.model, service.default_preview, service.limits)
         )
 
     async def ws_over_http(request: Request) -> Response:
@@ -260,7 +263,7 @@ def app_for(door: FrontDoor) -> Starlette:
         refused = handshake_refusal(door, request)
         if refused is not None:
             return refused
-        return routes.error_response(
+        return responses.error_response(
             426,
             "upgrade_required",
             "/ws is a websocket endpoint: connect with a websocket client",
@@ -270,7 +273,7 @@ def app_for(door: FrontDoor) -> Starlette:
     async def websocket(ws: WebSocket) -> None:
         await _serve_websocket(door, ws)
 
-    def methods(path: str, **handlers: Any) -> Route:
+    def methods(path: str, **handlers: Handler) -> Route:
         # One route per path, so a wrong method's 405 lists every allowed one.
         allowed = tuple(handlers) + (("HEAD",) if "GET" in handlers else ())
 
@@ -278,7 +281,7 @@ def app_for(door: FrontDoor) -> Starlette:
             method = "GET" if request.method == "HEAD" else request.method
             handler = handlers.get(method)
             if handler is None:
-                return routes.method_not_allowed(request.method, path, allow=allowed)
+                return responses.method_not_allowed(request.method, path, allow=allowed)
             return await handler(request)
 
         return Route(path, endpoint, methods=["GET", "HEAD", "POST", "PUT", "PATCH", "DELETE", "OPTIONS"])
@@ -304,15 +307,17 @@ def app_for(door: FrontDoor) -> Starlette:
         assert isinstance(exc, HTTPException)
         if exc.status_code == 405:
             allow = (exc.headers or {}).get("Allow", "GET, HEAD")
-            return routes.method_not_allowed(request.method, request.url.path, allow=tuple(allow.split(", ")))
+            return responses.method_not_allowed(
+                request.method, request.url.path, allow=tuple(allow.split(", "))
+            )
         if exc.status_code == 404:
-            return routes.error_response(
+            return responses.error_response(
                 404,
                 "not_found",
                 f"no route {protocol.clip(request.url.path)!r}; try /, /ws, /health, /metrics, /models, "
                 "/v1/generations",
             )
-        return routes.error_response(exc.status_code, "bad_request", str(exc.detail))
+        return responses.error_response(exc.status_code, "bad_request", str(exc.detail))
 
     @contextlib.asynccontextmanager
     async def lifespan(app: Starlette) -> AsyncIterator[None]:
@@ -336,7 +341,7 @@ def handshake_refusal(door: FrontDoor, conn: HTTPConnection) -> Response | None:
         if refusal is not None:
             status, code, message = refusal
             door.service.metrics.handshakes_refused.labels(code).inc()
-            refused = routes.error_response(status, code, message)
+            refused = responses.error_response(status, code, message)
     return refused
 
 

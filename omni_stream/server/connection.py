@@ -14,6 +14,7 @@ is freed at once, not when the cyclic GC next runs.
 
 from __future__ import annotations
 
+import contextlib
 import logging
 from collections.abc import Callable
 from typing import Any
@@ -219,10 +220,8 @@ class ClientConnection:
             self._closed_with = (code, reason)
         closed = False
         with anyio.move_on_after(self._limits.close_timeout_s):
-            try:
+            with contextlib.suppress(WebSocketDisconnect, OSError, RuntimeError):
                 await self.ws.send({"type": "websocket.close", "code": code, "reason": reason})
-            except (WebSocketDisconnect, OSError, RuntimeError):
-                pass
             closed = True
         if not closed:
             abort_transport(self.ws)

@@ -26,9 +26,10 @@ import time
 from typing import Any
 
 from .. import protocol
-from ..engine import FrameStream
+from ..engine.like import FrameStreamLike
 from ..errors import (
     EngineError,
+    ParamsError,
     RequestCancelledError,
     StepFailedError,
     StepTimeoutError,
@@ -38,7 +39,7 @@ from ..preview import Previewer, PreviewSpec, encode_output, should_preview
 from .admission import OutputSpec
 from .metrics import ServerMetrics
 from .outbox import MemoryReservation
-from .session import RequestRecord
+from .records import RequestRecord
 
 __all__ = ["stream_request"]
 
@@ -49,7 +50,7 @@ class _PreviewFailed(Exception):
 
 async def stream_request(
     record: RequestRecord,
-    stream: FrameStream,
+    stream: FrameStreamLike,
     spec: PreviewSpec,
     *,
     output: OutputSpec,
@@ -89,6 +90,14 @@ async def stream_request(
     except StepFailedError as exc:
         cause = f": {exc.__cause__!r}" if exc.__cause__ is not None else ""
         return protocol.error("step_failed", f"{exc.message}{cause}", request_id=rid)
+    except ParamsError as exc:
+        # A remote engine's model may refuse params only it can check (a
+        # value its card does not declare) after the request was accepted:
+        # the request ends, with the model's words and the field.
+        return protocol.error(
+            "step_failed", f"the model refused the params: {exc.message}", request_id=rid,
+            field=exc.field,
+        )
     except StepTimeoutError as exc:
         return protocol.error("step_timeout", exc.message, request_id=rid)
     except EngineError as exc:
@@ -116,7 +125,7 @@ async def _publish(
     frame: Frame,
     spec: PreviewSpec,
     *,
-    stream: FrameStream,
+    stream: FrameStreamLike,
     previewer: Previewer,
     metrics: ServerMetrics,
     memory: MemoryReservation | None = None,

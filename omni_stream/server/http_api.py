@@ -21,13 +21,14 @@ from starlette.requests import Request
 from starlette.responses import Response
 
 from .. import protocol
-from . import routes
+from . import responses
 from .events import EventStream, parse_last_event_id
 from .outbox import Outbox
-from .session import RequestRecord
+from .records import RequestRecord
 
 if TYPE_CHECKING:
     from .asgi import FrontDoor
+    from .service import Service
 
 __all__ = ["STATUS", "status_payload"]
 
@@ -62,7 +63,9 @@ def _status_name(record: RequestRecord, positions: dict[str, int]) -> str:
     return "queued" if record.id in positions else "running"
 
 
-def status_payload(record: RequestRecord, positions: dict[str, int], *, with_id: bool = True) -> dict[str, Any]:
+def status_payload(
+    record: RequestRecord, positions: dict[str, int], *, with_id: bool = True
+) -> dict[str, Any]:
     """``GET /v1/generations/{id}``'s body for ``record``."""
     status = _status_name(record, positions)
     out: dict[str, Any] = {
@@ -88,7 +91,7 @@ class HttpApi:
         self._door = door
 
     @property
-    def _service(self) -> Any:
+    def _service(self) -> Service:
         return self._door.service
 
     # -- helpers -----------------------------------------------------------------
@@ -96,7 +99,9 @@ class HttpApi:
     def _urls(self, request: Request, request_id: str) -> dict[str, str]:
         # root_path: a mounted app's URLs carry the mount prefix.
         base = f"{request.scope.get('root_path', '')}/v1/generations/{request_id}"
-        return {"self": base, "events": base + "/events", "output": base + "/output", "preview": base + "/preview"}
+        return {
+            "self": base, "events": base + "/events", "output": base + "/output", "preview": base + "/preview"
+        }
 
     def _error(self, exc: protocol.MessageError, *, request_id: str | None) -> Response:
         reply = self._service.error_reply(exc, request_id=request_id)
@@ -109,12 +114,14 @@ class HttpApi:
         extra = {}
         if "retry_after_s" in reply:
             extra["Retry-After"] = str(max(1, math.ceil(float(reply["retry_after_s"]))))
-        return routes.json_response(STATUS.get(exc.code, 400), body, extra=extra)
+        return responses.json_response(STATUS.get(exc.code, 400), body, extra=extra)
 
     def _lookup(self, request: Request) -> RequestRecord:
         request_id = request.path_params["request_id"]
         # Ids over HTTP are capabilities: any caller holding one may see it.
-        return self._service.lookup(f"http:{uuid.uuid4().hex}", request_id, authenticated=self._door.authenticated(request))
+        return self._service.lookup(
+            f"http:{uuid.uuid4().hex}", request_id, authenticated=self._door.authenticated(request)
+        )
 
     def _positions(self) -> dict[str, int]:
         return self._service.queue_positions()
@@ -128,7 +135,7 @@ class HttpApi:
         async for chunk in request.stream():
             body += chunk
             if len(body) > limit:
-                return routes.error_response(
+                return responses.error_response(
                     413,
                     "limit_exceeded",
                     f"the body is over {limit} bytes (max_message_bytes, OMNI_STREAM_MAX_MESSAGE_BYTES)",
@@ -150,7 +157,7 @@ class HttpApi:
         urls = self._urls(request, record.id)
         payload = status_payload(record, self._positions())
         payload["urls"] = urls
-        return routes.json_response(202, payload, extra={"Location": urls["self"]})
+        return responses.json_response(202, payload, extra={"Location": urls["self"]})
 
     def _parse(self, body: bytes) -> protocol.Generate:
         obj = protocol.decode_json(body)
@@ -166,7 +173,9 @@ class HttpApi:
                 f"unknown field {name!r} in the body; allowed: {', '.join(sorted(_BODY_KEYS))}",
                 field=name,
             )
-        return protocol.parse_client_object({**obj, "type": "generate", "detach": True})
+        message = protocol.parse_client_object({**obj, "type": "generate", "detach": True})
+        assert isinstance(message, protocol.Generate)  # "type" is "generate": it parses as one
+        return message
 
     async def _wait_result(self, request: Request, record: RequestRecord) -> Response:
         # The caller waits for the outcome; a disconnect does not cancel it
@@ -200,7 +209,7 @@ class HttpApi:
             return self._error(exc, request_id=request.path_params["request_id"])
         payload = status_payload(record, self._positions())
         payload["urls"] = self._urls(request, record.id)
-        return routes.json_response(200, payload)
+        return responses.json_response(200, payload)
 
     async def events(self, request: Request) -> Response:
         """``GET /v1/generations/{id}/events``: SSE, resumed after ``Last-Event-ID``."""
@@ -211,7 +220,7 @@ class HttpApi:
         refusal = self._service.connection_refusal()
         if refusal is not None:
             status, code, message = refusal
-            return routes.error_response(status, code, message)
+            return responses.error_response(status, code, message)
         after = parse_last_event_id(
             request.headers.get("last-event-id") or request.query_params.get("last_event_id")
         )
@@ -233,19 +242,21 @@ class HttpApi:
             if record.ended and terminal is not None and terminal.get("type") == "error":
                 code = str(terminal.get("code"))
                 body = {"error": code, "message": terminal.get("message"), "id": record.id, "status": payload}
-                return routes.json_response(500 if code == "internal" else 409, body)
-            return routes.json_response(
+                return responses.json_response(500 if code == "internal" else 409, body)
+            return responses.json_response(
                 409,
                 {
                     "error": "not_ready",
-                    "message": f"request {record.id} is {payload['status']}: its output exists once it is done",
+                    "message": (
+                        f"request {record.id} is {payload['status']}: its output exists once it is done"
+                    ),
                     "id": record.id,
                     "status": payload,
                 },
             )
         header, image = result
         ext = {"jpeg": "jpg"}.get(header.format, header.format)
-        return routes.respond(
+        return responses.respond(
             200,
             bytes(image),
             header.mime,
@@ -264,11 +275,11 @@ class HttpApi:
             return self._error(exc, request_id=request.path_params["request_id"])
         latest = record.latest_preview()
         if latest is None:
-            return routes.error_response(
+            return responses.error_response(
                 404, "not_found", f"request {record.id} has no preview yet", id=record.id
             )
         header, image = latest
-        return routes.respond(
+        return responses.respond(
             200, bytes(image), header.mime, extra={"X-Omni-Stream-Step": str(header.step)}
         )
 
@@ -284,7 +295,7 @@ class HttpApi:
         # A cancelled request ends within a step (plus a preview render).
         with anyio.move_on_after(self._service.limits.close_timeout_s):
             await record.wait_ended()
-        return routes.json_response(200, status_payload(record, self._positions()))
+        return responses.json_response(200, status_payload(record, self._positions()))
 
     async def listing(self, request: Request) -> Response:
         """``GET /v1/generations``: the queue, running first, then queued in order, then ended."""
@@ -300,7 +311,7 @@ class HttpApi:
         # Without a token an id is the capability to a request: a caller
         # sees the queue's shape, not the ids of other people's requests.
         items = [status_payload(r, positions, with_id=authenticated) for r in sorted(records, key=key)]
-        return routes.json_response(
+        return responses.json_response(
             200,
             {
                 "generations": items,

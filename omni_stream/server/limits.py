@@ -13,9 +13,11 @@ from collections.abc import Mapping
 from dataclasses import asdict, dataclass, fields
 from typing import Any
 
-from ..config import env_float, env_int, env_str
+from ..config import TOKEN_ENV, env_float, env_int, env_str, token as env_token
 from ..errors import ParamsError
+from ..params import positive_int
 
+# TOKEN_ENV (config.py's) is re-exported: it was defined here before.
 __all__ = [
     "ALLOW_ORIGINS_ENV",
     "TOKEN_ENV",
@@ -25,7 +27,6 @@ __all__ = [
     "resolve_token",
 ]
 
-TOKEN_ENV = "OMNI_STREAM_TOKEN"
 ALLOW_ORIGINS_ENV = "OMNI_STREAM_ALLOW_ORIGINS"
 
 # keyword -> (environment variable, kind)
@@ -103,11 +104,7 @@ class ServerLimits:
             if value is None and f.name in _ENGINE_DEFAULTS:
                 continue
             if kind is int:
-                if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-                    raise ParamsError(
-                        f"server limit {f.name} must be an integer >= 1, got {value!r}",
-                        field=f.name,
-                    )
+                positive_int(value, f.name, what=f"server limit {f.name}", env=_ENV[f.name][0])
             else:
                 if (
                     isinstance(value, bool)
@@ -116,7 +113,8 @@ class ServerLimits:
                     or value <= 0
                 ):
                     raise ParamsError(
-                        f"server limit {f.name} must be a finite number > 0, got {value!r}",
+                        f"server limit {f.name} ({_ENV[f.name][0]}) must be a finite number > 0, "
+                        f"got {value!r}",
                         field=f.name,
                     )
                 object.__setattr__(self, f.name, float(value))
@@ -166,7 +164,7 @@ def resolve_token(token: str | None) -> str | None:
     Raises ParamsError (field ``token``) for an empty or non-string token.
     """
     if token is None:
-        return env_str(TOKEN_ENV)
+        return env_token()
     if not isinstance(token, str) or not token.strip():
         raise ParamsError("token must be a non-empty string", field="token")
     return token

@@ -54,7 +54,11 @@ class _EngineCollector(Collector):
             ("omni_stream_engine_active", "requests started and not ended", s.active),
             ("omni_stream_engine_queued", "requests submitted, not started (queue depth)", s.queued),
             ("omni_stream_engine_buffers_in_use", "host buffers leased", s.buffers_in_use),
-            ("omni_stream_engine_buffers_in_flight", "host buffers with a copy in flight", s.buffers_in_flight),
+            (
+                "omni_stream_engine_buffers_in_flight",
+                "host buffers with a copy in flight",
+                s.buffers_in_flight,
+            ),
             ("omni_stream_engine_buffers_total", "host buffers allocated", s.buffers_total),
         ]
         for name, doc, value in rows:

@@ -56,6 +56,10 @@ from typing import Protocol
 
 import anyio
 
+from .._wakeup import Wakeup
+from ..errors import OutboxOverflowError
+from ..params import positive_int
+
 __all__ = [
     "MemoryBudget",
     "MemoryReservation",
@@ -74,18 +78,6 @@ _SHEDDABLE = "preview"
 #: The most must-deliver messages one client message queues: an attach's
 #: ``accepted``, final preview and terminal message (see :meth:`Outbox.has_room`).
 _REPLY_RESERVE = 3
-
-
-class OutboxOverflowError(Exception):
-    """The outbox overflowed; ``limit`` names the bound it went over.
-
-    ``max_pending`` or ``max_pending_bytes`` (the client is not reading), or
-    ``max_memory_bytes`` (the server's :class:`MemoryBudget` closed it).
-    """
-
-    def __init__(self, limit: str, message: str) -> None:
-        super().__init__(message)
-        self.limit = limit
 
 
 @dataclass(frozen=True, slots=True)
@@ -164,9 +156,8 @@ class MemoryBudget:
     """
 
     def __init__(self, limit: int) -> None:
-        """Raises ValueError when ``limit`` < 1."""
-        if limit < 1:
-            raise ValueError(f"limit must be >= 1, got {limit}")
+        """Raises ParamsError when ``limit`` < 1."""
+        positive_int(limit, "limit")
         self.limit = limit
         self.used = 0
         # Weak: a budget outlives connections, and must not keep one alive.
@@ -483,11 +474,9 @@ class Outbox:
         on_replaced: Callable[[str], None] | None = None,
         on_overflow: Callable[[], None] | None = None,
     ) -> None:
-        """Raises ValueError when ``max_pending`` or ``max_pending_bytes`` < 1."""
-        if max_pending < 1:
-            raise ValueError(f"max_pending must be >= 1, got {max_pending}")
-        if max_pending_bytes < 1:
-            raise ValueError(f"max_pending_bytes must be >= 1, got {max_pending_bytes}")
+        """Raises ParamsError when ``max_pending`` or ``max_pending_bytes`` < 1."""
+        positive_int(max_pending, "max_pending")
+        positive_int(max_pending_bytes, "max_pending_bytes")
         self._max_pending = max_pending
         self._max_pending_bytes = max_pending_bytes
         self._budget = budget
@@ -504,8 +493,9 @@ class Outbox:
         self._replaced = 0
         self._overflow: OutboxOverflowError | None = None
         self._closed = False
-        self._wakeup: anyio.Event | None = None
-        self._room: anyio.Event | None = None
+        # Wakes the writer (get) / a reader waiting for room (wait_for_room).
+        self._wakeup = Wakeup()
+        self._room = Wakeup()
         if budget is not None:
             budget._register(self)
 
@@ -594,7 +584,6 @@ class Outbox:
             item = self.get_nowait()
             if item is not None:
                 return item
-            self._wakeup = anyio.Event()
             await self._wakeup.wait()
 
     def get_nowait(self) -> OutboxItem | None:
@@ -612,7 +601,7 @@ class Outbox:
         if entry.item.must_deliver:
             self._pending_must -= 1
             self._must_bytes -= entry.size
-            self._wake_room()
+            self._room.wake()
         return entry.item
 
     def has_room(self) -> bool:
@@ -634,7 +623,6 @@ class Outbox:
         """Wait until a must-deliver entry is taken, or the outbox closes or overflows."""
         if self._closed or self._overflow is not None:
             return
-        self._room = anyio.Event()
         await self._room.wait()
 
     def shed_previews(self) -> None:
@@ -644,12 +632,12 @@ class Outbox:
     def overflow(self, limit: str, message: str) -> None:
         """Mark the outbox overflowed over ``limit`` and free everything queued.
 
-        The writer's next ``get`` raises OutboxOverflowError(limit, message);
+        The writer's next ``get`` raises OutboxOverflowError(message, limit=limit);
         ``on_overflow`` is called. Ignored once overflowed.
         """
         if self._overflow is not None:
             return
-        self._overflow = OutboxOverflowError(limit, message)
+        self._overflow = OutboxOverflowError(message, limit=limit)
         self._clear()
         self._wake()
         if self.on_overflow is not None:
@@ -751,19 +739,12 @@ class Outbox:
         self._by_key.clear()
         self._pending_must = 0
         self._must_bytes = 0
-        self._wake_room()
+        self._room.wake()
 
     def _wake(self) -> None:
-        if self._wakeup is not None:
-            self._wakeup.set()
-            self._wakeup = None
+        self._wakeup.wake()
         if self._closed or self._overflow is not None:
-            self._wake_room()
-
-    def _wake_room(self) -> None:
-        if self._room is not None:
-            self._room.set()
-            self._room = None
+            self._room.wake()
 
     def __repr__(self) -> str:
         s = self.statistics()

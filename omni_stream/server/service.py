@@ -25,7 +25,7 @@ import logging
 import os
 import time
 import uuid
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable, Callable, Coroutine
 from contextlib import AsyncExitStack
 from types import TracebackType
 from typing import TYPE_CHECKING, Any
@@ -34,21 +34,29 @@ import anyio
 import anyio.abc
 
 from .. import protocol
-from ..engine import FrameStream
-from ..errors import EngineDeadError, EngineError, OmniStreamError, ParamsError
+from ..errors import (
+    EngineDeadError,
+    EngineError,
+    LifecycleError,
+    OmniStreamError,
+    ParamsError,
+    ServerBusyError,
+    ServerFailedError,
+)
+from ..lifecycle import Lifecycle
 from ..model import StepModel
 from ..preview import Previewer, PreviewSpec
-from . import admission, routes
+from . import admission, responses
 from .consumer import stream_request
 from .limits import ServerLimits
 from .metrics import ServerMetrics
 from .outbox import MemoryBudget, MemoryReservation, Outbox
-from .session import RequestRecord, RequestRegistry
+from .records import RequestRecord, RequestRegistry
 
 if TYPE_CHECKING:
-    from ..engine.like import EngineLike
+    from ..engine.like import EngineLike, FrameStreamLike
 
-__all__ = ["ServerFailedError", "Service"]
+__all__ = ["Service"]
 
 logger = logging.getLogger("omni_stream.server")
 
@@ -59,10 +67,6 @@ _ENGINE_WATCH_S = 0.2
 _FD_WATCH_S = 5.0
 _FD_HEADROOM = 8
 _FD_WARN_EVERY_S = 60.0
-
-
-class ServerFailedError(OmniStreamError):
-    """A task of the server itself failed, so it shut down; ``__cause__`` is what that task raised."""
 
 
 class Service:
@@ -106,7 +110,7 @@ class Service:
         self.connections: set[str] = set()
         self._tg: anyio.abc.TaskGroup | None = None
         self._stack: AsyncExitStack | None = None
-        self._state = "new"  # new -> running -> closing -> closed
+        self._state = Lifecycle.NEW
         self._requests_idle = anyio.Event()
         self._connections_idle = anyio.Event()
         self._stay_dead = stay_dead
@@ -119,15 +123,15 @@ class Service:
     @property
     def running(self) -> bool:
         """Entered and not yet shutting down."""
-        return self._state == "running"
+        return self._state is Lifecycle.RUNNING
 
     @property
     def started(self) -> bool:
-        return self._state != "new"
+        return self._state is not Lifecycle.NEW
 
     @property
     def closing(self) -> bool:
-        return self._state in ("closing", "closed")
+        return self._state.ending
 
     @property
     def fatal(self) -> OmniStreamError | None:
@@ -136,22 +140,22 @@ class Service:
 
     def begin_shutdown(self) -> None:
         """Refuse new work from now on (``shutting_down``); what runs goes on."""
-        if self._state == "running":
-            self._state = "closing"
+        if self._state is Lifecycle.RUNNING:
+            self._state = Lifecycle.CLOSING
 
     # -- lifecycle ---------------------------------------------------------------
 
     async def __aenter__(self) -> Service:
-        if self._state != "new":
-            raise RuntimeError("a server can be started once; create a new one")
-        self._state = "running"
+        if self._state is not Lifecycle.NEW:
+            raise LifecycleError("a server can be started once; create a new one")
+        self._state = Lifecycle.RUNNING
         stack = AsyncExitStack()
         try:
             if self._owns_engine:
                 await stack.enter_async_context(self.engine)
             self._tg = await stack.enter_async_context(anyio.create_task_group())
         except BaseException:
-            self._state = "closed"
+            self._state = Lifecycle.CLOSED
             await stack.aclose()
             raise
         self._stack = stack
@@ -172,7 +176,7 @@ class Service:
         """Cancel what still runs, stop the tasks, close the engine if owned. Idempotent."""
         self.begin_shutdown()
         if self._stack is None:
-            self._state = "closed"
+            self._state = Lifecycle.CLOSED
             return
         stack, self._stack = self._stack, None
         assert self._tg is not None
@@ -180,7 +184,7 @@ class Service:
         try:
             await stack.aclose()
         finally:
-            self._state = "closed"
+            self._state = Lifecycle.CLOSED
 
     async def shutdown_requests(self, *, grace_s: float, forced: anyio.Event | None = None) -> None:
         """The graceful part of shutting down: refuse new work, let what runs finish.
@@ -222,10 +226,13 @@ class Service:
             self._connections_idle = anyio.Event()
             await self._connections_idle.wait()
 
-    def spawn(self, fn: Callable[..., Awaitable[Any]], *args: Any, name: str) -> None:
-        """Run ``fn(*args)`` in the service's task group (a front door's background work)."""
+    def spawn(self, fn: Callable[..., Coroutine[Any, Any, Any]], *args: Any, name: str) -> None:
+        """Run ``fn(*args)`` in the service's task group (a front door's background work).
+
+        Raises LifecycleError before the service started.
+        """
         if self._tg is None:
-            raise RuntimeError("the server is not started")
+            raise LifecycleError("the server is not started")
         self._tg.start_soon(fn, *args, name=name)
 
     # -- connections -------------------------------------------------------------
@@ -297,7 +304,7 @@ class Service:
     def error_reply(self, exc: protocol.MessageError, *, request_id: str | None) -> dict[str, Any]:
         """The ``error`` message for a refused client message (``busy`` carries ``retry_after_s``)."""
         reply = protocol.error(exc.code, exc.message, request_id=request_id, field=exc.field)
-        if isinstance(exc, admission.BusyError):
+        if isinstance(exc, ServerBusyError):
             reply["retry_after_s"] = exc.retry_after_s
         return reply
 
@@ -306,7 +313,7 @@ class Service:
     ) -> RequestRecord:
         """Admit ``msg`` and start its consumer; ``outbox`` (if any) watches it.
 
-        Raises MessageError (BusyError for ``busy``) with the code to answer;
+        Raises MessageError (ServerBusyError for ``busy``) with the code to answer;
         every refusal is counted by its code.
         """
         try:
@@ -326,7 +333,7 @@ class Service:
 
     def _admit(
         self, conn_id: str, msg: protocol.Generate
-    ) -> tuple[RequestRecord, FrameStream, PreviewSpec, admission.OutputSpec, MemoryReservation]:
+    ) -> tuple[RequestRecord, FrameStreamLike, PreviewSpec, admission.OutputSpec, MemoryReservation]:
         request_id = msg.id or uuid.uuid4().hex
         if self._tg is None:
             raise protocol.MessageError(
@@ -410,7 +417,7 @@ class Service:
             owner=conn_id,
             detach=msg.detach,
             total=total,
-            preview=routes.preview_wire(spec),
+            preview=responses.preview_wire(spec),
             output=output.wire(),
             created_at=time.monotonic(),
             priority=msg.priority,
@@ -439,7 +446,7 @@ class Service:
         return record
 
     def lookup(self, conn_id: str, request_id: str, *, authenticated: bool | None = None) -> RequestRecord:
-        """The record ``conn_id`` may see (session.py's rule); raises MessageError ``not_found``."""
+        """The record ``conn_id`` may see (records.py's rule); raises MessageError ``not_found``."""
         if authenticated is None:
             authenticated = self.token is not None
         return self.registry.lookup(request_id, conn_id, authenticated=authenticated)
@@ -504,7 +511,7 @@ class Service:
     async def _consume(
         self,
         record: RequestRecord,
-        stream: FrameStream,
+        stream: FrameStreamLike,
         spec: PreviewSpec,
         output: admission.OutputSpec,
         memory: MemoryReservation | None = None,

@@ -1,11 +1,39 @@
+"""Shared by the engine tests: devices, small request params, counting models, waits."""
+
 from __future__ import annotations
 
 import time
+from typing import Any
 
 import anyio
 import pytest
 
 import omni_stream as om
+from omni_stream.models import Synthetic
+
+#: Small, fast request params: 4x8x8 frames, no matmul load.
+SMALL: dict[str, Any] = {"shape": [4, 8, 8], "work": 0}
+
+
+def params(**kw: Any) -> dict[str, Any]:
+    """SMALL with ``kw`` on top."""
+    return {**SMALL, **kw}
+
+
+class Counting(Synthetic):
+    """Synthetic that counts the requests it started and the states it closed."""
+
+    def __init__(self, **kw: Any) -> None:
+        super().__init__(**kw)
+        self.started = 0
+        self.closed = 0
+
+    def start(self, params: Any, device: Any) -> Any:
+        self.started += 1
+        return super().start(params, device)
+
+    def close(self, state: Any) -> None:
+        self.closed += 1
 
 
 def make_device(kind: str) -> om.device.Device:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import gc
+import threading
 
 import anyio
 import pytest
@@ -11,13 +12,7 @@ import torch
 import omni_stream as om
 from omni_stream.models import Synthetic
 
-from .conftest import make_device, settled, wait_busy_with, wait_for
-
-SMALL = {"shape": [4, 8, 8], "work": 0}
-
-
-def params(**kw):
-    return {**SMALL, **kw}
+from .conftest import make_device, params, settled, wait_busy_with, wait_for
 
 
 async def assert_pump_alive(engine: om.Engine, model: Synthetic) -> None:
@@ -149,3 +144,17 @@ async def test_async_with_closes_an_unfinished_stream(device_kind):
         stats = await settled(engine)
         assert stats.cancelled == 1
         await assert_pump_alive(engine, model)
+
+
+@pytest.mark.asyncio
+async def test_a_cancel_from_another_thread_never_hits_a_later_request_with_the_same_id():
+    async with om.Engine(Synthetic(), device="cpu") as engine:
+        first = engine.stream(params(steps=3), request_id="job-1")
+        answer = []
+        t = threading.Thread(target=lambda: answer.append(engine.cancel("job-1")))
+        t.start()
+        t.join()
+        await first.aclose()  # job-1 ends before the scheduled cancel runs
+        retry = engine.stream(params(steps=3), request_id="job-1")
+        frames = [f async for f in retry]
+        assert answer == [True] and frames[-1].final

@@ -9,15 +9,10 @@ import pytest
 import torch
 
 import omni_stream as om
+from omni_stream.lifecycle import Lifecycle
 from omni_stream.models import Synthetic
 
-from .conftest import make_device, settled, wait_for
-
-SMALL = {"shape": [4, 8, 8], "work": 0}
-
-
-def params(**kw):
-    return {**SMALL, **kw}
+from .conftest import Counting, make_device, params, settled, wait_for
 
 
 @pytest.mark.asyncio
@@ -226,3 +221,80 @@ async def test_a_cpu_batch_of_outputs_it_cannot_own_grows_the_pool_instead_of_we
 async def test_max_buffers_still_caps_the_batch_where_frames_go_through_the_pool():
     async with om.Engine(_SlowSynthetic(), device="sim", max_batch_size=4, max_buffers=2) as engine:
         assert await _largest_batch(engine, 4) <= 2
+
+
+@pytest.mark.asyncio
+async def test_a_batch_larger_than_the_pool_cannot_wedge_the_producer():
+    async with om.Engine(Synthetic(), device="sim", max_batch_size=4, max_buffers=2) as engine:
+        results = []
+
+        async def run(i):
+            results.append(await engine.generate(params(steps=5, seed=i), timeout=10))
+
+        async with anyio.create_task_group() as tg:
+            for i in range(4):
+                tg.start_soon(run, i)
+        assert len(results) == 4
+        assert max(engine.statistics().batch_sizes) <= 2
+
+
+@pytest.mark.asyncio
+async def test_aclose_under_an_outer_cancellation_still_closes_the_engine():
+    model = Counting()
+    engine = om.Engine(model, device="cpu")
+    with anyio.move_on_after(0.2):
+        async with engine:
+            held = engine.stream(params(steps=10_000))  # noqa: F841
+            await anyio.sleep(1)  # cancelled here; aclose runs under cancellation
+    assert engine.health().status == "closed"
+    assert engine._state is Lifecycle.CLOSED
+    assert engine.statistics().buffers_in_use == 0
+    assert model.closed == model.started == 1
+
+
+class _BadTotal(Synthetic):
+    def total_steps(self, params):
+        return 0
+
+
+@pytest.mark.asyncio
+async def test_an_invalid_total_is_refused_at_submission():
+    async with om.Engine(_BadTotal(), device="cpu") as engine:
+        with pytest.raises(om.ParamsError, match=r"total_steps\(\).*must be a positive integer, got 0"):
+            engine.stream(params())
+
+
+class _NoEventDevice(om.device.CpuDevice):
+    def copy_owned(self, src):
+        return None  # take the pool path, where the missing event matters
+
+    def copy_to_host(self, src, dst):
+        dst.copy_(src)
+        return None  # the copier treats a missing event as complete
+
+
+@pytest.mark.asyncio
+async def test_a_device_without_events_still_delivers_frames():
+    async with om.Engine(Synthetic(), device=_NoEventDevice()) as engine:
+        frames = [f async for f in engine.stream(params(steps=3))]
+    assert len(frames) == 3
+
+
+@pytest.mark.asyncio
+async def test_two_readers_of_one_stream_both_make_progress():
+    async with om.Engine(Synthetic(), device="cpu") as engine:
+        stream = engine.stream(params(steps=6, hang_at=1, hang_s=0.1))
+        got = []
+
+        async def reader():
+            try:
+                while True:
+                    got.append(await stream.__anext__())
+            except StopAsyncIteration:
+                pass
+
+        with anyio.fail_after(10):
+            async with anyio.create_task_group() as tg:
+                tg.start_soon(reader)
+                tg.start_soon(reader)
+        assert sorted(f.step for f in got) == list(range(1, 7))

@@ -18,13 +18,7 @@ from omni_stream.config import STEP_TIMEOUT_ENV
 from omni_stream.engine import GroupStream, engine_for
 from omni_stream.models import Synthetic
 
-from .conftest import make_device, wait_for
-
-SMALL = {"shape": [4, 8, 8], "work": 0}
-
-
-def params(**kw: Any) -> dict[str, Any]:
-    return {**SMALL, **kw}
+from .conftest import make_device, params, wait_for
 
 
 class Dies(Synthetic):

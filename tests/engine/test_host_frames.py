@@ -6,6 +6,7 @@ import pytest
 import torch
 
 import omni_stream as om
+from omni_stream._wakeup import Wakeup
 from omni_stream.model import StepModel
 from omni_stream.params import Param
 
@@ -45,19 +46,19 @@ async def test_cpu_frames_are_snapshots_of_a_model_output_reused_in_place():
 
 
 @pytest.mark.asyncio
-async def test_cpu_frames_take_no_pool_buffer_and_skip_the_copier_task():
+async def test_cpu_frames_take_no_pool_buffer_and_skip_the_copier_task(monkeypatch):
     model = om.models.Synthetic()
     async with om.Engine(model, device="cpu") as engine:
         woken = 0
-        wakeup = engine._copier._wakeup
-        original_set = wakeup.set
+        copier_wakeup = engine._copier._wakeup
+        original_wake = Wakeup.wake
 
-        def counting_set() -> None:
+        def counting_wake(self: Wakeup) -> None:
             nonlocal woken
-            woken += 1
-            original_set()
+            woken += self is copier_wakeup
+            original_wake(self)
 
-        wakeup.set = counting_set  # type: ignore[method-assign]
+        monkeypatch.setattr(Wakeup, "wake", counting_wake)
         p = {"steps": 8, "seed": 4}
         frames = [f.data async for f in engine.stream(p)]
         stats = engine.statistics()

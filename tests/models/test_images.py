@@ -18,15 +18,6 @@ from omni_stream.models.images import (
 )
 
 
-@pytest.fixture(scope="module", autouse=True)
-def _one_torch_thread():
-    # Small tensors: on a shared 2-core box two OpenMP threads mostly wait on each other.
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
-
-
 def _names(indices: tuple[int, ...]) -> set[str]:
     return {COMPONENTS[i].name for i in indices}
 

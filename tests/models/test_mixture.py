@@ -25,15 +25,6 @@ CPU = torch.device("cpu")
 K = len(images.COMPONENTS)
 
 
-@pytest.fixture(scope="module", autouse=True)
-def _one_torch_thread():
-    # Small tensors: on a shared 2-core box two OpenMP threads mostly wait on each other.
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
-
-
 @pytest.fixture(scope="module")
 def model() -> Mixture:
     return Mixture()

@@ -5,11 +5,9 @@ from __future__ import annotations
 import asyncio
 import json
 import socket
-import time
 import urllib.error
 import urllib.request
-from collections.abc import AsyncIterator, Callable, Sequence
-from contextlib import asynccontextmanager
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -19,36 +17,14 @@ from websockets.client import ClientProtocol
 from websockets.http11 import Response
 from websockets.uri import parse_uri
 
-from omni_stream.models import Synthetic
 from omni_stream.protocol import REQUEST_ENDING_CODES, unpack_preview
 from omni_stream.server import Server
 
+# Shared with the client tests; imported from here by the server tests.
+from ..conftest import Slow, running  # noqa: F401
+
 #: Small, fast request params: 16x16 RGB frames, no matmul load.
 SMALL: dict[str, Any] = {"shape": [3, 16, 16], "work": 0}
-
-
-class Slow(Synthetic):
-    """Synthetic whose steps sleep (no CPU burned): requests that stay running a while."""
-
-    name = "slow"
-
-    def __init__(self, delay: float = 0.01) -> None:
-        super().__init__()
-        self.delay = delay
-
-    def step(self, states: Sequence[Any]) -> list[Any]:
-        time.sleep(self.delay)
-        return super().step(states)
-
-
-@asynccontextmanager
-async def running(model: Any = None, **options: Any) -> AsyncIterator[Server]:
-    """A started Server on 127.0.0.1, a free port, short shutdown bounds."""
-    options.setdefault("device", "cpu")
-    options.setdefault("shutdown_timeout_s", 0.5)
-    options.setdefault("close_timeout_s", 1.0)
-    async with Server(model or Synthetic(), host="127.0.0.1", port=0, **options) as server:
-        yield server
 
 
 async def recv(ws: Any, timeout: float = 20.0) -> dict[str, Any]:

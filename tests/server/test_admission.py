@@ -17,9 +17,9 @@ from omni_stream.server.admission import (
     REQUEST_BASE_BYTES,
     RETRY_AFTER_MAX_S,
     RETRY_AFTER_MIN_S,
-    BusyError,
     Load,
     OutputSpec,
+    ServerBusyError,
     cap_preview,
     check_load,
     check_params,
@@ -195,7 +195,7 @@ def _busy(load: Load, *, own: int = 0, connections: int = 1) -> MessageError | N
 def test_check_load_refuses_past_capacity_with_busy_and_retry_after() -> None:
     assert _busy(Load(9, 4, 6)) is None
     err = _busy(Load(10, 4, 6))
-    assert isinstance(err, BusyError)
+    assert isinstance(err, ServerBusyError)
     assert (err.code, err.request_id, err.retry_after_s) == ("busy", "r", 7.5)
     assert "max_active + max_queued" in err.message and "OMNI_STREAM_MAX_QUEUED" in err.message
 
@@ -362,7 +362,7 @@ def test_a_request_that_does_not_fit_beside_the_others_gets_busy_until_one_ends(
     budget = MemoryBudget(2 * alone + 1000)
     held = [reserve_memory(budget, Synthetic(), dict(params, seed=i), request_id=str(i)) for i in range(2)]
     assert budget.reserved == 2 * alone
-    with pytest.raises(BusyError) as info:
+    with pytest.raises(ServerBusyError) as info:
         reserve_memory(budget, Synthetic(), params, request_id="third", retry_after_s=lambda: 7.5)
     err = info.value
     assert (err.code, err.retry_after_s, err.request_id) == ("busy", 7.5, "third")
@@ -381,7 +381,7 @@ def test_queued_messages_count_when_admitting() -> None:
     alone = estimate_memory(Synthetic(), params).alone
     budget = MemoryBudget(2 * alone)
     budget.add(alone + 1)  # messages queued for clients
-    with pytest.raises(BusyError):
+    with pytest.raises(ServerBusyError):
         reserve_memory(budget, Synthetic(), params, request_id="r")
     budget.release(1)
     reserve_memory(budget, Synthetic(), params, request_id="r").release()

@@ -508,11 +508,11 @@ async def test_models_route_describes_the_params() -> None:
 
 @pytest.mark.asyncio
 async def test_page_route_serves_the_page_or_404(monkeypatch: pytest.MonkeyPatch, tmp_path: Any) -> None:
-    from omni_stream.server import routes
+    from omni_stream.server import responses
 
     page = tmp_path / "index.html"
     page.write_text("<!doctype html><title>omni</title>")
-    monkeypatch.setattr(routes, "PAGE", page)
+    monkeypatch.setattr(responses, "PAGE", page)
     async with running() as server:
         reply = await http_get(server, "/")
         assert reply.status == 200 and reply.body.startswith(b"<!doctype html>")

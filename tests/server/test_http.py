@@ -189,16 +189,16 @@ async def test_each_request_logs_one_line_when_it_ends(caplog: pytest.LogCapture
 async def test_the_log_line_counts_frames_a_busy_server_let_the_engine_replace(
     caplog: pytest.LogCaptureFixture, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    from omni_stream.server import session
+    from omni_stream.server import records
 
     caplog.set_level(logging.INFO, logger="omni_stream.server")
-    real = session.RequestRecord.publish_progress
+    real = records.RequestRecord.publish_progress
 
     def slow_publish(self: Any, step: int, message: Any) -> None:
         time.sleep(0.02)  # the server falls behind a fast engine: latest-wins replaces frames
         real(self, step, message)
 
-    monkeypatch.setattr(session.RequestRecord, "publish_progress", slow_publish)
+    monkeypatch.setattr(records.RequestRecord, "publish_progress", slow_publish)
     async with running() as server, connect(server.url) as ws:
         await send(ws, type="generate", id="fast", params={**SMALL, "steps": 200}, preview={"every": 50})
         await until_end(ws, "fast")

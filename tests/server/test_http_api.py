@@ -300,7 +300,7 @@ async def test_metrics_public_opens_metrics_only() -> None:
 
 def test_queue_positions_follow_priority_then_arrival() -> None:
     from omni_stream.server.service import Service
-    from omni_stream.server.session import RequestRecord
+    from omni_stream.server.records import RequestRecord
 
     records = []
     for rid, priority, created, step in [("a", 0, 1.0, 3), ("b", 0, 2.0, 0), ("c", 5, 3.0, 0), ("d", 0, 0.5, 0)]:

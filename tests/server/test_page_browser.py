@@ -20,7 +20,7 @@ import shutil
 import signal
 import subprocess
 import time
-from collections.abc import AsyncIterator, Iterator, Mapping, Sequence
+from collections.abc import AsyncIterator, Iterator, Mapping
 from contextlib import asynccontextmanager
 from pathlib import Path
 from typing import Any
@@ -35,6 +35,8 @@ import omni_stream as om
 from omni_stream import client as omc
 from omni_stream.params import Param
 from omni_stream.server import Server
+
+from ..conftest import Slow, running
 
 PAGE = Path(om.__file__).parent / "server" / "static" / "index.html"
 CHROMIUM = shutil.which("chromium")
@@ -309,23 +311,11 @@ def _pixels(data_url_or_image: str | Image.Image) -> Image.Image:
 # ---- the server side -----------------------------------------------------------
 
 
-class SlowSynthetic(om.models.Synthetic):
-    """Synthetic with a fixed pause per step, so a browser sees the picture change."""
+class Recording(Slow):
+    """Slow that records the params of every request it starts (what the server got)."""
 
-    def __init__(self, step_s: float) -> None:
-        super().__init__()
-        self.step_s = step_s
-
-    def step(self, states: Sequence[Any]) -> list[Any]:
-        time.sleep(self.step_s)
-        return super().step(states)
-
-
-class Recording(SlowSynthetic):
-    """SlowSynthetic that records the params of every request it starts (what the server got)."""
-
-    def __init__(self, step_s: float) -> None:
-        super().__init__(step_s)
+    def __init__(self, delay: float) -> None:
+        super().__init__(delay)
         self.seen: list[dict[str, Any]] = []
 
     def start(self, params: Mapping[str, Any], device: Any) -> Any:
@@ -338,18 +328,8 @@ class NarrowSeed(Recording):
 
     params = tuple(
         Param("seed", "int", 1000, "random seed", minimum=1000, maximum=1009) if p.name == "seed" else p
-        for p in SlowSynthetic.params
+        for p in Slow.params
     )
-
-
-@asynccontextmanager
-async def serving(model: SlowSynthetic, **limits: Any) -> AsyncIterator[Server]:
-    """A token-protected server on a free port, with short shutdown bounds."""
-    async with Server(
-        model, host="127.0.0.1", port=0, token=TOKEN, device="cpu",
-        shutdown_timeout_s=0.5, close_timeout_s=1.0, **limits,
-    ) as server:
-        yield server
 
 
 async def _server_output(server: Server, request_id: str) -> httpx.Response:
@@ -374,13 +354,13 @@ async def _fill_form(tab: Tab, params: Mapping[str, Any], fmt: str) -> None:
 async def _expected_final(server: Server, params: Mapping[str, Any], fmt: str) -> Image.Image:
     """The result as the Python client receives it (the pauses only slow it, never change it)."""
     model = server.model
-    assert isinstance(model, SlowSynthetic)
-    pause, model.step_s = model.step_s, 0.0
+    assert isinstance(model, Slow)
+    pause, model.delay = model.delay, 0.0
     try:
         async with omc.connect(server.url, token=TOKEN) as client:
             final = await client.generate(params, preview={"format": fmt}).result()
     finally:
-        model.step_s = pause
+        model.delay = pause
     return _pixels(final.image())
 
 
@@ -419,7 +399,7 @@ async def _generate_and_watch(tab: Tab) -> set[str]:
 @pytest.mark.browser
 @pytest.mark.asyncio
 async def test_page_draws_every_step_and_the_exact_final_image(chromium: str) -> None:
-    async with open_tab(chromium) as tab, serving(SlowSynthetic(0.08)) as server:
+    async with open_tab(chromium) as tab, running(Slow(0.08), token=TOKEN) as server:
         await tab.open(f"{server.http_url}/?token={TOKEN}")
         await tab.wait_for("window.omniStream.state === 'ready' && window.omniStream.connected")
         # The form is built from GET /models.
@@ -446,7 +426,7 @@ async def test_page_draws_every_step_and_the_exact_final_image(chromium: str) ->
 @pytest.mark.asyncio
 async def test_page_resumes_after_a_drop_and_after_a_reload(chromium: str) -> None:
     params = dict(PARAMS, steps=30)
-    async with open_tab(chromium) as tab, serving(SlowSynthetic(0.06)) as server:
+    async with open_tab(chromium) as tab, running(Slow(0.06), token=TOKEN) as server:
         await tab.open(f"{server.http_url}/?token={TOKEN}")
         await tab.wait_for("window.omniStream.state === 'ready' && window.omniStream.connected")
         await _fill_form(tab, params, "png")
@@ -471,7 +451,7 @@ async def test_page_resumes_after_a_drop_and_after_a_reload(chromium: str) -> No
         assert drawn.tobytes() == (await _expected_final(server, params, "png")).tobytes()
 
 
-class SlowVideo(SlowSynthetic):
+class SlowVideo(Slow):
     """Its result is a 4-frame video: the page must play it, not draw it on the canvas."""
 
     produces_video = True
@@ -485,7 +465,7 @@ class SlowVideo(SlowSynthetic):
 @pytest.mark.asyncio
 async def test_page_offers_the_result_and_plays_a_video_result(chromium: str) -> None:
     pytest.importorskip("av", reason="an MP4 result needs the video extra")
-    async with open_tab(chromium) as tab, serving(SlowVideo(0.05)) as server:
+    async with open_tab(chromium) as tab, running(SlowVideo(0.05), token=TOKEN) as server:
         await tab.open(f"{server.http_url}/?token={TOKEN}")
         await tab.wait_for("window.omniStream.state === 'ready' && window.omniStream.connected")
         await _fill_form(tab, dict(PARAMS, steps=4), "jpeg")
@@ -511,7 +491,7 @@ async def test_page_offers_the_result_and_plays_a_video_result(chromium: str) ->
 @pytest.mark.asyncio
 async def test_page_reports_refusals_failures_and_cancel(chromium: str) -> None:
     async with open_tab(chromium) as tab:
-        async with serving(SlowSynthetic(0.05)) as server:
+        async with running(Slow(0.05), token=TOKEN) as server:
             # No token in the page URL: the handshake is refused, and the page says why.
             await tab.open(f"{server.http_url}/")
             await tab.wait_for("window.omniStream.state === 'error'")
@@ -557,7 +537,7 @@ async def test_page_reports_refusals_failures_and_cancel(chromium: str) -> None:
 @pytest.mark.asyncio
 async def test_gallery_lists_results_newest_first_and_survives_a_reload(chromium: str) -> None:
     # max_retained=2: the third result makes the server forget the first.
-    async with open_tab(chromium) as tab, serving(SlowSynthetic(0.01), max_retained=2) as server:
+    async with open_tab(chromium) as tab, running(Slow(0.01), token=TOKEN, max_retained=2) as server:
         await tab.open(f"{server.http_url}/?token={TOKEN}")
         await tab.wait_for("window.omniStream.state === 'ready' && window.omniStream.connected")
         assert await tab.evaluate("document.getElementById('gallery-section').hidden") is True
@@ -614,7 +594,7 @@ async def test_gallery_lists_results_newest_first_and_survives_a_reload(chromium
 @pytest.mark.browser
 @pytest.mark.asyncio
 async def test_seed_button_picks_a_seed_in_range_that_the_server_receives(chromium: str) -> None:
-    async with open_tab(chromium) as tab, serving(NarrowSeed(0.01)) as server:
+    async with open_tab(chromium) as tab, running(NarrowSeed(0.01), token=TOKEN) as server:
         await tab.open(f"{server.http_url}/?token={TOKEN}")
         await tab.wait_for("window.omniStream.state === 'ready' && window.omniStream.connected")
         button = await tab.evaluate(
@@ -643,7 +623,7 @@ async def test_seed_button_picks_a_seed_in_range_that_the_server_receives(chromi
 async def test_reload_mid_render_shows_the_running_requests_form(chromium: str) -> None:
     # A seed past 2**53 must reach the server exactly (a JavaScript Number would round it).
     params = {"steps": 30, "shape": [3, 16, 12], "work": 0, "seed": 2**63 - 1}
-    async with open_tab(chromium) as tab, serving(Recording(0.05)) as server:
+    async with open_tab(chromium) as tab, running(Recording(0.05), token=TOKEN) as server:
         await tab.open(f"{server.http_url}/?token={TOKEN}")
         await tab.wait_for("window.omniStream.state === 'ready' && window.omniStream.connected")
         defaults = await tab.form()
@@ -678,7 +658,7 @@ async def test_reload_mid_render_shows_the_running_requests_form(chromium: str) 
 @pytest.mark.browser
 @pytest.mark.asyncio
 async def test_page_works_without_session_storage(chromium: str) -> None:
-    async with open_tab(chromium) as tab, serving(SlowSynthetic(0.01)) as server:
+    async with open_tab(chromium) as tab, running(Slow(0.01), token=TOKEN) as server:
         await tab.call("Page.addScriptToEvaluateOnNewDocument", {"source": (
             "Object.defineProperty(window, 'sessionStorage', {get() {"
             " throw new DOMException('storage is off', 'SecurityError'); }});"

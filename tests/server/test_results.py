@@ -12,6 +12,7 @@ from websockets.asyncio.client import connect
 
 from omni_stream.models import Synthetic
 
+from ..conftest import one_torch_thread
 from .conftest import Slow, check_stream, recv, running, send, until_end
 
 
@@ -73,12 +74,8 @@ async def test_output_latent_sends_the_final_latent_drawn_by_the_preview_decoder
 @pytest.mark.asyncio
 async def test_a_diffusers_result_is_the_pipelines_image_with_its_params() -> None:
     pytest.importorskip("diffusers")
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)  # as the producer runs: the result equals pipe()'s bit for bit
-    try:
+    with one_torch_thread():  # as the producer runs: the result equals pipe()'s bit for bit
         await _diffusers_result()
-    finally:
-        torch.set_num_threads(before)
 
 
 async def _diffusers_result() -> None:

@@ -30,6 +30,7 @@ from typing import Any
 
 import torch
 
+from ...errors import ParamsError
 from ...model import StepModel
 
 __all__ = ["Diffusers", "PromptEmbeddings", "EncodePrompt", "MODES", "INSTALL_HINT", "adapter_for"]
@@ -70,24 +71,24 @@ EncodePrompt = Callable[[str, str], PromptEmbeddings]
 
 
 def _adapter_class(module: str, name: str) -> type[Diffusers]:
-    return getattr(importlib.import_module(f"{__package__}.{module}"), name)
+    adapter: type[Diffusers] = getattr(importlib.import_module(f"{__package__}.{module}"), name)
+    return adapter
 
 
 def takes_step_callback(pipe: Any) -> bool:
     """Whether ``pipe.__call__`` accepts ``callback_on_step_end`` (callback mode needs it)."""
-    call = getattr(pipe, "__call__", None)
-    if call is None:
+    if not callable(pipe):
         return False
     try:
-        return "callback_on_step_end" in inspect.signature(call).parameters
+        return "callback_on_step_end" in inspect.signature(pipe.__call__).parameters
     except (TypeError, ValueError):
         return False
 
 
 def adapter_for(pipe: Any, mode: str = "auto") -> type[Diffusers]:
-    """The adapter class that streams ``pipe`` in ``mode``; raises ValueError when none does."""
+    """The adapter class that streams ``pipe`` in ``mode``; raises ParamsError when none does."""
     if mode not in MODES:
-        raise ValueError(f"mode must be one of {', '.join(MODES)}, got {mode!r}")
+        raise ParamsError(f"mode must be one of {', '.join(MODES)}, got {mode!r}", field="mode")
     kind = type(pipe).__name__
     if mode in ("auto", "native"):
         for module, name in _NATIVE:
@@ -95,16 +96,18 @@ def adapter_for(pipe: Any, mode: str = "auto") -> type[Diffusers]:
             if cls.fits(pipe):
                 return cls
         if mode == "native":
-            raise ValueError(
+            raise ParamsError(
                 f"{kind} has no native adapter; native mode drives UNet pipelines (SD 1.x/2.x, "
                 "SDXL), StableDiffusion3Pipeline and FluxPipeline; use mode='callback' "
-                "for other pipelines"
+                "for other pipelines",
+                field="mode",
             )
     if takes_step_callback(pipe):
         return _adapter_class("callback", "CallbackDiffusers")
-    raise ValueError(
+    raise ParamsError(
         f"{kind} cannot be streamed: it has no native adapter and its __call__ takes no "
-        "callback_on_step_end (callback mode needs it)"
+        "callback_on_step_end (callback mode needs it)",
+        field="pipe",
     )
 
 
@@ -145,7 +148,7 @@ class Diffusers(StepModel):
         """Load ``model_id`` (a hub id or a folder) with ``DiffusionPipeline.from_pretrained`` and wrap it.
 
         Raises ImportError without diffusers, and whatever diffusers raises
-        for a model it cannot load; ValueError as :class:`Diffusers` does.
+        for a model it cannot load; ParamsError as :class:`Diffusers` does.
         """
         try:
             from diffusers import DiffusionPipeline
@@ -157,7 +160,8 @@ class Diffusers(StepModel):
         # A served pipeline would draw one tqdm bar per request on stderr.
         pipe.set_progress_bar_config(disable=True)
         if cls is Diffusers:
-            return Diffusers(pipe, mode=mode)
+            # What Diffusers(pipe, mode=mode) does: the adapter that fits.
+            return adapter_for(pipe, mode)(pipe, mode=mode)
         return cls(pipe)
 
     def describe(self) -> str:
@@ -177,7 +181,7 @@ class Diffusers(StepModel):
         taesdxl (SDXL), taesd3 (SD3), taef1 (Flux). The decode runs on the
         producer's device, only on the steps a reader previews (see
         ``Engine.stream(preview_every=)``), and its time is in
-        ``Frame.timings.decode_s``. Raises ValueError for a VAE whose latent
+        ``Frame.timings.decode_s``. Raises ParamsError for a VAE whose latent
         channels do not fit this pipeline's latents, ImportError without
         diffusers, and what ``from_pretrained`` raises for a path it cannot load.
         """
@@ -189,12 +193,16 @@ class Diffusers(StepModel):
             vae = AutoencoderTiny.from_pretrained(vae)
         config = getattr(vae, "config", None)
         if config is None or not callable(getattr(vae, "decode", None)):
-            raise ValueError(f"preview VAE must be an AutoencoderTiny, got {type(vae).__name__}")
+            raise ParamsError(
+                f"preview VAE must be an AutoencoderTiny, got {type(vae).__name__}",
+                field="vae",
+            )
         want = self.latent_channels
         if want is not None and int(config.latent_channels) != want:
-            raise ValueError(
+            raise ParamsError(
                 f"preview VAE has {config.latent_channels} latent channels; this pipeline's latents "
-                f"have {want} (taesd/taesdxl: 4, taesd3/taef1: 16)"
+                f"have {want} (taesd/taesdxl: 4, taesd3/taef1: 16)",
+                field="vae",
             )
         vae.eval()
         self.preview_vae = vae

@@ -62,7 +62,7 @@ import torch
 
 from ...errors import ParamsError
 from ...model import Emit
-from ...params import Param
+from ...params import Param, positive_int
 from .base import Diffusers, takes_step_callback
 from .inputs import MAX_IMAGE_BYTES, MAX_IMAGE_PIXELS, load_image
 from .loop import same_device
@@ -128,36 +128,48 @@ class CallbackDiffusers(Diffusers):
         and ``max_image_bytes`` bound the ``image`` param; ``image_paths=False``
         accepts data URLs only (see :mod:`.inputs`).
 
-        Raises ValueError for a pipeline without ``callback_on_step_end`` or
+        Raises ParamsError for a pipeline without ``callback_on_step_end`` or
         ``output_type``, ``call_kwargs`` that the pipeline does not take or
         that this adapter sets itself, bad bounds or bad ``defaults``.
         """
         if mode not in ("auto", "callback"):  # "auto": Diffusers(pipe) picked this adapter
-            raise ValueError(f"CallbackDiffusers runs in mode 'callback', got {mode!r}")
+            raise ParamsError(
+                f"CallbackDiffusers runs in mode 'callback', got {mode!r}",
+                field="mode",
+            )
         kind = type(pipe).__name__
         if not takes_step_callback(pipe):
-            raise ValueError(f"{kind}.__call__ takes no callback_on_step_end; callback mode needs it")
+            raise ParamsError(
+                f"{kind}.__call__ takes no callback_on_step_end; callback mode needs it",
+                field="pipe",
+            )
         signature = inspect.signature(pipe.__call__).parameters
         named = {
             k for k, p in signature.items()
             if p.kind not in (inspect.Parameter.VAR_KEYWORD, inspect.Parameter.VAR_POSITIONAL)
         }
         if "output_type" not in named:
-            raise ValueError(f"{kind}.__call__ takes no output_type; callback mode needs it")
+            raise ParamsError(
+                f"{kind}.__call__ takes no output_type; callback mode needs it",
+                field="pipe",
+            )
         tensor_inputs = getattr(pipe, "_callback_tensor_inputs", None)
         if tensor_inputs is not None and "latents" not in tensor_inputs:
-            raise ValueError(f"{kind} does not pass 'latents' to its step callback")
+            raise ParamsError(f"{kind} does not pass 'latents' to its step callback", field="pipe")
         fixed = dict(call_kwargs or {})
         if bad := sorted(set(fixed) & _RESERVED):
-            raise ValueError(
-                f"call_kwargs may not set {bad}: the callback adapter sets them per request"
+            raise ParamsError(
+                f"call_kwargs may not set {bad}: the callback adapter sets them per request",
+                field="call_kwargs",
             )
         if unknown := sorted(set(fixed) - named):
-            raise ValueError(f"call_kwargs: {kind}.__call__ takes no {unknown}")
+            raise ParamsError(
+                f"call_kwargs: {kind}.__call__ takes no {unknown}",
+                field="call_kwargs",
+            )
         bounds = {"max_image_pixels": max_image_pixels, "max_image_bytes": max_image_bytes}
         for bound, value in bounds.items():
-            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-                raise ValueError(f"{bound} must be a positive int, got {value!r}")
+            positive_int(value, bound)
 
         self._pipe = pipe
         self._signature = signature
@@ -191,10 +203,14 @@ class CallbackDiffusers(Diffusers):
         default = self._signature[arg].default
         if isinstance(default, bool) or not isinstance(default, kinds):
             return None
-        return float(default) if float in kinds else default
+        if float in kinds and isinstance(default, (int, float)):
+            return float(default)
+        return default
 
     def _declare(self, defaults: Mapping[str, Any] | None) -> tuple[Param, ...]:
-        takes = lambda arg: arg in self._signature and arg not in self._fixed  # noqa: E731
+        def takes(arg: str) -> bool:
+            return arg in self._signature and arg not in self._fixed
+
         params: list[Param] = []
 
         def add(param: Param, arg: str) -> None:
@@ -244,13 +260,16 @@ class CallbackDiffusers(Diffusers):
             by_name = {p.name: i for i, p in enumerate(params)}
             unknown = sorted(set(defaults) - set(by_name))
             if unknown:
-                raise ValueError(f"defaults: unknown param(s) {unknown}; known: {sorted(by_name)}")
+                raise ParamsError(
+                    f"defaults: unknown param(s) {unknown}; known: {sorted(by_name)}",
+                    field="defaults",
+                )
             for key, value in defaults.items():
                 spec = params[by_name[key]]
                 try:
                     checked = spec.check(value, model=self.name)
                 except ParamsError as exc:
-                    raise ValueError(f"defaults: {exc}") from None
+                    raise ParamsError(f"defaults: {exc}", field="defaults") from None
                 params[by_name[key]] = replace(spec, default=checked)
         return tuple(params)
 
@@ -325,10 +344,7 @@ class CallbackDiffusers(Diffusers):
 
     def _count(self, steps: int, strength: float | None) -> int:
         scheduler = self._throwaway_scheduler(steps)
-        if scheduler is None:
-            count = steps
-        else:
-            count = len(scheduler.timesteps)
+        count = steps if scheduler is None else len(scheduler.timesteps)
         if strength is not None:
             count = self._strength_count(scheduler, steps, strength)
             if count < 1:
@@ -338,7 +354,10 @@ class CallbackDiffusers(Diffusers):
                     field="strength",
                 )
         if count < 1:
-            raise ParamsError(f"{self.name} param 'steps': no timesteps for {steps} steps", field="steps")
+            raise ParamsError(
+                f"{self.name} param 'steps': no timesteps for {steps} steps",
+                field="steps",
+            )
         return count
 
     def _throwaway_scheduler(self, steps: int) -> Any | None:

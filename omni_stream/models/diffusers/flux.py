@@ -34,9 +34,9 @@ from typing import Any
 import numpy as np
 import torch
 
+from ...errors import ParamsError
 from ...params import Param
-from .base import INSTALL_HINT as _INSTALL_HINT
-from .base import Diffusers, EncodePrompt, PromptEmbeddings
+from .base import INSTALL_HINT as _INSTALL_HINT, Diffusers, EncodePrompt, PromptEmbeddings
 from .loop import (
     cat_rows,
     check_batch_size,
@@ -129,7 +129,7 @@ class FluxDiffusers(Diffusers):
         ``max_batch_size`` above 1 lets the engine run several requests in
         one transformer call.
 
-        Raises ImportError without diffusers; ValueError for a pipeline
+        Raises ImportError without diffusers; ParamsError for a pipeline
         without a Flux transformer, a scheduler that cannot take the
         pipeline's sigmas and mu, a missing prompt encoder, or bad
         ``defaults``.
@@ -152,18 +152,20 @@ class FluxDiffusers(Diffusers):
         check_batch_size(max_batch_size)
         transformer = getattr(pipe, "transformer", None)
         if not isinstance(transformer, FluxTransformer2DModel):
-            raise ValueError(
+            raise ParamsError(
                 f"{type(pipe).__name__} has no FluxTransformer2DModel (its transformer is "
-                f"{type(transformer).__name__}); FluxDiffusers drives FluxPipeline"
+                f"{type(transformer).__name__}); FluxDiffusers drives FluxPipeline",
+                field="pipe",
             )
         config = transformer.config
         if config.in_channels % 4 or transformer.out_channels != config.in_channels:
             # Fill/Canny/Depth transformers take extra packed channels (image,
             # mask) that a text-to-image loop has no values for.
-            raise ValueError(
+            raise ParamsError(
                 f"Flux transformer has {config.in_channels} input and {transformer.out_channels} "
                 "output channels; only text-to-image transformers (equal counts, 2x2 packed "
-                "latents) are supported"
+                "latents) are supported",
+                field="pipe",
             )
         template = scheduler_template(pipe, scheduler)
         self._pipe = pipe
@@ -176,9 +178,10 @@ class FluxDiffusers(Diffusers):
         takes = signature_params(template.set_timesteps)
         needed = {"mu"} | ({"sigmas"} if self._own_sigmas else set())
         if not needed <= takes:
-            raise ValueError(
+            raise ParamsError(
                 f"{type(template).__name__}.set_timesteps takes no {' / '.join(sorted(needed - takes))}; "
-                "FluxPipeline's timesteps need a flow-matching scheduler"
+                "FluxPipeline's timesteps need a flow-matching scheduler",
+                field="scheduler",
             )
         self._step_params = signature_params(template.step)
         self._channels = int(config.in_channels) // 4
@@ -188,7 +191,10 @@ class FluxDiffusers(Diffusers):
         self._multiple = self._vae_scale * 2
         self._default_side = int(getattr(pipe, "default_sample_size", 128)) * self._vae_scale
         if encode_prompt is not None and not callable(encode_prompt):
-            raise ValueError(f"encode_prompt must be callable, got {type(encode_prompt).__name__}")
+            raise ParamsError(
+                f"encode_prompt must be callable, got {type(encode_prompt).__name__}",
+                field="encode_prompt",
+            )
         if encode_prompt is None:
             check_pipeline_encoder(pipe, ("tokenizer", "text_encoder", "tokenizer_2", "text_encoder_2"))
         self._encode_prompt = encode_prompt
@@ -289,7 +295,7 @@ class FluxDiffusers(Diffusers):
     def start(self, params: Mapping[str, Any], device: torch.device) -> _State:
         """Encode the prompt, make this request's scheduler, generator, noise and position ids.
 
-        Raises ValueError when the prompt embeddings do not fit the transformer.
+        Raises ParamsError when the prompt embeddings do not fit the transformer.
         """
         with torch.no_grad():
             dtype = self._transformer.dtype
@@ -367,7 +373,8 @@ class FluxDiffusers(Diffusers):
     def _unpack(self, packed: torch.Tensor, s: _State) -> torch.Tensor:
         # A fresh tensor (the permute makes reshape copy): safe to hand out.
         height, width = s.size
-        return self._flux._unpack_latents(packed, height, width, self._vae_scale)[0]
+        latents: torch.Tensor = self._flux._unpack_latents(packed, height, width, self._vae_scale)[0]
+        return latents
 
     def _predict(self, states: Sequence[_State], timesteps: Sequence[torch.Tensor]) -> list[torch.Tensor]:
         # One transformer call per group of states with one text length and
@@ -434,7 +441,7 @@ class FluxDiffusers(Diffusers):
     def decode(self, state: _State, frame: torch.Tensor) -> torch.Tensor:
         """The request's image ``[3, H, W]`` in [-1, 1]: the final (unpacked) latent through the VAE.
 
-        The engine calls this for ``output: "image"``; raises ValueError
+        The engine calls this for ``output: "image"``; raises ParamsError
         without a VAE.
         """
         return shifted_vae_decode(self._pipe, frame)
@@ -445,7 +452,7 @@ class FluxDiffusers(Diffusers):
         For latents a request returned with ``output: "latent"`` (packed
         ``[seq, 64]`` latents: unpack them first, see
         ``omni_stream.preview.unpack_flux``); call it once the engine is done.
-        Raises ValueError without a VAE or for latents of the wrong shape.
+        Raises ParamsError without a VAE or for latents of the wrong shape.
         """
         return shifted_vae_decode(self._pipe, latents).cpu()
 

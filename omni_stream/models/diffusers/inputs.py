@@ -149,11 +149,10 @@ def _decode(data: bytes, max_pixels: int, where: str, field: str) -> Any:
     try:
         # open() reads the header only; restricting the formats keeps PIL
         # from trying its other parsers on untrusted bytes.
-        image = Image.open(io.BytesIO(data), formats=(kind,))
-        _check_pixels(image.size, max_pixels, where, field)
-        image.load()
-        image = ImageOps.exif_transpose(image)
-        return image.convert("RGB")
+        opened = Image.open(io.BytesIO(data), formats=(kind,))
+        _check_pixels(opened.size, max_pixels, where, field)
+        opened.load()
+        return ImageOps.exif_transpose(opened).convert("RGB")
     except ParamsError:
         raise
     except Image.DecompressionBombError:

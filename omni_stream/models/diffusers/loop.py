@@ -15,7 +15,7 @@ from typing import Any
 import torch
 
 from ...errors import ParamsError
-from ...params import Param
+from ...params import Param, positive_int
 from .base import PromptEmbeddings, vae_image
 
 
@@ -44,18 +44,23 @@ class Saved:
 
 def check_mode(mode: str) -> None:
     if mode not in ("auto", "native"):
-        raise ValueError(f"a native adapter takes mode 'auto' or 'native', got {mode!r}")
+        raise ParamsError(
+            f"a native adapter takes mode 'auto' or 'native', got {mode!r}",
+            field="mode",
+        )
 
 
 def check_batch_size(max_batch_size: Any) -> None:
-    if isinstance(max_batch_size, bool) or not isinstance(max_batch_size, int) or max_batch_size < 1:
-        raise ValueError(f"max_batch_size must be a positive int, got {max_batch_size!r}")
+    positive_int(max_batch_size, "max_batch_size")
 
 
 def scheduler_template(pipe: Any, scheduler: Any | None) -> Any:
     template = scheduler if scheduler is not None else getattr(pipe, "scheduler", None)
     if template is None or not all(hasattr(template, a) for a in ("step", "config", "set_timesteps")):
-        raise ValueError(f"{type(pipe).__name__} has no scheduler; pass scheduler=")
+        raise ParamsError(
+            f"{type(pipe).__name__} has no scheduler; pass scheduler=",
+            field="scheduler",
+        )
     return template
 
 
@@ -66,20 +71,24 @@ def vae_scale_factor(pipe: Any) -> int:
 
 
 def check_pipeline_encoder(pipe: Any, needs: Sequence[str]) -> None:
-    """Raise ValueError unless ``pipe`` can encode prompts itself (``needs`` names its parts)."""
+    """Raise ParamsError unless ``pipe`` can encode prompts itself (``needs`` names its parts)."""
     missing = [n for n in needs if getattr(pipe, n, None) is None]
     if missing or not callable(getattr(pipe, "encode_prompt", None)):
-        raise ValueError(
+        raise ParamsError(
             f"{type(pipe).__name__} has no {' / '.join(missing) or 'encode_prompt'}; pass "
             "encode_prompt=, a callable (prompt, negative_prompt) -> PromptEmbeddings "
-            "with pooled_prompt_embeds"
+            "with pooled_prompt_embeds",
+            field="encode_prompt",
         )
 
 
 def checked_embeddings(emb: Any) -> PromptEmbeddings:
-    """``emb`` if it is PromptEmbeddings; raises ValueError otherwise."""
+    """``emb`` if it is PromptEmbeddings; raises ParamsError otherwise."""
     if not isinstance(emb, PromptEmbeddings):
-        raise ValueError(f"encode_prompt must return PromptEmbeddings, got {type(emb).__name__}")
+        raise ParamsError(
+            f"encode_prompt must return PromptEmbeddings, got {type(emb).__name__}",
+            field="encode_prompt",
+        )
     return emb
 
 
@@ -88,42 +97,50 @@ def text_conditioning(
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """``(embeds [rows, seq, width], pooled [rows, pooled_width])``, negative row first when guided.
 
-    Raises ValueError for missing, misshapen or mismatched embeddings.
+    Raises ParamsError for missing, misshapen or mismatched embeddings.
     """
     positive = batch_of_one(emb.prompt_embeds, "prompt_embeds", 3)
     if positive.shape[-1] != width:
-        raise ValueError(
+        raise ParamsError(
             f"prompt_embeds has width {positive.shape[-1]}, the transformer's joint_attention_dim "
-            f"is {width}"
+            f"is {width}",
+            field="prompt_embeds",
         )
     if emb.pooled_prompt_embeds is None:
-        raise ValueError(f"{family} needs pooled_prompt_embeds; encode_prompt returned none")
+        raise ParamsError(
+            f"{family} needs pooled_prompt_embeds; encode_prompt returned none",
+            field="pooled_prompt_embeds",
+        )
     pooled = batch_of_one(emb.pooled_prompt_embeds, "pooled_prompt_embeds", 2)
     if pooled.shape[-1] != pooled_width:
-        raise ValueError(
+        raise ParamsError(
             f"pooled_prompt_embeds has width {pooled.shape[-1]}, the transformer's "
-            f"pooled_projection_dim is {pooled_width}"
+            f"pooled_projection_dim is {pooled_width}",
+            field="pooled_prompt_embeds",
         )
     if not guided:
         return positive, pooled
     if emb.negative_prompt_embeds is None or emb.negative_pooled_prompt_embeds is None:
-        raise ValueError(
+        raise ParamsError(
             "encode_prompt returned no negative_prompt_embeds / negative_pooled_prompt_embeds, "
-            "which guidance_scale > 1 needs"
+            "which guidance_scale > 1 needs",
+            field="negative_prompt_embeds",
         )
     negative = batch_of_one(emb.negative_prompt_embeds, "negative_prompt_embeds", 3)
     if negative.shape != positive.shape:
-        raise ValueError(
+        raise ParamsError(
             f"negative_prompt_embeds {tuple(negative.shape)} and prompt_embeds "
-            f"{tuple(positive.shape)} must have the same shape"
+            f"{tuple(positive.shape)} must have the same shape",
+            field="negative_prompt_embeds",
         )
     negative_pooled = batch_of_one(
         emb.negative_pooled_prompt_embeds, "negative_pooled_prompt_embeds", 2
     )
     if negative_pooled.shape != pooled.shape:
-        raise ValueError(
+        raise ParamsError(
             f"negative_pooled_prompt_embeds {tuple(negative_pooled.shape)} and "
-            f"pooled_prompt_embeds {tuple(pooled.shape)} must have the same shape"
+            f"pooled_prompt_embeds {tuple(pooled.shape)} must have the same shape",
+            field="negative_pooled_prompt_embeds",
         )
     # The pipelines' row order: negative, then positive.
     return torch.cat([negative, positive]), torch.cat([negative_pooled, pooled])
@@ -132,18 +149,21 @@ def text_conditioning(
 def with_defaults(
     params: list[Param], defaults: Mapping[str, Any] | None, model: str
 ) -> tuple[Param, ...]:
-    """``params`` with ``defaults`` applied; raises ValueError for unknown names or bad values."""
+    """``params`` with ``defaults`` applied; raises ParamsError for unknown names or bad values."""
     if defaults:
         by_name = {p.name: i for i, p in enumerate(params)}
         unknown = sorted(set(defaults) - set(by_name))
         if unknown:
-            raise ValueError(f"defaults: unknown param(s) {unknown}; known: {sorted(by_name)}")
+            raise ParamsError(
+                f"defaults: unknown param(s) {unknown}; known: {sorted(by_name)}",
+                field="defaults",
+            )
         for key, value in defaults.items():
             spec = params[by_name[key]]
             try:
                 checked = spec.check(value, model=model)
             except ParamsError as exc:
-                raise ValueError(f"defaults: {exc}") from None
+                raise ParamsError(f"defaults: {exc}", field="defaults") from None
             params[by_name[key]] = replace(spec, default=checked)
     return tuple(params)
 
@@ -217,7 +237,7 @@ def flow_x0(scheduler: Any, sample: torch.Tensor, velocity: torch.Tensor) -> tor
     index = scheduler.step_index
     if index is None or index < 1:
         return None
-    sigma = scheduler.sigmas[index - 1]
+    sigma: torch.Tensor = scheduler.sigmas[index - 1]
     x0 = sample.float() - sigma.to(sample.device) * velocity.float()
     return x0.to(sample.dtype)
 
@@ -225,16 +245,19 @@ def flow_x0(scheduler: Any, sample: torch.Tensor, velocity: torch.Tensor) -> tor
 def shifted_vae_decode(pipe: Any, latents: torch.Tensor) -> torch.Tensor:
     """SD3/Flux VAE decode of ``[C, h, w]`` latents: ``vae.decode(x / scaling + shift)`` as ``vae_image``.
 
-    Raises ValueError without a VAE or for latents of the wrong shape.
+    Raises ParamsError without a VAE or for latents of the wrong shape.
     """
     vae = getattr(pipe, "vae", None)
     if vae is None:
-        raise ValueError(f"{type(pipe).__name__} has no VAE to decode with")
+        raise ParamsError(f"{type(pipe).__name__} has no VAE to decode with", field="pipe")
     if latents.dim() == 4 and latents.shape[0] == 1:
         latents = latents[0]
     channels = vae.config.latent_channels
     if latents.dim() != 3 or latents.shape[0] != channels:
-        raise ValueError(f"decode needs latents [{channels}, h, w], got {tuple(latents.shape)}")
+        raise ParamsError(
+            f"decode needs latents [{channels}, h, w], got {tuple(latents.shape)}",
+            field="latents",
+        )
     param = next(vae.parameters())
     shift = vae.config.shift_factor or 0.0
     with torch.no_grad():
@@ -245,16 +268,15 @@ def shifted_vae_decode(pipe: Any, latents: torch.Tensor) -> torch.Tensor:
     return vae_image(image)
 
 
-def batch_of_one(t: Any, field: str, ndim: int) -> torch.Tensor:
-    if not isinstance(t, torch.Tensor):
-        raise ValueError(f"{field} must be a torch.Tensor, got {type(t).__name__}")
-    if t.dim() == ndim - 1:
-        t = t[None]
+def batch_of_one(value: Any, field: str, ndim: int) -> torch.Tensor:
+    if not isinstance(value, torch.Tensor):
+        raise ParamsError(f"{field} must be a torch.Tensor, got {type(value).__name__}", field=field)
+    t = value[None] if value.dim() == ndim - 1 else value
     if t.dim() != ndim or t.shape[0] != 1:
         want = "[1, seq, dim]" if ndim == 3 else "[1, dim]"
-        raise ValueError(f"{field} must be {want}, got {tuple(t.shape)}")
+        raise ParamsError(f"{field} must be {want}, got {tuple(t.shape)}", field=field)
     if not t.is_floating_point():
-        raise ValueError(f"{field} must hold floats, got {t.dtype}")
+        raise ParamsError(f"{field} must hold floats, got {t.dtype}", field=field)
     return t
 
 

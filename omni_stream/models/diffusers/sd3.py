@@ -33,9 +33,9 @@ from typing import Any
 
 import torch
 
+from ...errors import ParamsError
 from ...params import Param
-from .base import INSTALL_HINT as _INSTALL_HINT
-from .base import Diffusers, EncodePrompt, PromptEmbeddings
+from .base import INSTALL_HINT as _INSTALL_HINT, Diffusers, EncodePrompt, PromptEmbeddings
 from .loop import (
     cat_rows,
     check_batch_size,
@@ -129,7 +129,7 @@ class SD3Diffusers(Diffusers):
         overrides param defaults. ``max_batch_size`` above 1 lets the engine
         run several requests in one transformer call.
 
-        Raises ImportError without diffusers; ValueError for a pipeline
+        Raises ImportError without diffusers; ParamsError for a pipeline
         without an SD3 transformer, a scheduler that cannot take the
         pipeline's timesteps, a missing prompt encoder, or bad ``defaults``.
         """
@@ -150,15 +150,17 @@ class SD3Diffusers(Diffusers):
         check_batch_size(max_batch_size)
         transformer = getattr(pipe, "transformer", None)
         if not isinstance(transformer, SD3Transformer2DModel):
-            raise ValueError(
+            raise ParamsError(
                 f"{type(pipe).__name__} has no SD3Transformer2DModel (its transformer is "
-                f"{type(transformer).__name__}); SD3Diffusers drives StableDiffusion3Pipeline"
+                f"{type(transformer).__name__}); SD3Diffusers drives StableDiffusion3Pipeline",
+                field="pipe",
             )
         config = transformer.config
         if config.in_channels != config.out_channels:
-            raise ValueError(
+            raise ParamsError(
                 f"SD3 transformer has {config.in_channels} input and {config.out_channels} output "
-                "channels; only text-to-image transformers (equal counts) are supported"
+                "channels; only text-to-image transformers (equal counts) are supported",
+                field="pipe",
             )
         template = scheduler_template(pipe, scheduler)
         self._pipe = pipe
@@ -167,8 +169,9 @@ class SD3Diffusers(Diffusers):
         self._scheduler_config = template.config
         self._dynamic = bool(template.config.get("use_dynamic_shifting", None))
         if self._dynamic and "mu" not in signature_params(template.set_timesteps):
-            raise ValueError(
-                f"{type(template).__name__} uses dynamic shifting but its set_timesteps takes no mu"
+            raise ParamsError(
+                f"{type(template).__name__} uses dynamic shifting but its set_timesteps takes no mu",
+                field="scheduler",
             )
         self._step_params = signature_params(template.step)
         self._channels = int(config.in_channels)
@@ -177,7 +180,10 @@ class SD3Diffusers(Diffusers):
         # StableDiffusion3Pipeline.check_inputs: sides are whole patches of latents.
         self._multiple = self._vae_scale * self._patch
         if encode_prompt is not None and not callable(encode_prompt):
-            raise ValueError(f"encode_prompt must be callable, got {type(encode_prompt).__name__}")
+            raise ParamsError(
+                f"encode_prompt must be callable, got {type(encode_prompt).__name__}",
+                field="encode_prompt",
+            )
         if encode_prompt is None:
             check_pipeline_encoder(pipe, ("tokenizer", "text_encoder", "tokenizer_2", "text_encoder_2"))
         self._encode_prompt = encode_prompt
@@ -277,7 +283,7 @@ class SD3Diffusers(Diffusers):
     def start(self, params: Mapping[str, Any], device: torch.device) -> _State:
         """Encode the prompt, make this request's scheduler, generator and noise.
 
-        Raises ValueError when the prompt embeddings do not fit the transformer.
+        Raises ParamsError when the prompt embeddings do not fit the transformer.
         """
         with torch.no_grad():
             guided = float(params["guidance_scale"]) > 1.0
@@ -414,7 +420,7 @@ class SD3Diffusers(Diffusers):
     def decode(self, state: _State, frame: torch.Tensor) -> torch.Tensor:
         """The request's image ``[3, H, W]`` in [-1, 1]: the final latent through the VAE.
 
-        The engine calls this for ``output: "image"``; raises ValueError
+        The engine calls this for ``output: "image"``; raises ParamsError
         without a VAE.
         """
         return shifted_vae_decode(self._pipe, frame)
@@ -424,7 +430,7 @@ class SD3Diffusers(Diffusers):
 
         For latents a request returned with ``output: "latent"``; call it
         once the engine is done (it runs the full VAE on this thread).
-        Raises ValueError without a VAE or for latents of the wrong shape.
+        Raises ParamsError without a VAE or for latents of the wrong shape.
         """
         return shifted_vae_decode(self._pipe, latents).cpu()
 

@@ -36,9 +36,8 @@ from typing import Any
 import torch
 
 from ...errors import ParamsError
-from ...params import Param
-from .base import INSTALL_HINT as _INSTALL_HINT
-from .base import Diffusers, EncodePrompt, PromptEmbeddings, vae_image
+from ...params import Param, positive_int
+from .base import INSTALL_HINT as _INSTALL_HINT, Diffusers, EncodePrompt, PromptEmbeddings, vae_image
 from .loop import batch_of_one, cat_rows, same_device, signature_params, step_atomically
 
 __all__ = ["UNetDiffusers"]
@@ -115,7 +114,7 @@ class UNetDiffusers(Diffusers):
         model. ``max_batch_size`` above 1 lets the engine run several
         requests in one UNet call (see :meth:`batch_key`).
 
-        Raises ImportError without diffusers; ValueError for a pipeline this
+        Raises ImportError without diffusers; ParamsError for a pipeline this
         adapter cannot drive, a missing prompt encoder, or bad ``defaults``.
         """
         try:
@@ -128,18 +127,21 @@ class UNetDiffusers(Diffusers):
             raise ImportError(_INSTALL_HINT) from exc
         self._rescale_noise_cfg = rescale_noise_cfg
         self._randn_tensor = randn_tensor
-        if isinstance(max_batch_size, bool) or not isinstance(max_batch_size, int) or max_batch_size < 1:
-            raise ValueError(f"max_batch_size must be a positive int, got {max_batch_size!r}")
+        positive_int(max_batch_size, "max_batch_size")
         unet = getattr(pipe, "unet", None)
         if unet is None:
             kind = "a transformer" if getattr(pipe, "transformer", None) is not None else "no"
-            raise ValueError(
+            raise ParamsError(
                 f"{type(pipe).__name__} has {kind} denoiser and no UNet; the diffusers adapter "
-                "supports UNet2DConditionModel pipelines (Stable Diffusion 1.x/2.x, SDXL)"
+                "supports UNet2DConditionModel pipelines (Stable Diffusion 1.x/2.x, SDXL)",
+                field="pipe",
             )
         template = scheduler if scheduler is not None else getattr(pipe, "scheduler", None)
         if template is None or not hasattr(template, "step") or not hasattr(template, "config"):
-            raise ValueError(f"{type(pipe).__name__} has no scheduler; pass scheduler=")
+            raise ParamsError(
+                f"{type(pipe).__name__} has no scheduler; pass scheduler=",
+                field="scheduler",
+            )
         config = unet.config
         addition = getattr(config, "addition_embed_type", None)
         if addition is None:
@@ -147,16 +149,18 @@ class UNetDiffusers(Diffusers):
         elif addition == "text_time":
             self.family = "sdxl"
         else:
-            raise ValueError(
+            raise ParamsError(
                 f"UNet addition_embed_type {addition!r} is not supported; the diffusers adapter "
-                "drives Stable Diffusion 1.x/2.x (none) and SDXL ('text_time') UNets"
+                "drives Stable Diffusion 1.x/2.x (none) and SDXL ('text_time') UNets",
+                field="pipe",
             )
         if config.in_channels != config.out_channels:
             # Inpainting and upscaling UNets take extra channels (mask, image)
             # that a text-to-image loop has no values for.
-            raise ValueError(
+            raise ParamsError(
                 f"UNet has {config.in_channels} input and {config.out_channels} output channels; "
-                "only text-to-image UNets (equal counts) are supported"
+                "only text-to-image UNets (equal counts) are supported",
+                field="pipe",
             )
 
         self._pipe = pipe
@@ -176,7 +180,10 @@ class UNetDiffusers(Diffusers):
         # that downsamples more needs its own factor.
         self._multiple = max(8, self._vae_scale)
         if encode_prompt is not None and not callable(encode_prompt):
-            raise ValueError(f"encode_prompt must be callable, got {type(encode_prompt).__name__}")
+            raise ParamsError(
+                f"encode_prompt must be callable, got {type(encode_prompt).__name__}",
+                field="encode_prompt",
+            )
         if encode_prompt is None:
             self._check_pipeline_encoder()
         self._encode_prompt = encode_prompt
@@ -217,13 +224,16 @@ class UNetDiffusers(Diffusers):
             by_name = {p.name: i for i, p in enumerate(params)}
             unknown = sorted(set(defaults) - set(by_name))
             if unknown:
-                raise ValueError(f"defaults: unknown param(s) {unknown}; known: {sorted(by_name)}")
+                raise ParamsError(
+                    f"defaults: unknown param(s) {unknown}; known: {sorted(by_name)}",
+                    field="defaults",
+                )
             for key, value in defaults.items():
                 spec = params[by_name[key]]
                 try:
                     checked = spec.check(value, model=self.name)
                 except ParamsError as exc:
-                    raise ValueError(f"defaults: {exc}") from None
+                    raise ParamsError(f"defaults: {exc}", field="defaults") from None
                 params[by_name[key]] = replace(spec, default=checked)
         return tuple(params)
 
@@ -292,7 +302,7 @@ class UNetDiffusers(Diffusers):
     def start(self, params: Mapping[str, Any], device: torch.device) -> _State:
         """Encode the prompt, make this request's scheduler, generator and noise.
 
-        Raises ValueError when ``encode_prompt`` returns embeddings that do
+        Raises ParamsError when ``encode_prompt`` returns embeddings that do
         not fit the UNet.
         """
         with torch.no_grad():
@@ -450,9 +460,10 @@ class UNetDiffusers(Diffusers):
         needs = ("tokenizer_2", "text_encoder_2") if self.family == "sdxl" else ("tokenizer", "text_encoder")
         missing = [n for n in needs if getattr(pipe, n, None) is None]
         if missing or not callable(getattr(pipe, "encode_prompt", None)):
-            raise ValueError(
+            raise ParamsError(
                 f"{type(pipe).__name__} has no {' / '.join(missing) or 'encode_prompt'}; pass "
-                "encode_prompt=, a callable (prompt, negative_prompt) -> PromptEmbeddings"
+                "encode_prompt=, a callable (prompt, negative_prompt) -> PromptEmbeddings",
+                field="encode_prompt",
             )
 
     def _encode(
@@ -461,8 +472,9 @@ class UNetDiffusers(Diffusers):
         if self._encode_prompt is not None:
             emb = self._encode_prompt(prompt, negative_prompt)
             if not isinstance(emb, PromptEmbeddings):
-                raise ValueError(
-                    f"encode_prompt must return PromptEmbeddings, got {type(emb).__name__}"
+                raise ParamsError(
+                    f"encode_prompt must return PromptEmbeddings, got {type(emb).__name__}",
+                    field="encode_prompt",
                 )
             return emb
         # "" -> None matches pipe(prompt=...) without a negative prompt: SD
@@ -482,21 +494,24 @@ class UNetDiffusers(Diffusers):
         emb = self._encode(params["prompt"], params["negative_prompt"], device, guided)
         positive = batch_of_one(emb.prompt_embeds, "prompt_embeds", 3)
         if positive.shape[-1] != self._cross_dim:
-            raise ValueError(
+            raise ParamsError(
                 f"prompt_embeds has width {positive.shape[-1]}, the UNet's cross_attention_dim "
-                f"is {self._cross_dim}"
+                f"is {self._cross_dim}",
+                field="prompt_embeds",
             )
         rows = [positive]
         if guided:
             if emb.negative_prompt_embeds is None:
-                raise ValueError(
-                    "encode_prompt returned no negative_prompt_embeds, which guidance_scale > 1 needs"
+                raise ParamsError(
+                    "encode_prompt returned no negative_prompt_embeds, which guidance_scale > 1 needs",
+                    field="negative_prompt_embeds",
                 )
             negative = batch_of_one(emb.negative_prompt_embeds, "negative_prompt_embeds", 3)
             if negative.shape != positive.shape:
-                raise ValueError(
+                raise ParamsError(
                     f"negative_prompt_embeds {tuple(negative.shape)} and prompt_embeds "
-                    f"{tuple(positive.shape)} must have the same shape"
+                    f"{tuple(positive.shape)} must have the same shape",
+                    field="negative_prompt_embeds",
                 )
             rows = [negative, positive]
         embeds = torch.cat(rows).to(device=device, dtype=dtype)
@@ -504,13 +519,17 @@ class UNetDiffusers(Diffusers):
             return embeds, None, None
 
         if emb.pooled_prompt_embeds is None:
-            raise ValueError("SDXL needs pooled_prompt_embeds; encode_prompt returned none")
+            raise ParamsError(
+                "SDXL needs pooled_prompt_embeds; encode_prompt returned none",
+                field="pooled_prompt_embeds",
+            )
         pooled = [batch_of_one(emb.pooled_prompt_embeds, "pooled_prompt_embeds", 2)]
         if guided:
             if emb.negative_pooled_prompt_embeds is None:
-                raise ValueError(
+                raise ParamsError(
                     "SDXL with guidance_scale > 1 needs negative_pooled_prompt_embeds; "
-                    "encode_prompt returned none"
+                    "encode_prompt returned none",
+                    field="negative_pooled_prompt_embeds",
                 )
             pooled.insert(0, batch_of_one(
                 emb.negative_pooled_prompt_embeds, "negative_pooled_prompt_embeds", 2
@@ -523,9 +542,10 @@ class UNetDiffusers(Diffusers):
         expected = self._unet.add_embedding.linear_1.in_features
         given = self._unet.config.addition_time_embed_dim * len(ids) + text_embeds.shape[-1]
         if given != expected:
-            raise ValueError(
+            raise ParamsError(
                 f"pooled_prompt_embeds width {text_embeds.shape[-1]} does not fit the UNet: its "
-                f"added embedding takes {expected} values, this gives {given}"
+                f"added embedding takes {expected} values, this gives {given}",
+                field="pooled_prompt_embeds",
             )
         time_ids = torch.tensor([ids] * len(pooled), dtype=dtype).to(device)
         return embeds, text_embeds, time_ids
@@ -545,7 +565,7 @@ class UNetDiffusers(Diffusers):
         For latents a request returned with ``output: "latent"``. Runs the
         full VAE on the calling thread: call it once the engine is done, not
         beside a running engine on a small CPU box, where its torch threads
-        would fight the producer's. Raises ValueError without a VAE or for
+        would fight the producer's. Raises ParamsError without a VAE or for
         latents of the wrong shape.
         """
         return self._vae_decode(latents).cpu()
@@ -553,12 +573,16 @@ class UNetDiffusers(Diffusers):
     def _vae_decode(self, latents: torch.Tensor) -> torch.Tensor:
         vae = getattr(self._pipe, "vae", None)
         if vae is None:
-            raise ValueError(f"{type(self._pipe).__name__} has no VAE to decode with")
+            raise ParamsError(
+                f"{type(self._pipe).__name__} has no VAE to decode with",
+                field="pipe",
+            )
         if latents.dim() == 4 and latents.shape[0] == 1:
             latents = latents[0]
         if latents.dim() != 3 or latents.shape[0] != vae.config.latent_channels:
-            raise ValueError(
-                f"decode needs latents [{vae.config.latent_channels}, h, w], got {tuple(latents.shape)}"
+            raise ParamsError(
+                f"decode needs latents [{vae.config.latent_channels}, h, w], got {tuple(latents.shape)}",
+                field="latents",
             )
         # The SDXL pipeline's rule: its stock VAE overflows in float16 (a
         # black or NaN image), so it decodes in float32 and casts back after.

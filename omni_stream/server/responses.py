@@ -1,4 +1,6 @@
-"""HTTP responses of the server's routes (Starlette responses; builders only, no I/O but the page file).
+"""The server's HTTP responses (Starlette), built for the routes in asgi.py and http_api.py.
+
+Builders only: no I/O but reading the page file.
 
 Every JSON error body is ``{"error": code, "message": message}`` with the
 same codes as the websocket's ``error`` messages (docs/protocol.md).
