@@ -22,6 +22,14 @@ itself.
 
 Generation and preview rendering are the same in both (the same Engine and
 Previewer), so the differences are the send path's.
+
+The same load read as Server-Sent Events from the same server (``sse``:
+each client ``POST``s ``/v1/generations`` and ``GET``s the answer's
+``events`` URL on the same kept-alive connection, as a page with an
+``EventSource`` does; ``sse_post``: one ``POST`` with ``Accept:
+text/event-stream``), with the latency taken when the client has parsed a
+``preview`` event, against the websocket clients in the same run; and the
+stalled 101st client as an event-stream reader.
 """
 
 from __future__ import annotations
@@ -119,10 +127,17 @@ def _summarise(
 
 
 async def _sample(
-    kind: str, extra: str | None, clients: int, steps: int, deadline_s: float, **server: Any
+    kind: str,
+    extra: str | None,
+    clients: int,
+    steps: int,
+    deadline_s: float,
+    transport: str = "ws",
+    **server: Any,
 ) -> dict[str, Any]:
     model = StampedSynthetic()
     cfg = {
+        "transport": transport,
         "clients": clients,
         "extra": extra,
         "extra_params": EXTRA_PARAMS,
@@ -134,11 +149,15 @@ async def _sample(
     if kind == "ours":
         from omni_stream.server import Server
 
+        if transport != "ws":
+            # Generations started over HTTP are detached: every one of them
+            # counts against max_retained (64 by default) while it runs.
+            server.setdefault("max_retained", clients + 8)
         async with Server(
             model, host="127.0.0.1", port=0, device="cpu", max_connections=clients + 8, **server
         ) as srv:
             cpu0 = time.process_time()
-            result = await _clients(dict(cfg, url=srv.url))
+            result = await _clients(dict(cfg, url=srv.url if transport == "ws" else srv.http_url))
             cpu = time.process_time() - cpu0
     else:
         from .naive_server import NaiveServer
@@ -157,10 +176,11 @@ async def run(ctx: Context) -> list[Figure]:
     deadline = 10.0 if ctx.quick else 20.0
     ctx.log(f"fanout: {clients} clients x {steps} steps of {SHAPE}, JPEG every step; deadline {deadline:g} s")
 
-    def sampler(kind: str, extra: str | None, **server: Any):
+    def sampler(kind: str, extra: str | None, transport: str = "ws", **server: Any):
         async def sample() -> dict[str, Any]:
-            s = await _sample(kind, extra, clients, steps, deadline, **server)
-            label = kind + "".join(f" {k}={v}" for k, v in server.items())
+            s = await _sample(kind, extra, clients, steps, deadline, transport, **server)
+            label = kind + ("" if transport == "ws" else f" {transport}")
+            label += "".join(f" {k}={v}" for k, v in server.items())
             ctx.log(
                 f"{label}{' +' + extra if extra else ''}: {s['fps']:.0f} fps, p50 {s['p50_ms']:.1f} ms, "
                 f"p99 {s['p99_ms']:.1f} ms, {s['finished']}/{s['clients']} done, "
@@ -179,6 +199,10 @@ async def run(ctx: Context) -> list[Figure]:
             "ours_stuck": sampler("ours", "stuck"),
             "naive_reading": sampler("naive", "reading"),
             "naive_stuck": sampler("naive", "stuck"),
+            "sse": sampler("ours", None, "sse"),
+            "sse_post": sampler("ours", None, "sse_post"),
+            "sse_reading": sampler("ours", "reading", "sse"),
+            "sse_stuck": sampler("ours", "stuck", "sse"),
         },
         reps,
     )
@@ -208,6 +232,12 @@ async def run(ctx: Context) -> list[Figure]:
         "the previews themselves (one preview thread renders every JPEG for both) and the 2 cores "
         "the server, its producer and the clients' process share"
     )
+    limits_sse = (
+        "an event carries the preview base64-encoded in JSON (4/3 the bytes) and is encoded "
+        "for each reader on the server's loop, then parsed by the reader; the rest (engine, "
+        "previews, outbox, uvicorn) is the websocket's"
+    )
+
     def fig(
         name: str, value: float, base: str, ours: str, limits: str, *,
         target: Target | None = None, unit: str = "x",
@@ -290,5 +320,55 @@ async def run(ctx: Context) -> list[Figure]:
             "naive_reading",
             "naive_stuck",
             "the serial publish loop waits on the stuck socket; everyone's frames queue behind it",
+        ),
+        fig(
+            "fanout.sse.p99_ms",
+            m("sse", "p99_ms"),
+            "ours",
+            "sse",
+            (
+                "the same server and load as fanout.p99_ms, read as Server-Sent Events "
+                "(EventSource-style: POST, then GET the events URL); websocket p99 "
+                f"{m('ours', 'p99_ms'):.0f} ms beside it"
+            ),
+            unit="ms",
+        ),
+        fig(
+            "fanout.sse.fps_vs_ws",
+            m("sse", "fps") / m("ours", "fps"),
+            "ours",
+            "sse",
+            limits_sse,
+        ),
+        fig(
+            "fanout.sse.p99_vs_ws",
+            m("sse", "p99_ms") / m("ours", "p99_ms"),
+            "ours",
+            "sse",
+            limits_sse,
+        ),
+        fig(
+            "fanout.sse_post.fps_vs_ws",
+            m("sse_post", "fps") / m("ours", "fps"),
+            "ours",
+            "sse_post",
+            "one POST with Accept: text/event-stream answered with the events (one round trip "
+            "fewer than POST then GET); " + limits_sse,
+        ),
+        fig(
+            "fanout.sse_post.p99_vs_ws",
+            m("sse_post", "p99_ms") / m("ours", "p99_ms"),
+            "ours",
+            "sse_post",
+            "one POST with Accept: text/event-stream answered with the events; " + limits_sse,
+        ),
+        fig(
+            "fanout.sse.stuck_client.fps_kept",
+            m("sse_stuck", "fps") / m("sse_reading", "fps"),
+            "sse_reading",
+            "sse_stuck",
+            "as fanout.stuck_client.fps_kept with 101 event-stream readers: the stalled one's "
+            "outbox keeps only the latest previews, its own writer alone waits on its socket",
+            target=STUCK_TARGET,
         ),
     ]
