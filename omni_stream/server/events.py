@@ -111,6 +111,9 @@ class EventStream:
                     "headers": [(k.encode(), v.encode()) for k, v in headers.items()],
                 }
             )
+            # Stays False when the client hangs up first (the watcher
+            # cancels the pump): then there is no one to end the body for.
+            ended = False
             async with anyio.create_task_group() as tg:
 
                 async def watch_disconnect() -> None:

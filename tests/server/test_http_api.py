@@ -442,3 +442,29 @@ async def test_the_mount_example_serves_both_apps() -> None:
                 assert result.status_code == 200 and result.headers["content-type"] == "image/png"
         finally:
             server.should_exit = True
+
+
+@pytest.mark.asyncio
+async def test_an_event_stream_reader_hanging_up_early_is_quiet(caplog: pytest.LogCaptureFixture) -> None:
+    # A closed browser tab: no traceback from the app, the request runs on (it is detached).
+    async with running(Slow(0.01)) as server:
+        reader, writer = await anyio_open(server)
+        body = json.dumps({"params": {**SMALL, "steps": 100}}).encode()
+        writer.write(
+            b"POST /v1/generations HTTP/1.1\r\nHost: x\r\nAccept: text/event-stream\r\n"
+            b"Content-Type: application/json\r\nContent-Length: %d\r\n\r\n" % len(body) + body
+        )
+        await reader.readuntil(b"event: progress")
+        writer.close()
+        record = next(iter(server.service.registry))
+        await wait_for(lambda: record.ended, what="the request to end")
+        await wait_for(lambda: not server.service.connections, what="the stream to be let go")
+    assert record.outcome == "done"
+    problems = [r for r in caplog.records if r.levelno >= 40]
+    assert not problems, [r.getMessage() for r in problems]
+
+
+async def anyio_open(server: Any) -> Any:
+    import asyncio
+
+    return await asyncio.open_connection(server.host, server.port)
