@@ -88,7 +88,12 @@ class ServerLimits:
     max_memory_bytes: int = 1 << 30
     send_timeout_s: float = 30.0
     retention_s: float = 600.0
-    max_retained: int = 64
+    #: Detached requests held, running or ended. Every generation started
+    #: over HTTP is detached, so this is above what admission lets run
+    #: (max_active + max_queued): a full server answers busy with
+    #: Retry-After first, not too_many_requests. What results hold is
+    #: bounded in bytes by max_memory_bytes (the oldest ended go first).
+    max_retained: int = 256
     shutdown_timeout_s: float = 10.0
     close_timeout_s: float = 5.0
     #: Previews rendered at once. One by default: on a small CPU box the

@@ -95,6 +95,9 @@ def test_request_limits_name_param_and_variable() -> None:
 def test_byte_bounds_from_keywords_and_environment(monkeypatch: pytest.MonkeyPatch) -> None:
     defaults = ServerLimits()
     assert defaults.max_pending_bytes == 64 << 20 and defaults.max_memory_bytes == 1 << 30
+    # Above what admission lets run (max_active + max_queued): every HTTP generation
+    # is detached, and a full server must answer busy before too_many_requests.
+    assert defaults.max_retained >= defaults.max_queued + 64
     monkeypatch.setenv("OMNI_STREAM_MAX_PENDING_BYTES", "12345")
     monkeypatch.setenv("OMNI_STREAM_MAX_MEMORY_BYTES", "67890")
     limits = ServerLimits.from_env({})
