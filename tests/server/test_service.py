@@ -186,6 +186,8 @@ def check_stream(
         last_step = m["step"]
         assert m["total"] == total
         if m["type"] == "progress":
+            assert m["step"] > last_progress, f"progress of step {m['step']} twice"
+            assert isinstance(m["eta_s"], (int, float)) and m["eta_s"] >= 0
             last_progress = m["step"]
         else:
             assert m["step"] == last_progress, f"preview of step {m['step']} not right after its progress"
@@ -193,6 +195,7 @@ def check_stream(
         final = [m for m in msgs if m["type"] == "preview" and m["final"]]
         assert len(final) == 1 and final[0]["step"] == total
         assert msgs[-2] is final[0], "the final preview must come right before done"
+        assert msgs[-1]["total"] == total and msgs[-1]["elapsed_s"] >= 0
 
 
 # -- one reply per message -------------------------------------------------------
@@ -604,6 +607,18 @@ async def test_a_detached_request_is_visible_by_id_to_any_connection() -> None:
 
 
 @pytest.mark.asyncio
+async def test_a_watchers_disconnect_does_not_cancel_a_request_it_did_not_start() -> None:
+    async with serving() as service:
+        a, b = Client(service), Client(service)
+        a.generate("shared", SHORT, detach=True)
+        b.reply(type="attach", id="shared")
+        record = service.registry.get("shared")
+        b.close()
+        assert record.watchers == (a.id,)
+        assert (await a.until_end("shared"))[-1]["type"] == "done"
+
+
+@pytest.mark.asyncio
 async def test_with_a_token_every_connection_may_cancel_and_attach_everything() -> None:
     async with serving(token="t") as service:
         a, b, c = Client(service), Client(service), Client(service)
@@ -813,7 +828,14 @@ async def test_each_preview_right_after_its_progress_and_the_final_preview_right
         acc = a.generate("ord", {**SMALL, "steps": 30}, preview={"every": 1, "format": "raw"})
         msgs = await a.until_end("ord")
         check_stream([acc, *msgs], "ord", 30)
-        assert any(m["type"] == "preview" and not m["final"] for m in msgs)
+        previews = [m for m in msgs if m["type"] == "preview"]
+        assert len(previews) >= 2
+        for m in previews[:-1]:
+            assert (m["final"], m["format"], m["mime"]) == (False, "raw", "application/octet-stream")
+            assert (m["width"], m["height"], m["nbytes"]) == (16, 16, 16 * 16 * 3)
+        final = previews[-1]
+        assert (final["final"], final["format"], final["mime"]) == (True, "png", "image/png")
+        assert (final["width"], final["height"]) == (16, 16)
 
 
 @pytest.mark.asyncio
@@ -830,10 +852,13 @@ async def test_every_n_previews_at_most_every_nth_step_and_always_the_final() ->
 @pytest.mark.asyncio
 async def test_final_preview_and_outcome_reach_a_watcher_whose_outbox_is_full_of_previews() -> None:
     # The outbox is filled to its byte bound with intermediate previews (of
-    # other requests, as a fan-out would leave them), then two requests run
-    # with nobody reading: every must-deliver message still gets in, their
-    # intermediate previews are what gives way, and the client is not closed.
+    # other requests, as a fan-out would leave them), then four requests run
+    # with nobody reading. "n0" ends first; the other three go on putting
+    # previews into the full outbox after its final preview and ``done`` are
+    # queued: those must stay (previews give way instead) and the client is
+    # not closed.
     bound = 4000
+    totals = {"n0": 10, "n1": 40, "n2": 40, "n3": 40}
     async with serving() as service:
         a = Client(service, max_pending_bytes=bound)
         filler = [
@@ -855,17 +880,16 @@ async def test_final_preview_and_outcome_reach_a_watcher_whose_outbox_is_full_of
         for i, frame in enumerate(filler):
             a.outbox.put(frame, "preview", latest_key=(f"other{i}", "preview"))
         assert a.outbox.pending_bytes > bound - len(filler[0])  # no room for one more
-        rids = ["n0", "n1"]
-        for rid in rids:
-            a.send(type="generate", id=rid, params={**SMALL, "steps": 30}, preview=RAW)
-        records = [service.registry.get(rid) for rid in rids]
-        await wait_for(lambda: all(r is not None and r.ended for r in records), "both to end")
+        for rid, total in totals.items():
+            a.send(type="generate", id=rid, params={**SMALL, "steps": total}, preview=RAW)
+        records = [service.registry.get(rid) for rid in totals]
+        await wait_for(lambda: all(r is not None and r.ended for r in records), "all to end")
         assert not a.outbox.overflowed
         msgs = a.pending()
         assert sum(m["id"].startswith("other") for m in msgs) < len(filler), "nothing gave way"
-        for rid in rids:
+        for rid, total in totals.items():
             mine = [m for m in msgs if m["id"] == rid]
-            check_stream(mine, rid, 30)
+            check_stream(mine, rid, total)
             assert sum(m["type"] == "preview" and not m["final"] for m in mine) <= 1
 
 
