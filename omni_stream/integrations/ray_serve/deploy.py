@@ -16,6 +16,7 @@ from typing import Any, cast
 
 import ray
 from ray import serve
+from ray.serve import Application
 from ray.serve.config import DeploymentActorConfig
 from ray.serve.deployment import Deployment
 
@@ -45,7 +46,7 @@ def build_app(
     ray_actor_options: Mapping[str, Any] | None = None,
     settings: ReplicaSettings | None = None,
     **deployment_options: Any,
-) -> Any:
+) -> Application:
     """The Serve application (``Deployment.bind(...)``) of ``replicas`` EngineReplicas.
 
     ``model``: a registry spec ("synthetic", "diffusers:ID", "module:attr"),
@@ -76,6 +77,8 @@ def build_app(
     actor_options.setdefault("num_gpus", num_gpus)
     if num_cpus is not None:
         actor_options["num_cpus"] = num_cpus
+    # cast: serve.deployment is annotated as the decorator factory only
+    # (Callable[[Callable], Deployment]); given the class, it returns the Deployment.
     deployment = cast(Deployment, serve.deployment(EngineReplica)).options(
         name=DEPLOYMENT,
         num_replicas=replicas,
@@ -91,7 +94,7 @@ def build_app(
     return deployment.bind(model, kwargs, settings or ReplicaSettings())
 
 
-def app_builder(args: Mapping[str, Any]) -> Any:
+def app_builder(args: Mapping[str, Any]) -> Application:
     """The application for a Serve config file: ``args`` are :func:`build_app`'s keyword arguments.
 
     ``model`` is required (a registry spec); ``replicas``, ``num_gpus``,

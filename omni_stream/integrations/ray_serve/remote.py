@@ -37,7 +37,7 @@ import uuid
 import weakref
 from collections.abc import Mapping
 from types import TracebackType
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import anyio
 import anyio.abc
@@ -46,6 +46,7 @@ import ray
 from ray import serve
 from ray.exceptions import RayError
 from ray.serve.exceptions import RayServeException
+from ray.serve.handle import DeploymentHandle, DeploymentResponseGenerator
 
 from ...engine.delivery import POLICIES
 from ...engine.group import GroupStatistics
@@ -58,11 +59,15 @@ from ...errors import (
     ParamsError,
 )
 from ...frame import Frame
+from ...lifecycle import Lifecycle
 from ...model import split_output
 from .card import ModelCard
 from .report import ReplicaReport, ReplicaView, sum_statistics, summarize, view
 from .stream import RemoteStream, cancel_response
-from .wire import Submit
+from .wire import Item, Submit
+
+if TYPE_CHECKING:
+    from .replica import EngineReplica
 
 __all__ = ["DEFAULT_WINDOW", "RemoteEngine", "connect_ray"]
 
@@ -115,8 +120,13 @@ class RemoteEngine:
         self._poll_s = float(poll_s)
         self._stale_after_s = float(stale_after_s)
         self._dead_after_s = float(dead_after_s)
-        self._handle: Any = None
+        self._handle: DeploymentHandle[EngineReplica] | None = None
+        self._stream_handle: DeploymentHandle[EngineReplica] | None = None
         self._card: ModelCard | None = None
+        # The ReplicaBoard's ActorHandle (from describe()). Any, not
+        # ActorHandle[ReplicaBoard]: Ray types an actor's methods only where
+        # they carry @ray.method (ActorHandle.__getattr__ returns Never), and
+        # board.py stays a plain class, pickled by value into its actor.
         self._board: Any = None
         # Re-entrant: a stream's __del__ (any thread, any time) takes it too.
         self._lock = threading.RLock()
@@ -127,7 +137,7 @@ class RemoteEngine:
         self._lost: set[str] = set()  # replicas a stream saw die, until their reports age out
         self._polled_at = time.monotonic()
         self._unreachable_since: float | None = None
-        self._state = "new"  # new -> running -> closed
+        self._state = Lifecycle.NEW
         self._loop: asyncio.AbstractEventLoop | None = None
         self._loop_thread: int | None = None
         self._tg: anyio.abc.TaskGroup | None = None
@@ -157,7 +167,7 @@ class RemoteEngine:
         return self._card.max_batch_size if self._card is not None else 1
 
     def __repr__(self) -> str:
-        return f"<RemoteEngine {self._state} app={self._name!r}>"
+        return f"<RemoteEngine {self._state.value} app={self._name!r}>"
 
     # -- connecting and lifecycle --------------------------------------------------------
 
@@ -201,13 +211,13 @@ class RemoteEngine:
         Raises EngineClosedError if started before or when the application
         is not reachable.
         """
-        if self._state != "new":
+        if self._state is not Lifecycle.NEW:
             raise EngineClosedError("a RemoteEngine can be started once; create a new one")
         if self._card is None:
             await anyio.to_thread.run_sync(self.connect)
         self._loop = asyncio.get_running_loop()
         self._loop_thread = threading.get_ident()
-        self._state = "running"
+        self._state = Lifecycle.RUNNING
         await self.refresh()
         self._tg = anyio.create_task_group()
         await self._tg.__aenter__()
@@ -218,21 +228,26 @@ class RemoteEngine:
 
         The Serve application keeps running (``undeploy`` deletes it).
         """
-        if self._state == "closed":
+        if self._state.ending:
             return
         was = self._state
-        self._state = "closed"
-        for stream in self._open_streams():
-            stream._cancel(EngineClosedError("the RemoteEngine was closed", request_id=stream.request_id))
-        if was == "running" and self._tg is not None:
-            self._tg.cancel_scope.cancel()
-            await self._tg.__aexit__(None, None, None)
+        self._state = Lifecycle.CLOSING
+        try:
+            for stream in self._open_streams():
+                stream._cancel(EngineClosedError("the RemoteEngine was closed", request_id=stream.request_id))
+            if was is Lifecycle.RUNNING and self._tg is not None:
+                self._tg.cancel_scope.cancel()
+                await self._tg.__aexit__(None, None, None)
+        finally:
+            self._state = Lifecycle.CLOSED
 
     # -- submitting ------------------------------------------------------------------------
 
     def _check_open(self, request_id: str | None) -> None:
-        if self._state != "running":
-            what = "not started (use `async with RemoteEngine(...)`)" if self._state == "new" else "closed"
+        if self._state is not Lifecycle.RUNNING:
+            what = "closed"
+            if self._state is Lifecycle.NEW:
+                what = "not started (use `async with RemoteEngine(...)`)"
             raise EngineClosedError(f"the RemoteEngine is {what}", request_id=request_id)
         h = self.health()
         if h.status == "dead":
@@ -260,7 +275,9 @@ class RemoteEngine:
         if request_id is None:
             request_id = uuid.uuid4().hex
         if not isinstance(request_id, str) or not request_id:
-            raise ParamsError(f"request_id must be a non-empty string, got {request_id!r}", field="request_id")
+            raise ParamsError(
+                f"request_id must be a non-empty string, got {request_id!r}", field="request_id"
+            )
         self._check_open(request_id)
         _check_options(policy, timeout, preview_every, priority, request_id)
         with self._lock:
@@ -287,9 +304,11 @@ class RemoteEngine:
             priority=priority,
             window=self._window,
         )
-        response = self._stream_handle.stream.remote(
-            None if params is None else dict(params), submit
-        )
+        handle = self._stream_handle
+        assert handle is not None  # connected: _check_open passed
+        response = handle.stream.remote(None if params is None else dict(params), submit)
+        # options(stream=True): Serve returns a generator (typed as either).
+        assert isinstance(response, DeploymentResponseGenerator), type(response)
         stream = RemoteStream(
             self, response, key=submit.key, request_id=request_id, total=total, params=checked
         )
@@ -353,7 +372,7 @@ class RemoteEngine:
     def _ack(self, key: str, seq: int) -> None:
         self._board.ack.remote(key, seq)  # fire and forget
 
-    def _cancel_threadsafe(self, response: Any) -> None:
+    def _cancel_threadsafe(self, response: DeploymentResponseGenerator[Item]) -> None:
         # From a stream's __del__, wherever the collector runs it.
         loop = self._loop
         if loop is not None and not loop.is_closed() and threading.get_ident() != self._loop_thread:
@@ -394,6 +413,8 @@ class RemoteEngine:
 
     async def _rediscover(self) -> None:
         # The board died and Serve made a new one: ask a replica for its handle.
+        if self._handle is None:
+            return
         try:
             with anyio.fail_after(_BOARD_TIMEOUT_S):
                 _, board, _ = await self._handle.describe.remote()
@@ -436,7 +457,7 @@ class RemoteEngine:
         return summarize(
             self.replicas(),
             name=self._name,
-            state=self._state,
+            state=self._state.value,
             unreachable_s=unreachable,
             dead_after_s=self._dead_after_s,
         )
@@ -460,7 +481,9 @@ def _check_options(
     """Engine.stream's option checks, at the front door (so they raise at once)."""
     if policy not in POLICIES:
         raise ParamsError(
-            f"policy must be one of {', '.join(POLICIES)}, got {policy!r}", field="policy", request_id=request_id
+            f"policy must be one of {', '.join(POLICIES)}, got {policy!r}",
+            field="policy",
+            request_id=request_id,
         )
     if timeout is not None and (
         isinstance(timeout, bool)
@@ -469,7 +492,9 @@ def _check_options(
         or timeout <= 0
     ):
         raise ParamsError(
-            f"timeout must be a positive number of seconds, got {timeout!r}", field="timeout", request_id=request_id
+            f"timeout must be a positive number of seconds, got {timeout!r}",
+            field="timeout",
+            request_id=request_id,
         )
     if preview_every is not None and (
         isinstance(preview_every, bool) or not isinstance(preview_every, int) or preview_every < 1
@@ -479,7 +504,11 @@ def _check_options(
             field="preview_every",
             request_id=request_id,
         )
-    if isinstance(priority, bool) or not isinstance(priority, int) or not PRIORITY_MIN <= priority <= PRIORITY_MAX:
+    if (
+        isinstance(priority, bool)
+        or not isinstance(priority, int)
+        or not PRIORITY_MIN <= priority <= PRIORITY_MAX
+    ):
         raise ParamsError(
             f"priority must be an int from {PRIORITY_MIN} to {PRIORITY_MAX}, got {priority!r}",
             field="priority",

@@ -95,7 +95,9 @@ def view(
 def sum_statistics(members: Sequence[EngineStatistics]) -> GroupStatistics:
     """The members' counters summed (EngineGroup's rule), each member's kept in ``members``."""
     if not members:
-        zero: dict[str, Any] = {f.name: 0 for f in dataclasses.fields(EngineStatistics) if f.name != "batch_sizes"}
+        zero: dict[str, Any] = {
+            f.name: 0 for f in dataclasses.fields(EngineStatistics) if f.name != "batch_sizes"
+        }
         return GroupStatistics(**zero, members=())
     return _sum_statistics(members)
 
@@ -110,7 +112,8 @@ def summarize(
 ) -> Health:
     """The deployment's Health for ``/health`` (see the module docstring).
 
-    ``state``: the front door's own (``new``, ``running``, ``closed``);
+    ``state``: the front door's own, a Lifecycle value (``new``, ``running``,
+    ``closing``, ``closed``);
     ``unreachable_s``: how long its board has not answered (None: it did).
     Statistics sum the replicas that are not lost.
     """

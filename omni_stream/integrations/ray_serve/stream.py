@@ -18,9 +18,11 @@ from typing import TYPE_CHECKING, Any
 from ...errors import EngineError, OmniStreamError
 from ...frame import Frame
 from .translate import LOST, translate
-from .wire import Header, WireError, WireFrame
+from .wire import Header, Item, WireError, WireFrame
 
 if TYPE_CHECKING:
+    from ray.serve.handle import DeploymentResponseGenerator
+
     from .remote import RemoteEngine
 
 __all__ = ["RemoteStream", "cancel_response"]
@@ -32,10 +34,10 @@ logger = logging.getLogger("omni_stream.ray_serve")
 _REACK_AFTER_S = 1.0
 
 
-def cancel_response(response: Any) -> None:
+def cancel_response(response: DeploymentResponseGenerator[Item]) -> None:
     """``DeploymentResponseGenerator.cancel()``, which must not mask the error being handled."""
     try:
-        response.cancel()
+        response.cancel()  # type: ignore[no-untyped-call]  # Ray leaves cancel() unannotated
     except Exception:  # noqa: BLE001 - a dead replica's request needs no cancelling
         logger.debug("cancelling a Serve request raised", exc_info=True)
 
@@ -46,7 +48,7 @@ class RemoteStream:
     def __init__(
         self,
         engine: RemoteEngine,
-        response: Any,
+        response: DeploymentResponseGenerator[Item],
         *,
         key: str,
         request_id: str,
@@ -54,7 +56,7 @@ class RemoteStream:
         params: Mapping[str, Any],
     ) -> None:
         self._engine = engine
-        self._response = response  # a DeploymentResponseGenerator
+        self._response = response
         self._key = key
         self._request_id = request_id
         self._total = total
@@ -109,7 +111,11 @@ class RemoteStream:
                 raise self._ending from exc
             if isinstance(exc, LOST) and self._replica is not None:
                 self._engine._mark_lost(self._replica)
-            raise translate(exc, request_id=self._request_id, replica=self._replica, step=self._step)
+            # No `from exc`: translate() sets __cause__ itself, and may return
+            # exc or the error Ray wrapped, whose own cause chain must stay.
+            raise translate(  # noqa: B904
+                exc, request_id=self._request_id, replica=self._replica, step=self._step
+            )
         if isinstance(item, WireError):
             self._end(cancel=False)
             raise item.error()
