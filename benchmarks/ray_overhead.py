@@ -1,6 +1,7 @@
 """Ray Serve overhead: per-frame cost through a replica, and what a replica holds for a stalled reader.
 
-``python -m benchmarks.ray_overhead [--steps N] [--reps R] [--stall S] [--json PATH]``
+``python -m benchmarks.ray_overhead [--steps N] [--reps R] [--stall S] [--front-door-reps F]
+[--json PATH]``
 
 Starts a local Ray instance (``num_cpus=2``, Serve without its HTTP proxy)
 and one replica of the synthetic model on the CPU device, in this machine.
@@ -16,6 +17,22 @@ and one replica of the synthetic model on the CPU device, in this machine.
    is sampled: frames in transit (sent, unacknowledged), frames the
    engine coalesced, steps computed, and the replica process's RSS. The
    frames held must stay within the window however long the stall.
+3. The front door: ``omni_stream.server.Server`` over a ``RemoteEngine``
+   (one replica, window 2) against the same server over a local
+   ``Engine``, both on the CPU device: 10 websocket clients (a process of
+   their own, ``fanout_client.py``) each generate 20 steps of ``[3, 64,
+   64]`` frames (``work=0``; each step made to take
+   ``--front-door-step-ms``, default 10 ms, by a sleep: device time, not
+   the CPU's) with a JPEG preview of every step, all at once. Previews
+   received (of 200: the server keeps the latest preview per request, so
+   a slow path coalesces), frames per second (previews received / wall
+   time from the generates to the last ``done``), p50 / p99 latency from
+   a step's completion (stamped by the model, in the replica's process for
+   the remote engine, on the shared ``CLOCK_MONOTONIC``) to the client's
+   receipt of its preview, and CPU time of this process (the front door,
+   and for the local variant the engine too) per frame. The two variants
+   alternate, ``F`` rounds (``--front-door-reps``, 0 skips the part);
+   medians.
 
 Prints one table per part; ``--json`` also writes the figures.
 """
@@ -24,8 +41,11 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import functools
 import json
 import logging
+import os
+import shutil
 import statistics
 import sys
 import time
@@ -35,6 +55,10 @@ from typing import Any
 __all__ = ["main"]
 
 SIZES = (64, 256)
+#: The front-door part: clients, steps, frame shape, preview.
+FD_CLIENTS, FD_STEPS, FD_SHAPE = 10, 20, [3, 64, 64]
+FD_PREVIEW = {"every": 1, "format": "jpeg", "max_size": 512}
+FD_DEADLINE_S = 60.0
 
 
 def _rss_mib(pid: int) -> float | None:
@@ -126,12 +150,124 @@ async def _stalled_reader(name: str, stall_s: float) -> dict[str, Any]:
     }
 
 
-def run(steps: int, reps: int, stall_s: float) -> dict[str, Any]:
+def _stamped_synthetic(path: str, step_s: float = 0.0) -> Any:
+    """A Synthetic whose steps take ``step_s`` more (a sleep: device time, not the CPU's),
+    appending ``seed step perf_counter`` to ``path`` when each step finishes.
+
+    A file, because the replica's model runs in another process (on this
+    machine: ``time.perf_counter`` is CLOCK_MONOTONIC, shared by every
+    process). The driver truncates the file between samples; writes are
+    O_APPEND, so they go on at the new end.
+    """
+    import omni_stream as om
+
+    class _FileStamped(om.models.Synthetic):
+        def __init__(self) -> None:
+            super().__init__()
+            self._out: Any = None
+
+        def step(self, states: Sequence[Any]) -> Any:
+            frames = super().step(states)
+            if step_s:
+                time.sleep(step_s)
+            now = time.perf_counter()
+            if self._out is None:
+                self._out = open(path, "a", buffering=1)  # noqa: SIM115 - lives as long as the model
+            self._out.write("".join(f"{int(s.params['seed'])} {s.step} {now!r}\n" for s in states))
+            return frames
+
+    return _FileStamped()
+
+
+def _read_stamps(path: str) -> dict[tuple[int, int], float]:
+    stamps: dict[tuple[int, int], float] = {}
+    with open(path) as f:
+        for line in f:
+            parts = line.split()
+            if len(parts) == 3:
+                stamps[(int(parts[0]), int(parts[1]))] = float(parts[2])
+    return stamps
+
+
+async def _front_door_sample(kind: str, name: str, path: str, step_s: float) -> dict[str, Any]:
+    from omni_stream.integrations.ray_serve import RemoteEngine
+    from omni_stream.server import Server
+
+    from .fanout import _clients, _summarise
+
+    cfg = {
+        "transport": "ws",
+        "clients": FD_CLIENTS,
+        "extra": None,
+        "extra_params": {},
+        "extra_preview": FD_PREVIEW,
+        "params": {"steps": FD_STEPS, "work": 0, "shape": FD_SHAPE},
+        "preview": FD_PREVIEW,
+        "deadline_s": FD_DEADLINE_S,
+    }
+    server_kw: dict[str, Any] = {"host": "127.0.0.1", "port": 0, "max_connections": FD_CLIENTS + 8}
+    if kind == "remote":
+        async with RemoteEngine(name) as engine:
+            await engine.generate({"steps": 2, "work": 0, "shape": FD_SHAPE})  # warm up
+            async with Server(engine, **server_kw) as srv:
+                open(path, "w").close()
+                cpu0 = time.process_time()
+                result = await _clients(dict(cfg, url=srv.url))
+                cpu = time.process_time() - cpu0
+    else:
+        import omni_stream as om
+
+        async with om.Engine(_stamped_synthetic(path, step_s), device="cpu") as engine:
+            await engine.generate({"steps": 2, "work": 0, "shape": FD_SHAPE})
+            async with Server(engine, **server_kw) as srv:
+                open(path, "w").close()
+                cpu0 = time.process_time()
+                result = await _clients(dict(cfg, url=srv.url))
+                cpu = time.process_time() - cpu0
+    return _summarise(result, _read_stamps(path), cpu, FD_DEADLINE_S)
+
+
+def _front_door(name: str, path: str, reps: int, step_s: float) -> dict[str, Any]:
+    samples: dict[str, list[dict[str, Any]]] = {"local": [], "remote": []}
+    for r in range(reps):
+        for kind in ("local", "remote") if r % 2 == 0 else ("remote", "local"):
+            s = asyncio.run(_front_door_sample(kind, name, path + "." + kind, step_s))
+            if s["finished"] != s["clients"]:
+                raise RuntimeError(
+                    f"front door over {kind}: {s['finished']}/{s['clients']} done: {s['outcomes']}"
+                )
+            samples[kind].append(s)
+    out: dict[str, Any] = {
+        "clients": FD_CLIENTS,
+        "steps": FD_STEPS,
+        "shape": FD_SHAPE,
+        "reps": reps,
+        "step_ms": step_s * 1e3,
+        "samples": samples,
+    }
+    for kind, rows in samples.items():
+        for key in ("fps", "frames", "p50_ms", "p99_ms", "server_cpu_ms_per_frame"):
+            out[f"{kind}_{key}"] = statistics.median(x[key] for x in rows)
+    out["fps_ratio"] = statistics.median(
+        rem["fps"] / loc["fps"] for loc, rem in zip(samples["local"], samples["remote"], strict=True)
+    )
+    return out
+
+
+def run(
+    steps: int, reps: int, stall_s: float, front_door_reps: int = 3, front_door_step_s: float = 0.01
+) -> dict[str, Any]:
+    import tempfile
+
     import ray
     from ray import serve
 
-    from omni_stream.integrations.ray_serve import deploy
+    from omni_stream.integrations.ray_serve import deploy, undeploy
 
+    # The replicas import this module's stamped model (benchmarks.ray_overhead).
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    os.environ["PYTHONPATH"] = os.pathsep.join(p for p in (root, os.environ.get("PYTHONPATH")) if p)
+    stamp_dir = tempfile.mkdtemp(prefix="omni-stream-ray-overhead-")
     ray.init(num_cpus=2, include_dashboard=False, logging_level="WARNING", log_to_driver=False)
     serve.start(proxy_location="Disabled", logging_config={"log_level": "WARNING"})
     name = "bench"
@@ -148,9 +284,23 @@ def run(steps: int, reps: int, stall_s: float) -> dict[str, Any]:
                 row[f"overhead_w{window}_ms"] = (remote - local) * 1e3
             out["per_frame"].append(row)
         out["stalled_reader"] = asyncio.run(_stalled_reader(name, stall_s))
+        if front_door_reps > 0:
+            path = os.path.join(stamp_dir, "stamps")
+            deploy(
+                functools.partial(_stamped_synthetic, path + ".remote", front_door_step_s),
+                name="front_door",
+                replicas=1,
+                num_cpus=0,
+                engine_kwargs={"device": "cpu"},
+            )
+            try:
+                out["front_door"] = _front_door("front_door", path, front_door_reps, front_door_step_s)
+            finally:
+                undeploy("front_door")
     finally:
         serve.shutdown()
         ray.shutdown()
+        shutil.rmtree(stamp_dir, ignore_errors=True)
     return out
 
 
@@ -172,6 +322,24 @@ def _print(out: dict[str, Any]) -> None:
         f"held at most {s['max_in_transit_frames']} frames ({s['max_in_transit_mib']:.1f} MiB); "
         f"an unbounded queue would hold {s['steps_computed']} frames ({s['unbounded_would_hold_mib']:.0f} MiB)"
     )
+    fd = out.get("front_door")
+    if fd:
+        print(
+            f"\nfront door (Server), {fd['clients']} websocket clients x {fd['steps']} steps"
+            f" of {fd['shape']} ({fd['step_ms']:g} ms a step), JPEG every step,"
+            f" median of {fd['reps']}:"
+        )
+        print(f"{'engine':>22} {'previews':>9} {'fps':>8} {'p50':>9} {'p99':>9} {'own CPU/frame':>17}")
+        for kind, label in (("local", "local Engine"), ("remote", "RemoteEngine (Ray)")):
+            print(
+                f"{label:>22} {fd[kind + '_frames']:>9.0f} {fd[kind + '_fps']:>8.0f}"
+                f" {fd[kind + '_p50_ms']:>6.1f} ms {fd[kind + '_p99_ms']:>6.1f} ms"
+                f" {fd[kind + '_server_cpu_ms_per_frame']:>11.2f} ms"
+            )
+        print(
+            f"remote / local fps: {fd['fps_ratio']:.2f}x;"
+            f" p99 {fd['remote_p99_ms'] - fd['local_p99_ms']:+.1f} ms"
+        )
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -179,6 +347,19 @@ def main(argv: Sequence[str] | None = None) -> int:
     ap.add_argument("--steps", type=int, default=200, help="steps per request (default 200)")
     ap.add_argument("--reps", type=int, default=3, help="runs per figure; the median is reported (default 3)")
     ap.add_argument("--stall", type=float, default=6.0, help="seconds the stalled reader does not read (default 6)")
+    ap.add_argument(
+        "--front-door-reps",
+        type=int,
+        default=3,
+        help="rounds of the front-door part (10 clients, local against remote engine); "
+        "0 skips it (default 3)",
+    )
+    ap.add_argument(
+        "--front-door-step-ms",
+        type=float,
+        default=10.0,
+        help="time each step of the front-door part's model takes (a sleep; default 10)",
+    )
     ap.add_argument("--json", help="also write the figures to this file")
     args = ap.parse_args(argv)
     try:
@@ -187,7 +368,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         print('needs Ray Serve: pip install "omni-stream[ray]"', file=sys.stderr)
         return 2
     logging.getLogger("ray").setLevel(logging.WARNING)
-    out = run(args.steps, args.reps, args.stall)
+    out = run(args.steps, args.reps, args.stall, args.front_door_reps, args.front_door_step_ms / 1e3)
     _print(out)
     if args.json:
         with open(args.json, "w") as f:
