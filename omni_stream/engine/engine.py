@@ -56,6 +56,7 @@ from ..model import StepModel, split_output
 from ..params import positive_int
 from .copier import Copier
 from .delivery import POLICIES, Delivery
+from .like import final_frame
 from .output_processor import OutputProcessor
 from .producer import Producer
 from .request import Request, Status
@@ -434,15 +435,12 @@ class Engine:
         priority: int = 0,
     ) -> Frame:
         """Run a request to its end; returns the final Frame. Raises as ``stream`` does."""
-        final: Frame | None = None
-        async with self.stream(
-            params, request_id=request_id, policy=policy, timeout=timeout,
-            preview_every=preview_every, priority=priority,
-        ) as frames:
-            async for frame in frames:
-                final = frame
-        assert final is not None and final.final
-        return final
+        return await final_frame(
+            self.stream(
+                params, request_id=request_id, policy=policy, timeout=timeout,
+                preview_every=preview_every, priority=priority,
+            )
+        )
 
     def cancel(self, request_id: str) -> bool:
         """Cancel a request from anywhere; True if it was still running.

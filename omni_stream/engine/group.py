@@ -43,6 +43,7 @@ from ..frame import Frame
 from ..lifecycle import Lifecycle
 from ..model import StepModel
 from .engine import Engine
+from .like import final_frame
 from .stats import EngineStatistics, Health
 from .stream import FrameStream
 
@@ -487,15 +488,12 @@ class EngineGroup:
         priority: int = 0,
     ) -> Frame:
         """Run a request to its end; returns the final Frame. Raises as ``stream`` does."""
-        final: Frame | None = None
-        async with self.stream(
-            params, request_id=request_id, policy=policy, timeout=timeout,
-            preview_every=preview_every, priority=priority,
-        ) as frames:
-            async for frame in frames:
-                final = frame
-        assert final is not None and final.final
-        return final
+        return await final_frame(
+            self.stream(
+                params, request_id=request_id, policy=policy, timeout=timeout,
+                preview_every=preview_every, priority=priority,
+            )
+        )
 
     def cancel(self, request_id: str) -> bool:
         """Cancel a request on whichever member runs it; True if it was still running.

@@ -16,7 +16,7 @@ from ..frame import Frame
 from ..model import StepModel
 from .stats import EngineStatistics, Health
 
-__all__ = ["EngineLike", "FrameStreamLike"]
+__all__ = ["EngineLike", "FrameStreamLike", "final_frame"]
 
 
 @runtime_checkable
@@ -133,3 +133,13 @@ class EngineLike(Protocol):
         exc: BaseException | None,
         tb: TracebackType | None,
     ) -> None: ...
+
+
+async def final_frame(frames: FrameStreamLike) -> Frame:
+    """Read ``frames`` to its end (closing it) and return the final frame: every ``generate``."""
+    final: Frame | None = None
+    async with frames:
+        async for frame in frames:
+            final = frame
+    assert final is not None and final.final
+    return final

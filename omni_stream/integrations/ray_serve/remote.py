@@ -50,6 +50,7 @@ from ray.serve.handle import DeploymentHandle, DeploymentResponseGenerator
 
 from ...engine.delivery import POLICIES
 from ...engine.group import GroupStatistics
+from ...engine.like import final_frame
 from ...engine.scheduler import PRIORITY_MAX, PRIORITY_MIN
 from ...engine.stats import Health
 from ...errors import (
@@ -327,15 +328,12 @@ class RemoteEngine:
         priority: int = 0,
     ) -> Frame:
         """Run a request to its end; returns the final Frame. Raises as ``stream`` does."""
-        final: Frame | None = None
-        async with self.stream(
-            params, request_id=request_id, policy=policy, timeout=timeout,
-            preview_every=preview_every, priority=priority,
-        ) as frames:
-            async for frame in frames:
-                final = frame
-        assert final is not None and final.final
-        return final
+        return await final_frame(
+            self.stream(
+                params, request_id=request_id, policy=policy, timeout=timeout,
+                preview_every=preview_every, priority=priority,
+            )
+        )
 
     def cancel(self, request_id: str) -> bool:
         """Cancel a request on its replica; True if it was still streaming. Safe from any thread.
