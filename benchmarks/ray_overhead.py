@@ -1,7 +1,7 @@
 """Ray Serve overhead: per-frame cost through a replica, and what a replica holds for a stalled reader.
 
 ``python -m benchmarks.ray_overhead [--steps N] [--reps R] [--stall S] [--front-door-reps F]
-[--json PATH]``
+[--front-door-step-ms MS] [--front-door-size PX] [--json PATH]``
 
 Starts a local Ray instance (``num_cpus=2``, Serve without its HTTP proxy)
 and one replica of the synthetic model on the CPU device, in this machine.
@@ -12,6 +12,10 @@ and one replica of the synthetic model on the CPU device, in this machine.
    (``RemoteEngine``, window 2 and 8), for 64 px and 256 px frames
    (``[3, 64, 64]`` float32: 48 KiB, carried inline by Ray; ``[3, 256,
    256]``: 768 KiB, through the object store). Median of ``R`` runs.
+   Then the replica rendering each frame as it does for a server in front
+   (a RenderRequest: a JPEG preview of at most 512 px every step, the
+   result as PNG) against raw frames, 256 and 1024 px, 20 steps: time a
+   frame and bytes a frame carried.
 2. A stalled reader: a request of 100,000 steps with ``policy="latest"``,
    read once, then not read for ``S`` seconds while the replica's report
    is sampled: frames in transit (sent, unacknowledged), frames the
@@ -23,7 +27,10 @@ and one replica of the synthetic model on the CPU device, in this machine.
    their own, ``fanout_client.py``) each generate 20 steps of ``[3, 64,
    64]`` frames (``work=0``; each step made to take
    ``--front-door-step-ms``, default 10 ms, by a sleep: device time, not
-   the CPU's) with a JPEG preview of every step, all at once. Previews
+   the CPU's; ``--front-door-size`` sets the side) with a JPEG preview of
+   every step, all at once; the remote engine both as the server uses it
+   (the replica renders the previews and the result, RendersFrames) and
+   sending raw frames for the server to render. Previews
    received (of 200: the server keeps the latest preview per request, so
    a slow path coalesces), frames per second (previews received / wall
    time from the generates to the last ``done``), p50 / p99 latency from
@@ -55,6 +62,15 @@ from typing import Any
 __all__ = ["main"]
 
 SIZES = (64, 256)
+#: Frames rendered on the replica against raw ones: sides, and steps a request.
+RENDER_SIZES = (256, 1024)
+RENDER_STEPS = 20
+
+
+def _render_request() -> Any:
+    from omni_stream.preview import PreviewSpec, RenderRequest
+
+    return RenderRequest.of(PreviewSpec(every=1, format="jpeg", max_size=512), "png")
 #: The front-door part: clients, steps, frame shape, preview.
 FD_CLIENTS, FD_STEPS, FD_SHAPE = 10, 20, [3, 64, 64]
 FD_PREVIEW = {"every": 1, "format": "jpeg", "max_size": 512}
@@ -92,17 +108,27 @@ async def _per_frame_local(params: dict[str, Any], reps: int) -> float:
     return statistics.median(times)
 
 
-async def _per_frame_remote(name: str, params: dict[str, Any], reps: int, window: int) -> float:
+async def _per_frame_remote(
+    name: str, params: dict[str, Any], reps: int, window: int, render: Any = None
+) -> tuple[float, float]:
+    """Seconds a frame through the replica, and the bytes a frame carried (tensor or image)."""
     from omni_stream.integrations.ray_serve import RemoteEngine
 
-    times = []
+    times: list[float] = []
+    carried: list[float] = []
     async with RemoteEngine(name, window=window) as engine:
         await engine.generate({**params, "steps": 3})
         for _ in range(reps):
             t0 = time.perf_counter()
-            n = await _drain(engine.stream(params, policy="all"))
+            n = nbytes = 0
+            async for frame in engine.stream(params, policy="all", render=render):
+                n += 1
+                nbytes += len(frame.encoded.data) if frame.encoded is not None else (
+                    frame.data.numel() * frame.data.element_size()
+                )
             times.append((time.perf_counter() - t0) / n)
-    return statistics.median(times)
+            carried.append(nbytes / n)
+    return statistics.median(times), statistics.median(carried)
 
 
 async def _stalled_reader(name: str, stall_s: float) -> dict[str, Any]:
@@ -189,7 +215,9 @@ def _read_stamps(path: str) -> dict[tuple[int, int], float]:
     return stamps
 
 
-async def _front_door_sample(kind: str, name: str, path: str, step_s: float) -> dict[str, Any]:
+async def _front_door_sample(
+    kind: str, name: str, path: str, step_s: float, shape: list[int]
+) -> dict[str, Any]:
     from omni_stream.integrations.ray_serve import RemoteEngine
     from omni_stream.server import Server
 
@@ -201,14 +229,17 @@ async def _front_door_sample(kind: str, name: str, path: str, step_s: float) -> 
         "extra": None,
         "extra_params": {},
         "extra_preview": FD_PREVIEW,
-        "params": {"steps": FD_STEPS, "work": 0, "shape": FD_SHAPE},
+        "params": {"steps": FD_STEPS, "work": 0, "shape": shape},
         "preview": FD_PREVIEW,
         "deadline_s": FD_DEADLINE_S,
     }
     server_kw: dict[str, Any] = {"host": "127.0.0.1", "port": 0, "max_connections": FD_CLIENTS + 8}
-    if kind == "remote":
-        async with RemoteEngine(name) as engine:
-            await engine.generate({"steps": 2, "work": 0, "shape": FD_SHAPE})  # warm up
+    if kind in ("remote", "remote_raw"):
+        # "remote": the replica renders the previews and the result (the
+        # server asks, RendersFrames); "remote_raw": it sends raw frames and
+        # the server renders, as before it could ask.
+        async with RemoteEngine(name, renders_frames=kind == "remote") as engine:
+            await engine.generate({"steps": 2, "work": 0, "shape": shape})  # warm up
             async with Server(engine, **server_kw) as srv:
                 open(path, "w").close()
                 cpu0 = time.process_time()
@@ -218,7 +249,7 @@ async def _front_door_sample(kind: str, name: str, path: str, step_s: float) -> 
         import omni_stream as om
 
         async with om.Engine(_stamped_synthetic(path, step_s), device="cpu") as engine:
-            await engine.generate({"steps": 2, "work": 0, "shape": FD_SHAPE})
+            await engine.generate({"steps": 2, "work": 0, "shape": shape})
             async with Server(engine, **server_kw) as srv:
                 open(path, "w").close()
                 cpu0 = time.process_time()
@@ -227,11 +258,19 @@ async def _front_door_sample(kind: str, name: str, path: str, step_s: float) -> 
     return _summarise(result, _read_stamps(path), cpu, FD_DEADLINE_S)
 
 
-def _front_door(name: str, path: str, reps: int, step_s: float) -> dict[str, Any]:
-    samples: dict[str, list[dict[str, Any]]] = {"local": [], "remote": []}
+#: The front door's variants, in the order of the first round (later rounds rotate it).
+FD_KINDS = ("local", "remote", "remote_raw")
+
+
+def _front_door(name: str, path: str, reps: int, step_s: float, size: int = 64) -> dict[str, Any]:
+    shape = [3, size, size]
+    samples: dict[str, list[dict[str, Any]]] = {kind: [] for kind in FD_KINDS}
     for r in range(reps):
-        for kind in ("local", "remote") if r % 2 == 0 else ("remote", "local"):
-            s = asyncio.run(_front_door_sample(kind, name, path + "." + kind, step_s))
+        order = FD_KINDS[r % len(FD_KINDS):] + FD_KINDS[: r % len(FD_KINDS)]
+        for kind in order:
+            # The replica's model stamps its steps into path.remote, whichever remote variant reads it.
+            stamps = path + (".local" if kind == "local" else ".remote")
+            s = asyncio.run(_front_door_sample(kind, name, stamps, step_s, shape))
             if s["finished"] != s["clients"]:
                 raise RuntimeError(
                     f"front door over {kind}: {s['finished']}/{s['clients']} done: {s['outcomes']}"
@@ -240,7 +279,7 @@ def _front_door(name: str, path: str, reps: int, step_s: float) -> dict[str, Any
     out: dict[str, Any] = {
         "clients": FD_CLIENTS,
         "steps": FD_STEPS,
-        "shape": FD_SHAPE,
+        "shape": shape,
         "reps": reps,
         "step_ms": step_s * 1e3,
         "samples": samples,
@@ -248,14 +287,21 @@ def _front_door(name: str, path: str, reps: int, step_s: float) -> dict[str, Any
     for kind, rows in samples.items():
         for key in ("fps", "frames", "p50_ms", "p99_ms", "server_cpu_ms_per_frame"):
             out[f"{kind}_{key}"] = statistics.median(x[key] for x in rows)
-    out["fps_ratio"] = statistics.median(
-        rem["fps"] / loc["fps"] for loc, rem in zip(samples["local"], samples["remote"], strict=True)
-    )
+    for kind in ("remote", "remote_raw"):
+        out[f"{kind}_fps_ratio"] = statistics.median(
+            rem["fps"] / loc["fps"] for loc, rem in zip(samples["local"], samples[kind], strict=True)
+        )
+    out["fps_ratio"] = out["remote_fps_ratio"]
     return out
 
 
 def run(
-    steps: int, reps: int, stall_s: float, front_door_reps: int = 3, front_door_step_s: float = 0.01
+    steps: int,
+    reps: int,
+    stall_s: float,
+    front_door_reps: int = 3,
+    front_door_step_s: float = 0.01,
+    front_door_size: int = 64,
 ) -> dict[str, Any]:
     import tempfile
 
@@ -279,10 +325,21 @@ def run(
             local = asyncio.run(_per_frame_local(params, reps))
             row: dict[str, Any] = {"size": size, "local_ms": local * 1e3}
             for window in (2, 8):
-                remote = asyncio.run(_per_frame_remote(name, params, reps, window))
+                remote, carried = asyncio.run(_per_frame_remote(name, params, reps, window))
                 row[f"remote_w{window}_ms"] = remote * 1e3
                 row[f"overhead_w{window}_ms"] = (remote - local) * 1e3
+                row["raw_bytes"] = carried
             out["per_frame"].append(row)
+        for size in RENDER_SIZES:
+            # The replica renders (as for a server in front): a JPEG preview of
+            # every step, the result as PNG; against raw frames, same run.
+            params = {"shape": [3, size, size], "work": 0, "steps": RENDER_STEPS}
+            raw_s, raw_b = asyncio.run(_per_frame_remote(name, params, reps, 2))
+            ren_s, ren_b = asyncio.run(_per_frame_remote(name, params, reps, 2, _render_request()))
+            out.setdefault("rendered", []).append({
+                "size": size, "raw_ms": raw_s * 1e3, "raw_bytes": raw_b,
+                "rendered_ms": ren_s * 1e3, "rendered_bytes": ren_b,
+            })
         out["stalled_reader"] = asyncio.run(_stalled_reader(name, stall_s))
         if front_door_reps > 0:
             path = os.path.join(stamp_dir, "stamps")
@@ -294,7 +351,9 @@ def run(
                 engine_kwargs={"device": "cpu"},
             )
             try:
-                out["front_door"] = _front_door("front_door", path, front_door_reps, front_door_step_s)
+                out["front_door"] = _front_door(
+                    "front_door", path, front_door_reps, front_door_step_s, front_door_size
+                )
             finally:
                 undeploy("front_door")
     finally:
@@ -311,6 +370,14 @@ def _print(out: dict[str, Any]) -> None:
         print(
             f"{r['size']:>4} px    {r['local_ms']:>8.3f} ms {r['remote_w2_ms']:>8.3f} ms {r['overhead_w2_ms']:>7.3f} ms"
             f" {r['remote_w8_ms']:>8.3f} ms {r['overhead_w8_ms']:>7.3f} ms"
+        )
+    print(f"\nrendered on the replica (JPEG <= 512 px every step, PNG result) against raw frames,"
+          f" {RENDER_STEPS} steps, window 2, policy all:")
+    print(f"{'frame':>10} {'raw':>10} {'bytes':>11} {'rendered':>10} {'bytes':>11}")
+    for r in out.get("rendered", []):
+        print(
+            f"{r['size']:>4} px   {r['raw_ms']:>7.2f} ms {r['raw_bytes'] / 1024:>7.0f} KiB"
+            f" {r['rendered_ms']:>7.2f} ms {r['rendered_bytes'] / 1024:>7.0f} KiB"
         )
     s = out["stalled_reader"]
     print(f"\nstalled reader, {s['stall_s']:.0f} s, 256 px frames ({s['frame_bytes'] // 1024} KiB), window 2:")
@@ -330,15 +397,21 @@ def _print(out: dict[str, Any]) -> None:
             f" median of {fd['reps']}:"
         )
         print(f"{'engine':>22} {'previews':>9} {'fps':>8} {'p50':>9} {'p99':>9} {'own CPU/frame':>17}")
-        for kind, label in (("local", "local Engine"), ("remote", "RemoteEngine (Ray)")):
+        for kind, label in (
+            ("local", "local Engine"),
+            ("remote", "RemoteEngine, rendered"),
+            ("remote_raw", "RemoteEngine, raw"),
+        ):
             print(
                 f"{label:>22} {fd[kind + '_frames']:>9.0f} {fd[kind + '_fps']:>8.0f}"
                 f" {fd[kind + '_p50_ms']:>6.1f} ms {fd[kind + '_p99_ms']:>6.1f} ms"
                 f" {fd[kind + '_server_cpu_ms_per_frame']:>11.2f} ms"
             )
         print(
-            f"remote / local fps: {fd['fps_ratio']:.2f}x;"
-            f" p99 {fd['remote_p99_ms'] - fd['local_p99_ms']:+.1f} ms"
+            f"remote / local fps: rendered on the replica {fd['remote_fps_ratio']:.2f}x"
+            f" (p99 {fd['remote_p99_ms'] - fd['local_p99_ms']:+.1f} ms),"
+            f" raw frames {fd['remote_raw_fps_ratio']:.2f}x"
+            f" (p99 {fd['remote_raw_p99_ms'] - fd['local_p99_ms']:+.1f} ms)"
         )
 
 
@@ -360,6 +433,12 @@ def main(argv: Sequence[str] | None = None) -> int:
         default=10.0,
         help="time each step of the front-door part's model takes (a sleep; default 10)",
     )
+    ap.add_argument(
+        "--front-door-size",
+        type=int,
+        default=64,
+        help="side of the front-door part's square RGB frames, px (default 64)",
+    )
     ap.add_argument("--json", help="also write the figures to this file")
     args = ap.parse_args(argv)
     try:
@@ -368,7 +447,10 @@ def main(argv: Sequence[str] | None = None) -> int:
         print('needs Ray Serve: pip install "omni-stream[ray]"', file=sys.stderr)
         return 2
     logging.getLogger("ray").setLevel(logging.WARNING)
-    out = run(args.steps, args.reps, args.stall, args.front_door_reps, args.front_door_step_ms / 1e3)
+    out = run(
+        args.steps, args.reps, args.stall, args.front_door_reps, args.front_door_step_ms / 1e3,
+        args.front_door_size,
+    )
     _print(out)
     if args.json:
         with open(args.json, "w") as f:

@@ -13,6 +13,8 @@
     ├── RequestError                 one request ended badly; carries request_id
     │   ├── StepFailedError          the model raised; __cause__ is its exception
     │   ├── StepTimeoutError         a step's output did not arrive within the bound
+    │   ├── RenderFailedError        a frame source that renders its own frames (a Ray replica)
+    │   │                            could not render a preview or the result; __cause__ is why
     │   └── RequestCancelledError    engine.cancel(), a disconnect, or shutdown of that request
     ├── EngineError                  the engine itself cannot serve
     │   ├── EngineDeadError          its own machinery died; every request fails
@@ -66,6 +68,7 @@ __all__ = [
     "RequestError",
     "StepFailedError",
     "StepTimeoutError",
+    "RenderFailedError",
     "RequestCancelledError",
     "EngineError",
     "EngineDeadError",
@@ -236,6 +239,18 @@ class StepTimeoutError(RequestError):
         super().__init__(message, request_id=request_id)
         self.step = step
         self.bound_s = bound_s
+
+
+class RenderFailedError(RequestError):
+    """Rendering a frame where it was made (a preview, or the result) failed; ``__cause__`` is why.
+
+    Raised by frame sources that render for a server (``preview.RenderRequest``),
+    such as a Ray replica; a server answers it with ``preview_failed``.
+    """
+
+    def __init__(self, message: str, *, request_id: str | None, step: int) -> None:
+        super().__init__(message, request_id=request_id)
+        self.step = step
 
 
 class RequestCancelledError(RequestError):

@@ -13,6 +13,8 @@ import torch
 if TYPE_CHECKING:  # Pillow is imported by the methods that need it, not here.
     from PIL import Image
 
+    from .preview.encode import EncodedImage
+
 __all__ = ["Frame", "StepTimings"]
 
 
@@ -51,6 +53,12 @@ class Frame:
     ``[T, 3, H, W]``, floats in ``[-1, 1]`` or ``uint8``) or a preview made
     by a decoder network; False for a frame in the model's own space (a
     latent, or an image for models that work in pixels).
+
+    ``encoded`` is set only on frames rendered where they were made, for a
+    server that asked for that (``preview.RenderRequest``, a Ray replica):
+    the step's preview, or the request's result in its output format, and
+    None for a step not previewed; ``data`` is then an empty tensor, since
+    the pixels never crossed.
     """
 
     request_id: str
@@ -59,6 +67,7 @@ class Frame:
     data: torch.Tensor
     timings: StepTimings = field(default_factory=lambda: StepTimings(0.0, 0.0, 0.0))
     decoded: bool = False
+    encoded: EncodedImage | None = None
 
     @property
     def final(self) -> bool:
@@ -66,9 +75,10 @@ class Frame:
 
     def __repr__(self) -> str:
         shape = "x".join(str(s) for s in self.data.shape)
+        encoded = f", encoded={self.encoded!r}" if self.encoded is not None else ""
         return (
             f"Frame(request_id={self.request_id!r}, step={self.step}/{self.total}, "
-            f"data={shape} {self.data.dtype}{', decoded' if self.decoded else ''})"
+            f"data={shape} {self.data.dtype}{', decoded' if self.decoded else ''}{encoded})"
         )
 
     # The methods below import omni_stream.preview when called: the engine

@@ -10,13 +10,16 @@ from __future__ import annotations
 
 from collections.abc import AsyncIterator, Mapping
 from types import TracebackType
-from typing import Any, Protocol, runtime_checkable
+from typing import TYPE_CHECKING, Any, Protocol, runtime_checkable
 
 from ..frame import Frame
 from ..model import StepModel
 from .stats import EngineStatistics, Health
 
-__all__ = ["EngineLike", "FrameStreamLike", "final_frame"]
+if TYPE_CHECKING:
+    from ..preview.remote import RenderRequest
+
+__all__ = ["EngineLike", "FrameStreamLike", "RendersFrames", "final_frame"]
 
 
 @runtime_checkable
@@ -133,6 +136,34 @@ class EngineLike(Protocol):
         exc: BaseException | None,
         tb: TracebackType | None,
     ) -> None: ...
+
+
+@runtime_checkable
+class RendersFrames(Protocol):
+    """An EngineLike that can render frames where it makes them (a Ray ``RemoteEngine``).
+
+    Its ``stream`` also takes ``render=RenderRequest``: then every frame
+    arrives with ``encoded`` set (the preview when one is due, the result
+    in its output format at the end) and no tensor, so a server in front
+    receives the bytes its clients get rather than raw frames
+    (omni_stream/preview/remote.py). A server checks ``isinstance(engine,
+    RendersFrames)`` and ``renders_frames`` before it asks.
+    """
+
+    #: False where rendering remotely is switched off.
+    renders_frames: bool
+
+    def stream(
+        self,
+        params: Mapping[str, Any] | None = None,
+        *,
+        request_id: str | None = None,
+        policy: str = "all",
+        timeout: float | None = None,
+        preview_every: int | None = None,
+        priority: int = 0,
+        render: RenderRequest | None = None,
+    ) -> FrameStreamLike: ...
 
 
 async def final_frame(frames: FrameStreamLike) -> Frame:

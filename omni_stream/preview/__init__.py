@@ -39,6 +39,7 @@ from .encode import (
     fit_size,
     video_strip,
 )
+from .remote import RenderRequest, render_frame
 from .render import VIDEO_MODES, Previewer, PreviewSpec, render_sync, should_preview
 from .save import (
     IMAGE_OUTPUTS,
@@ -58,6 +59,8 @@ from .save import (
 )
 
 __all__ = [
+    "RenderRequest",
+    "render_frame",
     "Decoder",
     "DECODERS",
     "LATENT_FACTORS",

@@ -10,6 +10,11 @@ The final frame is not a preview: it is the request's result, encoded at
 full size in the request's ``output`` format (PNG by default, with the
 params in its metadata), never shrunk by ``preview.max_size``.
 
+Frames that arrive rendered (``Frame.encoded``: an engine that renders
+where it makes frames, such as a Ray replica, asked with a RenderRequest)
+are published as they are: the replica rendered the same preview or result
+this module would have, and no tensor crossed the network.
+
 Memory: the request's :class:`~omni_stream.server.outbox.MemoryReservation`
 (made at admission, ``admission.reserve_memory``) counts what it holds
 outside the outboxes against ``max_memory_bytes``. Each frame's size is
@@ -30,12 +35,13 @@ from ..engine.like import FrameStreamLike
 from ..errors import (
     EngineError,
     ParamsError,
+    RenderFailedError,
     RequestCancelledError,
     StepFailedError,
     StepTimeoutError,
 )
 from ..frame import Frame
-from ..preview import Previewer, PreviewSpec, encode_output, should_preview
+from ..preview import EncodedImage, Previewer, PreviewSpec, encode_output, should_preview
 from .admission import OutputSpec
 from .metrics import ServerMetrics
 from .outbox import MemoryReservation
@@ -100,6 +106,8 @@ async def stream_request(
         )
     except StepTimeoutError as exc:
         return protocol.error("step_timeout", exc.message, request_id=rid)
+    except RenderFailedError as exc:
+        return protocol.error("preview_failed", exc.message, request_id=rid)
     except EngineError as exc:
         return protocol.error("engine_error", exc.message, request_id=rid)
     except _PreviewFailed as exc:
@@ -113,6 +121,8 @@ async def stream_request(
 
 
 def _nbytes(frame: Frame) -> int:
+    if frame.encoded is not None:
+        return len(frame.encoded.data)
     data = frame.data
     try:
         return int(data.numel()) * int(data.element_size())
@@ -132,7 +142,11 @@ async def _publish(
 ) -> Frame | None:
     """Publish a step's progress and, if due, its preview; return a result polled meanwhile."""
     _progress(record, frame, metrics)
-    if not should_preview(frame.step, frame.total, spec.every):
+    if frame.encoded is not None:
+        _publish_image(record, frame, frame.encoded, final=False)
+        return None
+    if frame.data.numel() == 0 or not should_preview(frame.step, frame.total, spec.every):
+        # Not due, or rendered remotely and not due there (no pixels came).
         return None
     started = time.perf_counter()
     async with previewer.reserve() as render:
@@ -157,19 +171,23 @@ async def _publish(
         except Exception as exc:
             raise _PreviewFailed() from exc
     metrics.preview_encode.observe(time.perf_counter() - started)
+    _publish_image(record, frame, image, final=False)
+    return None
+
+
+def _publish_image(record: RequestRecord, frame: Frame, image: EncodedImage, *, final: bool) -> None:
     header = protocol.PreviewHeader(
         id=record.id,
         step=frame.step,
         total=frame.total,
-        final=False,
+        final=final,
         format=image.format,
         width=image.width,
         height=image.height,
         mime=image.mime,
     )
     # Encoded once, shared by every watcher (and kept for attach replays).
-    record.publish_preview(protocol.pack_preview(header, image.data), final=False)
-    return None
+    record.publish_preview(protocol.pack_preview(header, image.data), final=final)
 
 
 async def _publish_result(
@@ -184,6 +202,11 @@ async def _publish_result(
     memory: MemoryReservation | None = None,
 ) -> None:
     _progress(record, frame, metrics)
+    if frame.encoded is not None:
+        if memory is not None:
+            memory.release()
+        _publish_image(record, frame, frame.encoded, final=True)
+        return
     started = time.perf_counter()
     try:
         # Full size, in the request's format; a latent result (output:
@@ -195,21 +218,11 @@ async def _publish_result(
     except Exception as exc:
         raise _PreviewFailed() from exc
     metrics.preview_encode.observe(time.perf_counter() - started)
-    header = protocol.PreviewHeader(
-        id=record.id,
-        step=frame.step,
-        total=frame.total,
-        final=True,
-        format=image.format,
-        width=image.width,
-        height=image.height,
-        mime=image.mime,
-    )
     if memory is not None:
         # The engine is done with the request and the frame is encoded: from
         # here on what it holds is its result, counted where it is queued.
         memory.release()
-    record.publish_preview(protocol.pack_preview(header, image.data), final=True)
+    _publish_image(record, frame, image, final=True)
 
 
 def _progress(record: RequestRecord, frame: Frame, metrics: ServerMetrics) -> None:

@@ -34,6 +34,7 @@ import anyio
 import anyio.abc
 
 from .. import protocol
+from ..engine.like import RendersFrames
 from ..errors import (
     EngineDeadError,
     EngineError,
@@ -45,7 +46,7 @@ from ..errors import (
 )
 from ..lifecycle import Lifecycle
 from ..model import StepModel
-from ..preview import Previewer, PreviewSpec
+from ..preview import Previewer, PreviewSpec, RenderRequest
 from . import admission, responses
 from .consumer import stream_request
 from .limits import ServerLimits
@@ -395,13 +396,25 @@ class Service:
         )
         try:
             # The raw params: the engine validates them itself (the same checks).
-            stream = self.engine.stream(
-                msg.params,
-                request_id=request_id,
-                policy="latest",
-                preview_every=spec.every,
-                priority=msg.priority,
-            )
+            render = self._render_request(spec, output)
+            if render is not None:
+                assert isinstance(self.engine, RendersFrames)
+                stream = self.engine.stream(
+                    msg.params,
+                    request_id=request_id,
+                    policy="latest",
+                    preview_every=spec.every,
+                    priority=msg.priority,
+                    render=render,
+                )
+            else:
+                stream = self.engine.stream(
+                    msg.params,
+                    request_id=request_id,
+                    policy="latest",
+                    preview_every=spec.every,
+                    priority=msg.priority,
+                )
         except ParamsError as exc:
             memory.release()
             raise protocol.MessageError(
@@ -423,6 +436,16 @@ class Service:
             priority=msg.priority,
         )
         return record, stream, spec, output, memory
+
+    def _render_request(self, spec: PreviewSpec, output: admission.OutputSpec) -> RenderRequest | None:
+        """What to ask an engine that renders where it makes frames (a Ray replica); None to render here.
+
+        Then the network carries each preview's and the result's bytes,
+        not raw frames (omni_stream/preview/remote.py).
+        """
+        if not (isinstance(self.engine, RendersFrames) and self.engine.renders_frames):
+            return None
+        return RenderRequest.of(spec, output.format, output.quality)
 
     def cancel(self, conn_id: str, request_id: str, *, authenticated: bool | None = None) -> RequestRecord:
         """Cancel a request ``conn_id`` may see; raises MessageError ``not_found``."""

@@ -10,6 +10,7 @@ CPU device). The replicas take no CPU reservation, so all fit on two cores.
 from __future__ import annotations
 
 import gc
+import io
 import json
 import os
 import signal
@@ -24,11 +25,12 @@ pytest.importorskip("ray.serve", reason="needs Ray Serve: pip install 'omni-stre
 
 import ray  # noqa: E402
 from ray import serve  # noqa: E402
+from PIL import Image  # noqa: E402
 from websockets.asyncio.client import connect  # noqa: E402
 
 import omni_stream as om  # noqa: E402
 from omni_stream.device import SimDevice  # noqa: E402
-from omni_stream.engine.like import EngineLike, FrameStreamLike  # noqa: E402
+from omni_stream.engine.like import EngineLike, FrameStreamLike, RendersFrames  # noqa: E402
 from omni_stream.integrations.ray_serve import (  # noqa: E402
     DEFAULT_WINDOW,
     RemoteEngine,
@@ -36,6 +38,7 @@ from omni_stream.integrations.ray_serve import (  # noqa: E402
     deploy,
 )
 from omni_stream.models import Synthetic  # noqa: E402
+from omni_stream.preview import PreviewSpec, RenderRequest, render_sync  # noqa: E402
 from omni_stream.models.synthetic import SyntheticFault  # noqa: E402
 from omni_stream.server import Server  # noqa: E402
 
@@ -292,6 +295,54 @@ def _cancelled(engine: RemoteEngine) -> int:
 
 
 @ASYNCIO
+async def test_a_render_request_brings_encoded_previews_and_result_not_tensors(cpu: str) -> None:
+    params = {"shape": [3, 96, 128], "work": 0, "steps": 6, "seed": 5}
+    spec = PreviewSpec(every=2, format="jpeg", max_size=48)
+    render = RenderRequest.of(spec, "png")
+    assert render is not None
+    async with RemoteEngine(cpu) as engine:
+        assert isinstance(engine, RendersFrames) and engine.renders_frames
+        frames = [f async for f in engine.stream(params, request_id="rendered", render=render)]
+    assert [f.step for f in frames] == list(range(1, 7))
+    assert all(f.data.numel() == 0 for f in frames), "a tensor crossed"
+    assert [f.step for f in frames if f.encoded is not None] == [2, 4, 6]
+    want = Synthetic().expected_frames(params)
+    for f in frames[1:-1:2]:
+        assert f.encoded == render_sync(want[f.step - 1], spec)  # what the server would render
+    result = frames[-1].encoded
+    assert result is not None and (result.format, result.width, result.height) == ("png", 128, 96)
+    image = Image.open(io.BytesIO(result.data))
+    assert image.size == (128, 96) and "Seed: 5" in image.info["parameters"]
+
+
+@ASYNCIO
+async def test_the_server_in_front_gets_previews_rendered_on_the_replica(cpu: str) -> None:
+    params = {"shape": [3, 64, 64], "work": 0, "steps": 4}
+    async with RemoteEngine(cpu) as engine, front_door(engine) as server:
+        rendered: list[Any] = []
+        original = engine.stream
+
+        def spy(*args: Any, **kw: Any) -> Any:
+            rendered.append(kw.get("render"))
+            return original(*args, **kw)
+
+        engine.stream = spy  # type: ignore[method-assign]
+        async with connect(server.url) as ws:
+            await send(ws, type="generate", id="p", params=params,
+                       preview={"format": "jpeg", "max_size": 32}, output={"format": "jpeg"})
+            msgs = await until_end(ws, "p")
+    check_stream(msgs, "p", 4)
+    previews = [m for m in msgs if m["type"] == "preview"]
+    # Latest-wins on the replica may skip steps; the result is never skipped.
+    assert {(m["format"], max(m["width"], m["height"]), m["final"]) for m in previews[:-1]} <= {("jpeg", 32, False)}
+    assert (previews[-1]["step"], previews[-1]["format"], previews[-1]["width"], previews[-1]["final"]) == (
+        4, "jpeg", 64, True)
+    assert all(Image.open(io.BytesIO(m["image"])).format == "JPEG" for m in previews)
+    assert rendered and isinstance(rendered[0], RenderRequest)
+    assert (rendered[0].output_format, rendered[0].max_size) == ("jpeg", 32)
+
+
+@ASYNCIO
 async def test_the_server_in_front_streams_every_message_type(cpu: str) -> None:
     async with RemoteEngine(cpu) as engine, front_door(engine) as server, connect(server.url) as ws:
         await send(ws, type="generate", id="one", params={**SMALL, "steps": 6})
@@ -371,3 +422,52 @@ async def test_a_killed_replica_fails_its_requests_and_another_serves(sim: str) 
         replaced = time.monotonic() - killed
     print(f"readers told in {noticed * 1e3:.0f} ms; a replacement reported ok {replaced:.1f} s after the kill")
     assert replaced < 30
+
+
+@ASYNCIO
+async def test_a_stalled_engine_gets_its_replica_replaced(cluster: Any) -> None:
+    # Its own application: a replica whose step bound is 1 s (the variable,
+    # read by the replica's process), checked every 0.5 s.
+    deploy(
+        "synthetic",
+        name="stall",
+        replicas=1,
+        num_cpus=0,
+        engine_kwargs={"device": "cpu", "shutdown_timeout": 1.0},
+        ray_actor_options={"runtime_env": {"env_vars": {"OMNI_STREAM_STEP_TIMEOUT": "1"}}},
+        health_check_period_s=0.5,
+        graceful_shutdown_timeout_s=1.0,
+    )
+    try:
+        async with RemoteEngine("stall") as engine:
+            stream = engine.stream({**SMALL, "steps": 5, "hang_at": 2, "hang_s": 20.0}, request_id="wedged")
+            await stream.__anext__()
+            stalled_replica = stream.replica
+            hung = time.monotonic()
+            # The request ends with its step's bound (or, had the bound been
+            # longer than three failed checks, the replica ends it, naming
+            # itself, before Serve stops it).
+            with pytest.raises((om.StepTimeoutError, om.EngineDeadError)):
+                async for _ in stream:
+                    pass
+            told = time.monotonic() - hung
+            # Another replica takes its place and serves.
+            deadline = time.monotonic() + 40
+            while True:
+                try:
+                    final = await engine.generate({**SMALL, "steps": 3}, request_id="after-stall")
+                    break
+                except (om.EngineError, om.RequestError):
+                    assert time.monotonic() < deadline, "no replacement served within 40 s"
+                    await anyio.sleep(0.5)
+            served = time.monotonic() - hung
+            assert final.final
+            await wait_for(
+                lambda: any(v.ok and v.replica != stalled_replica for v in engine.replicas()),
+                what="the replacement's report",
+            )
+            assert stalled_replica not in {v.replica for v in engine.replicas() if v.ok}
+    finally:
+        serve.delete("stall")
+    print(f"the reader was told after {told:.1f} s; a replacement served {served:.1f} s after the hang")
+    assert told < 10

@@ -62,6 +62,7 @@ from ...errors import (
 from ...frame import Frame
 from ...lifecycle import Lifecycle
 from ...model import split_output
+from ...preview.remote import RenderRequest
 from .card import ModelCard
 from .report import ReplicaReport, ReplicaView, sum_statistics, summarize, view
 from .stream import RemoteStream, cancel_response
@@ -96,7 +97,9 @@ class RemoteEngine:
     ``window``: frames a replica may have in transit to one reader;
     ``poll_s``: how often replica reports are read; a replica silent for
     ``stale_after_s`` counts as lost; a deployment unreachable for
-    ``dead_after_s`` makes ``health()`` dead.
+    ``dead_after_s`` makes ``health()`` dead; ``renders_frames``: a server
+    in front asks the replicas for encoded previews and results instead of
+    raw frames (``RendersFrames``; True by default, False for raw frames).
 
     Connect with :meth:`connect` (blocking) or by entering it (``async
     with``), which also starts the reports' poller; ``model`` is available
@@ -112,12 +115,14 @@ class RemoteEngine:
         poll_s: float = 0.25,
         stale_after_s: float = 3.0,
         dead_after_s: float = 30.0,
+        renders_frames: bool = True,
     ) -> None:
         if isinstance(window, bool) or not isinstance(window, int) or window < 1:
             raise ParamsError(f"window must be a positive int, got {window!r}", field="window")
         self._name = name
         self._address = address
         self._window = window
+        self.renders_frames = bool(renders_frames)
         self._poll_s = float(poll_s)
         self._stale_after_s = float(stale_after_s)
         self._dead_after_s = float(dead_after_s)
@@ -263,6 +268,7 @@ class RemoteEngine:
         timeout: float | None = None,
         preview_every: int | None = None,
         priority: int = 0,
+        render: RenderRequest | None = None,
     ) -> RemoteStream:
         """Submit a request to the deployment (Serve picks the replica); returns its frames.
 
@@ -272,7 +278,14 @@ class RemoteEngine:
         EngineClosedError. Iterating raises what ``Engine.stream`` does,
         the replica's ParamsError for params only its model refuses, and
         EngineDeadError naming the replica when it is lost.
+
+        ``render``: the replica renders each frame as a server would
+        (``RendersFrames``): frames arrive with ``encoded`` set and no tensor.
         """
+        if render is not None and not isinstance(render, RenderRequest):
+            raise ParamsError(
+                f"render must be a RenderRequest or None, got {type(render).__name__}", field="render"
+            )
         if request_id is None:
             request_id = uuid.uuid4().hex
         if not isinstance(request_id, str) or not request_id:
@@ -304,6 +317,7 @@ class RemoteEngine:
             preview_every=preview_every,
             priority=priority,
             window=self._window,
+            render=render,
         )
         handle = self._stream_handle
         assert handle is not None  # connected: _check_open passed

@@ -11,7 +11,8 @@ raises what stopped it, and Serve retries the constructor).
 A request (``stream``) is one async generator on that loop: it submits to
 the engine (``policy`` as the reader asked: "latest" coalesces on the
 engine's single slot, "all" pauses the request), yields a Header, then
-frames, each only once the reader has acknowledged all but ``window - 1``
+frames (rendered here into the preview and result bytes when the reader
+sent a RenderRequest: a server in front), each only once the reader has acknowledged all but ``window - 1``
 of those sent (the board relays the acknowledgements), and ends with the
 final frame or a WireError. So the engine never waits on the network, the
 frames in transit stay within ``window`` per request, and the final frame
@@ -51,9 +52,12 @@ from ...errors import (
     EngineDeadError,
     EngineError,
     OmniStreamError,
+    RenderFailedError,
     RequestCancelledError,
 )
+from ...frame import Frame
 from ...model import StepModel
+from ...preview import Previewer, PreviewSpec, RenderRequest, render_frame
 from .card import ModelCard
 from .report import ReplicaReport
 from .wire import Header, Item, Submit, WireError, WireFrame
@@ -143,6 +147,9 @@ class EngineReplica:
         # a Device instance among them holds threads once its engine runs.
         self._engine = Engine(built, **copy.deepcopy(dict(engine_kwargs or {})))
         self._board = serve.get_deployment_actor(BOARD)
+        # Renders for readers that send a RenderRequest: one thread, as a
+        # server's own default (the producer needs the other core).
+        self._previewer = Previewer(threads=1)
         self._flows: dict[str, _Flow] = {}
         self._failed_checks = 0
         self._ready = asyncio.Event()
@@ -209,6 +216,7 @@ class EngineReplica:
                 preview_every=submit.preview_every,
                 priority=submit.priority,
             )
+            spec = submit.render.spec() if submit.render is not None else None
         except OmniStreamError as exc:
             yield WireError.of(exc)
             return
@@ -229,6 +237,13 @@ class EngineReplica:
                     except OmniStreamError as exc:
                         yield WireError.of(flow.failure or exc)
                         return
+                    if spec is not None:
+                        assert submit.render is not None
+                        try:
+                            frame = await self._render(frame, submit.render, spec, frames.params)
+                        except RenderFailedError as exc:
+                            yield WireError.of(exc)
+                            return
                     flow.sent += 1
                     yield WireFrame.of(frame, flow.sent)
                     if frame.final:
@@ -236,6 +251,25 @@ class EngineReplica:
         finally:
             del self._flows[flow.key]
             self._board.forget.remote(flow.key)  # fire and forget
+
+    async def _render(
+        self, frame: Frame, request: RenderRequest, spec: PreviewSpec, params: Mapping[str, Any]
+    ) -> Frame:
+        """``frame`` rendered as its reader asked; raises RenderFailedError saying why not."""
+        try:
+            return await render_frame(
+                frame, request, spec=spec, previewer=self._previewer,
+                # The result's metadata, as a server writes it for a local engine.
+                params={"model": self._card.name, **params},
+            )
+        except Exception as exc:  # noqa: BLE001 - any encoder failure ends the request, said
+            what = "the result" if frame.final else f"the preview of step {frame.step}"
+            error = RenderFailedError(
+                f"replica {self._replica}: could not render {what}: {exc}",
+                request_id=frame.request_id, step=frame.step,
+            )
+            error.__cause__ = exc
+            raise error from exc
 
     async def _credit(self, flow: _Flow) -> None:
         """Return once fewer than ``flow.window`` frames are unacknowledged.

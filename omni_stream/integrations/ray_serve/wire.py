@@ -7,7 +7,10 @@ A RemoteStream calls a replica's ``stream(params, Submit)``, which yields, in or
     WireError                  instead of the rest: how the request ended badly
 
 and then returns. Frames carry their tensor as is (Ray's serializer copies
-its bytes once into the object store); ``seq`` numbers what was sent, so
+its bytes once into the object store), or, when the reader sent a
+RenderRequest (a server in front), the encoded preview or result and no
+tensor at all (``encoded``; see omni_stream/preview/remote.py); ``seq``
+numbers what was sent, so
 the reader acknowledges ``seq`` and the replica knows how many frames are
 in transit whatever steps coalescing skipped.
 
@@ -26,6 +29,8 @@ import torch
 
 from ...errors import OmniStreamError
 from ...frame import Frame, StepTimings
+from ...preview.encode import EncodedImage
+from ...preview.remote import RenderRequest
 
 __all__ = ["Header", "Item", "Submit", "WireError", "WireFrame"]
 
@@ -36,7 +41,8 @@ class Submit:
 
     ``key`` names the stream on the board (unique per RemoteStream, unlike
     a request id a caller may reuse); ``window`` is how many frames may be
-    in transit, sent and not yet taken by the reader.
+    in transit, sent and not yet taken by the reader. ``render``, when set,
+    asks the replica to send previews and the result encoded, not tensors.
     """
 
     key: str
@@ -46,6 +52,7 @@ class Submit:
     preview_every: int | None
     priority: int
     window: int
+    render: RenderRequest | None = None
 
 
 @dataclass(frozen=True, slots=True)
@@ -59,7 +66,10 @@ class Header:
 
 @dataclass(frozen=True, slots=True)
 class WireFrame:
-    """One frame as sent: ``seq`` counts frames sent for this request (1-based)."""
+    """One frame as sent: ``seq`` counts frames sent for this request (1-based).
+
+    ``encoded``: the frame rendered on the replica (``data`` is then empty).
+    """
 
     seq: int
     step: int
@@ -67,6 +77,7 @@ class WireFrame:
     data: torch.Tensor
     timings: tuple[float, float, float, int, float]
     decoded: bool
+    encoded: EncodedImage | None = None
 
     @classmethod
     def of(cls, frame: Frame, seq: int) -> WireFrame:
@@ -78,6 +89,7 @@ class WireFrame:
             data=frame.data,
             timings=(t.queued_s, t.compute_s, t.copy_s, t.batch_size, t.decode_s),
             decoded=frame.decoded,
+            encoded=frame.encoded,
         )
 
     def frame(self, request_id: str) -> Frame:
@@ -89,6 +101,7 @@ class WireFrame:
             data=self.data,
             timings=StepTimings(*self.timings),
             decoded=self.decoded,
+            encoded=self.encoded,
         )
 
     @property
