@@ -87,11 +87,17 @@ class Engine:
     else from the core count: ``config.default_torch_threads``). Bad options
     raise ParamsError.
     Enter and leave the engine from the same task.
+
+    ``model`` is a StepModel, or a callable returning one: then it is called
+    on the producer thread when the engine starts (with the device set up
+    for that thread), so the model is built where it runs; ``start()``
+    returns once it is built and loaded (``model.load``), and raises what
+    building it raised. Until then ``engine.model`` raises EngineClosedError.
     """
 
     def __init__(
         self,
-        model: StepModel,
+        model: StepModel | Callable[[], StepModel],
         *,
         device: str | Device = "auto",
         max_batch_size: int = 8,
@@ -102,12 +108,15 @@ class Engine:
         shutdown_timeout: float = 10.0,
         torch_threads: int | None = None,
     ) -> None:
+        factory: Callable[[], StepModel] | None = None
         if not isinstance(model, StepModel):
-            raise ParamsError(
-                f"Engine needs an omni_stream.StepModel, got {type(model).__name__}; "
-                "wrap a generator with omni_stream.from_generator",
-                field="model",
-            )
+            if not callable(model):
+                raise ParamsError(
+                    f"Engine needs an omni_stream.StepModel (or a callable returning one), got "
+                    f"{type(model).__name__}; wrap a generator with omni_stream.from_generator",
+                    field="model",
+                )
+            factory = model
         limits = Limits(
             max_batch_size=positive_int(max_batch_size, "max_batch_size"),
             max_run_ahead=positive_int(max_run_ahead, "max_run_ahead"),
@@ -139,18 +148,21 @@ class Engine:
         if torch_threads is None:
             torch_threads = default_torch_threads()
         positive_int(torch_threads, "torch_threads", env=TORCH_THREADS_ENV)
-        self.model = model
+        self._model: StepModel | None = None if factory is not None else model  # type: ignore[assignment]
         self.device = resolve_device(device)
         self._shutdown_timeout = float(shutdown_timeout)
         self._table = RequestTable(limits)
         self._pool = PinnedBufferPool(self.device.host_buffer, max_buffers=max_buffers)
         self._copier = Copier(self.device, self._pool, frame_dtype=frame_dtype)
         self._producer = Producer(
-            model, self.device, self._copier, self._table, torch_threads=torch_threads
+            self._model, self.device, self._copier, self._table, torch_threads=torch_threads,
+            build=factory, on_ready=self._model_ready_threadsafe if factory is not None else None,
         )
+        # Set once a model built on the producer thread is loaded (or the thread ended).
+        self._model_ready = anyio.Event()
         # The per-frame hand-over, the request endings and their counters.
         # Every FrameStream holds it too.
-        self._output = OutputProcessor(self._table, self._producer, model)
+        self._output = OutputProcessor(self._table, self._producer, self._model)
         # The processor's own dict, not a copy: ending a request removes it.
         self._by_id: dict[str, Request] = self._output.by_id
         self._state = Lifecycle.NEW
@@ -197,6 +209,44 @@ class Engine:
         self._tg.start_soon(self._supervised, "producer", self._run_producer)
         # Let the copier bind to the loop before the producer can post.
         await anyio.sleep(0)
+        if self._model is None:
+            await self._await_model()
+
+    async def _await_model(self) -> None:
+        """Wait until the producer thread built and loaded the model; raise what stopped it."""
+        try:
+            await self._model_ready.wait()
+        except BaseException:
+            await self.aclose()  # cancelled while the model builds: leave nothing running
+            raise
+        if self._model is not None:
+            return
+        error = self._producer_error or self._dead
+        await self.aclose()
+        if isinstance(error, ParamsError):
+            raise error
+        raise EngineDeadError(f"building the model failed: {error!r}") from error
+
+    def _model_ready_threadsafe(self, model: StepModel) -> None:
+        # Producer thread: the model is built and loaded, no request ran yet.
+        loop = self._loop
+        assert loop is not None
+        loop.call_soon_threadsafe(self._set_model, model)
+
+    def _set_model(self, model: StepModel) -> None:
+        self._model = model
+        self._output.set_model(model)
+        self._model_ready.set()
+
+    @property
+    def model(self) -> StepModel:
+        """The model; raises EngineClosedError while one built by a factory is not ready yet."""
+        if self._model is None:
+            raise EngineClosedError(
+                "the engine builds its model on its producer thread when it starts; "
+                "use it inside `async with engine`"
+            )
+        return self._model
 
     async def aclose(self) -> None:
         """Shut down: pending streams end with EngineClosedError, threads are joined.
@@ -293,6 +343,7 @@ class Engine:
     def _producer_exited(self, error: BaseException | None) -> None:
         self._producer_error = error
         self._producer_done.set()
+        self._model_ready.set()  # a start() waiting for the model wakes (to the error)
 
     def _die(self, exc: BaseException, *, where: str) -> None:
         if self._dead is not None or self._state is not Lifecycle.RUNNING:

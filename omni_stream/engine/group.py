@@ -132,7 +132,8 @@ def _parse_devices(devices: DeviceSpec) -> list[Device]:
     return resolved
 
 
-def _build_models(model_factory: ModelFactory, count: int) -> list[StepModel]:
+def _member_models(model_factory: ModelFactory, count: int) -> list[StepModel | Callable[[], StepModel]]:
+    """Member 0's model, built now, and a factory for each other member (built on its producer thread)."""
     if isinstance(model_factory, StepModel):
         if count != 1:
             raise ParamsError(
@@ -144,28 +145,45 @@ def _build_models(model_factory: ModelFactory, count: int) -> list[StepModel]:
     if isinstance(model_factory, str):
         from ..models.registry import load_model
 
-        return [load_model(model_factory) for _ in range(count)]
-    if not callable(model_factory):
+        spec = model_factory
+
+        def call() -> Any:
+            return load_model(spec)
+
+    elif callable(model_factory):
+        call = model_factory
+    else:
         raise ParamsError(
             "model_factory must be a callable returning a StepModel, a model spec string or a "
             f"StepModel, got {type(model_factory).__name__}",
             field="model_factory",
         )
-    models: list[StepModel] = []
-    for _ in range(count):
-        model = model_factory()
+    built: set[int] = set()  # ids of the models made: each member needs its own
+    lock = threading.Lock()
+
+    def build() -> StepModel:
+        model = call()
         if not isinstance(model, StepModel):
             raise ParamsError(
                 f"model_factory returned {type(model).__name__}, not an omni_stream.StepModel",
                 field="model_factory",
             )
-        if any(model is other for other in models):
-            raise ParamsError(
-                "model_factory returned the same model twice; each member needs its own",
-                field="model_factory",
-            )
-        models.append(model)
-    return models
+        with lock:
+            if id(model) in built:
+                raise ParamsError(
+                    "model_factory returned the same model twice; each member needs its own",
+                    field="model_factory",
+                )
+            built.add(id(model))
+        return model
+
+    # Member 0's model now: requests are checked against it, by a server
+    # too, before anything starts. The others are built one at a time as
+    # the group starts, each on its member's producer thread once the
+    # previous member loaded its own (one model in host memory at a time,
+    # not N before any moves to its device).
+    first = build()
+    return [first, *([build] * (count - 1))]
 
 
 def _sum_statistics(members: Sequence[EngineStatistics]) -> GroupStatistics:
@@ -270,8 +288,11 @@ class EngineGroup:
     """One Engine per device, used as one: ``async with EngineGroup(factory, devices="cpu,cpu")``.
 
     ``model_factory``: a callable returning a new StepModel (called once per
-    member, in this constructor, with no arguments; each engine then loads
-    its model onto its device on its producer thread), a model spec string
+    member with no arguments: for member 0 in this constructor, so that the
+    group has a model to check requests against before it starts; for each
+    other member on its producer thread as the group starts, one member at
+    a time, after the previous one loaded its model onto its device), a
+    model spec string
     (``models.registry.load_model``: "mixture", "diffusers:ID",
     "module:attr"), or a StepModel when there is one device. ``devices``:
     "all" (every CUDA device), a comma-separated string ("cuda:0,cuda:1"),
@@ -291,7 +312,7 @@ class EngineGroup:
         **engine_options: Any,
     ) -> None:
         resolved = _parse_devices(devices)
-        models = _build_models(model_factory, len(resolved))
+        models = _member_models(model_factory, len(resolved))
         if engine_options.get("torch_threads") is None:
             on_cpu = sum(1 for d in resolved if d.computes_on_cpu)
             engine_options["torch_threads"] = config.torch_threads(members=max(1, on_cpu))

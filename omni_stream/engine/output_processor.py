@@ -74,7 +74,8 @@ class _Mailbox:
 class OutputProcessor:
     """Hands copied frames to their requests' readers and finalises requests; see the module docstring."""
 
-    def __init__(self, table: RequestTable, producer: ProducerActivity, model: StepModel) -> None:
+    def __init__(self, table: RequestTable, producer: ProducerActivity, model: StepModel | None) -> None:
+        """``model`` may be None until :meth:`set_model` (a model built on the producer thread)."""
         self._table = table
         self._producer = producer
         self._model = model
@@ -92,6 +93,10 @@ class OutputProcessor:
         # and backend look-ups cost tens of microseconds a frame. Its depth is
         # bounded by max_run_ahead per live request.
         self.copied = _Mailbox()
+
+    def set_model(self, model: StepModel) -> None:
+        """The model, once built on the producer thread (before any request runs)."""
+        self._model = model
 
     # -- the consumer task: frames to their readers ------------------------------
 
@@ -200,7 +205,7 @@ class OutputProcessor:
         may take far longer than one step's bound: such a wait is a queue,
         not a stalled step (health watches the running one).
         """
-        return self._model.runs_whole_requests and r.status is Status.QUEUED
+        return self._model is not None and self._model.runs_whole_requests and r.status is Status.QUEUED
 
     def time_out(self, r: Request, bound: float) -> StepTimeoutError:
         """End ``r`` as timed out after ``bound`` seconds without a frame; returns the error to raise."""

@@ -29,7 +29,7 @@ import torch
 from ..config import STEP_TIMEOUT_ENV, timeout as default_timeout
 from ..device import Device, PoolClosedError
 from ..device.openmp import set_torch_threads_here
-from ..errors import OmniStreamError, StepFailedError, StepTimeoutError
+from ..errors import OmniStreamError, ParamsError, StepFailedError, StepTimeoutError
 from ..model import RequestStopped, StepModel
 from .copier import Copier, CopyTicket
 from .request import Request, Status
@@ -46,22 +46,33 @@ class Producer:
 
     def __init__(
         self,
-        model: StepModel,
+        model: StepModel | None,
         device: Device,
         copier: Copier,
         table: RequestTable,
         *,
         torch_threads: int = 1,
+        build: Callable[[], StepModel] | None = None,
+        on_ready: Callable[[StepModel], None] | None = None,
     ) -> None:
-        self._model = model
+        """``model``, or None and ``build``: called first thing on the thread (see :meth:`run`).
+
+        ``on_ready(model)`` is called on the thread once the model is built
+        (when ``build`` was given) and loaded, before any request runs.
+        """
+        if (model is None) == (build is None):
+            raise TypeError("Producer takes a model or a build function, not both or neither")
+        self._model: StepModel = model  # type: ignore[assignment]  # set by run() when None
+        self._build = build
+        self._on_ready = on_ready
         self._torch_threads = torch_threads
         self._device = device
         self._copier = copier
         self._table = table
-        limit = min(table.limits.max_batch_size, max(1, int(model.max_batch_size)))
-        if model.runs_whole_requests:
-            limit = 1  # run() takes one request: never start a second that would wait
-        self._batch_limits = BatchLimits(limit)
+        # Until a built model says otherwise: the engine's option.
+        self._batch_limits = BatchLimits(table.limits.max_batch_size)
+        if model is not None:
+            self._batch_limits = self._limits_for(model)
         self._seq = 0
         #: monotonic time the running step began, None between steps (read by health).
         self.busy_since: float | None = None
@@ -80,8 +91,23 @@ class Producer:
                 # engine released the loop thread's idle team when it started.
                 # Only this thread's setting changes, not the process default.
                 set_torch_threads_here(self._torch_threads)
+            if self._build is not None:
+                # Built here, on the thread (and with the device) it will run
+                # on: its weights are allocated where they are used, and an
+                # engine group builds one member's model at a time.
+                with self._busy(("model_factory",)):
+                    model = self._build()
+                if not isinstance(model, StepModel):
+                    raise ParamsError(
+                        f"the model factory returned {type(model).__name__}, not an omni_stream.StepModel",
+                        field="model",
+                    )
+                self._model = model
+                self._batch_limits = self._limits_for(model)
             with self._busy(("model.load",)):
                 self._model.load(self._device.torch_device)
+            if self._on_ready is not None:
+                self._on_ready(self._model)
             while True:
                 batch = self._next_batch()
                 if batch is None:
@@ -95,6 +121,12 @@ class Producer:
                 self._table.live.clear()
             for r in live:
                 self._close(r)
+
+    def _limits_for(self, model: StepModel) -> BatchLimits:
+        limit = min(self._table.limits.max_batch_size, max(1, int(model.max_batch_size)))
+        if model.runs_whole_requests:
+            limit = 1  # run() takes one request: never start a second that would wait
+        return BatchLimits(limit)
 
     @contextlib.contextmanager
     def _busy(self, what: tuple[str, ...]) -> Iterator[None]:

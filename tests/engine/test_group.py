@@ -98,24 +98,81 @@ def test_all_takes_every_cuda_device(monkeypatch):
     assert group_module._cuda_devices() == ["cuda:0", "cuda:1", "cuda:2"]
 
 
-def test_the_factory_runs_once_per_member_and_each_gets_its_own_model():
-    built: list[Synthetic] = []
+class Recording(Synthetic):
+    """Logs where it is built and loaded, and in what order."""
 
-    def factory() -> Synthetic:
-        built.append(Synthetic())
+    def __init__(self, log: list[tuple[str, str]]) -> None:
+        super().__init__()
+        self.log = log
+        log.append(("built", threading.current_thread().name))
+
+    def load(self, device: torch.device) -> None:
+        self.log.append(("loaded", threading.current_thread().name))
+        super().load(device)
+
+
+@pytest.mark.asyncio
+async def test_member_models_are_built_on_their_producer_threads_one_at_a_time():
+    log: list[tuple[str, str]] = []
+    built: list[Recording] = []
+
+    def factory() -> Recording:
+        built.append(Recording(log))
         return built[-1]
 
     group = om.EngineGroup(factory, devices="cpu,sim,cpu")
-    assert [m.model for m in group.members] == built and len(built) == 3
-    assert group.model is built[0]
+    # Member 0's model is there at once: requests are checked against it.
+    assert group.model is built[0] and len(built) == 1
+    with pytest.raises(om.EngineClosedError, match="producer thread"):
+        group.members[1].model  # noqa: B018
+    async with group:
+        assert [m.model for m in group.members] == built and len(built) == 3
+        assert len({id(m) for m in built}) == 3
+        final = await group.generate(params(steps=2))
+        assert final.final
+    here = threading.current_thread().name
+    producer = "omni-stream-producer"
+    # Each later member is built on its own producer thread, only once the one
+    # before it had loaded its model onto its device.
+    assert log == [
+        ("built", here), ("loaded", producer),
+        ("built", producer), ("loaded", producer),
+        ("built", producer), ("loaded", producer),
+    ]
 
 
-def test_a_spec_string_loads_one_model_per_member():
+@pytest.mark.asyncio
+async def test_a_spec_string_loads_one_model_per_member():
     group = om.EngineGroup("synthetic", devices="cpu,cpu")
-    a, b = (m.model for m in group.members)
-    assert isinstance(a, Synthetic) and isinstance(b, Synthetic) and a is not b
+    async with group:
+        a, b = (m.model for m in group.members)
+        assert isinstance(a, Synthetic) and isinstance(b, Synthetic) and a is not b
     with pytest.raises(om.ParamsError, match="unknown model"):
         om.EngineGroup("no-such-model", devices="cpu,cpu")
+
+
+@pytest.mark.asyncio
+@pytest.mark.parametrize("failure", ["raises", "not-a-model"])
+async def test_a_member_whose_model_cannot_be_built_fails_the_start_and_closes_the_rest(failure: str):
+    calls = 0
+    first = Synthetic()
+
+    def factory() -> Any:
+        nonlocal calls
+        calls += 1
+        if calls == 1:
+            return first
+        if failure == "raises":
+            raise om.ParamsError("no weights for you", field="model_path")
+        return "a string"
+
+    group = om.EngineGroup(factory, devices="cpu,cpu")
+    with pytest.raises(om.ParamsError) as info:
+        async with group:
+            raise AssertionError("started")
+    assert info.value.field == {"raises": "model_path"}.get(failure, "model_factory")
+    # Member 0 was started and closed again; member 1 died building its model.
+    assert [m.health().status for m in group.members] == ["closed", "dead"]
 
 
 def test_one_model_serves_one_device_only():
@@ -135,10 +192,14 @@ def test_a_bad_factory_is_refused(factory, match):
         om.EngineGroup(factory, devices="cpu,cpu")
 
 
-def test_a_factory_returning_one_model_twice_is_refused():
+@pytest.mark.asyncio
+async def test_a_factory_returning_one_model_twice_is_refused():
     model = Synthetic()
-    with pytest.raises(om.ParamsError, match="same model twice"):
-        om.EngineGroup(lambda: model, devices="cpu,cpu")
+    group = om.EngineGroup(lambda: model, devices="cpu,cpu")
+    with pytest.raises(om.ParamsError, match="same model twice") as info:
+        async with group:
+            raise AssertionError("started")
+    assert info.value.field == "model_factory"
 
 
 def test_engine_options_reach_every_member():
