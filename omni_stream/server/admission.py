@@ -54,6 +54,7 @@ __all__ = [
     "MemoryEstimate", "estimate_memory", "frame_bytes", "reserve_memory", "state_on_host",
     "HOST_FRAMES_PER_REQUEST", "HOST_FRAMES_PER_BATCH", "HOST_BATCH_RETAINED_BYTES",
     "HOST_FRAMES_PER_LARGE_BATCH", "DEVICE_FRAMES_PER_REQUEST", "REQUEST_BASE_BYTES",
+    "RESULT_COPIES", "LATENT_RATIO",
     "MAX_REQUEST_MEMORY_SHARE", "host_batch_cost",
 ]
 
@@ -344,6 +345,19 @@ HOST_FRAMES_PER_LARGE_BATCH: Final = 5
 #: estimated from ``size``/``width``/``height`` is the decoded result in
 #: float32 (the per-step latents are smaller).
 DEVICE_FRAMES_PER_REQUEST: Final = 4
+#: When the frame estimate is a decoded result (read from ``size`` /
+#: ``width`` / ``height`` / ``num_frames``, not a ``shape``) and the engine
+#: computes on an accelerator, the per-step frames are latents and only the
+#: final frame is the decoded result: the result counts RESULT_COPIES times
+#: (its host copy, and its 8-bit conversion and encoder buffers while it is
+#: encoded) and the DEVICE_FRAMES_PER_REQUEST per-step frames at the result
+#: over LATENT_RATIO each. 12 is the densest latent of the image families
+#: here (16 channels at 1/8 per side, SD3 and Flux: 16 / (3 x 64)); SD 1.5
+#: is 1/48, and video VAEs also compress time 4x. Without this a standard
+#: video (49 frames of 720 x 480: a 203 MB float32 result) counted as 4
+#: decoded results (813 MB) and was refused at the default 1 GiB bound.
+RESULT_COPIES: Final = 2
+LATENT_RATIO: Final = 12
 #: Host memory per running request whatever its frames: the engine's and the
 #: server's objects for it, a model's small per-request tensors (measured:
 #: 230 KiB a request for 144 requests of 16x16 Synthetic frames, most of it
@@ -469,7 +483,9 @@ def estimate_memory(
     or None to let the server estimate. Else :data:`REQUEST_BASE_BYTES` plus
     one frame (:func:`frame_bytes`) times :data:`HOST_FRAMES_PER_REQUEST`,
     and the frame shared with its batch (:func:`host_batch_cost`), when
-    ``on_host``; else the frame times :data:`DEVICE_FRAMES_PER_REQUEST`. Model weights and caches
+    ``on_host``; else the frame times :data:`DEVICE_FRAMES_PER_REQUEST`, or, when the frame
+    is a decoded result read from the sides, the result :data:`RESULT_COPIES` times and
+    the per-step latents beside it (:data:`LATENT_RATIO`). Model weights and caches
     shared by all requests are not counted: they are there when the server
     is idle.
     """
@@ -490,14 +506,17 @@ def estimate_memory(
             group = ("batch", group)
     found = frame_bytes(model, params)
     nbytes, field = found if found is not None else (0, "params")
+    own_per_byte = float(own_k)
+    if not on_host and field in _SIDES:
+        own_per_byte = RESULT_COPIES + DEVICE_FRAMES_PER_REQUEST / LATENT_RATIO
     return MemoryEstimate(
-        own=REQUEST_BASE_BYTES + own_k * nbytes,
+        own=REQUEST_BASE_BYTES + int(own_per_byte * nbytes),
         shared=shared_k * nbytes,
         group=group,
         batch_size=max(1, batch_size) if group is not None else 1,
         batch_cost=host_batch_cost if on_host else None,
         frame_bytes=nbytes,
-        own_per_byte=float(own_k),
+        own_per_byte=own_per_byte,
         shared_per_byte=float(shared_k),
         field=field,
     )

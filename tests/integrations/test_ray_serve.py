@@ -24,8 +24,8 @@ import pytest
 pytest.importorskip("ray.serve", reason="needs Ray Serve: pip install 'omni-stream[ray]'")
 
 import ray  # noqa: E402
-from ray import serve  # noqa: E402
 from PIL import Image  # noqa: E402
+from ray import serve  # noqa: E402
 from websockets.asyncio.client import connect  # noqa: E402
 
 import omni_stream as om  # noqa: E402
@@ -38,8 +38,8 @@ from omni_stream.integrations.ray_serve import (  # noqa: E402
     deploy,
 )
 from omni_stream.models import Synthetic  # noqa: E402
-from omni_stream.preview import PreviewSpec, RenderRequest, render_sync  # noqa: E402
 from omni_stream.models.synthetic import SyntheticFault  # noqa: E402
+from omni_stream.preview import PreviewSpec, RenderRequest, render_sync  # noqa: E402
 from omni_stream.server import Server  # noqa: E402
 
 from ..server.conftest import RawClient, check_stream, send, until, until_end  # noqa: E402

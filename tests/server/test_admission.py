@@ -14,7 +14,9 @@ from omni_stream.server.admission import (
     HOST_FRAMES_PER_BATCH,
     HOST_FRAMES_PER_LARGE_BATCH,
     HOST_FRAMES_PER_REQUEST,
+    LATENT_RATIO,
     REQUEST_BASE_BYTES,
+    RESULT_COPIES,
     RETRY_AFTER_MAX_S,
     RETRY_AFTER_MIN_S,
     Load,
@@ -254,7 +256,7 @@ def test_synthetic_params_at_the_models_bounds_pass() -> None:
     from omni_stream.models.synthetic import MAX_ELEMENTS, MAX_HANG_S, MAX_WORK
 
     ok = Synthetic().validate({"shape": [4, 1024, 1024], "work": MAX_WORK, "hang_s": MAX_HANG_S})
-    assert 4 * 1024 * 1024 == MAX_ELEMENTS and ok["work"] == MAX_WORK
+    assert MAX_ELEMENTS == 4 * 1024 * 1024 and ok["work"] == MAX_WORK
     assert Synthetic().validate({"hang_at": 2})["hang_s"] == MAX_HANG_S
 
 
@@ -343,6 +345,41 @@ def test_state_on_host_follows_the_engines_device() -> None:
     assert state_on_host(One(True)) and not state_on_host(One(False))
     assert state_on_host(Group(One(False), One(True))) and not state_on_host(Group(One(False)))
     assert state_on_host(object())  # cannot tell: counted
+
+
+def test_a_decoded_video_result_on_an_accelerator_counts_its_latents_not_four_results() -> None:
+    class Video(Synthetic):
+        params = (
+            om.Param("width", "int", 480, minimum=8, maximum=4096),
+            om.Param("height", "int", 720, minimum=8, maximum=4096),
+            om.Param("num_frames", "int", 49, minimum=1, maximum=2048),
+        )
+
+        def total_steps(self, params: dict) -> int:
+            return 30
+
+    result = 3 * 480 * 720 * 49 * 4  # the decoded float32 result: 203 MB
+    on_device = estimate_memory(Video(), {}, on_host=False)
+    assert on_device.field == "width" and on_device.frame_bytes == result
+    expected = RESULT_COPIES + DEVICE_FRAMES_PER_REQUEST / LATENT_RATIO
+    assert on_device.own == REQUEST_BASE_BYTES + int(expected * result)
+    assert on_device.own_per_byte == expected
+    # On the host the frames are what the engine computes on: counted as before.
+    assert estimate_memory(Video(), {}, on_host=True).own == REQUEST_BASE_BYTES + HOST_FRAMES_PER_REQUEST * result
+
+    class Gpu:
+        class device:  # noqa: N801 - an engine's device, as state_on_host reads it
+            computes_on_cpu = False
+
+        max_batch_size = 1
+
+    # The standard 49 x 720 x 480 video fits the default bound (1 GiB: half
+    # of it for one request); it did not when counted as 4 results (813 MB).
+    limit = ServerLimits.from_env({}).max_memory_bytes
+    budget = MemoryBudget(limit)
+    held = reserve_memory(budget, Video(), {}, engine=Gpu(), request_id="v")
+    assert held.own <= limit // 2 < 4 * result
+    held.release()
 
 
 def test_a_request_over_half_the_memory_bound_is_refused_naming_the_limit() -> None:
