@@ -697,20 +697,23 @@ def test_generate_message_carries_a_checked_priority() -> None:
 async def test_a_busy_server_raises_busy_error_and_priority_reaches_it() -> None:
     async with running(Slow(0.02), max_active=1, max_queued=1) as server, omc.connect(server.url) as client:
         first = client.generate(dict(SMALL, steps=5000), priority=4)
-        second = client.generate(dict(SMALL, steps=5000))
         await first.__anext__()
-        await second.__anext__()
-        assert server.engine._by_id[first.id].priority == 4
-        third = client.generate(dict(SMALL, steps=2))
-        with pytest.raises(omc.BusyError) as info:
-            await third.result()
-        err = info.value
-        assert err.code == "busy" and err.request_id == third.id
-        assert err.retry_after_s is not None and 1.0 <= err.retry_after_s <= 60.0
-        with pytest.raises(om.ParamsError):
-            client.generate(SMALL, priority=99)
-        # A slot frees: the retry is taken.
-        await first.aclose()
-        await _eventually(lambda: server.engine.statistics().active + server.engine.statistics().queued < 2,
-                          "the cancelled request to leave the engine")
+        second = client.generate(dict(SMALL, steps=5000))
+        async with anyio.create_task_group() as tg:
+            # Sent on first iteration; it waits in the server's gate (max_active=1).
+            tg.start_soon(second.__anext__)
+            await _eventually(lambda: server.service.gate.waiting == 1, "the second to be queued")
+            assert server.engine._by_id[first.id].priority == 4
+            third = client.generate(dict(SMALL, steps=2))
+            with pytest.raises(omc.BusyError) as info:
+                await third.result()
+            err = info.value
+            assert err.code == "busy" and err.request_id == third.id
+            assert err.retry_after_s is not None and 1.0 <= err.retry_after_s <= 60.0
+            with pytest.raises(om.ParamsError):
+                client.generate(SMALL, priority=99)
+            # A slot frees: the queued one goes into the engine (its first frame arrives).
+            await first.aclose()
+        await second.aclose()
+        await _eventually(lambda: server.service.load().held == 0, "both to leave the engine")
         assert (await client.generate(dict(SMALL, steps=2)).result()).final

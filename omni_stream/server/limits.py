@@ -62,17 +62,17 @@ class ServerLimits:
     max_message_bytes: int = 1 << 20
     max_connections: int = 64
     max_requests_per_connection: int = 16
-    #: Requests the engine holds at full pace; None: twice the engine's
+    #: Requests in the engine at once; None: twice the engine's
     #: max_batch_size, two batches, so each steps at least every other
     #: model call (16 with the defaults; 2 for a whole-request model).
     max_active: int | None = None
-    #: Requests admitted beyond max_active; past both, a generate gets
-    #: ``busy``. The engine steps every request it holds in turn, so each
-    #: one here delays every step by 1/max_batch_size of a model call:
-    #: bounded, a step waits for at most (max_active + max_queued) /
-    #: max_batch_size calls (18 by default). 128, not fewer: the fanout
-    #: load of docs/performance.md (100 clients with a request each on two
-    #: cores) must still be admitted; the red team's 1,009 was 7x past it.
+    #: Requests admitted beyond max_active, waiting unstarted in the
+    #: server's gate (gate.py: priority, then one per connection, then
+    #: arrival) until one leaves the engine; past both, a generate gets
+    #: ``busy``. They cost the running ones nothing (the engine steps only
+    #: what it holds). 128, not fewer: the fanout load of
+    #: docs/performance.md (100 clients with a request each on two cores)
+    #: must still be admitted; the red team's 1,009 was 7x past it.
     max_queued: int = 128
     max_steps: int = 10_000
     max_image_size: int = 2048

@@ -19,6 +19,7 @@ part of shutting down.
 
 from __future__ import annotations
 
+import dataclasses
 import errno
 import json
 import logging
@@ -49,6 +50,7 @@ from ..model import StepModel
 from ..preview import Previewer, PreviewSpec, RenderRequest
 from . import admission, responses
 from .consumer import stream_request
+from .gate import Gate
 from .limits import ServerLimits
 from .metrics import ServerMetrics
 from .outbox import MemoryBudget, MemoryReservation, Outbox
@@ -68,6 +70,18 @@ _ENGINE_WATCH_S = 0.2
 _FD_WATCH_S = 5.0
 _FD_HEADROOM = 8
 _FD_WARN_EVERY_S = 60.0
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class _Admitted:
+    """What an admitted request needs to go into the engine, now or when the gate lets it in."""
+
+    record: RequestRecord
+    params: Any
+    spec: PreviewSpec
+    output: admission.OutputSpec
+    memory: MemoryReservation
+    priority: int
 
 
 class Service:
@@ -107,6 +121,8 @@ class Service:
         )
         self.metrics = ServerMetrics(engine, running=lambda: len(self.registry.running()))
         self.metrics.watch_memory(self.memory)
+        #: At most max_active requests in the engine; the other admitted ones wait here.
+        self.gate = Gate(lambda: self.limits.active_bound(self.engine.max_batch_size))
         #: Open client connections (websockets and event streams), by id.
         self.connections: set[str] = set()
         self._tg: anyio.abc.TaskGroup | None = None
@@ -207,8 +223,7 @@ class Service:
                 await self.wait_requests_idle()
                 wait.cancel_scope.cancel()
         for record in self.registry.running():
-            record.cancel_reason = record.cancel_reason or "shutdown"
-            self.engine.cancel(record.id)
+            self._stop(record, "shutdown")
         # Cancelled requests end within one step (plus a preview render).
         with anyio.move_on_after(self.limits.close_timeout_s):
             await self.wait_requests_idle()
@@ -262,8 +277,7 @@ class Service:
     def disconnect(self, conn_id: str) -> None:
         """The connection is gone: nothing more is sent to it; its own requests are cancelled."""
         for record in self.registry.disconnect(conn_id):
-            record.cancel_reason = record.cancel_reason or "disconnect"
-            self.engine.cancel(record.id)
+            self._stop(record, "disconnect")
         if conn_id in self.connections:
             self.connections.discard(conn_id)
             self.metrics.connections.dec()
@@ -312,13 +326,14 @@ class Service:
     def generate(
         self, conn_id: str, outbox: Outbox | None, msg: protocol.Generate
     ) -> RequestRecord:
-        """Admit ``msg`` and start its consumer; ``outbox`` (if any) watches it.
+        """Admit ``msg``; ``outbox`` (if any) watches it. It goes into the engine now, or waits in the gate.
 
         Raises MessageError (ServerBusyError for ``busy``) with the code to answer;
         every refusal is counted by its code.
         """
         try:
-            record, stream, spec, output, memory = self._admit(conn_id, msg)
+            record, admitted = self._admit(conn_id, msg)
+            stream = self._open_stream(admitted) if self.gate.has_room() else None
         except protocol.MessageError as exc:
             self.metrics.rejections.labels(exc.code).inc()
             self.metrics.requests.labels("rejected").inc()
@@ -326,15 +341,16 @@ class Service:
         self.registry.add(record)
         if outbox is not None:
             record.watch(conn_id, outbox, attached=False)
-        assert self._tg is not None
-        self._tg.start_soon(
-            self._consume, record, stream, spec, output, memory, name=f"omni_stream request {record.id}"
-        )
+        if stream is None:
+            # The engine holds max_active requests already: this one waits,
+            # unstarted, in the gate (gate.py), and goes in when one leaves.
+            self.gate.wait(record.id, conn_id, msg.priority, admitted)
+        else:
+            self._start_consumer(admitted, stream)
         return record
 
-    def _admit(
-        self, conn_id: str, msg: protocol.Generate
-    ) -> tuple[RequestRecord, FrameStreamLike, PreviewSpec, admission.OutputSpec, MemoryReservation]:
+    def _admit(self, conn_id: str, msg: protocol.Generate) -> tuple[RequestRecord, _Admitted]:
+        """Apply every admission rule to ``msg`` (load, params, memory); raises MessageError."""
         request_id = msg.id or uuid.uuid4().hex
         if self._tg is None:
             raise protocol.MessageError(
@@ -394,37 +410,6 @@ class Service:
             self.memory, self.model, msg.params, engine=self.engine, request_id=request_id,
             retry_after_s=lambda: self.retry_after(load),
         )
-        try:
-            # The raw params: the engine validates them itself (the same checks).
-            render = self._render_request(spec, output)
-            if render is not None:
-                assert isinstance(self.engine, RendersFrames)
-                stream = self.engine.stream(
-                    msg.params,
-                    request_id=request_id,
-                    policy="latest",
-                    preview_every=spec.every,
-                    priority=msg.priority,
-                    render=render,
-                )
-            else:
-                stream = self.engine.stream(
-                    msg.params,
-                    request_id=request_id,
-                    policy="latest",
-                    preview_every=spec.every,
-                    priority=msg.priority,
-                )
-        except ParamsError as exc:
-            memory.release()
-            raise protocol.MessageError(
-                "bad_params", exc.message, field=exc.field, request_id=request_id
-            ) from None
-        except EngineError as exc:
-            memory.release()
-            raise protocol.MessageError(
-                "engine_unavailable", exc.message, request_id=request_id
-            ) from None
         record = RequestRecord(
             request_id,
             owner=conn_id,
@@ -435,7 +420,81 @@ class Service:
             created_at=time.monotonic(),
             priority=msg.priority,
         )
-        return record, stream, spec, output, memory
+        return record, _Admitted(record, msg.params, spec, output, memory, msg.priority)
+
+    def _open_stream(self, admitted: _Admitted) -> FrameStreamLike:
+        """Submit an admitted request to the engine; its stream.
+
+        Raises MessageError ``bad_params`` (params only the engine refuses)
+        or ``engine_unavailable``, having released its memory.
+        """
+        request_id = admitted.record.id
+        spec, output = admitted.spec, admitted.output
+        try:
+            # The raw params: the engine validates them itself (the same checks).
+            render = self._render_request(spec, output)
+            if render is not None:
+                assert isinstance(self.engine, RendersFrames)
+                return self.engine.stream(
+                    admitted.params,
+                    request_id=request_id,
+                    policy="latest",
+                    preview_every=spec.every,
+                    priority=admitted.priority,
+                    render=render,
+                )
+            return self.engine.stream(
+                admitted.params,
+                request_id=request_id,
+                policy="latest",
+                preview_every=spec.every,
+                priority=admitted.priority,
+            )
+        except ParamsError as exc:
+            admitted.memory.release()
+            raise protocol.MessageError(
+                "bad_params", exc.message, field=exc.field, request_id=request_id
+            ) from None
+        except EngineError as exc:
+            admitted.memory.release()
+            raise protocol.MessageError(
+                "engine_unavailable", exc.message, request_id=request_id
+            ) from None
+
+    def _start_consumer(self, admitted: _Admitted, stream: FrameStreamLike) -> None:
+        record = admitted.record
+        self.gate.entered(record.owner)
+        assert self._tg is not None
+        self._tg.start_soon(
+            self._consume, record, stream, admitted.spec, admitted.output, admitted.memory,
+            name=f"omni_stream request {record.id}",
+        )
+
+    def _let_in(self) -> None:
+        """Submit waiting requests while the engine has room (a request left it, or the bound grew)."""
+        while not self.closing and (item := self.gate.pop()) is not None:
+            admitted: _Admitted = item.payload
+            try:
+                stream = self._open_stream(admitted)
+            except protocol.MessageError as exc:
+                # Accepted already: it ends, with what the engine said.
+                code = "engine_error" if exc.code == "engine_unavailable" else "step_failed"
+                self._finish(
+                    admitted.record,
+                    protocol.error(code, exc.message, request_id=admitted.record.id, field=exc.field),
+                )
+                continue
+            self._start_consumer(admitted, stream)
+
+    def _stop(self, record: RequestRecord, reason: str) -> None:
+        """Cancel a running request (``reason`` for its ``cancelled``), in the engine or in the gate."""
+        record.cancel_reason = record.cancel_reason or reason
+        item = self.gate.remove(record.id)
+        if item is None:
+            self.engine.cancel(record.id)
+            return
+        item.payload.memory.release()
+        self._finish(record, protocol.cancelled(record.id, reason=record.cancel_reason))
 
     def _render_request(self, spec: PreviewSpec, output: admission.OutputSpec) -> RenderRequest | None:
         """What to ask an engine that renders where it makes frames (a Ray replica); None to render here.
@@ -451,8 +510,7 @@ class Service:
         """Cancel a request ``conn_id`` may see; raises MessageError ``not_found``."""
         record = self.lookup(conn_id, request_id, authenticated=authenticated)
         if not record.ended:  # else its terminal message was already sent
-            record.cancel_reason = record.cancel_reason or "client"
-            self.engine.cancel(record.id)
+            self._stop(record, "client")
         return record
 
     def attach(self, conn_id: str, outbox: Outbox, request_id: str) -> RequestRecord:
@@ -478,8 +536,10 @@ class Service:
 
     def load(self, health: Any | None = None) -> admission.Load:
         stats = (health or self.engine.health()).statistics
+        # What the engine holds (its own count, in case others share it) and what waits in the gate.
+        in_engine = max(self.gate.in_engine, stats.active + stats.queued)
         return admission.Load.of(
-            stats.active, stats.queued, self.limits, engine_batch_size=self.engine.max_batch_size
+            in_engine, self.gate.waiting, self.limits, engine_batch_size=self.engine.max_batch_size
         )
 
     def retry_after(self, load: admission.Load) -> float:
@@ -522,12 +582,17 @@ class Service:
     def queue_positions(self) -> dict[str, int]:
         """Position (0 = next) of every request that has not started a step yet.
 
-        In the order the engine's scheduler takes them: higher priority
-        first, then arrival (its ageing can move an old request up sooner).
+        Those in the engine first, in the order its scheduler takes them
+        (higher priority first, then arrival; its ageing can move an old
+        request up sooner), then those waiting in the gate, in the order it
+        lets them in.
         """
-        waiting = [r for r in self.registry.running() if r.latest_step == 0]
-        waiting.sort(key=lambda r: (-r.priority, r.created_at))
-        return {r.id: i for i, r in enumerate(waiting)}
+        starting = [
+            r for r in self.registry.running() if r.latest_step == 0 and r.id not in self.gate
+        ]
+        starting.sort(key=lambda r: (-r.priority, r.created_at))
+        order = [r.id for r in starting] + self.gate.order()
+        return {rid: i for i, rid in enumerate(order)}
 
     # -- one consumer per request ------------------------------------------------
 
@@ -557,20 +622,26 @@ class Service:
         finally:
             if message is None:  # the service's task group was cancelled
                 message = protocol.cancelled(record.id, reason="shutdown")
-            try:
-                record.finish(message, now=time.monotonic())
-                self.registry.ended(record)
-                self.metrics.requests.labels(record.outcome or "error").inc()
-                _log_request_done(record, message, model=self.model.name)
-            except Exception as exc:  # noqa: BLE001 - die() logs it, with its traceback
-                # The server's own books are wrong now (a record that never
-                # ends holds shutdown and its client): die loudly.
-                error = ServerFailedError(f"finishing request {record.id} failed: {exc!r}")
-                error.__cause__ = exc
-                self.die(error)
-            finally:
-                if not self.registry.running():
-                    self._requests_idle.set()
+            self.gate.left(record.owner)
+            self._finish(record, message)
+            self._let_in()
+
+    def _finish(self, record: RequestRecord, message: dict[str, Any]) -> None:
+        """End ``record`` with its terminal ``message``: its watchers, the books, the log line."""
+        try:
+            record.finish(message, now=time.monotonic())
+            self.registry.ended(record)
+            self.metrics.requests.labels(record.outcome or "error").inc()
+            _log_request_done(record, message, model=self.model.name)
+        except Exception as exc:  # noqa: BLE001 - die() logs it, with its traceback
+            # The server's own books are wrong now (a record that never
+            # ends holds shutdown and its client): die loudly.
+            error = ServerFailedError(f"finishing request {record.id} failed: {exc!r}")
+            error.__cause__ = exc
+            self.die(error)
+        finally:
+            if not self.registry.running():
+                self._requests_idle.set()
 
     # -- dying loudly, and the watchers --------------------------------------------
 

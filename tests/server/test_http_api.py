@@ -248,7 +248,9 @@ async def test_busy_is_503_with_retry_after() -> None:
             reply = await client.post("/v1/generations", json={"params": {**SMALL, "steps": 300}})
             assert reply.status_code == 202
             held.append(reply.json()["id"])
-        await wait_for(lambda: server.engine.statistics().active >= 2, what="both to be held")
+        # One in the engine (max_active), one waiting in the gate (max_queued).
+        await wait_for(lambda: server.service.load().held >= 2, what="both to be held")
+        assert (server.service.gate.in_engine, server.service.gate.waiting) == (1, 1)
         third = await client.post("/v1/generations", json={"params": {**SMALL, "steps": 3}})
         assert third.status_code == 503 and third.json()["error"] == "busy"
         assert int(third.headers["retry-after"]) >= 1 and third.json()["retry_after_s"] > 0
@@ -299,8 +301,9 @@ async def test_metrics_public_opens_metrics_only() -> None:
 
 
 def test_queue_positions_follow_priority_then_arrival() -> None:
-    from omni_stream.server.service import Service
+    from omni_stream.server.gate import Gate
     from omni_stream.server.records import RequestRecord
+    from omni_stream.server.service import Service
 
     records = []
     for rid, priority, created, step in [("a", 0, 1.0, 3), ("b", 0, 2.0, 0), ("c", 5, 3.0, 0), ("d", 0, 0.5, 0)]:
@@ -314,8 +317,15 @@ def test_queue_positions_follow_priority_then_arrival() -> None:
 
     service = Service.__new__(Service)
     service.registry = Registry()  # type: ignore[assignment]
+    service.gate = Gate(lambda: 4)
     # a has started: not queued. c outranks; then arrival order.
     assert service.queue_positions() == {"c": 0, "d": 1, "b": 2}
+    # Requests waiting in the gate come after those in the engine, in the gate's order.
+    for rid, owner, priority in [("w1", "x", 0), ("w2", "y", 3)]:
+        record = RequestRecord(rid, owner=owner, detach=True, total=9, preview={}, created_at=9.0, priority=priority)
+        records.append(record)
+        service.gate.wait(rid, owner, priority, None)
+    assert service.queue_positions() == {"c": 0, "d": 1, "b": 2, "w2": 3, "w1": 4}
 
 
 def test_sse_event_formats_and_skips_what_was_seen() -> None:

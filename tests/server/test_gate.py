@@ -1,0 +1,157 @@
+"""The gate: at most max_active requests in the engine; the other admitted ones wait, unstarted.
+
+First the pure bookkeeping (``Gate``), then the service around it (no
+sockets): what the engine holds, what a waiting request's client sees,
+cancelling, disconnecting and shutting down while it waits, and the
+per-step pace of a request beside a flood (the red team's attack 3: before
+the gate, every admitted request was stepped in turn).
+"""
+
+from __future__ import annotations
+
+import anyio
+import pytest
+
+from omni_stream.engine.scheduler import AGE_ROUNDS
+from omni_stream.server.gate import Gate
+
+from .test_service import LONG, SHORT, Client, check_stream, serving, wait_for
+
+# -- the bookkeeping -----------------------------------------------------------------
+
+
+def test_room_until_the_bound_then_requests_wait() -> None:
+    gate = Gate(lambda: 2)
+    assert gate.has_room()
+    gate.entered("a")
+    gate.entered("a")
+    assert not gate.has_room() and gate.pop() is None
+    gate.wait("w", "b", 0, "payload")
+    assert "w" in gate and gate.waiting == 1 and gate.pop() is None  # still full
+    gate.left("a")
+    assert not gate.has_room()  # someone waits: a newcomer does not jump it
+    item = gate.pop()
+    assert item is not None and (item.request_id, item.payload) == ("w", "payload")
+    assert "w" not in gate and gate.waiting == 0
+
+
+def test_priority_first_then_the_connection_with_least_inside_then_arrival() -> None:
+    gate = Gate(lambda: 3)
+    gate.entered("busy")  # "busy" has two in the engine already
+    gate.entered("busy")
+    for rid, owner, prio in [("b1", "busy", 0), ("b2", "busy", 0), ("q1", "quiet", 0), ("hi", "busy", 3)]:
+        gate.wait(rid, owner, prio, None)
+    assert gate.order() == ["hi", "q1", "b1", "b2"]
+    item = gate.pop()
+    assert item is not None and item.request_id == "hi"
+    gate.entered(item.owner)  # "busy" now has 3 inside: its others wait behind "quiet"'s
+    assert gate.order() == ["q1", "b1", "b2"]
+
+
+def test_a_low_priority_waits_but_is_not_starved() -> None:
+    gate = Gate(lambda: 1)
+    gate.wait("low", "a", -10, None)
+    let_in = 0
+    while True:
+        gate.wait(f"hi{let_in}", "b", 10, None)
+        item = gate.pop()
+        assert item is not None
+        gate.entered(item.owner)
+        gate.left(item.owner)
+        if item.request_id == "low":
+            break
+        let_in += 1
+        assert let_in < 1000, "starved"
+    # 20 points of priority apart: it leads after 20 * AGE_ROUNDS let in.
+    assert let_in == 20 * AGE_ROUNDS
+
+
+def test_a_removed_request_is_never_let_in() -> None:
+    gate = Gate(lambda: 1)
+    gate.entered("a")
+    gate.wait("w", "b", 0, None)
+    assert gate.remove("w") is not None and gate.remove("w") is None
+    gate.left("a")
+    assert gate.pop() is None and gate.has_room()
+
+
+# -- the service around it -------------------------------------------------------------
+
+
+@pytest.mark.asyncio
+async def test_beyond_max_active_requests_wait_unstarted_and_go_in_as_others_end() -> None:
+    async with serving(max_active=1, max_queued=4) as service:
+        a = Client(service)
+        first = a.generate("first", {**SHORT, "steps": 30})
+        second = a.generate("second", SHORT)
+        assert first["type"] == second["type"] == "accepted"
+        # One in the engine; the other waits, unstarted, and says so.
+        stats = service.engine.statistics()
+        assert stats.active + stats.queued == 1 and service.gate.waiting == 1
+        assert list(service.queue_positions())[-1] == "second"
+        h = service.health_payload()[1]["load"]
+        assert (h["active"], h["queued"]) == (1, 1)
+        msgs = await a.until_end("first")
+        check_stream([first, *msgs], "first", 30)
+        later = await a.until_end("second")
+        check_stream([second, *later], "second", SHORT["steps"])
+        assert service.gate.in_engine == 0 and service.memory.reserved == 0
+
+
+@pytest.mark.asyncio
+@pytest.mark.parametrize("how", ["cancel", "disconnect", "shutdown"])
+async def test_a_waiting_request_ends_at_once_and_gives_its_memory_back(how: str) -> None:
+    async with serving(max_active=1, max_queued=4) as service:
+        a = Client(service)
+        a.generate("running", LONG)
+        a.generate("waiting", LONG)
+        assert service.gate.waiting == 1
+        reserved = service.memory.reserved
+        record = service.registry.get("waiting")
+        assert record is not None
+        if how == "cancel":
+            assert a.exchange('{"type": "cancel", "id": "waiting"}') == [
+                {"type": "cancelled", "id": "waiting", "reason": "client"}
+            ]
+        elif how == "disconnect":
+            a.close()
+        else:
+            with anyio.fail_after(10):
+                await service.shutdown_requests(grace_s=0.0)
+        assert service.gate.waiting == 0 and "waiting" not in service.gate
+        assert service.memory.reserved < reserved
+        assert record.ended and record.outcome == "cancelled"
+        if how == "cancel":
+            a.send(type="cancel", id="running")
+        await wait_for(lambda: not service.registry.running(), "the running one to end")
+
+
+@pytest.mark.asyncio
+async def test_a_freed_slot_goes_to_the_connection_with_least_inside_not_to_the_flood() -> None:
+    # 3 connections x 8 long requests: the first 4 in the engine (all of the
+    # first connection's), 20 waiting. A request of a fourth connection waits
+    # too: freed slots go one per connection (least inside first), so it is
+    # in after 3, not after the 20 that arrived before it; then it runs
+    # beside max_active - 1 others, not beside all 25 (before the gate every
+    # admitted request was stepped in turn).
+    async with serving(max_active=4, max_queued=64) as service:
+        flood = [Client(service) for _ in range(3)]
+        for i, c in enumerate(flood):
+            for j in range(8):
+                assert c.generate(f"f{i}-{j}", LONG)["type"] == "accepted"
+        honest = Client(service)
+        accepted = honest.generate("honest", SHORT)
+        assert accepted["type"] == "accepted" and service.gate.waiting == 21
+        stats = service.engine.statistics()
+        assert stats.active + stats.queued == 4, "the engine holds more than max_active"
+        for j in range(3):  # three slots free, one after the other
+            assert "honest" in service.gate
+            flood[0].send(type="cancel", id=f"f0-{j}")
+            await wait_for(lambda j=j: service.gate.waiting == 20 - j, "a waiting request to go in")
+        assert "honest" not in service.gate  # f1-0, f2-0, then it: one per connection
+        msgs = await honest.until_end("honest", timeout=60)
+        check_stream([accepted, *msgs], "honest", SHORT["steps"])
+        stats = service.engine.statistics()
+        assert stats.active + stats.queued <= 4
+        for c in flood:
+            c.close()
