@@ -1,9 +1,18 @@
 """Shared helpers of the stress tools (chaos, fuzz, soak, exhaust).
 
-Process readings from ``/proc/self``, a violation log, percentiles, a
-server on 127.0.0.1 port 0, an honest websocket client that measures the
-time between its ``progress`` messages, and a raw client that never reads.
-Nothing here talks to anything but servers this process started.
+Process readings from ``/proc`` (this process or another), a violation
+log, percentiles, a server in a process of its own
+(:class:`ServerProcess`, ``benchmarks/_server_proc.py``), an honest
+websocket client that measures the time between its ``progress``
+messages (in this process, :class:`HonestClient`, or in one of its own,
+:class:`HonestProcess`), and a raw client that never reads. Nothing here
+talks to anything but servers this process started.
+
+``python -m benchmarks.stress_common honest CONFIG_JSON`` is the honest
+client's process: JSON commands on stdin, JSON replies on stdout (see
+:class:`HonestProcess`). Its times are ``time.monotonic()``
+(CLOCK_MONOTONIC, the same clock in every process on the machine), so
+the parent can line its step gaps up with what other processes did.
 """
 
 from __future__ import annotations
@@ -12,20 +21,29 @@ import asyncio
 import json
 import math
 import os
+import signal
 import socket
+import sys
 import time
+import urllib.error
 import urllib.request
 from collections.abc import Sequence
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any
 
 __all__ = [
+    "ChildError",
     "HonestClient",
+    "HonestProcess",
+    "JsonChild",
     "RawClient",
+    "ServerProcess",
     "Violations",
     "fd_count",
     "health",
     "percentile",
+    "proc_cpu_s",
     "proc_status",
     "rss_mib",
     "slope_per_min",
@@ -33,14 +51,26 @@ __all__ = [
 ]
 
 
-def proc_status() -> dict[str, str]:
-    """``/proc/self/status`` as a dict (Linux)."""
+#: The repository root: children run ``python -m benchmarks...`` from here.
+ROOT = Path(__file__).resolve().parent.parent
+
+
+def proc_status(pid: int | str = "self") -> dict[str, str]:
+    """``/proc/PID/status`` as a dict (Linux); this process by default."""
     out: dict[str, str] = {}
-    with open("/proc/self/status") as f:
+    with open(f"/proc/{pid}/status") as f:
         for line in f:
             key, _, value = line.partition(":")
             out[key] = value.strip()
     return out
+
+
+def proc_cpu_s(pid: int | str = "self") -> tuple[float, float]:
+    """(user, system) CPU seconds of process ``pid``, all its threads, from ``/proc/PID/stat``."""
+    with open(f"/proc/{pid}/stat") as f:
+        fields = f.read().rpartition(")")[2].split()
+    tick = os.sysconf("SC_CLK_TCK")
+    return int(fields[11]) / tick, int(fields[12]) / tick  # utime, stime: fields 14 and 15
 
 
 def rss_mib() -> float:
@@ -75,7 +105,7 @@ def slope_per_min(ts: Sequence[float], ys: Sequence[float]) -> float:
     den = sum((t - mt) ** 2 for t in ts)
     if den == 0:
         return 0.0
-    return 60.0 * sum((t - mt) * (y - my) for t, y in zip(ts, ys)) / den
+    return 60.0 * sum((t - mt) * (y - my) for t, y in zip(ts, ys, strict=True)) / den
 
 
 @dataclass
@@ -123,6 +153,7 @@ class HonestClient:
     ``gaps`` holds the seconds between consecutive ``progress`` messages (the
     per-step latency a user sees); ``phase`` tags which part of a run they
     belong to, so one client can measure a quiet baseline and a loaded run.
+    ``stamps`` holds, for each gap, when it ended (``time.monotonic()``).
     """
 
     def __init__(self, url: str, *, steps: int = 20, params: dict[str, Any] | None = None) -> None:
@@ -130,10 +161,12 @@ class HonestClient:
         self.steps = steps
         self.params = params or {"shape": [3, 16, 16], "work": 0}
         self.gaps: dict[str, list[float]] = {}
+        self.stamps: dict[str, list[float]] = {}
         self.phase = "quiet"
         self.errors: list[str] = []
         self.busy = 0
         self.done = 0
+        self._n = 0  # request ids stay unique over several runs
         self._stop = asyncio.Event()
 
     def stop(self) -> None:
@@ -146,9 +179,11 @@ class HonestClient:
         async with connect(self.url, max_size=1 << 26, open_timeout=30, close_timeout=2) as ws:
             while not self._stop.is_set() and (requests is None or n < requests):
                 n += 1
-                rid = f"honest-{os.getpid()}-{n}"
+                self._n += 1
+                rid = f"honest-{os.getpid()}-{self._n}"
+                params = {**self.params, "steps": self.steps, "seed": self._n}
                 await ws.send(json.dumps({
-                    "type": "generate", "id": rid, "params": {**self.params, "steps": self.steps, "seed": n},
+                    "type": "generate", "id": rid, "params": params,
                     "preview": {"format": "raw", "max_size": 16},
                 }))
                 last = None
@@ -162,9 +197,10 @@ class HonestClient:
                         continue
                     kind = msg["type"]
                     if kind == "progress":
-                        now = time.perf_counter()
+                        now = time.monotonic()
                         if last is not None:
                             self.gaps.setdefault(phase, []).append(now - last)
+                            self.stamps.setdefault(phase, []).append(now)
                         last = now
                     elif kind == "done":
                         self.done += 1
@@ -174,7 +210,8 @@ class HonestClient:
                         await asyncio.sleep(min(float(msg.get("retry_after_s", 1)), 1.0))
                         break
                     elif kind in ("error", "cancelled"):
-                        self.errors.append(f"{kind}: {msg.get('code') or msg.get('reason')}: {msg.get('message', '')}")
+                        why = msg.get("code") or msg.get("reason")
+                        self.errors.append(f"{kind}: {why}: {msg.get('message', '')}")
                         break
 
     def summary(self, phase: str) -> str:
@@ -230,3 +267,213 @@ class RawClient:
 
     def close(self) -> None:
         self._writer.transport.abort()
+
+
+# -- processes of their own ------------------------------------------------------------
+
+
+class ChildError(RuntimeError):
+    """A child process did not answer as it should (it exited, or it was silent too long)."""
+
+
+def _child_env() -> dict[str, str]:
+    env = dict(os.environ)
+    env["PYTHONPATH"] = os.pathsep.join(p for p in (str(ROOT), env.get("PYTHONPATH", "")) if p)
+    return env
+
+
+class JsonChild:
+    """``python -m MODULE ARGS`` from the repository root, speaking JSON lines.
+
+    Commands go to its stdin, one JSON object a line; it answers on its
+    stdout the same way (its stderr is this process's). ``recv`` raises
+    :class:`ChildError` when the child exits or says nothing for ``timeout``
+    seconds.
+    """
+
+    def __init__(self, proc: asyncio.subprocess.Process, what: str) -> None:
+        self.proc = proc
+        self.what = what
+
+    @classmethod
+    async def start(cls, module: str, *args: str, what: str | None = None) -> JsonChild:
+        proc = await asyncio.create_subprocess_exec(
+            sys.executable, "-m", module, *args, cwd=ROOT, env=_child_env(),
+            stdin=asyncio.subprocess.PIPE, stdout=asyncio.subprocess.PIPE, limit=1 << 30,
+        )
+        return cls(proc, what or module)
+
+    @property
+    def pid(self) -> int:
+        return self.proc.pid
+
+    async def send(self, **cmd: Any) -> None:
+        assert self.proc.stdin is not None
+        self.proc.stdin.write(json.dumps(cmd).encode() + b"\n")
+        await self.proc.stdin.drain()
+
+    async def recv(self, timeout: float | None = 60.0) -> dict[str, Any]:
+        assert self.proc.stdout is not None
+        try:
+            line = await asyncio.wait_for(self.proc.stdout.readline(), timeout)
+        except TimeoutError:
+            raise ChildError(f"{self.what} (pid {self.pid}) said nothing for {timeout} s") from None
+        if not line:
+            code = await self.proc.wait()
+            raise ChildError(f"{self.what} (pid {self.pid}) exited with status {code} before answering")
+        out: dict[str, Any] = json.loads(line)
+        return out
+
+    async def expect(self, event: str, timeout: float | None = 60.0) -> dict[str, Any]:
+        msg = await self.recv(timeout)
+        if msg.get("event") != event:
+            raise ChildError(f"{self.what} (pid {self.pid}) answered {msg!r}, expected {event!r}")
+        return msg
+
+    async def close(self, timeout: float = 30.0, *, terminate: bool = False) -> int:
+        """Close its stdin (or SIGTERM it) and wait for it to exit; killed after ``timeout``. Its status."""
+        if self.proc.returncode is None:
+            if terminate:
+                self.proc.send_signal(signal.SIGTERM)
+            elif self.proc.stdin is not None and not self.proc.stdin.is_closing():
+                self.proc.stdin.close()
+        try:
+            return await asyncio.wait_for(self.proc.wait(), timeout)
+        except TimeoutError:
+            self.proc.kill()
+            await self.proc.wait()
+            return -9
+
+
+class ServerProcess:
+    """``omni_stream.server.Server`` (Synthetic, CPU) in a process of its own: ``benchmarks/_server_proc.py``.
+
+    The way users run it: its own interpreter and event loop (uvloop, as
+    ``omni-stream serve``), so clients measured against it do not share its
+    loop or its CPU time. ``limits`` are Server keyword arguments
+    (``shutdown_timeout_s``, ``max_memory_bytes``, ...). ``stats()`` reads
+    its RSS, peak RSS (VmHWM) and CPU seconds from ``/proc``; ``stop()``
+    sends SIGTERM (a graceful shutdown) and returns its exit status.
+    """
+
+    def __init__(self, child: JsonChild, info: dict[str, Any]) -> None:
+        self.child = child
+        self.url: str = info["url"]
+        self.http_url: str = info["http_url"]
+        self.pid: int = info["pid"]
+
+    @classmethod
+    async def start(cls, limits: dict[str, Any] | None = None, *, verbose: bool = False,
+                    profile: str | None = None) -> ServerProcess:
+        args = ["--limits", json.dumps(limits or {})] + (["--verbose"] if verbose else [])
+        args += ["--profile", profile] if profile else []
+        child = await JsonChild.start("benchmarks._server_proc", *args, what="the server process")
+        try:
+            info = await child.expect("listening", timeout=120)
+        except BaseException:
+            await child.close(5, terminate=True)
+            raise
+        return cls(child, info)
+
+    def stats(self) -> dict[str, float]:
+        """RSS and peak RSS (MiB), user and system CPU seconds so far; empty once it exited."""
+        try:
+            st = proc_status(self.pid)
+            user, system = proc_cpu_s(self.pid)
+        except (OSError, KeyError, IndexError, ValueError):
+            return {}
+        return {"rss_mib": int(st["VmRSS"].split()[0]) / 1024,
+                "peak_rss_mib": int(st["VmHWM"].split()[0]) / 1024,
+                "user_s": user, "sys_s": system, "cpu_s": user + system, "threads": int(st["Threads"])}
+
+    async def stop(self, timeout: float = 30.0) -> int:
+        """SIGTERM, then wait (killed after ``timeout``); the exit status (0: a clean shutdown)."""
+        return await self.child.close(timeout, terminate=True)
+
+
+class HonestProcess:
+    """An :class:`HonestClient` in a process of its own (``python -m benchmarks.stress_common honest``).
+
+    ``await quiet(n)`` runs ``n`` requests and returns when they are done;
+    ``await load(phase)`` starts it running requests one after another
+    (gaps tagged ``phase``) until ``await stop()``, which returns what it
+    measured: ``gaps`` and ``stamps`` (their ends, ``time.monotonic()``) by
+    phase, ``busy``, ``done``, ``errors``. Its own CPU work (parsing replies)
+    runs on its own loop, not the server's nor an attacker's.
+    """
+
+    def __init__(self, child: JsonChild) -> None:
+        self.child = child
+
+    @classmethod
+    async def start(cls, url: str, *, steps: int = 20, params: dict[str, Any] | None = None) -> HonestProcess:
+        config = json.dumps({"url": url, "steps": steps, "params": params})
+        child = await JsonChild.start("benchmarks.stress_common", "honest", config, what="the honest client")
+        await child.expect("ready", timeout=60)
+        return cls(child)
+
+    async def quiet(self, requests: int, phase: str = "quiet", timeout: float = 300.0) -> None:
+        await self.child.send(cmd="run", phase=phase, requests=requests)
+        await self.child.expect("ran", timeout=timeout)
+
+    async def load(self, phase: str) -> None:
+        await self.child.send(cmd="load", phase=phase)
+        await self.child.expect("loading", timeout=60)
+
+    async def stop(self, timeout: float = 150.0) -> dict[str, Any]:
+        await self.child.send(cmd="stop")
+        result = await self.child.expect("result", timeout=timeout)
+        await self.child.close(10)
+        return result
+
+    async def kill(self) -> None:
+        await self.child.close(5, terminate=True)
+
+
+async def _honest_main(config: dict[str, Any]) -> None:
+    """The honest client's process: commands on stdin, replies on stdout."""
+    client = HonestClient(config["url"], steps=config.get("steps", 20), params=config.get("params"))
+    task: asyncio.Task[None] | None = None
+
+    def say(**msg: Any) -> None:
+        sys.stdout.write(json.dumps(msg) + "\n")
+        sys.stdout.flush()
+
+    async def guarded(requests: int | None) -> None:
+        try:
+            await client.run(requests=requests)
+        except Exception as exc:  # noqa: BLE001 - reported to the parent
+            client.errors.append(f"{type(exc).__name__}: {exc}")
+
+    say(event="ready", pid=os.getpid())
+    while True:
+        line = await asyncio.to_thread(sys.stdin.readline)
+        if not line:
+            if task is not None:
+                client.stop()
+                await task
+            return
+        cmd = json.loads(line)
+        if cmd["cmd"] == "run":
+            client.phase = cmd["phase"]
+            await guarded(cmd["requests"])
+            say(event="ran")
+        elif cmd["cmd"] == "load":
+            client.phase = cmd["phase"]
+            client._stop.clear()
+            task = asyncio.create_task(guarded(None))
+            say(event="loading")
+        elif cmd["cmd"] == "stop":
+            client.stop()
+            if task is not None:
+                await task
+            say(event="result", gaps=client.gaps, stamps=client.stamps, busy=client.busy, done=client.done,
+                errors=client.errors)
+            return
+
+
+if __name__ == "__main__":
+    if sys.argv[1:2] == ["honest"] and len(sys.argv) == 3:
+        asyncio.run(_honest_main(json.loads(sys.argv[2])))
+    else:
+        sys.exit("usage: python -m benchmarks.stress_common honest CONFIG_JSON")

@@ -5,11 +5,12 @@ The long runs and their figures are in docs/reliability.md.
 
 from __future__ import annotations
 
+import random
+
 import pytest
 
-from benchmarks.chaos import main as chaos_main
-from benchmarks.chaos import run_chaos
-from benchmarks.fuzz import run_fuzz
+from benchmarks.chaos import main as chaos_main, run_chaos
+from benchmarks.fuzz import Conn, Tally, run_fuzz
 
 
 @pytest.mark.parametrize("device", ["cpu", "sim"])
@@ -26,7 +27,26 @@ def test_chaos_main_exits_zero(capsys):
 
 
 def test_fuzz_short_run_finds_nothing():
-    s = run_fuzz(messages=120, seed=5, connections=3, max_key_bytes=32 * 1024, honest_requests=2)
+    # The server, the honest client and two fuzzing processes, each a process of its own.
+    s = run_fuzz(messages=120, seed=5, connections=3, max_key_bytes=32 * 1024, honest_requests=2, workers=2)
     assert s["violations"] == []
     assert s["health"] == "ok"
+    # Every message's reply counted in a worker reached this process.
     assert sum(s["replies"].values()) >= 120 - s["sent"].get("cancel_own", 0)
+    assert sum(v for k, v in s["sent"].items() if k != "cancel_own") == 120
+    assert s["server"]["exit"] == 0 and s["server"]["peak_rss_mib"] > 0
+    assert s["honest"]["quiet_steps"] > 0
+
+
+def test_fuzz_checks_flag_violations():
+    # What a worker counts as a violation (and run_fuzz reports): internal, oversized errors,
+    # an ending for a request not running here, a failure without fail_at.
+    tally = Tally(1024)
+    conn = Conn(tally, 0, random.Random(0))
+    conn._check_error({"type": "error", "code": "internal", "message": "boom"})
+    conn._check_error({"type": "error", "code": "bad_message", "message": "x" * 5000})
+    assert conn._stream_msg({"type": "done", "id": "nobody"})
+    conn.running.add("r1")
+    assert conn._stream_msg({"type": "error", "code": "step_failed", "id": "r1"})
+    assert len(tally.violations) == 4, tally.violations
+    assert tally.to_json()["violations"] == tally.violations

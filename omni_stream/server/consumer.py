@@ -30,6 +30,8 @@ import functools
 import time
 from typing import Any
 
+import anyio
+
 from .. import protocol
 from ..engine.like import FrameStreamLike
 from ..errors import (
@@ -47,7 +49,13 @@ from .metrics import ServerMetrics
 from .outbox import MemoryReservation
 from .records import RequestRecord
 
-__all__ = ["stream_request"]
+__all__ = ["UNREAD_PACE_S", "stream_request"]
+
+#: The longest a consumer waits before taking the next frame of a request
+#: no client is reading (see ``RequestRecord.has_reader``): at most 20
+#: steps a second reach such a request's record, and its result arrives at
+#: most this late.
+UNREAD_PACE_S = 0.05
 
 
 class _PreviewFailed(Exception):
@@ -91,6 +99,13 @@ async def stream_request(
                         record, result, output, decoder=spec.decoder, params=params,
                         previewer=previewer, metrics=metrics, memory=memory,
                     )
+                elif not record.has_reader():
+                    # Nobody would receive the next step's progress (no
+                    # watcher, or none reading): take steps at a bounded
+                    # pace rather than every one the engine makes (it
+                    # coalesces them; the final is never dropped), so that
+                    # requests nobody reads cost the event loop little.
+                    await anyio.sleep(UNREAD_PACE_S)
     except RequestCancelledError:
         return protocol.cancelled(rid, reason=record.cancel_reason or "engine")
     except StepFailedError as exc:
@@ -147,6 +162,11 @@ async def _publish(
         return None
     if frame.data.numel() == 0 or not should_preview(frame.step, frame.total, spec.every):
         # Not due, or rendered remotely and not due there (no pixels came).
+        return None
+    if not record.wants_preview():
+        # Every watcher still holds the previous one unsent: skip the render
+        # (latest-wins, decided before the work instead of after it).
+        metrics.previews_skipped.inc()
         return None
     started = time.perf_counter()
     async with previewer.reserve() as render:

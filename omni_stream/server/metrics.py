@@ -97,6 +97,11 @@ class ServerMetrics:
             "omni_stream_preview_encode_seconds", "decode + encode time of one preview",
             buckets=_ENCODE_BUCKETS, registry=r,
         )
+        self.previews_skipped = Counter(
+            "omni_stream_previews_skipped",
+            "intermediate previews not rendered: every watcher still held the previous one unsent",
+            registry=r,
+        )
         self.messages_sent = Counter(
             "omni_stream_messages_sent", "messages written to clients, by kind", ["kind"], registry=r,
         )

@@ -48,6 +48,7 @@ from __future__ import annotations
 import contextlib
 import heapq
 import itertools
+import time
 import weakref
 from collections import OrderedDict
 from collections.abc import Callable, Hashable
@@ -90,13 +91,16 @@ class OutboxItem:
 
 
 class _Entry:
-    __slots__ = ("item", "key", "pinned", "size")
+    __slots__ = ("item", "key", "pinned", "since", "size")
 
     def __init__(self, item: OutboxItem, key: Hashable | None, pinned: int | None) -> None:
         self.item = item
         self.key = key  # latest_key while replaceable, else None
         self.pinned = pinned  # seq of the entry pinned to this one
         self.size = _size(item.data)
+        #: Since when a message with this latest_key has waited unsent (kept
+        #: across replacements: a client that never reads never resets it).
+        self.since = time.monotonic()
 
 
 def _size(data: str | bytes) -> int:
@@ -520,6 +524,7 @@ class Outbox:
             return
         size = _size(data)
         must = latest_key is None
+        since: float | None = None
         if must:
             if self._pending_must >= self._max_pending:
                 self.overflow(
@@ -542,6 +547,7 @@ class Outbox:
         else:
             old = self._by_key.pop(latest_key, None)
             if old is not None:
+                since = self._entries[old].since
                 self._drop(old)
             if kind == _SHEDDABLE and self._budget is not None and self._budget.over(size):
                 # The server is short of memory: previews are what gives way.
@@ -557,6 +563,8 @@ class Outbox:
         if pinned is not None:
             self._entries[pinned].key = None  # no longer replaceable on its own
         entry = _Entry(OutboxItem(data, kind, must), latest_key, pinned)
+        if since is not None:
+            entry.since = since
         seq = self._append(entry)
         if must:
             self._pending_must += 1
@@ -566,6 +574,15 @@ class Outbox:
         self._wake()
         if self._budget is not None:
             self._budget.add(size)  # last: it may shed this very outbox
+
+    def held_since(self, latest_key: Hashable) -> float | None:
+        """Since when (``time.monotonic()``) messages with ``latest_key`` have waited unsent.
+
+        Newer ones replacing older ones keep the time of the first: a
+        client that never reads never resets it. None when none waits.
+        """
+        seq = self._by_key.get(latest_key)
+        return None if seq is None else self._entries[seq].since
 
     def discard(self, latest_key: Hashable) -> None:
         """Drop the unsent latest-wins entry with ``latest_key`` (and what it pinned), if any."""

@@ -25,7 +25,13 @@ import anyio
 from .. import protocol
 from .outbox import MemoryBudget, Outbox
 
-__all__ = ["RequestRecord", "RequestRegistry"]
+__all__ = ["UNREAD_AFTER_S", "RequestRecord", "RequestRegistry"]
+
+#: How long a watcher may hold a request's previous progress or preview
+#: unsent before it counts as not reading (its writer has had time to run;
+#: a reader's burst clears in milliseconds). Then previews nobody would
+#: receive are not rendered, and the consumer paces itself.
+UNREAD_AFTER_S = 0.05
 
 
 class RequestRecord:
@@ -72,6 +78,8 @@ class RequestRecord:
         self._latest_preview_final = False
         self._terminal: tuple[str, str] | None = None  # (serialized message, kind)
         self._watchers: dict[str, Outbox] = {}
+        # (watcher, kind) -> the held_since its outbox had when last looked at.
+        self._held_seen: dict[tuple[str, str], float | None] = {}
         self._budget: MemoryBudget | None = None
         self._counted = 0  # retained_bytes() as last told to the budget
 
@@ -123,6 +131,8 @@ class RequestRecord:
 
     def unwatch(self, conn_id: str) -> None:
         self._watchers.pop(conn_id, None)
+        for kind in ("progress", "preview"):
+            self._held_seen.pop((conn_id, kind), None)
 
     def publish_progress(self, step: int, message: Mapping[str, Any]) -> None:
         """Send a ``progress`` to every watcher, latest wins."""
@@ -135,6 +145,47 @@ class RequestRecord:
         self._recount()
         for outbox in self._watchers.values():
             outbox.put(text, "progress", latest_key=(self.id, "progress"))
+
+    def wants_preview(self) -> bool:
+        """Whether a new intermediate preview would reach anyone.
+
+        False when every watcher has held this request's previous preview
+        unsent since the last look and for UNREAD_AFTER_S (a client that
+        does not read): a new one
+        would only replace it there, so rendering it is wasted work (a
+        flood of never-reading clients otherwise keeps the preview threads
+        busy for nobody). True with no watchers: the latest preview is kept
+        for ``attach`` and ``GET .../preview``.
+        """
+        return not self._watchers or self._someone_takes((self.id, "preview"))
+
+    def has_reader(self) -> bool:
+        """Whether a new ``progress`` would reach anyone now.
+
+        False when nobody watches, or every watcher has held this request's
+        previous ``progress`` unsent since the last look and for
+        UNREAD_AFTER_S (its client is not reading): then the consumer paces
+        itself instead of
+        taking every step the engine makes (consumer.py).
+        """
+        return self._someone_takes((self.id, "progress"))
+
+    def _someone_takes(self, key: tuple[str, str]) -> bool:
+        # A watcher takes messages unless it has held this kind unsent since
+        # the last time we looked (its writer had a turn on the loop since,
+        # and did not take it) and for UNREAD_AFTER_S at least. Both: under
+        # a saturated loop a reader's writer may wait longer than that for
+        # its turn, and a burst may leave one unsent over one turn.
+        now = time.monotonic()
+        takes = False
+        for conn_id, outbox in self._watchers.items():
+            since = outbox.held_since(key)
+            seen = (conn_id, key[1])
+            before = self._held_seen.get(seen)
+            self._held_seen[seen] = since
+            if since is None or since != before or now - since < UNREAD_AFTER_S:
+                takes = True
+        return takes
 
     def publish_preview(self, frame: bytes, *, final: bool) -> None:
         """Send a packed preview frame to every watcher; a final one is must-deliver."""

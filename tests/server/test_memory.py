@@ -575,6 +575,12 @@ class _Record:
         if final:
             self.reserved_at_result = self.budget.reserved
 
+    def wants_preview(self) -> bool:
+        return True
+
+    def has_reader(self) -> bool:
+        return True
+
 
 class _Metrics:
     class _Histogram:
