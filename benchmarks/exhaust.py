@@ -22,9 +22,11 @@ request (the baseline), then runs these attacks while sampling VmRSS every
     previews, 200 steps: what the server admits runs, the rest is refused;
 (e) the same with frames of a quarter of those bytes, so several run at
     once (and batch together);
-(c) the admission flood: 16 never-reading connections x 16 long requests,
-    while an honest client measures its per-step latency (p50 / p99), quiet
-    before and during.
+(c) the admission flood: 16 never-reading connections x 16 long requests.
+
+An honest client (one 20-step request after another, reading everything)
+measures its per-step latency (p50 / p99) quiet, before the attacks, and
+during each attack (a request is counted in the attack it started in).
 
 By default each attack runs against a fresh server in a process of its
 own, with its own idle baseline (``--attacks`` picks and orders them);
@@ -38,7 +40,7 @@ excluded), when a server ends unhealthy, or when the flood was not
 refused with ``busy`` / ``too_many_requests`` at all. The attackers run in
 the server's process too (raw sockets, a few KiB each: the RSS measured is
 the server's, with them). The honest client (its warm-up requests, and its
-step latency in (c)) runs in a process of its own
+step latency during the attacks) runs in a process of its own
 (``stress_common.HonestProcess``): reading and parsing its replies shares
 neither the server's event loop nor its RSS.
 """
@@ -198,11 +200,13 @@ async def _exhaust(
         honest = await HonestProcess.start(server.url, steps=20, params={"shape": [3, 16, 16], "work": 1})
         await honest.quiet(5)  # warm-up and quiet baseline
         out["baseline_mib"] = rss_mib()
-        measured: dict[str, Any] | None = None
         sampler.start()
         t0 = time.perf_counter()
+        # The honest client runs through every attack, its step gaps tagged by attack.
+        await honest.load(_PHASES[attacks[0]])
         for attack in attacks:
             sampler.phase = _PHASES[attack]
+            await honest.phase(_PHASES[attack])
             before = await _rejections(server.http_url)
             if attack == "a":
                 out["a"] = await _attack_big_messages(server, rounds, 4)
@@ -214,29 +218,29 @@ async def _exhaust(
                 side = _largest_admitted_side(server, fraction=0.25)
                 out["e"] = await _attack_admitted(server, side, 8, seconds, "mid")
             else:
-                await honest.load("flood")
                 conns, n = await _attack_flood(server, 16, 16)
                 await asyncio.sleep(8.0)
                 _, h_during = await health(server.http_url)
-                measured = await honest.stop()
+                await honest.phase("after")
                 for c in conns:
                     c.close()
-                out["c"] = {"connections": n, "load_during": h_during.get("load"),
-                            "honest_busy": measured["busy"], "honest_errors": measured["errors"][:3]}
+                out["c"] = {"connections": n, "load_during": h_during.get("load")}
             out[attack].update(_refused(before, await _rejections(server.http_url)))
+            await honest.phase("after")
             await asyncio.sleep(1.0)
         sampler.stop()
-        if measured is None:
-            measured = await honest.stop()
+        measured = await honest.stop()
         out["wall_s"] = round(time.perf_counter() - t0, 1)
         status, h = await health(server.http_url)
         out["health"] = (status, h.get("status"))
         out["metrics"] = await asyncio.to_thread(_metrics, server.http_url)
     out["peak_mib"] = {k: v for k, v in sampler.peak.items() if k != "idle"}
-    quiet, flood = measured["gaps"].get("quiet", []), measured["gaps"].get("flood", [])
-    out["honest"] = {"quiet_p50_ms": percentile(quiet, 50) * 1e3, "quiet_p99_ms": percentile(quiet, 99) * 1e3,
-                     "flood_p50_ms": percentile(flood, 50) * 1e3, "flood_p99_ms": percentile(flood, 99) * 1e3,
-                     "quiet_steps": len(quiet), "flood_steps": len(flood)}
+    gaps = measured["gaps"]
+    out["honest"] = {
+        phase: {"p50_ms": percentile(g, 50) * 1e3, "p99_ms": percentile(g, 99) * 1e3, "steps": len(g)}
+        for phase, g in gaps.items() if phase != "after" and g
+    }
+    out["honest_busy"], out["honest_errors"] = measured["busy"], measured["errors"][:3]
     return out
 
 
@@ -332,11 +336,17 @@ def main(argv: Sequence[str] | None = None) -> int:
         for k in ATTACKS:
             if k in s:
                 print(f"  ({k}) {s[k]}")
+        h = s["honest"]
+        quiet = h.get("quiet")
+        for phase, g in h.items():
+            ratio = ""
+            if quiet and phase != "quiet":
+                ratio = f", {g['p99_ms'] / quiet['p99_ms']:.1f}x the quiet p99"
+            print(f"  honest step latency ({phase}): p50 {g['p50_ms']:.1f} ms p99 {g['p99_ms']:.1f} ms "
+                  f"({g['steps']} steps{ratio})")
+        if s["honest_busy"] or s["honest_errors"]:
+            print(f"  honest client: {s['honest_busy']} busy, errors {s['honest_errors']}")
         if "c" in s:
-            h = s["honest"]
-            print(f"  honest step latency (a process of its own): quiet p50 {h['quiet_p50_ms']:.1f} ms "
-                  f"p99 {h['quiet_p99_ms']:.1f} ms ({h['quiet_steps']} steps); during the flood "
-                  f"p50 {h['flood_p50_ms']:.1f} ms p99 {h['flood_p99_ms']:.1f} ms ({h['flood_steps']} steps)")
             refused_flood = any("busy" in k or "too_many_requests" in k for k in s["c"])
         if s["health"][0] != 200:
             bad.append(f"/health {s['health']} after {', '.join(s['peak_mib'])}")

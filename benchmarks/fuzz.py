@@ -620,15 +620,16 @@ def attribute(gaps: Sequence[tuple[float, float]], timelines: Sequence[Sequence[
 
 async def _run(messages: int, seed: int, connections: int, max_key_bytes: int, honest_requests: int,
                workers: int, timeline: bool, verbose: bool, categories: Sequence[str],
-               server_profile: str | None, rate: float) -> dict[str, Any]:
+               server_profile: str | None, rate: float,
+               server_limits: dict[str, Any] | None = None) -> dict[str, Any]:
     from .stress_common import ChildError, HonestProcess, JsonChild, ServerProcess, health
 
     violations: list[str] = []
     t0 = time.perf_counter()
     workers = max(1, min(workers, connections))
     share = [messages // connections + (1 if i < messages % connections else 0) for i in range(connections)]
-    server = await ServerProcess.start({"shutdown_timeout_s": 1.0, "close_timeout_s": 1.0}, verbose=verbose,
-                                       profile=server_profile)
+    limits = {"shutdown_timeout_s": 1.0, "close_timeout_s": 1.0, **(server_limits or {})}
+    server = await ServerProcess.start(limits, verbose=verbose, profile=server_profile)
     honest: HonestProcess | None = None
     kids: list[JsonChild] = []
     samples: list[tuple[int, int]] = []
@@ -771,7 +772,8 @@ async def _sample_load(http_url: str, out: list[tuple[int, int]]) -> None:
 def run_fuzz(*, messages: int = 500, seed: int = 0, connections: int = 4, max_key_bytes: int = 256 * 1024,
              honest_requests: int = 5, workers: int = 1, attribute: bool = False,
              categories: Sequence[str] = (), verbose: bool = False,
-             server_profile: str | None = None, rate: float = 0.0) -> dict[str, Any]:
+             server_profile: str | None = None, rate: float = 0.0,
+             server_limits: dict[str, Any] | None = None) -> dict[str, Any]:
     """One fuzz run (a server process, an honest client process, ``workers`` fuzzing processes): its summary.
 
     ``attribute``: also line the honest client's slow step gaps up with the
@@ -781,12 +783,13 @@ def run_fuzz(*, messages: int = 500, seed: int = 0, connections: int = 4, max_ke
     ``server_profile``: a path for cProfile stats of the server's event-loop thread.
     ``rate``: messages/s over all connections, paced (0: each connection sends its next
     message as soon as the reply to the last one came, what the server's speed allows).
+    ``server_limits``: Server options beside the defaults (e.g. ``{"max_messages_per_s": 1e6}``).
     """
     unknown = set(categories) - set(CATEGORIES)
     if unknown:
         raise ValueError(f"unknown categories {sorted(unknown)}; known: {', '.join(CATEGORIES)}")
     return asyncio.run(_run(messages, seed, connections, max_key_bytes, honest_requests, workers, attribute,
-                            verbose, tuple(categories), server_profile, rate))
+                            verbose, tuple(categories), server_profile, rate, server_limits))
 
 
 def format_summary(s: dict[str, Any], *, latency_rows: int = 12) -> str:
@@ -858,6 +861,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     ap.add_argument("--categories", default="",
                     help=f"only these message categories, comma-separated (default: all of "
                          f"{','.join(CATEGORIES)})")
+    ap.add_argument("--server-limits", default="{}", metavar="JSON",
+                    help='Server options beside the defaults, e.g. \'{"max_messages_per_s": 1e6}\'')
     ap.add_argument("--json", metavar="PATH", help="also write the summary as JSON")
     ap.add_argument("--server-profile", metavar="PATH",
                     help="cProfile the server's event-loop thread, stats to PATH (python -m pstats PATH)")
@@ -873,7 +878,7 @@ def main(argv: Sequence[str] | None = None) -> int:
                  max_key_bytes=args.max_key_bytes, honest_requests=args.honest_requests,
                  attribute=args.attribute, verbose=args.verbose,
                  categories=[c for c in args.categories.split(",") if c], server_profile=args.server_profile,
-                 rate=args.rate)
+                 rate=args.rate, server_limits=json.loads(args.server_limits))
     print(format_summary(s), flush=True)
     if args.json:
         with open(args.json, "w") as f:

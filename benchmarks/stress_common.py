@@ -420,6 +420,11 @@ class HonestProcess:
         await self.child.send(cmd="load", phase=phase)
         await self.child.expect("loading", timeout=60)
 
+    async def phase(self, phase: str) -> None:
+        """While loading: tag the requests started from now on ``phase``."""
+        await self.child.send(cmd="phase", phase=phase)
+        await self.child.expect("phased", timeout=60)
+
     async def stop(self, timeout: float = 150.0) -> dict[str, Any]:
         await self.child.send(cmd="stop")
         result = await self.child.expect("result", timeout=timeout)
@@ -463,6 +468,10 @@ async def _honest_main(config: dict[str, Any]) -> None:
             client._stop.clear()
             task = asyncio.create_task(guarded(None))
             say(event="loading")
+        elif cmd["cmd"] == "phase":
+            # While loading: the requests started from now on are tagged ``phase``.
+            client.phase = cmd["phase"]
+            say(event="phased")
         elif cmd["cmd"] == "stop":
             client.stop()
             if task is not None:

@@ -76,6 +76,9 @@ class ClientConnection:
         self._send_started: float | None = None
         #: The close code and reason, once known (for the log).
         self._closed_with: tuple[int, str] | None = None
+        # Token bucket for max_messages_per_s: a second's worth to start with.
+        self._tokens = float(limits.max_messages_per_s)
+        self._refilled: float | None = None
 
     async def run(self) -> None:
         """Read and write until the websocket closes; never raises for this client's faults.
@@ -126,7 +129,21 @@ class ClientConnection:
             # yielding: without this turn, a burst of messages in one TCP
             # write queued every reply before the writer sent the first.
             await anyio.lowlevel.checkpoint()
+            await self._pace()
             await self._wait_for_room()
+
+    async def _pace(self) -> None:
+        # max_messages_per_s on average, in bursts of as many: past that the
+        # next message is read later (see ServerLimits.max_messages_per_s).
+        rate = self._limits.max_messages_per_s
+        now = anyio.current_time()
+        if self._refilled is not None:
+            self._tokens = min(rate, self._tokens + (now - self._refilled) * rate)
+        self._refilled = now
+        self._tokens -= 1.0
+        if self._tokens < 0.0:
+            self._metrics.reads_paced.inc()
+            await anyio.sleep(-self._tokens / rate)
 
     async def _wait_for_room(self) -> None:
         # Backpressure: read the next message only once its reply fits; the

@@ -48,6 +48,7 @@ _ENV: dict[str, tuple[str, type]] = {
     "shutdown_timeout_s": ("OMNI_STREAM_SHUTDOWN_TIMEOUT", float),
     "close_timeout_s": ("OMNI_STREAM_CLOSE_TIMEOUT", float),
     "preview_threads": ("OMNI_STREAM_PREVIEW_THREADS", int),
+    "max_messages_per_s": ("OMNI_STREAM_MAX_MESSAGES_PER_S", float),
 }
 
 
@@ -101,6 +102,14 @@ class ServerLimits:
     #: clients each watching its own request, more keep previews fresh
     #: (docs/performance.md, "fanout").
     preview_threads: int = 1
+    #: Websocket messages one connection may send a second on average, in
+    #: bursts of as many; past that its next message is read later (TCP
+    #: holds it; nothing is refused, every message still gets its reply),
+    #: so one client sending as fast as it is answered cannot take the
+    #: event loop from every other (docs/reliability.md, the fuzz). A
+    #: person's page sends a few a minute; a script submitting work, a few
+    #: a second.
+    max_messages_per_s: float = 100.0
 
     def __post_init__(self) -> None:
         for f in fields(self):

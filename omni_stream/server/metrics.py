@@ -97,6 +97,11 @@ class ServerMetrics:
             "omni_stream_preview_encode_seconds", "decode + encode time of one preview",
             buckets=_ENCODE_BUCKETS, registry=r,
         )
+        self.reads_paced = Counter(
+            "omni_stream_reads_paced",
+            "websocket messages read later because their connection went over max_messages_per_s",
+            registry=r,
+        )
         self.previews_skipped = Counter(
             "omni_stream_previews_skipped",
             "intermediate previews not rendered: every watcher still held the previous one unsent",

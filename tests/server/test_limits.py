@@ -113,3 +113,29 @@ def test_bad_byte_bounds_name_the_keyword(name: str, value: object) -> None:
     with pytest.raises(ParamsError) as info:
         ServerLimits.from_env({name: value})
     assert info.value.field == name
+
+
+@pytest.mark.asyncio
+async def test_a_connection_over_max_messages_per_s_is_read_later_and_every_message_answered() -> None:
+    import json
+
+    from websockets.asyncio.client import connect
+
+    from .conftest import running
+
+    async with running(max_messages_per_s=20.0) as server, connect(server.url) as ws:
+        n = 60  # 20 in the first burst, the other 40 paced
+        for i in range(n):
+            await ws.send(json.dumps({"type": "cancel", "id": f"nope-{i}"}))
+        replies = [json.loads(await ws.recv()) for _ in range(n)]
+        paced = server.metrics.reads_paced._value.get()
+    assert [(r["type"], r["code"], r["id"]) for r in replies] == [
+        ("error", "not_found", f"nope-{i}") for i in range(n)
+    ]
+    assert paced >= n - 20 - 2  # the bucket refills a little while the burst is read
+
+
+def test_max_messages_per_s_must_be_positive() -> None:
+    with pytest.raises(ParamsError) as info:
+        ServerLimits.from_env({"max_messages_per_s": 0})
+    assert info.value.field == "max_messages_per_s"
