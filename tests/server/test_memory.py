@@ -211,7 +211,8 @@ async def test_a_burst_in_one_tcp_write_is_answered_in_full() -> None:
     # server used to queue every reply before sending one, and closed this
     # client (1008) past max_pending, though it reads everything.
     count = 600  # over twice max_pending
-    async with running(max_pending=256) as server:
+    # Not paced (max_messages_per_s): this is about replies, not reading.
+    async with running(max_pending=256, max_messages_per_s=1e6) as server:
         client = await BurstClient.connect(server)
         try:
             await client.send_burst(["not json"] * count)
