@@ -345,6 +345,7 @@ class Service:
             # The engine holds max_active requests already: this one waits,
             # unstarted, in the gate (gate.py), and goes in when one leaves.
             self.gate.wait(record.id, conn_id, msg.priority, admitted)
+            self._let_in()  # in case the bound grew (a remote engine's replicas came up)
         else:
             self._start_consumer(admitted, stream)
         return record
