@@ -28,7 +28,7 @@ from .limits import ServerLimits
 from .metrics import ServerMetrics
 from .outbox import MemoryBudget, Outbox, OutboxOverflowError
 
-__all__ = ["ClientConnection"]
+__all__ = ["COST_BYTES", "ClientConnection", "message_cost"]
 
 #: How long the writer may be stuck in one send to a paused socket before the
 #: reader stops waiting for room (the client is then taken as not reading).
@@ -129,10 +129,10 @@ class ClientConnection:
             # yielding: without this turn, a burst of messages in one TCP
             # write queued every reply before the writer sent the first.
             await anyio.lowlevel.checkpoint()
-            await self._pace()
+            await self._pace(message_cost(data))
             await self._wait_for_room()
 
-    async def _pace(self) -> None:
+    async def _pace(self, cost: float) -> None:
         # max_messages_per_s on average, in bursts of as many: past that the
         # next message is read later (see ServerLimits.max_messages_per_s).
         rate = self._limits.max_messages_per_s
@@ -140,7 +140,7 @@ class ClientConnection:
         if self._refilled is not None:
             self._tokens = min(rate, self._tokens + (now - self._refilled) * rate)
         self._refilled = now
-        self._tokens -= 1.0
+        self._tokens -= cost
         if self._tokens < 0.0:
             self._metrics.reads_paced.inc()
             await anyio.sleep(-self._tokens / rate)
@@ -250,6 +250,17 @@ class ClientConnection:
 def _remote(ws: WebSocket) -> str:
     client = ws.client
     return f"{client.host}:{client.port}" if client is not None else "unknown"
+
+
+#: A message counts as one more message for every this many bytes
+#: (``message_cost``): parsing is what a message costs the event loop, and
+#: it grows with the bytes (a 1 MiB message takes several ms of the loop).
+COST_BYTES = 64 << 10
+
+
+def message_cost(data: str | bytes) -> float:
+    """What one message counts against ``max_messages_per_s``: 1, plus 1 per ``COST_BYTES``."""
+    return 1.0 + len(data) // COST_BYTES
 
 
 def transport_of(ws: WebSocket) -> Any:

@@ -103,7 +103,8 @@ class ServerLimits:
     #: (docs/performance.md, "fanout").
     preview_threads: int = 1
     #: Websocket messages one connection may send a second on average, in
-    #: bursts of as many; past that its next message is read later (TCP
+    #: bursts of as many (a message counts one more for every 64 KiB:
+    #: connection.message_cost); past that its next message is read later (TCP
     #: holds it; nothing is refused, every message still gets its reply),
     #: so one client sending as fast as it is answered cannot take the
     #: event loop from every other (docs/reliability.md, the fuzz). A
