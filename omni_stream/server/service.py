@@ -431,26 +431,19 @@ class Service:
         """
         request_id = admitted.record.id
         spec, output = admitted.spec, admitted.output
+        options: dict[str, Any] = {
+            "request_id": request_id,
+            "policy": "latest",
+            "preview_every": spec.every,
+            "priority": admitted.priority,
+        }
         try:
             # The raw params: the engine validates them itself (the same checks).
             render = self._render_request(spec, output)
             if render is not None:
                 assert isinstance(self.engine, RendersFrames)
-                return self.engine.stream(
-                    admitted.params,
-                    request_id=request_id,
-                    policy="latest",
-                    preview_every=spec.every,
-                    priority=admitted.priority,
-                    render=render,
-                )
-            return self.engine.stream(
-                admitted.params,
-                request_id=request_id,
-                policy="latest",
-                preview_every=spec.every,
-                priority=admitted.priority,
-            )
+                return self.engine.stream(admitted.params, render=render, **options)
+            return self.engine.stream(admitted.params, **options)
         except ParamsError as exc:
             admitted.memory.release()
             raise protocol.MessageError(
