@@ -196,3 +196,13 @@ def test_run_picks_uvloop_where_it_is_installed():
         assert module.startswith("asyncio")
     else:
         assert module.startswith("uvloop")
+
+
+def test_every_server_limit_variable_is_documented() -> None:
+    from pathlib import Path
+
+    from omni_stream.server.limits import _ENV
+
+    text = (Path(__file__).parent.parent / "docs" / "configuration.md").read_text()
+    missing = [env for env, _ in _ENV.values() if f"`{env}`" not in text]
+    assert missing == [], f"docs/configuration.md lacks {missing}"
