@@ -151,11 +151,10 @@ class RequestRecord:
 
         False when every watcher has held this request's previous preview
         unsent since the last look and for UNREAD_AFTER_S (a client that
-        does not read): a new one
-        would only replace it there, so rendering it is wasted work (a
-        flood of never-reading clients otherwise keeps the preview threads
-        busy for nobody). True with no watchers: the latest preview is kept
-        for ``attach`` and ``GET .../preview``.
+        does not read): a new one would only replace it there, so rendering
+        it is wasted work (a flood of never-reading clients otherwise keeps
+        the preview threads busy for nobody). True with no watchers: the
+        latest preview is kept for ``attach`` and ``GET .../preview``.
         """
         return not self._watchers or self._someone_takes((self.id, "preview"))
 
@@ -165,8 +164,7 @@ class RequestRecord:
         False when nobody watches, or every watcher has held this request's
         previous ``progress`` unsent since the last look and for
         UNREAD_AFTER_S (its client is not reading): then the consumer paces
-        itself instead of
-        taking every step the engine makes (consumer.py).
+        itself instead of taking every step the engine makes (consumer.py).
         """
         return self._someone_takes((self.id, "progress"))
 

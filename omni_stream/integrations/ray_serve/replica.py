@@ -268,7 +268,6 @@ class EngineReplica:
                 f"replica {self._replica}: could not render {what}: {exc}",
                 request_id=frame.request_id, step=frame.step,
             )
-            error.__cause__ = exc
             raise error from exc
 
     async def _credit(self, flow: _Flow) -> None:
