@@ -22,11 +22,14 @@ request (the baseline), then runs these attacks while sampling VmRSS every
     previews, 200 steps: what the server admits runs, the rest is refused;
 (e) the same with frames of a quarter of those bytes, so several run at
     once (and batch together);
-(c) the admission flood: 16 never-reading connections x 16 long requests.
+(c) the admission flood: 16 never-reading connections x 16 long requests,
+    kept open for S seconds.
 
 An honest client (one 20-step request after another, reading everything)
 measures its per-step latency (p50 / p99) quiet, before the attacks, and
-during each attack (a request is counted in the attack it started in).
+during each attack (a request is counted in the attack it started in),
+and how long each of its requests waited for its first step (p50 / max:
+under the flood that is time in the server's gate).
 
 By default each attack runs against a fresh server in a process of its
 own, with its own idle baseline (``--attacks`` picks and orders them);
@@ -219,7 +222,7 @@ async def _exhaust(
                 out["e"] = await _attack_admitted(server, side, 8, seconds, "mid")
             else:
                 conns, n = await _attack_flood(server, 16, 16)
-                await asyncio.sleep(8.0)
+                await asyncio.sleep(seconds)
                 _, h_during = await health(server.http_url)
                 await honest.phase("after")
                 for c in conns:
@@ -239,6 +242,10 @@ async def _exhaust(
     out["honest"] = {
         phase: {"p50_ms": percentile(g, 50) * 1e3, "p99_ms": percentile(g, 99) * 1e3, "steps": len(g)}
         for phase, g in gaps.items() if phase != "after" and g
+    }
+    out["honest_wait"] = {
+        phase: {"p50_ms": percentile(w, 50) * 1e3, "max_ms": max(w) * 1e3, "requests": len(w)}
+        for phase, w in measured.get("waits", {}).items() if phase != "after" and w
     }
     out["honest_busy"], out["honest_errors"] = measured["busy"], measured["errors"][:3]
     return out
@@ -344,6 +351,9 @@ def main(argv: Sequence[str] | None = None) -> int:
                 ratio = f", {g['p99_ms'] / quiet['p99_ms']:.1f}x the quiet p99"
             print(f"  honest step latency ({phase}): p50 {g['p50_ms']:.1f} ms p99 {g['p99_ms']:.1f} ms "
                   f"({g['steps']} steps{ratio})")
+        for phase, w in s.get("honest_wait", {}).items():
+            print(f"  honest wait for a first step ({phase}): p50 {w['p50_ms']:.1f} ms, "
+                  f"max {w['max_ms']:.1f} ms ({w['requests']} requests)")
         if s["honest_busy"] or s["honest_errors"]:
             print(f"  honest client: {s['honest_busy']} busy, errors {s['honest_errors']}")
         if "c" in s:

@@ -194,6 +194,9 @@ async def run(ctx: Context) -> list[Figure]:
         {
             "ours": sampler("ours", None),
             "ours_2_preview_threads": sampler("ours", None, preview_threads=2),
+            # max_active's default before it followed the device (two
+            # batches: 16), against today's on the CPU device (2).
+            "ours_max_active_16": sampler("ours", None, max_active=16),
             "naive": sampler("naive", None),
             "ours_reading": sampler("ours", "reading"),
             "ours_stuck": sampler("ours", "stuck"),
@@ -270,6 +273,23 @@ async def run(ctx: Context) -> list[Figure]:
             "ours_2_preview_threads",
             "OMNI_STREAM_PREVIEW_THREADS=2: JPEG encoding releases the GIL, so a second thread uses the second core",
             unit="ms",
+        ),
+        fig(
+            "fanout.fps_default_vs_max_active_16",
+            m("ours", "fps") / m("ours_max_active_16", "fps"),
+            "ours_max_active_16",
+            "ours",
+            (
+                "max_active on the CPU device: 2 (the default) against 16 (two batches, the "
+                "accelerator's rule); the same load, alternating"
+            ),
+        ),
+        fig(
+            "fanout.p99_max_active_16_vs_default",
+            m("ours_max_active_16", "p99_ms") / m("ours", "p99_ms"),
+            "ours_max_active_16",
+            "ours",
+            "step completion to the client's receipt; with 16 in the engine 16 requests' previews queue for the preview thread",
         ),
         # A peer that delivered nothing counts as one frame in the whole
         # deadline, so the ratio stays finite (and is then a lower bound).

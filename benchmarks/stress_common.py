@@ -154,6 +154,9 @@ class HonestClient:
     per-step latency a user sees); ``phase`` tags which part of a run they
     belong to, so one client can measure a quiet baseline and a loaded run.
     ``stamps`` holds, for each gap, when it ended (``time.monotonic()``).
+    ``waits`` holds, by phase, the seconds from each ``generate`` to its
+    first ``progress`` (accepted, waiting in the server's gate, the first
+    step): what a queue costs, which step gaps do not show.
     """
 
     def __init__(self, url: str, *, steps: int = 20, params: dict[str, Any] | None = None) -> None:
@@ -162,6 +165,7 @@ class HonestClient:
         self.params = params or {"shape": [3, 16, 16], "work": 0}
         self.gaps: dict[str, list[float]] = {}
         self.stamps: dict[str, list[float]] = {}
+        self.waits: dict[str, list[float]] = {}
         self.phase = "quiet"
         self.errors: list[str] = []
         self.busy = 0
@@ -182,6 +186,7 @@ class HonestClient:
                 self._n += 1
                 rid = f"honest-{os.getpid()}-{self._n}"
                 params = {**self.params, "steps": self.steps, "seed": self._n}
+                sent = time.monotonic()
                 await ws.send(json.dumps({
                     "type": "generate", "id": rid, "params": params,
                     "preview": {"format": "raw", "max_size": 16},
@@ -201,6 +206,8 @@ class HonestClient:
                         if last is not None:
                             self.gaps.setdefault(phase, []).append(now - last)
                             self.stamps.setdefault(phase, []).append(now)
+                        else:
+                            self.waits.setdefault(phase, []).append(now - sent)
                         last = now
                     elif kind == "done":
                         self.done += 1
@@ -397,8 +404,9 @@ class HonestProcess:
     ``await quiet(n)`` runs ``n`` requests and returns when they are done;
     ``await load(phase)`` starts it running requests one after another
     (gaps tagged ``phase``) until ``await stop()``, which returns what it
-    measured: ``gaps`` and ``stamps`` (their ends, ``time.monotonic()``) by
-    phase, ``busy``, ``done``, ``errors``. Its own CPU work (parsing replies)
+    measured: ``gaps``, ``stamps`` (their ends, ``time.monotonic()``) and
+    ``waits`` (to a request's first step) by phase, ``busy``, ``done``,
+    ``errors``. Its own CPU work (parsing replies)
     runs on its own loop, not the server's nor an attacker's.
     """
 
@@ -476,7 +484,7 @@ async def _honest_main(config: dict[str, Any]) -> None:
             client.stop()
             if task is not None:
                 await task
-            say(event="result", gaps=client.gaps, stamps=client.stamps, busy=client.busy, done=client.done,
+            say(event="result", gaps=client.gaps, stamps=client.stamps, waits=client.waits, busy=client.busy, done=client.done,
                 errors=client.errors)
             return
 

@@ -51,7 +51,7 @@ __all__ = [
     "cap_preview", "check_params", "default_decoder", "preview_spec", "OutputSpec", "output_spec",
     "IMAGE_FORMATS", "VIDEO_FORMATS",
     "ServerBusyError", "Load", "check_load", "retry_after", "RETRY_AFTER_MIN_S", "RETRY_AFTER_MAX_S",
-    "MemoryEstimate", "estimate_memory", "frame_bytes", "reserve_memory", "state_on_host",
+    "MemoryEstimate", "estimate_memory", "frame_bytes", "host_engines", "reserve_memory", "state_on_host",
     "HOST_FRAMES_PER_REQUEST", "HOST_FRAMES_PER_BATCH", "HOST_BATCH_RETAINED_BYTES",
     "HOST_FRAMES_PER_LARGE_BATCH", "DEVICE_FRAMES_PER_REQUEST", "REQUEST_BASE_BYTES",
     "RESULT_COPIES", "LATENT_RATIO",
@@ -214,9 +214,13 @@ class Load:
     max_queued: int
 
     @classmethod
-    def of(cls, active: int, queued: int, limits: ServerLimits, *, engine_batch_size: int) -> Load:
-        """From the engine's statistics (``active``, ``queued``) and the server's limits."""
-        return cls(active + queued, limits.active_bound(engine_batch_size), limits.max_queued)
+    def of(
+        cls, active: int, queued: int, limits: ServerLimits, *, engine_batch_size: int, host_engines: int = 0
+    ) -> Load:
+        """From the engine's statistics (``active``, ``queued``) and the server's limits
+        (``ServerLimits.active_bound`` says what the two keywords are)."""
+        bound = limits.active_bound(engine_batch_size, host_engines=host_engines)
+        return cls(active + queued, bound, limits.max_queued)
 
     @property
     def active(self) -> int:
@@ -456,6 +460,25 @@ def frame_bytes(model: StepModel, params: Mapping[str, Any]) -> tuple[int, str] 
         field = next((n for n in _SIDES if side(n)), "size")
         keep(3 * width * height * frames * _FLOAT32, field)
     return best
+
+
+def host_engines(engine: Any) -> int:
+    """How many engines behind ``engine`` compute on the host CPU (for ``max_active``'s default).
+
+    1 for an engine on a CPU (or simulated) device; for an engine group,
+    its members that are (all of them, or 0: a group mixing an accelerator
+    in is treated as one); 0 for an accelerator, and for an engine whose
+    device it cannot see (a Ray deployment: its replicas count for
+    themselves).
+    """
+    device = getattr(engine, "device", None)
+    if device is not None and hasattr(device, "computes_on_cpu"):
+        return 1 if device.computes_on_cpu else 0
+    members = getattr(engine, "members", None)
+    if members:
+        counts = [host_engines(m) for m in members]
+        return sum(counts) if all(counts) else 0
+    return 0
 
 
 def state_on_host(engine: Any) -> bool:

@@ -11,7 +11,7 @@ from __future__ import annotations
 import math
 from collections.abc import Mapping
 from dataclasses import asdict, dataclass, fields
-from typing import Any
+from typing import Any, Final
 
 from ..config import TOKEN_ENV, env_float, env_int, env_str, token as env_token
 from ..errors import ParamsError
@@ -55,6 +55,18 @@ _ENV: dict[str, tuple[str, type]] = {
 #: Limits whose None default is derived from the engine (``active_bound``).
 _ENGINE_DEFAULTS = frozenset({"max_active"})
 
+#: The default ``max_active`` for an engine that computes on the host CPU.
+#: There a batch of N costs about N single steps (torch already spreads one
+#: step over every core), and each step's preview is rendered and sent by
+#: the same cores: a request more in the engine adds no frames a second,
+#: it divides them, slowing every request it shares them with. Two keep
+#: the cores busy (one request computing while the other's frame is
+#: rendered and sent); the rest wait unstarted and finish sooner for it.
+#: Measured (docs/reliability.md, exhaust (c)): an honest client's step
+#: p99 during a flood of 256 requests went from 13.5x its quiet p99 with
+#: 16 in the engine to 2.2-3.6x with 2.
+HOST_ACTIVE_PER_ENGINE: Final = 2
+
 
 @dataclass(frozen=True, slots=True)
 class ServerLimits:
@@ -63,9 +75,11 @@ class ServerLimits:
     max_message_bytes: int = 1 << 20
     max_connections: int = 64
     max_requests_per_connection: int = 16
-    #: Requests in the engine at once; None: twice the engine's
-    #: max_batch_size, two batches, so each steps at least every other
-    #: model call (16 with the defaults; 2 for a whole-request model).
+    #: Requests in the engine at once; None: on an accelerator, twice the
+    #: engine's max_batch_size, two batches, so each steps at least every
+    #: other model call (16 with the defaults; 2 for a whole-request
+    #: model); on an engine that computes on the host CPU (``cpu``,
+    #: ``sim``), HOST_ACTIVE_PER_ENGINE per engine (see there).
     max_active: int | None = None
     #: Requests admitted beyond max_active, waiting unstarted in the
     #: server's gate (gate.py: priority, then one per connection, then
@@ -163,9 +177,19 @@ class ServerLimits:
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)
 
-    def active_bound(self, engine_batch_size: int) -> int:
-        """``max_active``, or its default for an engine advancing ``engine_batch_size`` requests a call."""
-        return self.max_active if self.max_active is not None else 2 * max(1, engine_batch_size)
+    def active_bound(self, engine_batch_size: int, *, host_engines: int = 0) -> int:
+        """``max_active``, or its default (see the field).
+
+        ``engine_batch_size``: requests the engine advances in one call;
+        ``host_engines``: how many engines compute on the host CPU (an
+        engine group's members), 0 for an accelerator or an engine
+        elsewhere (a Ray deployment).
+        """
+        if self.max_active is not None:
+            return self.max_active
+        if host_engines > 0:
+            return HOST_ACTIVE_PER_ENGINE * host_engines
+        return 2 * max(1, engine_batch_size)
 
     @staticmethod
     def env_name(name: str) -> str:

@@ -121,8 +121,12 @@ class Service:
         )
         self.metrics = ServerMetrics(engine, running=lambda: len(self.registry.running()))
         self.metrics.watch_memory(self.memory)
+        #: Engines computing on this host's CPU (max_active's default depends on it).
+        self.host_engines = admission.host_engines(engine)
         #: At most max_active requests in the engine; the other admitted ones wait here.
-        self.gate = Gate(lambda: self.limits.active_bound(self.engine.max_batch_size))
+        self.gate = Gate(
+            lambda: self.limits.active_bound(self.engine.max_batch_size, host_engines=self.host_engines)
+        )
         #: Open client connections (websockets and event streams), by id.
         self.connections: set[str] = set()
         self._tg: anyio.abc.TaskGroup | None = None
@@ -533,7 +537,8 @@ class Service:
         # What the engine holds (its own count, in case others share it) and what waits in the gate.
         in_engine = max(self.gate.in_engine, stats.active + stats.queued)
         return admission.Load.of(
-            in_engine, self.gate.waiting, self.limits, engine_batch_size=self.engine.max_batch_size
+            in_engine, self.gate.waiting, self.limits, engine_batch_size=self.engine.max_batch_size,
+            host_engines=self.host_engines,
         )
 
     def retry_after(self, load: admission.Load) -> float:

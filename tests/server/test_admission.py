@@ -29,13 +29,14 @@ from omni_stream.server.admission import (
     estimate_memory,
     frame_bytes,
     host_batch_cost,
+    host_engines,
     output_spec,
     preview_spec,
     reserve_memory,
     retry_after,
     state_on_host,
 )
-from omni_stream.server.limits import ServerLimits
+from omni_stream.server.limits import HOST_ACTIVE_PER_ENGINE, ServerLimits
 from omni_stream.server.outbox import MemoryBudget
 
 LIMITS = ServerLimits(max_steps=50, max_image_size=256)
@@ -162,12 +163,49 @@ def test_load_splits_what_the_engine_holds_into_active_and_queued() -> None:
     assert [Load(8, 4, 6).fair_share(n) for n in (0, 1, 3, 64)] == [10, 10, 3, 1]
 
 
-def test_max_active_defaults_to_two_engine_batches() -> None:
+def test_max_active_defaults_to_two_engine_batches_on_an_accelerator_and_two_on_the_cpu() -> None:
     assert ServerLimits().max_active is None and ServerLimits().max_queued == 128
     assert ServerLimits().active_bound(8) == 16
     assert ServerLimits().active_bound(1) == 2  # a whole-request model
     assert ServerLimits(max_active=5).active_bound(8) == 5
     assert Load.of(0, 0, ServerLimits(), engine_batch_size=4).max_active == 8
+    # Computing on the host CPU: a batch costs its steps one by one, so
+    # more requests in the engine only divide the frames a second.
+    assert HOST_ACTIVE_PER_ENGINE == 2
+    assert ServerLimits().active_bound(8, host_engines=1) == 2
+    assert ServerLimits().active_bound(8, host_engines=3) == 6  # a group of three CPU engines
+    assert ServerLimits(max_active=5).active_bound(8, host_engines=1) == 5  # set: as set
+    assert Load.of(0, 0, ServerLimits(), engine_batch_size=4, host_engines=1).max_active == 2
+
+
+class _Dev:
+    def __init__(self, on_cpu: bool) -> None:
+        self.computes_on_cpu = on_cpu
+
+
+class _Eng:
+    def __init__(self, device: _Dev | None = None, members: list[_Eng] | None = None) -> None:
+        if device is not None:
+            self.device = device
+        if members is not None:
+            self.members = members
+
+
+def test_host_engines_counts_the_engines_that_compute_on_this_cpu() -> None:
+    assert host_engines(_Eng(_Dev(True))) == 1
+    assert host_engines(_Eng(_Dev(False))) == 0  # CUDA
+    assert host_engines(_Eng(members=[_Eng(_Dev(True)), _Eng(_Dev(True))])) == 2
+    # A group with an accelerator in it keeps the accelerator's rule.
+    assert host_engines(_Eng(members=[_Eng(_Dev(True)), _Eng(_Dev(False))])) == 0
+    # Cannot see a device (a Ray deployment's replicas count for themselves).
+    assert host_engines(_Eng()) == 0
+
+
+@pytest.mark.asyncio
+async def test_the_real_cpu_and_sim_engines_count_as_host_engines() -> None:
+    for device in ("cpu", "sim"):
+        async with om.Engine(Synthetic(), device=device) as engine:
+            assert host_engines(engine) == 1, device
 
 
 def test_load_limits_come_from_keywords_and_the_environment(monkeypatch: pytest.MonkeyPatch) -> None:
