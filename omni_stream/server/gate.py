@@ -8,14 +8,29 @@ batches by default) and keeps the other admitted ones (up to
 ``max_queued``) here, unstarted: they cost nobody a step, hold no model
 state, and a client watching one sees it ``queued`` with its position.
 
-When a request leaves the engine, the next one goes in: the highest
-*effective* priority first (its ``priority`` plus one point for every
-``AGE_ROUNDS`` requests let in while it waited, so a low priority is
-delayed, never starved: the engine's own rule, scheduler.py), then the
-connection with the fewest requests in the engine (one connection that
-queued a hundred requests does not keep another's one waiting behind all
-of them), then arrival. Pure bookkeeping: no I/O, no engine; the service
-submits what :meth:`Gate.pop` returns.
+When a request leaves the engine, the next one goes in:
+
+1. one that has waited :data:`OVERDUE_LET_INS` let-ins or more, oldest
+   first: whatever the rules below prefer, nobody waits longer than that
+   (plus the overdue ones before it);
+2. the highest *effective* priority: its ``priority`` plus one point for
+   every ``AGE_ROUNDS`` requests let in since the oldest waiting request
+   of that priority arrived, so a low priority is delayed, never starved
+   (the engine's own rule, scheduler.py, where all requests of one level
+   age alike too: ageing each request from its own arrival would make
+   every level first come, first served, and a connection that queued a
+   hundred requests would keep a newcomer waiting behind all of them);
+3. the connection with the fewest requests in the engine;
+4. the connection that has had the fewest steps let in while it kept
+   requests here or in the engine (its requests' ``cost``, their step
+   counts): a client with one short request at a time goes in before a
+   flood of long ones that arrived earlier, rather than after a round of
+   every flooding connection; a connection with nothing here or inside
+   is forgotten;
+5. arrival.
+
+Pure bookkeeping: no I/O, no engine; the service submits what
+:meth:`Gate.pop` returns.
 """
 
 from __future__ import annotations
@@ -23,11 +38,15 @@ from __future__ import annotations
 from collections import Counter
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Final
 
-from ..engine.scheduler import AGE_ROUNDS, effective_priority
+from ..engine.scheduler import AGE_ROUNDS, PRIORITY_MAX, PRIORITY_MIN, effective_priority
 
-__all__ = ["Gate", "Waiting"]
+__all__ = ["OVERDUE_LET_INS", "Gate", "Waiting"]
+
+#: Let-ins after which a waiting request goes before any rule's choice:
+#: the wait the widest priority gap costs through ageing (160).
+OVERDUE_LET_INS: Final = (PRIORITY_MAX - PRIORITY_MIN) * AGE_ROUNDS
 
 
 @dataclass(slots=True)
@@ -38,6 +57,8 @@ class Waiting:
     owner: str
     priority: int
     payload: Any = field(repr=False)
+    #: Its share of the engine, for fairness between connections: its steps.
+    cost: int = 1
     #: The gate's count of requests let in when this one arrived.
     arrived: int = 0
     #: Arrival order among the waiting, for ties.
@@ -56,6 +77,9 @@ class Gate:
         self._inside: Counter[str] = Counter()  # owner -> requests in the engine
         self._in_engine = 0
         self._waiting: dict[str, Waiting] = {}
+        self._queued: Counter[str] = Counter()  # owner -> requests waiting here
+        #: owner -> cost let in while it had requests here or inside (rule 4).
+        self._served: Counter[str] = Counter()
         self._let_in = 0  # requests let in so far: the waiting's clock for ageing
         self._seq = 0
 
@@ -80,10 +104,11 @@ class Gate:
 
     # -- moving requests ------------------------------------------------------------
 
-    def entered(self, owner: str) -> None:
-        """A request of ``owner`` went into the engine."""
+    def entered(self, owner: str, cost: int = 1) -> None:
+        """A request of ``owner`` (``cost``: its steps) went into the engine."""
         self._in_engine += 1
         self._inside[owner] += 1
+        self._served[owner] += max(1, cost)
         self._let_in += 1
 
     def left(self, owner: str) -> None:
@@ -92,17 +117,34 @@ class Gate:
         self._inside[owner] -= 1
         if self._inside[owner] <= 0:
             del self._inside[owner]
+        self._forget_if_gone(owner)
 
-    def wait(self, request_id: str, owner: str, priority: int, payload: Any) -> Waiting:
-        """Hold an admitted request until :meth:`pop` lets it in."""
+    def wait(self, request_id: str, owner: str, priority: int, payload: Any, cost: int = 1) -> Waiting:
+        """Hold an admitted request (``cost``: its steps) until :meth:`pop` lets it in."""
         self._seq += 1
-        item = Waiting(request_id, owner, priority, payload, arrived=self._let_in, seq=self._seq)
+        item = Waiting(request_id, owner, priority, payload, cost=cost, arrived=self._let_in, seq=self._seq)
         self._waiting[request_id] = item
+        self._queued[owner] += 1
         return item
 
     def remove(self, request_id: str) -> Waiting | None:
         """Take a waiting request out (cancelled, its client gone); None if it is not waiting."""
-        return self._waiting.pop(request_id, None)
+        item = self._waiting.pop(request_id, None)
+        if item is not None:
+            self._unqueue(item.owner)
+            self._forget_if_gone(item.owner)
+        return item
+
+    def _unqueue(self, owner: str) -> None:
+        self._queued[owner] -= 1
+        if self._queued[owner] <= 0:
+            del self._queued[owner]
+
+    def _forget_if_gone(self, owner: str) -> None:
+        # Nothing here, nothing inside: its history of use ends (rule 4), and
+        # the bookkeeping stays bounded by the requests held.
+        if owner not in self._inside and owner not in self._queued:
+            self._served.pop(owner, None)
 
     def pop(self) -> Waiting | None:
         """The next request to let in, if the engine has room and one waits; the caller submits it.
@@ -112,17 +154,33 @@ class Gate:
         """
         if not self._waiting or self._in_engine >= self._bound():
             return None
-        item = min(self._waiting.values(), key=self._rank)
+        item = min(self._waiting.values(), key=self._ranker())
         del self._waiting[item.request_id]
+        self._unqueue(item.owner)
         return item
 
     def order(self) -> list[str]:
         """The waiting requests' ids, next first (as :meth:`pop` would take them now)."""
-        return [w.request_id for w in sorted(self._waiting.values(), key=self._rank)]
+        return [w.request_id for w in sorted(self._waiting.values(), key=self._ranker())]
 
-    def _rank(self, w: Waiting) -> tuple[int, int, int]:
-        rank = effective_priority(w.priority, self._let_in - w.arrived, age_rounds=AGE_ROUNDS)
-        return (-rank, self._inside[w.owner], w.seq)
+    def _ranker(self) -> Callable[[Waiting], tuple[int, ...]]:
+        """The sort key of the rules in the module docstring, for the requests waiting now."""
+        now = self._let_in
+        oldest: dict[int, int] = {}  # priority -> the longest wait at that level
+        for w in self._waiting.values():
+            oldest[w.priority] = max(oldest.get(w.priority, 0), now - w.arrived)
+
+        def rank(w: Waiting) -> tuple[int, ...]:
+            if now - w.arrived >= OVERDUE_LET_INS:
+                return (0, w.seq)
+            level = effective_priority(w.priority, oldest[w.priority], age_rounds=AGE_ROUNDS)
+            return (1, -level, self._inside[w.owner], self._served[w.owner], w.seq)
+
+        return rank
 
     def __repr__(self) -> str:
         return f"Gate(in_engine={self._in_engine}, waiting={len(self._waiting)}, bound={self._bound()})"
+
+    def owners_known(self) -> int:
+        """Connections the gate keeps a history of use for (bounded by the requests held)."""
+        return len(self._served)

@@ -348,7 +348,7 @@ class Service:
         if stream is None:
             # The engine holds max_active requests already: this one waits,
             # unstarted, in the gate (gate.py), and goes in when one leaves.
-            self.gate.wait(record.id, conn_id, msg.priority, admitted)
+            self.gate.wait(record.id, conn_id, msg.priority, admitted, cost=record.total)
             self._let_in()  # in case the bound grew (a remote engine's replicas came up)
         else:
             self._start_consumer(admitted, stream)
@@ -461,7 +461,7 @@ class Service:
 
     def _start_consumer(self, admitted: _Admitted, stream: FrameStreamLike) -> None:
         record = admitted.record
-        self.gate.entered(record.owner)
+        self.gate.entered(record.owner, record.total)
         assert self._tg is not None
         self._tg.start_soon(
             self._consume, record, stream, admitted.spec, admitted.output, admitted.memory,

@@ -13,7 +13,7 @@ import anyio
 import pytest
 
 from omni_stream.engine.scheduler import AGE_ROUNDS
-from omni_stream.server.gate import Gate
+from omni_stream.server.gate import OVERDUE_LET_INS, Gate
 
 from .test_service import LONG, SHORT, Client, check_stream, serving, wait_for
 
@@ -73,6 +73,73 @@ def test_a_removed_request_is_never_let_in() -> None:
     assert gate.remove("w") is not None and gate.remove("w") is None
     gate.left("a")
     assert gate.pop() is None and gate.has_room()
+
+
+def _cycle(gate: Gate) -> str:
+    """Let the next one in and let it finish at once; its id."""
+    item = gate.pop()
+    assert item is not None
+    gate.entered(item.owner, item.cost)
+    gate.left(item.owner)
+    return item.request_id
+
+
+def test_a_newcomer_is_not_put_behind_every_request_the_flood_queued_before_it() -> None:
+    # Four connections queued 8 long requests each; a dozen ran. Then a
+    # client asks for one short request: it goes in next. (Ageing each
+    # request from its own arrival made the gate first come, first served:
+    # it went in after the 20 flood requests older than it.)
+    gate = Gate(lambda: 1)
+    for i in range(4):
+        for j in range(8):
+            gate.wait(f"f{i}-{j}", f"flood{i}", 0, None, cost=400)
+    ran = [_cycle(gate) for _ in range(12)]
+    assert ran[:4] == ["f0-0", "f1-0", "f2-0", "f3-0"]  # one per connection in turn
+    gate.wait("honest", "honest", 0, None, cost=20)
+    assert gate.order()[0] == "honest"
+    assert _cycle(gate) == "honest"
+
+
+def test_between_connections_with_nothing_inside_the_one_let_in_fewer_steps_goes_first() -> None:
+    gate = Gate(lambda: 1)
+    gate.wait("a1", "a", 0, None, cost=1000)
+    gate.wait("b1", "b", 0, None, cost=10)
+    gate.wait("a2", "a", 0, None, cost=1000)
+    gate.wait("b2", "b", 0, None, cost=10)
+    # a1 is oldest; then "a" has had 1000 steps, "b" 10: b's go first.
+    assert [_cycle(gate) for _ in range(4)] == ["a1", "b1", "b2", "a2"]
+
+
+def test_a_connection_with_nothing_waiting_or_inside_is_forgotten() -> None:
+    gate = Gate(lambda: 2)
+    for i in range(50):
+        gate.wait(f"r{i}", f"conn{i}", 0, None, cost=5)
+        assert _cycle(gate) == f"r{i}"
+    assert gate.owners_known() == 0
+    gate.wait("x", "kept", 0, None)
+    assert gate.owners_known() == 0  # nothing let in yet: nothing to remember
+    gate.entered("inside", 7)
+    assert gate.owners_known() == 1
+    gate.left("inside")
+    gate.remove("x")
+    assert gate.owners_known() == 0 and gate.waiting == 0
+
+
+def test_a_request_passed_over_by_every_rule_goes_first_once_overdue() -> None:
+    # "hog" has had many steps, so every newcomer (fewer steps) goes before
+    # its waiting request, until it has waited OVERDUE_LET_INS let-ins.
+    gate = Gate(lambda: 1)
+    gate.wait("hogs", "hog", 0, None, cost=10_000)
+    gate.entered("hog", 10_000)  # an earlier request of its, run and ended
+    gate.left("hog")
+    let_in = 0
+    while True:
+        gate.wait(f"n{let_in}", f"new{let_in}", 0, None, cost=1)
+        if _cycle(gate) == "hogs":
+            break
+        let_in += 1
+        assert let_in < 1000, "starved"
+    assert let_in == OVERDUE_LET_INS - 1  # the hog's own entry counted one
 
 
 # -- the service around it -------------------------------------------------------------
@@ -153,5 +220,40 @@ async def test_a_freed_slot_goes_to_the_connection_with_least_inside_not_to_the_
         check_stream([accepted, *msgs], "honest", SHORT["steps"])
         stats = service.engine.statistics()
         assert stats.active + stats.queued <= 4
+        for c in flood:
+            c.close()
+
+
+@pytest.mark.asyncio
+async def test_a_short_request_arriving_mid_flood_goes_in_at_the_next_freed_slot() -> None:
+    # The red team's flood, small: 4 connections x 6 long requests, two in
+    # the engine; six of them end (cancelled here) before a client asks for
+    # one short request. The next slot that frees is its: it does not wait
+    # for the 16 flood requests queued before it (it did while the gate
+    # aged each request from its own arrival: first come, first served).
+    async with serving(max_active=2, max_queued=64) as service:
+        flood = [Client(service) for _ in range(4)]
+        for i, c in enumerate(flood):
+            for j in range(6):
+                assert c.generate(f"f{i}-{j}", LONG)["type"] == "accepted"
+
+        def inside() -> list[str]:
+            return sorted(r.id for r in service.registry.running() if r.id not in service.gate)
+
+        for k in range(6):
+            victim = inside()[0]
+            owner = flood[int(victim[1])]
+            owner.send(type="cancel", id=victim)
+            await wait_for(lambda k=k: service.gate.waiting == 21 - k, "the next flood request to go in")
+        honest = Client(service)
+        accepted = honest.generate("honest", SHORT)
+        assert accepted["type"] == "accepted" and "honest" in service.gate
+        assert service.gate.order()[0] == "honest"
+        victim = inside()[0]
+        flood[int(victim[1])].send(type="cancel", id=victim)
+        await wait_for(lambda: "honest" not in service.gate, "the honest request to go in")
+        assert service.gate.waiting == 16  # every flood request still waits
+        msgs = await honest.until_end("honest", timeout=60)
+        check_stream([accepted, *msgs], "honest", SHORT["steps"])
         for c in flood:
             c.close()
