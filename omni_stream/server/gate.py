@@ -4,7 +4,7 @@ An engine steps every request it holds in turn, so each request it holds
 beyond what fits in its batches slows every other one: with 144 requests
 held and batches of 8, each request advances once every 18 model calls.
 So the server gives the engine at most ``max_active`` requests (two
-batches by default on an accelerator, two requests on the host CPU:
+batches by default on an accelerator, four requests on the host CPU:
 limits.py) and keeps the other admitted ones (up to
 ``max_queued``) here, unstarted: they cost nobody a step, hold no model
 state, and a client watching one sees it ``queued`` with its position.

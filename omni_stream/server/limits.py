@@ -58,14 +58,16 @@ _ENGINE_DEFAULTS = frozenset({"max_active"})
 #: The default ``max_active`` for an engine that computes on the host CPU.
 #: There a batch of N costs about N single steps (torch already spreads one
 #: step over every core), and each step's preview is rendered and sent by
-#: the same cores: a request more in the engine adds no frames a second,
-#: it divides them, slowing every request it shares them with. Two keep
-#: the cores busy (one request computing while the other's frame is
-#: rendered and sent); the rest wait unstarted and finish sooner for it.
-#: Measured (docs/reliability.md, exhaust (c)): an honest client's step
-#: p99 during a flood of 256 requests went from 13.5x its quiet p99 with
-#: 16 in the engine to 2.2-3.6x with 2.
-HOST_ACTIVE_PER_ENGINE: Final = 2
+#: the same cores: a request more in the engine adds few frames a second,
+#: it divides them, slowing every request it shares them with; the rest
+#: wait unstarted and finish sooner for it. Not 2: nothing takes a long
+#: request out of the engine once it is in, and one heavy request (1024 px
+#: raw frames, 10,000 steps) beside 100 small ones left 36 of them
+#: unfinished after 20 s with 2 in the engine, none with 4. Measured
+#: (docs/reliability.md, performance.md): during a flood of 256 long
+#: requests an honest client's step p99 was 11-12x its quiet p99 with 16
+#: in the engine, 1.5x with 4 once the flood's first second was over.
+HOST_ACTIVE_PER_ENGINE: Final = 4
 
 
 @dataclass(frozen=True, slots=True)

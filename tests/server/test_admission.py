@@ -171,11 +171,11 @@ def test_max_active_defaults_to_two_engine_batches_on_an_accelerator_and_two_on_
     assert Load.of(0, 0, ServerLimits(), engine_batch_size=4).max_active == 8
     # Computing on the host CPU: a batch costs its steps one by one, so
     # more requests in the engine only divide the frames a second.
-    assert HOST_ACTIVE_PER_ENGINE == 2
-    assert ServerLimits().active_bound(8, host_engines=1) == 2
-    assert ServerLimits().active_bound(8, host_engines=3) == 6  # a group of three CPU engines
+    assert HOST_ACTIVE_PER_ENGINE == 4
+    assert ServerLimits().active_bound(8, host_engines=1) == 4
+    assert ServerLimits().active_bound(8, host_engines=3) == 12  # a group of three CPU engines
     assert ServerLimits(max_active=5).active_bound(8, host_engines=1) == 5  # set: as set
-    assert Load.of(0, 0, ServerLimits(), engine_batch_size=4, host_engines=1).max_active == 2
+    assert Load.of(0, 0, ServerLimits(), engine_batch_size=8, host_engines=1).max_active == 4
 
 
 class _Dev:

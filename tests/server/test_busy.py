@@ -54,8 +54,8 @@ async def test_health_reports_the_load_when_not_busy() -> None:
         assert (await generate(ws, "one"))["type"] == "accepted"
         body = (await http_get(server, "/health")).json()
         assert body["status"] == "ok"
-        # On the CPU device max_active defaults to 2 (limits.HOST_ACTIVE_PER_ENGINE), not two batches.
-        assert body["load"] == {"active": 1, "queued": 0, "max_active": 2, "max_queued": 128}
+        # On the CPU device max_active defaults to 4 (limits.HOST_ACTIVE_PER_ENGINE), not two batches.
+        assert body["load"] == {"active": 1, "queued": 0, "max_active": 4, "max_queued": 128}
 
 
 @pytest.mark.asyncio

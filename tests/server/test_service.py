@@ -941,7 +941,7 @@ async def test_health_payload_ok_with_counts() -> None:
         assert body["device"] == "cpu"
         assert body["server"] == {"connections": 2, "requests": 2, "retained": 1}
         # max_active's default on the CPU device (limits.HOST_ACTIVE_PER_ENGINE).
-        assert body["load"] == {"active": 2, "queued": 0, "max_active": 2, "max_queued": 128}
+        assert body["load"] == {"active": 2, "queued": 0, "max_active": 4, "max_queued": 128}
 
 
 @pytest.mark.asyncio
