@@ -258,10 +258,10 @@ async def run(ctx: Context) -> list[Figure]:
             "naive",
             "ours",
             (
-                "render capacity: at work=0 all 100 final frames come out of the producer's last "
-                "round together and one preview thread renders about one a millisecond, so the last "
-                "of them (the slowest 1%) wait ~100 ms; fresh intermediate frames "
-                f"{m('ours', 'p50_ms'):.0f} ms p50; with preview_threads=2: p99 "
+                "render capacity: one preview thread renders every preview and result; at work=0 "
+                "the requests in the engine (max_active) step faster than it renders, so each "
+                "preview waits for it (latest wins: the older ones are never rendered); "
+                f"p50 {m('ours', 'p50_ms'):.0f} ms; with preview_threads=2: p99 "
                 f"{m('ours_2_preview_threads', 'p99_ms'):.0f} ms"
             ),
             target=LATENCY_TARGET,

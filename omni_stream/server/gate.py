@@ -158,6 +158,8 @@ class Gate:
         item = min(self._waiting.values(), key=self._ranker())
         del self._waiting[item.request_id]
         self._unqueue(item.owner)
+        # If submitting it fails, nothing else may ever mention this owner.
+        self._forget_if_gone(item.owner)
         return item
 
     def order(self) -> list[str]:
