@@ -62,11 +62,12 @@ _ENGINE_DEFAULTS = frozenset({"max_active"})
 #: it divides them, slowing every request it shares them with; the rest
 #: wait unstarted and finish sooner for it. Not 2: nothing takes a long
 #: request out of the engine once it is in, and one heavy request (1024 px
-#: raw frames, 10,000 steps) beside 100 small ones left 36 of them
+#: raw frames, 10,000 steps) beside 100 small ones left 18-36 of them
 #: unfinished after 20 s with 2 in the engine, none with 4. Measured
 #: (docs/reliability.md, performance.md): during a flood of 256 long
-#: requests an honest client's step p99 was 11-12x its quiet p99 with 16
-#: in the engine, 1.5x with 4 once the flood's first second was over.
+#: requests an honest client's step p99 was 11.7-12.9x its quiet p99 with
+#: 16 in the engine, 2.9-3.9x with 4 (2.0-2.4x after the flood's first
+#: second, its burst of handshakes and generates).
 HOST_ACTIVE_PER_ENGINE: Final = 4
 
 
