@@ -85,12 +85,13 @@ class ServerLimits:
     #: ``sim``), HOST_ACTIVE_PER_ENGINE per engine (see there).
     max_active: int | None = None
     #: Requests admitted beyond max_active, waiting unstarted in the
-    #: server's gate (gate.py: priority, then one per connection, then
-    #: arrival) until one leaves the engine; past both, a generate gets
-    #: ``busy``. They cost the running ones nothing (the engine steps only
-    #: what it holds). 128, not fewer: the fanout load of
-    #: docs/performance.md (100 clients with a request each on two cores)
-    #: must still be admitted; the red team's 1,009 was 7x past it.
+    #: server's gate (gate.py says who goes in next: priority, then the
+    #: connections using the engine least, then arrival) until one leaves
+    #: the engine; past both, a generate gets ``busy``. They cost the
+    #: running ones nothing (the engine steps only what it holds). 128,
+    #: not fewer: the fanout load of docs/performance.md (100 clients with
+    #: a request each on two cores) must still be admitted; the red team's
+    #: 1,009 was 7x past it.
     max_queued: int = 128
     max_steps: int = 10_000
     max_image_size: int = 2048
