@@ -163,7 +163,7 @@ def test_load_splits_what_the_engine_holds_into_active_and_queued() -> None:
     assert [Load(8, 4, 6).fair_share(n) for n in (0, 1, 3, 64)] == [10, 10, 3, 1]
 
 
-def test_max_active_defaults_to_two_engine_batches_on_an_accelerator_and_two_on_the_cpu() -> None:
+def test_max_active_defaults_to_two_engine_batches_on_an_accelerator_and_four_on_the_cpu() -> None:
     assert ServerLimits().max_active is None and ServerLimits().max_queued == 128
     assert ServerLimits().active_bound(8) == 16
     assert ServerLimits().active_bound(1) == 2  # a whole-request model
