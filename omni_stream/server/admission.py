@@ -462,6 +462,18 @@ def frame_bytes(model: StepModel, params: Mapping[str, Any]) -> tuple[int, str] 
     return best
 
 
+def _on_cpu(engine: Any) -> list[bool | None]:
+    """For each engine behind ``engine`` (an engine group's members, or itself):
+    whether its device computes on the host CPU, None where it cannot tell."""
+    device = getattr(engine, "device", None)
+    if device is not None and hasattr(device, "computes_on_cpu"):
+        return [bool(device.computes_on_cpu)]
+    members = getattr(engine, "members", None)
+    if members:
+        return [v for m in members for v in _on_cpu(m)]
+    return [None]
+
+
 def host_engines(engine: Any) -> int:
     """How many engines behind ``engine`` compute on the host CPU (for ``max_active``'s default).
 
@@ -471,14 +483,8 @@ def host_engines(engine: Any) -> int:
     device it cannot see (a Ray deployment: its replicas count for
     themselves).
     """
-    device = getattr(engine, "device", None)
-    if device is not None and hasattr(device, "computes_on_cpu"):
-        return 1 if device.computes_on_cpu else 0
-    members = getattr(engine, "members", None)
-    if members:
-        counts = [host_engines(m) for m in members]
-        return sum(counts) if all(counts) else 0
-    return 0
+    on_cpu = _on_cpu(engine)
+    return len(on_cpu) if all(on_cpu) else 0
 
 
 def state_on_host(engine: Any) -> bool:
@@ -487,13 +493,7 @@ def state_on_host(engine: Any) -> bool:
     True for a CPU (or simulated) device; for an engine group, when any
     member's device is; True when it cannot tell.
     """
-    device = getattr(engine, "device", None)
-    if device is not None and hasattr(device, "computes_on_cpu"):
-        return bool(device.computes_on_cpu)
-    members = getattr(engine, "members", None)
-    if members:
-        return any(state_on_host(m) for m in members)
-    return True
+    return any(v is None or v for v in _on_cpu(engine))
 
 
 def estimate_memory(

@@ -9,6 +9,8 @@ the gate, every admitted request was stepped in turn).
 
 from __future__ import annotations
 
+from typing import Any
+
 import anyio
 import pytest
 
@@ -193,6 +195,15 @@ async def test_a_waiting_request_ends_at_once_and_gives_its_memory_back(how: str
         await wait_for(lambda: not service.registry.running(), "the running one to end")
 
 
+def _flood(service: Any, connections: int, each: int) -> list[Client]:
+    """``connections`` clients with ``each`` long requests accepted, ids ``f{i}-{j}``."""
+    flood = [Client(service) for _ in range(connections)]
+    for i, c in enumerate(flood):
+        for j in range(each):
+            assert c.generate(f"f{i}-{j}", LONG)["type"] == "accepted"
+    return flood
+
+
 @pytest.mark.asyncio
 async def test_a_freed_slot_goes_to_the_connection_with_least_inside_not_to_the_flood() -> None:
     # 3 connections x 8 long requests: the first 4 in the engine (all of the
@@ -202,10 +213,7 @@ async def test_a_freed_slot_goes_to_the_connection_with_least_inside_not_to_the_
     # beside max_active - 1 others, not beside all 25 (before the gate every
     # admitted request was stepped in turn).
     async with serving(max_active=4, max_queued=64) as service:
-        flood = [Client(service) for _ in range(3)]
-        for i, c in enumerate(flood):
-            for j in range(8):
-                assert c.generate(f"f{i}-{j}", LONG)["type"] == "accepted"
+        flood = _flood(service, 3, 8)
         honest = Client(service)
         accepted = honest.generate("honest", SHORT)
         assert accepted["type"] == "accepted" and service.gate.waiting == 21
@@ -232,10 +240,7 @@ async def test_a_short_request_arriving_mid_flood_goes_in_at_the_next_freed_slot
     # for the 16 flood requests queued before it (it did while the gate
     # aged each request from its own arrival: first come, first served).
     async with serving(max_active=2, max_queued=64) as service:
-        flood = [Client(service) for _ in range(4)]
-        for i, c in enumerate(flood):
-            for j in range(6):
-                assert c.generate(f"f{i}-{j}", LONG)["type"] == "accepted"
+        flood = _flood(service, 4, 6)
 
         def inside() -> list[str]:
             return sorted(r.id for r in service.registry.running() if r.id not in service.gate)
