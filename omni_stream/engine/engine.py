@@ -3,7 +3,7 @@
 The data path (``docs/design.md`` draws it)::
 
     producer thread ──tickets──▶ copier task ──frames──▶ consumer task ──▶ Delivery ──▶ FrameStream
-    (model.step, copy issue;     (waits on events,       (OutputProcessor:   (all | latest)  (fail_after
+    (model.step, copy issue;     (waits on events,       (OutputProcessor:   (all | latest)  (bounded
      CPU: the owned copy)         clones, releases;       per-request,                       per step)
                                   CPU frames skip it)     contained errors)
 
@@ -93,6 +93,8 @@ class Engine:
     for that thread), so the model is built where it runs; ``start()``
     returns once it is built and loaded (``model.load``), and raises what
     building it raised. Until then ``engine.model`` raises EngineClosedError.
+    A model instance is loaded on the producer thread after ``start()``
+    returns (requests queue meanwhile); ``wait_loaded()`` waits for it.
     """
 
     def __init__(
@@ -156,10 +158,15 @@ class Engine:
         self._copier = Copier(self.device, self._pool, frame_dtype=frame_dtype)
         self._producer = Producer(
             self._model, self.device, self._copier, self._table, torch_threads=torch_threads,
-            build=factory, on_ready=self._model_ready_threadsafe if factory is not None else None,
+            build=factory, on_ready=self._model_ready_threadsafe,
         )
-        # Set once a model built on the producer thread is loaded (or the thread ended).
+        # Set once the model is loaded on the producer thread (``_loaded``), or
+        # the thread ended, or the engine closed: what wait_loaded() waits on.
         self._model_ready = anyio.Event()
+        self._loaded = False
+        # Callers of wait_loaded() that will be told how loading ended: while
+        # there are any, a failure to load is theirs to report, not the log's.
+        self._load_waiters = 0
         # The per-frame hand-over, the request endings and their counters.
         # Every FrameStream holds it too.
         self._output = OutputProcessor(self._table, self._producer, self._model)
@@ -210,22 +217,51 @@ class Engine:
         # Let the copier bind to the loop before the producer can post.
         await anyio.sleep(0)
         if self._model is None:
-            await self._await_model()
+            try:
+                await self.wait_loaded()
+            except BaseException:
+                await self.aclose()  # cancelled, or it failed: leave nothing running
+                raise
 
-    async def _await_model(self) -> None:
-        """Wait until the producer thread built and loaded the model; raise what stopped it."""
+    async def wait_loaded(self) -> None:
+        """Return once the model is built and loaded onto the device (``model.load`` returned).
+
+        ``start()`` waits for this itself only for a model built by a factory.
+        Raises EngineClosedError if the engine is not started, or closed
+        before its model loaded; the ParamsError a factory raised; or
+        EngineDeadError (building or loading the model failed, or the
+        engine died meanwhile; the cause attached).
+        """
+        if self._state is Lifecycle.NEW:
+            raise EngineClosedError("the engine is not started (use `async with Engine(...)`)")
+        self._load_waiters += 1
         try:
             await self._model_ready.wait()
         except BaseException:
-            await self.aclose()  # cancelled while the model builds: leave nothing running
+            self._load_waiters -= 1  # cancelled: this caller will not report the outcome
             raise
-        if self._model is not None:
+        if self._loaded and self._dead is None:
             return
-        error = self._producer_error or self._dead
-        await self.aclose()
+        error = self._dead or self._producer_error
+        if error is None:
+            raise EngineClosedError("the engine was shut down before its model loaded")
+        # Recorded here too, whichever of this and the supervisor runs first:
+        # the engine is dead (health, later requests), quietly, as the error is raised.
+        self._die(error, where="producer")
         if isinstance(error, ParamsError):
             raise error
-        raise EngineDeadError(f"building the model failed: {error!r}") from error
+        raise EngineDeadError(self._death_reason(error)) from error
+
+    def _death_reason(self, error: BaseException) -> str:
+        """What failed: before the model was ready, the stage the producer was in."""
+        if self._loaded:
+            return f"engine machinery failed: {error!r}"
+        stages: dict[tuple[str, ...], str] = {
+            ("model_factory",): "building the model",
+            ("model.load",): "loading the model",
+        }
+        stage = stages.get(self._producer.busy_with, "starting the producer thread")
+        return f"{stage} failed: {error!r}"
 
     def _model_ready_threadsafe(self, model: StepModel) -> None:
         # Producer thread: the model is built and loaded, no request ran yet.
@@ -236,6 +272,7 @@ class Engine:
     def _set_model(self, model: StepModel) -> None:
         self._model = model
         self._output.set_model(model)
+        self._loaded = True
         self._model_ready.set()
 
     @property
@@ -297,6 +334,7 @@ class Engine:
                     )
                 self.device.close()
             self._state = Lifecycle.CLOSED
+            self._model_ready.set()  # a wait_loaded() still waiting learns the engine closed
 
     def _stop_producer(self) -> None:
         with self._table.cond:
@@ -349,7 +387,12 @@ class Engine:
         if self._dead is not None or self._state is not Lifecycle.RUNNING:
             return
         self._dead = exc
-        logger.error("engine dead: the %s failed: %r", where, exc, exc_info=exc)
+        if self._load_waiters and not self._loaded:
+            # wait_loaded() raises it to its caller (start(), an EngineGroup),
+            # who reports it: once, not here as well.
+            logger.debug("engine dead before its model loaded: the %s failed: %r", where, exc)
+        else:
+            logger.error("engine dead: the %s failed: %r", where, exc, exc_info=exc)
         for r in list(self._by_id.values()):
             err = EngineDeadError(f"the engine died ({where}: {exc!r})", request_id=r.id)
             err.__cause__ = exc
@@ -521,7 +564,7 @@ class Engine:
         stats = self.statistics()
         name = self.device.name
         if self._dead is not None:
-            return Health("dead", f"engine machinery failed: {self._dead!r}", stats, name)
+            return Health("dead", self._death_reason(self._dead), stats, name)
         if self._state.ending:
             return Health("closed", "the engine was shut down", stats, name)
         if self._state is Lifecycle.NEW:

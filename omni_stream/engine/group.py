@@ -10,12 +10,16 @@ is unique across the group.
 
 A member that dies fails its own requests with EngineDeadError (its engine
 does that) and takes no new work; the others keep serving, and ``health()``
-stays ok, naming the dead member, until none is left.
+stays ok, "degraded" and naming the dead member, until none is left. A
+member whose model fails to build or load as the group starts is that same
+dead member, from the start: logged once, skipped by routing, named by
+health. Only when no member loads does ``start()`` raise.
 
-Lifecycle: every member's task group is entered in the task that enters
-the group, nested in member order, so they are left in reverse order
-(anyio's cancel scopes must unwind last in, first out). Do not start or
-close the members yourself.
+Lifecycle: the members start one at a time, in order, each once the one
+before has its model loaded on its device. Every member's task group is
+entered in the task that enters the group, nested in member order, so they
+are left in reverse order (anyio's cancel scopes must unwind last in,
+first out). Do not start or close the members yourself.
 """
 
 from __future__ import annotations
@@ -294,7 +298,9 @@ class EngineGroup:
     a time, after the previous one loaded its model onto its device), a
     model spec string
     (``models.registry.load_model``: "mixture", "diffusers:ID",
-    "module:attr"), or a StepModel when there is one device. ``devices``:
+    "module:attr"), or a StepModel when there is one device. A member
+    whose model fails to build or load is left out (see ``start``).
+    ``devices``:
     "all" (every CUDA device), a comma-separated string ("cuda:0,cuda:1"),
     or a sequence of device names or Device instances; names may repeat
     ("cpu,cpu"). ``engine_options`` go to every member's Engine; without
@@ -368,21 +374,47 @@ class EngineGroup:
         await self.aclose()
 
     async def start(self) -> None:
-        """Start every member, in order; if one fails, close those started and re-raise.
+        """Start the members in order, each once the one before has loaded its model.
 
-        Raises EngineClosedError if the group was started before.
+        A member whose model fails to build or load (EngineDeadError) is
+        left out, dead, as if it had died later. Raises EngineDeadError
+        naming every member's cause if none loaded, EngineClosedError if
+        the group was started before; anything else a member raises (the
+        factory's ParamsError, a cancellation) closes those started and
+        propagates.
         """
         if self._state is not Lifecycle.NEW:
             raise EngineClosedError("an EngineGroup can be started once; create a new one")
         self._state = Lifecycle.RUNNING
         entered = 0
+        failures: list[str] = []
+        first_cause: BaseException | None = None
         try:
-            for member in self._members:
+            for i, member in enumerate(self._members):
                 # Counted before the await: a member cancelled inside start()
                 # may have entered its task group, and must be left too
                 # (closing one that never started is a no-op).
                 entered += 1
-                await member.start()
+                try:
+                    await member.start()
+                    # Explicitly, not left to start(): a member given a model
+                    # instance starts before it is loaded, and the next member
+                    # must not build its model until this one's is on its
+                    # device (one model in host memory at a time).
+                    await member.wait_loaded()
+                except EngineDeadError as exc:
+                    # The innermost task group so far: closing it now keeps the order.
+                    await member.aclose()
+                    failures.append(f"member {i} ({member.device.name}): {exc}")
+                    first_cause = first_cause or exc.__cause__ or exc
+                    logger.error(
+                        "engine group: member %d (%s) could not start and is left out: %s",
+                        i, member.device.name, exc, exc_info=exc.__cause__ or exc,
+                    )
+            if len(failures) == len(self._members):
+                raise EngineDeadError(
+                    f"no member of the engine group could start: {'; '.join(failures)}"
+                ) from first_cause
         except BaseException:
             self._state = Lifecycle.CLOSING
             try:
@@ -566,8 +598,8 @@ class EngineGroup:
         return None
 
     def health(self) -> Health:
-        """ok while any member is ok (the reason then names the members that are not);
-        else stalled if any member is, else dead if any is, else closed."""
+        """ok while any member is ok (the reason, "degraded: ...", then names the members
+        that are not); else stalled if any member is, else dead if any is, else closed."""
         healths = self._health_of_members()
         stats = _sum_statistics([h.statistics for h in healths])
         devices = ",".join(h.device for h in healths)
@@ -577,8 +609,8 @@ class EngineGroup:
             return Health("closed", "the engine group was shut down", stats, devices)
         statuses = {h.status for h in healths}
         if "ok" in statuses:
-            reason = self._describe(healths, only_bad=True) or None
-            return Health("ok", reason, stats, devices)
+            bad = self._describe(healths, only_bad=True)
+            return Health("ok", f"degraded: {bad}" if bad else None, stats, devices)
         status = next(s for s in ("stalled", "dead", "closed") if s in statuses)
         return Health(status, self._describe(healths), stats, devices)
 

@@ -5,7 +5,9 @@ The loop-side half of the data path, between the copier and the readers
 
     copier ──ticket batches──▶ copied (mailbox) ──▶ consume() ──dispatch──▶ Delivery ──▶ FrameStream
                                                                                       (consumed, abandon,
-                                                                                       step_timeout, time_out)
+                                                                                       step_timeout,
+                                                                                       step_deadline,
+                                                                                       time_out)
 
 ``Engine`` (the facade) and every ``FrameStream`` hold the same
 ``OutputProcessor``: the engine feeds it and ends requests through it
@@ -197,15 +199,29 @@ class OutputProcessor:
         """Seconds the reader of ``r`` waits for one step: its ``timeout=``, else the config's, now."""
         return r.timeout if r.timeout is not None else default_timeout()
 
-    def queued_behind_whole_requests(self, r: Request) -> bool:
-        """Whether ``r`` waits for another request's whole run (``runs_whole_requests``).
+    def clock(self) -> float:
+        """Now, on the clock the producer stamps ``handed_at`` with (the table's)."""
+        return self._table.clock()
+
+    def step_deadline(self, r: Request, waiting_since: float, bound: float) -> float | None:
+        """When the reader of ``r``, waiting since ``waiting_since`` (``clock()``), times out.
 
         A stepped model gives every queued request a step within a batch or
-        two; a whole-request model runs one request to its end first, which
-        may take far longer than one step's bound: such a wait is a queue,
-        not a stalled step (health watches the running one).
+        two, so the bound covers queueing too: ``waiting_since + bound``. A
+        whole-request model (``runs_whole_requests``) runs one request to
+        its end first, which may take far longer than one step's bound:
+        such a wait is a queue, not a stalled step (health watches the
+        running one). Its bound starts when the producer hands ``r`` the
+        device (``handed_at``, stamped on the same clock), and None means
+        it has not yet: no bound runs.
         """
-        return self._model is not None and self._model.runs_whole_requests and r.status is Status.QUEUED
+        if self._model is None or not self._model.runs_whole_requests:
+            return waiting_since + bound
+        with self._table.cond:
+            handed_at = r.handed_at
+        if handed_at is None:
+            return None
+        return max(waiting_since, handed_at) + bound
 
     def time_out(self, r: Request, bound: float) -> StepTimeoutError:
         """End ``r`` as timed out after ``bound`` seconds without a frame; returns the error to raise."""

@@ -159,9 +159,14 @@ class Producer:
                     batch = list(pick_batch(runnable, self._batch_limits))
                     if batch:
                         self._seq += 1
+                        # The moment each gets the device, stamped here where it
+                        # is known: a reader queued behind a whole run bounds
+                        # its wait from it rather than guess it afterwards.
+                        handed_at = table.clock()
                         for r in batch:
                             r.last_scheduled = self._seq
                             r.status = Status.RUNNING
+                            r.handed_at = handed_at
                         return batch
                     table.producer_waiting = True
                     try:

@@ -41,7 +41,7 @@ class Request:
         "priority", "arrival_round", "submitted_at", "delivery",
         # (lock)
         "status", "issued", "delivered", "consumed", "last_scheduled", "ready_at",
-        "started", "closed", "finalized",
+        "handed_at", "started", "closed", "finalized",
         # (producer)
         "state",
     )
@@ -79,6 +79,10 @@ class Request:
         self.consumed = 0  # frames the reader took, or that "latest" replaced
         self.last_scheduled = -1
         self.ready_at = self.submitted_at  # when its next step could first run
+        # When the producer last handed it the device (picked it for a batch),
+        # on the table's clock; None until it first does. A whole-request
+        # model's reader bounds its wait from here (OutputProcessor.step_deadline).
+        self.handed_at: float | None = None
         self.started = False  # model.start() ran (producer)
         self.closed = False  # model.close() ran (producer)
         self.finalized = False  # its outcome was counted and its reader told (loop)

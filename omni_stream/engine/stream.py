@@ -1,9 +1,12 @@
 """FrameStream: one request's frames as an async iterator.
 
-Each ``__anext__`` waits under ``anyio.fail_after`` for the next step's
-output: the bound is the request's ``timeout=`` or ``omni_stream.timeout()``
-read at that moment. Time the reader spends elsewhere does not count; time
-the step spends queued, computing or copying does.
+Each ``__anext__`` waits a bounded time for the next step's output: the
+bound is the request's ``timeout=`` or ``omni_stream.timeout()`` read at
+that moment. Time the reader spends elsewhere does not count; time the step
+spends queued, computing or copying does, except queued behind another
+request's whole run (a ``runs_whole_requests`` model): there the bound
+starts when the producer hands this request the device, a moment the
+producer stamps on the request (``OutputProcessor.step_deadline``).
 
 Cleanup is deterministic with ``async with``; a plain ``async for`` that
 breaks out drops the last reference to the stream, and ``__del__`` then
@@ -60,16 +63,21 @@ class FrameStream:
             raise StopAsyncIteration
         request = self._request
         delivery = request.delivery
+        output = self._output
         try:
             frame = delivery.get_nowait()
-            while frame is None:
-                bound = self._output.step_timeout(request)
-                with anyio.move_on_after(bound):
-                    frame = await delivery.get()
-                if frame is None and not self._output.queued_behind_whole_requests(request):
-                    raise self._output.time_out(request, bound)
-                # Still queued behind a model that runs whole requests: the
-                # bound is per step, and this request has not had one yet.
+            if frame is None:
+                bound = output.step_timeout(request)
+                since = output.clock()
+                while frame is None:
+                    # Decided on the producer's clock, from what it stamped:
+                    # the timer below only says when to look again.
+                    deadline = output.step_deadline(request, since, bound)
+                    left = bound if deadline is None else deadline - output.clock()
+                    if left <= 0:
+                        raise output.time_out(request, bound)
+                    with anyio.move_on_after(left):
+                        frame = await delivery.get()
         except BaseException:
             # The request ended (its error is raised), or the reader itself was
             # cancelled: then nobody will read this request, so abort it.

@@ -8,6 +8,8 @@ while a model or device call runs, so neither side can stall the other.
 from __future__ import annotations
 
 import threading
+import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from .request import Request
@@ -32,6 +34,10 @@ class RequestTable:
     #: True while the producer waits on ``cond`` for work.
     producer_waiting: bool = False
     arrivals: int = 0
+    #: The one clock a step's bound is measured on: the producer stamps
+    #: ``Request.handed_at`` with it, the reader's wait reads it. Replaceable
+    #: (tests drive it by hand); it must be monotonic.
+    clock: Callable[[], float] = time.monotonic
 
     def wake_producer(self) -> None:
         """Call with ``cond`` held after a change that may make a request runnable."""

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import dataclasses
 import gc
+import logging
 import threading
 from collections.abc import Sequence
 from typing import Any
@@ -139,6 +140,36 @@ async def test_member_models_are_built_on_their_producer_threads_one_at_a_time()
         ("built", producer), ("loaded", producer),
         ("built", producer), ("loaded", producer),
     ]
+
+
+@pytest.mark.asyncio
+async def test_the_next_member_starts_only_once_member_0s_model_instance_is_loaded():
+    release = threading.Event()
+
+    class SlowLoad(Synthetic):
+        def load(self, device: torch.device) -> None:
+            release.wait(20)
+            super().load(device)
+
+    group = om.EngineGroup(factory_of(SlowLoad, Synthetic), devices="cpu,cpu")
+    seen: list[str | None] = []
+
+    async def watch() -> None:
+        try:
+            p = group.members[0]._producer
+            await wait_for(lambda: p.busy_with == ("model.load",), what="member 0 loading")
+            # Member 0 was given an instance, so its start() does not wait for
+            # its load: the group itself must, before it starts member 1.
+            await anyio.wait_all_tasks_blocked()
+            seen.append(group.members[1].health().reason)
+        finally:
+            release.set()
+
+    async with anyio.create_task_group() as tg:
+        tg.start_soon(watch)
+        async with group:
+            assert [m.health().status for m in group.members] == ["ok", "ok"]
+    assert seen == ["the engine was not started"]
 
 
 @pytest.mark.asyncio
@@ -427,6 +458,56 @@ async def test_a_dead_member_fails_its_requests_takes_no_work_and_the_other_serv
         assert [f.step for f in got] == [1, 2, 3, 4, 5, 6]
         assert torch.equal(got[-1].data, group.model.expected_frames(params(steps=6, seed=1))[-1])
         assert group.statistics().failed == 1 and group.statistics().completed == 4
+
+
+class FellOff(Synthetic):
+    """A model whose device is gone: ``load`` raises."""
+
+    def load(self, device: torch.device) -> None:
+        raise RuntimeError("this accelerator fell off the bus")
+
+
+@pytest.mark.asyncio
+@pytest.mark.parametrize("dead", [0, 1])  # 0: given a model instance; 1: built on its thread
+async def test_a_member_whose_model_fails_to_load_is_left_out_and_the_rest_serve(caplog, dead: int):
+    kinds = [Synthetic, Synthetic]
+    kinds[dead] = FellOff
+    group = om.EngineGroup(factory_of(*kinds), devices="cpu,sim")
+    device = ("cpu", "sim")[dead]
+    with caplog.at_level(logging.DEBUG, logger="omni_stream"):
+        async with group:
+            streams = [group.stream(params(steps=3, seed=i)) for i in range(4)]
+            assert {s.member for s in streams} == {1 - dead}
+            for s in streams:
+                assert (await read_all(s))[-1].final
+            health = group.health()
+            assert health.status == "ok"
+            assert health.reason == (
+                f"degraded: member {dead} ({device}) is dead: "
+                "loading the model failed: RuntimeError('this accelerator fell off the bus')"
+            )
+            group.check_health()
+            assert group.statistics().completed == 4
+    told = [r for r in caplog.records if r.levelno >= logging.INFO and "fell off the bus" in r.getMessage()]
+    assert len(told) == 1, [r.getMessage() for r in told]
+    assert told[0].levelno == logging.ERROR
+    assert f"member {dead} ({device}) could not start" in told[0].getMessage()
+
+
+@pytest.mark.asyncio
+async def test_when_no_member_loads_the_start_raises_with_every_cause():
+    group = om.EngineGroup(factory_of(FellOff, FellOff), devices="cpu,sim")
+    with pytest.raises(om.EngineDeadError, match="no member of the engine group could start") as info:
+        async with group:
+            raise AssertionError("started")
+    message = str(info.value)
+    cause = "loading the model failed: RuntimeError('this accelerator fell off the bus')"
+    for name in ("member 0 (cpu)", "member 1 (sim)"):
+        assert f"{name}: {cause}" in message
+    assert isinstance(info.value.__cause__, RuntimeError)
+    assert [m.health().status for m in group.members] == ["dead", "dead"]
+    assert group.health().status == "closed"
+    await group.aclose()  # idempotent
 
 
 @pytest.mark.asyncio

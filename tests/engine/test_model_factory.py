@@ -1,10 +1,12 @@
-"""Engine(factory): the model built on the producer thread when the engine starts."""
+"""Engine(factory): the model built on the producer thread when the engine starts; wait_loaded."""
 
 from __future__ import annotations
 
+import logging
 import threading
 
 import pytest
+import torch
 
 import omni_stream as om
 from omni_stream.models import Synthetic
@@ -51,6 +53,48 @@ async def test_a_factory_that_raises_fails_the_start_with_its_cause():
         await engine.start()
     assert isinstance(info.value.__cause__, RuntimeError)
     assert "weights not found" in str(info.value)
+
+
+class FellOff(Synthetic):
+    def load(self, device: torch.device) -> None:
+        raise RuntimeError("this accelerator fell off the bus")
+
+
+@pytest.mark.asyncio
+async def test_wait_loaded_returns_once_a_model_instance_is_loaded():
+    engine = om.Engine(Synthetic(), device="cpu")
+    with pytest.raises(om.EngineClosedError, match="not started"):
+        await engine.wait_loaded()
+    async with engine:
+        await engine.wait_loaded()
+        await engine.wait_loaded()  # and at once, later
+        assert engine.health().ok
+
+
+@pytest.mark.asyncio
+async def test_wait_loaded_raises_why_a_model_instance_did_not_load_and_is_the_one_to_tell(caplog):
+    with caplog.at_level(logging.INFO, logger="omni_stream"):
+        async with om.Engine(FellOff(), device="cpu") as engine:
+            with pytest.raises(om.EngineDeadError, match="loading the model failed") as info:
+                await engine.wait_loaded()
+            assert isinstance(info.value.__cause__, RuntimeError)
+            health = engine.health()
+            assert health.status == "dead" and health.reason == (
+                "loading the model failed: RuntimeError('this accelerator fell off the bus')"
+            )
+    # Raised to the one waiting, so not logged as well.
+    assert "fell off the bus" not in caplog.text
+
+
+@pytest.mark.asyncio
+async def test_a_model_instance_that_fails_to_load_unawaited_is_logged(caplog):
+    with caplog.at_level(logging.ERROR, logger="omni_stream"):
+        async with om.Engine(FellOff(), device="cpu") as engine:
+            with pytest.raises(om.EngineDeadError):
+                [f async for f in engine.stream({"shape": [3, 8, 8], "steps": 2})]
+    assert [r.getMessage() for r in caplog.records] == [
+        "engine dead: the producer failed: RuntimeError('this accelerator fell off the bus')"
+    ]
 
 
 def test_neither_a_model_nor_a_callable_is_refused():

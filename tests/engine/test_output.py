@@ -13,7 +13,7 @@ import torch
 import omni_stream as om
 from omni_stream.model import RequestStopped
 
-from .conftest import make_device, settled, wait_for
+from .conftest import make_device, settled, wait_busy_with, wait_for
 
 
 class Latents(om.StepModel):
@@ -340,6 +340,99 @@ async def test_requests_queued_behind_a_whole_request_do_not_time_out_while_they
             for name in ("a", "b", "c"):
                 tg.start_soon(one, name)
         assert done == {"a": 10, "b": 10, "c": 10}
+
+
+class HandClock:
+    """The engine's step clock (``RequestTable.clock``), moved by hand; counts the loop's reads.
+
+    Only the bound's arithmetic runs on it: the reader's timer is real, so
+    while this clock stands still a waiting reader keeps looking again.
+    """
+
+    def __init__(self) -> None:
+        self.now = 0.0
+        self.loop_thread = threading.get_ident()
+        self.loop_reads = 0
+
+    def __call__(self) -> float:
+        if threading.get_ident() == self.loop_thread:
+            self.loop_reads += 1
+        return self.now
+
+
+class Gated(Pipeline):
+    """Each run waits for its own gate (the n-th run for ``gates[n]``) before it emits."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.gates = [threading.Event(), threading.Event()]
+        self.runs = 0
+
+    def run(self, state, emit):
+        gate = self.gates[self.runs]
+        self.runs += 1
+        gate.wait(20)
+        for i in range(1, state["params"]["steps"] + 1):
+            emit(torch.full((3, 2, 2), float(i)))
+
+
+async def queue_b_behind_a(engine: om.Engine, clock: HandClock, tg, outcome: dict[str, Any]) -> None:
+    """Run "a" (held at its gate), queue "b" (timeout 0.2) behind it for 50 s, then hand "b" the device."""
+    model = engine.model
+    assert isinstance(model, Gated)
+    a = engine.stream({"steps": 1}, request_id="a")
+    await wait_busy_with(engine, "a")
+
+    async def read_b() -> None:
+        try:
+            b = engine.stream({"steps": 2}, request_id="b", timeout=0.2)
+            outcome["frames"] = [f.step async for f in b]
+        except om.StepTimeoutError as exc:
+            outcome["error"] = exc
+
+    tg.start_soon(read_b)
+    await anyio.wait_all_tasks_blocked()  # b's reader is waiting, since 0.0
+    clock.now = 50.0  # b has waited far longer than its bound, queued
+    model.gates[0].set()
+    assert [f.step async for f in a] == [1]
+    await wait_busy_with(engine, "b")  # handed the device at 50.0, held at its gate
+
+
+@pytest.mark.asyncio
+async def test_a_request_queued_behind_a_whole_run_gets_its_full_bound_once_handed_the_device():
+    async with om.Engine(Gated(), device="cpu") as engine:
+        clock = HandClock()
+        engine._table.clock = clock
+        outcome: dict[str, Any] = {}
+        try:
+            async with anyio.create_task_group() as tg:
+                await queue_b_behind_a(engine, clock, tg, outcome)
+                clock.now = 50.1  # half its bound into its first step
+                reads = clock.loop_reads
+                # Its reader looks again (its timer fires) while the step runs: no timeout yet.
+                await wait_for(lambda: clock.loop_reads > reads or outcome, what="b's reader looking again")
+                assert outcome == {}
+                engine.model.gates[1].set()
+        finally:
+            engine.model.gates[1].set()
+        assert outcome == {"frames": [1, 2]}
+
+
+@pytest.mark.asyncio
+async def test_a_request_handed_the_device_behind_a_whole_run_times_out_one_bound_later():
+    async with om.Engine(Gated(), device="cpu") as engine:
+        clock = HandClock()
+        engine._table.clock = clock
+        outcome: dict[str, Any] = {}
+        try:
+            async with anyio.create_task_group() as tg:
+                await queue_b_behind_a(engine, clock, tg, outcome)
+                clock.now = 50.3  # past 50.0 + 0.2
+        finally:
+            engine.model.gates[1].set()
+        err = outcome["error"]
+        assert (err.request_id, err.step, err.bound_s) == ("b", 1, 0.2)
+        assert "it was computing step 1/2" in str(err)
 
 
 @pytest.mark.asyncio

@@ -292,14 +292,21 @@ def test_the_step_timeout_is_the_requests_else_the_environment_read_now(monkeypa
     assert out.step_timeout(default) == 9.0
 
 
-def test_only_a_queued_request_of_a_whole_request_model_waits_without_a_bound() -> None:
-    whole, _, _ = make(model=Whole())
-    r = request(whole)
-    assert whole.queued_behind_whole_requests(r)
-    r.status = Status.RUNNING
-    assert not whole.queued_behind_whole_requests(r)
-    stepped, _, _ = make()
-    assert not stepped.queued_behind_whole_requests(request(stepped))
+def test_a_stepped_requests_bound_runs_from_when_its_reader_began_to_wait() -> None:
+    out, _, _ = make()
+    r = request(out)
+    assert out.step_deadline(r, 10.0, 2.0) == 12.0
+    r.handed_at = 11.0  # queueing behind other steps counts: one or two batches at most
+    assert out.step_deadline(r, 10.0, 2.0) == 12.0
+
+
+def test_behind_a_whole_run_the_bound_runs_from_when_the_producer_handed_it_the_device() -> None:
+    out, _, _ = make(model=Whole())
+    r = request(out)
+    assert out.step_deadline(r, 10.0, 2.0) is None  # queued: another request's whole run
+    r.handed_at = 50.0  # long after its reader began to wait
+    assert out.step_deadline(r, 10.0, 2.0) == 52.0
+    assert out.step_deadline(r, 60.0, 2.0) == 62.0  # running already: from the reader's wait
 
 
 def test_a_timeout_ends_the_request_and_says_what_the_step_waited_on(caplog) -> None:
