@@ -6,17 +6,18 @@
     open http://127.0.0.1:8000/omni/             # the live page, under the prefix
 
 Your own routes live beside it (here ``/`` and ``/hello``). Starlette does
-not run a mounted application's lifespan, so the host's lifespan runs the
-engine and omni_stream's service; FastAPI is the same (``app =
-FastAPI(lifespan=lifespan); app.mount("/omni", omni)``). docs/http.md,
-"Mounting", says what each part guarantees.
+not run a mounted application's lifespan, so the host's runs it: here the
+app was given a model, so ``omni.lifespan`` runs its engine too and is the
+whole host lifespan; FastAPI is the same (``app =
+FastAPI(lifespan=omni.lifespan); app.mount("/omni", omni)``). With an engine
+of your own, enter both in the host's: ``async with engine,
+omni.lifespan(app): yield``. docs/http.md, "Mounting", says what each part
+guarantees.
 """
 
 from __future__ import annotations
 
 import argparse
-import contextlib
-from collections.abc import AsyncIterator
 
 import uvicorn
 from starlette.applications import Starlette
@@ -26,18 +27,13 @@ from starlette.routing import Mount, Route
 
 import omni_stream as om
 from omni_stream.models import load_model
-from omni_stream.server import create_app
+from omni_stream.server import LingeringWSProtocol, create_app
 
 
 def build(model: str = "mixture", device: str = "auto", token: str | None = None) -> Starlette:
     """The host application with omni_stream mounted at ``/omni``."""
-    engine = om.Engine(load_model(model), device=device)
-    omni = create_app(engine, token=token)
-
-    @contextlib.asynccontextmanager
-    async def lifespan(app: Starlette) -> AsyncIterator[None]:
-        async with engine, omni.state.omni_stream.running():
-            yield
+    omni = create_app(load_model(model), device=device, token=token)
+    engine: om.EngineLike = omni.engine  # the one omni.lifespan runs
 
     async def hello(request: Request) -> JSONResponse:
         # Your own code can use the engine directly too.
@@ -48,7 +44,7 @@ def build(model: str = "mixture", device: str = "auto", token: str | None = None
 
     return Starlette(
         routes=[Route("/", home), Route("/hello", hello), Mount("/omni", app=omni)],
-        lifespan=lifespan,
+        lifespan=omni.lifespan,
     )
 
 
@@ -60,7 +56,7 @@ def main() -> None:
     parser.add_argument("--token", default=None)
     args = parser.parse_args()
     uvicorn.run(build(args.model, args.device, args.token), host="127.0.0.1", port=args.port,
-                ws="websockets-sansio")
+                ws=LingeringWSProtocol)
 
 
 if __name__ == "__main__":

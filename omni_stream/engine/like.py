@@ -4,13 +4,20 @@
 engines satisfy it, so code written against one runs on the others. Both
 protocols are ``runtime_checkable``: ``isinstance`` checks that the members
 exist, not their signatures (a type checker does that).
+
+A server needs less than all of EngineLike (:data:`SERVER_NEEDS`), and
+passes ``stream`` only the keywords it takes (:func:`server_stream_keywords`,
+read once from its signature when the server is built), so an engine of
+one's own written to the minimal ``stream(params, *, request_id=None, ...)``
+runs behind it.
 """
 
 from __future__ import annotations
 
+import inspect
 from collections.abc import AsyncIterator, Mapping
 from types import TracebackType
-from typing import TYPE_CHECKING, Any, Protocol, runtime_checkable
+from typing import TYPE_CHECKING, Any, Final, Protocol, runtime_checkable
 
 from ..frame import Frame
 from ..model import StepModel
@@ -19,7 +26,34 @@ from .stats import EngineStatistics, Health
 if TYPE_CHECKING:
     from ..preview.remote import RenderRequest
 
-__all__ = ["EngineLike", "FrameStreamLike", "RendersFrames", "final_frame"]
+__all__ = [
+    "OPTIONAL_STREAM_KEYWORDS",
+    "SERVER_NEEDS",
+    "EngineLike",
+    "FrameStreamLike",
+    "RendersFrames",
+    "final_frame",
+    "looks_like_engine",
+    "missing_stream_members",
+    "server_stream_keywords",
+]
+
+#: What a server reads or calls on an engine; the rest of EngineLike
+#: (``generate``, ``check_health``, ``statistics``) is for one's own code.
+#: ``health()`` must return a :class:`~omni_stream.engine.stats.Health`.
+SERVER_NEEDS: Final = ("model", "max_batch_size", "stream", "cancel", "health")
+
+#: The keywords of ``stream`` besides ``request_id`` that a server passes
+#: where the engine takes them (docs/configuration.md says what it loses
+#: without each).
+OPTIONAL_STREAM_KEYWORDS: Final = ("policy", "preview_every", "priority", "render")
+
+_METHODS: Final = frozenset({"stream", "cancel", "health"})
+_ABSENT: Final = object()
+#: FrameStreamLike's members (what a server's consumer uses of a request's frames).
+_STREAM_MEMBERS: Final = (
+    "request_id", "total", "params", "poll", "aclose", "__aiter__", "__anext__", "__aenter__", "__aexit__",
+)
 
 
 @runtime_checkable
@@ -164,6 +198,85 @@ class RendersFrames(Protocol):
         priority: int = 0,
         render: RenderRequest | None = None,
     ) -> FrameStreamLike: ...
+
+
+def looks_like_engine(obj: object) -> bool:
+    """Whether ``obj`` is meant as an engine rather than a model or a model factory.
+
+    Told without touching it (no property is read: a remote engine may not
+    be connected yet): not a StepModel nor a class, and has ``stream``,
+    ``health`` or ``cancel``.
+    """
+    if isinstance(obj, (StepModel, type)):
+        return False
+    return any(_member(obj, name) is not _ABSENT for name in _METHODS)
+
+
+def server_stream_keywords(engine: Any) -> frozenset[str]:
+    """Which of :data:`OPTIONAL_STREAM_KEYWORDS` ``engine.stream`` takes, read once from its signature.
+
+    Raises TypeError naming what a server needs and ``engine`` lacks: a
+    member of :data:`SERVER_NEEDS`, a ``stream`` that can be called as
+    ``stream(params, request_id=...)``, or one that returns its frames at
+    once (not ``async def``, not an async generator: a server needs a
+    :class:`FrameStreamLike`).
+    """
+    kind = type(engine).__name__
+    missing = [
+        name
+        for name in SERVER_NEEDS
+        if (member := _member(engine, name)) is _ABSENT or (name in _METHODS and not _callable(member))
+    ]
+    if missing:
+        raise TypeError(
+            f"{kind} cannot serve: it lacks {', '.join(missing)} (a server needs "
+            f"{', '.join(SERVER_NEEDS)} of an engine; omni_stream.engine.like.EngineLike)"
+        )
+    stream = engine.stream
+    if inspect.iscoroutinefunction(stream) or inspect.isasyncgenfunction(stream):
+        raise TypeError(
+            f"{kind}.stream is async def: a server needs stream() to return a FrameStreamLike at once "
+            "(an async iterator and context manager with request_id, total, params, poll, aclose)"
+        )
+    try:
+        signature = inspect.signature(stream)
+    except (TypeError, ValueError):
+        # No signature to read (a C extension, a callable object): pass them all.
+        return frozenset(OPTIONAL_STREAM_KEYWORDS)
+    try:
+        signature.bind({}, request_id="id")
+    except TypeError as exc:
+        raise TypeError(
+            f"{kind}.stream{signature} cannot be called as stream(params, request_id=...), "
+            f"which a server does ({exc})"
+        ) from None
+    parameters = signature.parameters.values()
+    if any(p.kind is inspect.Parameter.VAR_KEYWORD for p in parameters):
+        return frozenset(OPTIONAL_STREAM_KEYWORDS)
+    keywords = {
+        p.name
+        for p in parameters
+        if p.kind in (inspect.Parameter.POSITIONAL_OR_KEYWORD, inspect.Parameter.KEYWORD_ONLY)
+    }
+    return frozenset(name for name in OPTIONAL_STREAM_KEYWORDS if name in keywords)
+
+
+def missing_stream_members(frames: object) -> list[str]:
+    """The members of :class:`FrameStreamLike` that ``frames`` (what a ``stream`` returned) lacks."""
+    return [name for name in _STREAM_MEMBERS if _member(frames, name) is _ABSENT]
+
+
+def _member(obj: object, name: str) -> object:
+    # getattr_static: a property (a remote engine's model) is not run.
+    member = inspect.getattr_static(obj, name, _ABSENT)
+    if member is _ABSENT and inspect.getattr_static(type(obj), "__getattr__", None) is not None:
+        # A proxy that forwards what it does not define: only asking finds out.
+        member = getattr(obj, name, _ABSENT)
+    return member
+
+
+def _callable(member: object) -> bool:
+    return callable(member) or isinstance(member, (staticmethod, classmethod))
 
 
 async def final_frame(frames: FrameStreamLike) -> Frame:

@@ -12,7 +12,8 @@ docs/protocol.md (the websocket), docs/http.md (HTTP, SSE, mounting).
 from __future__ import annotations
 
 from .app import Server, serve
-from .asgi import create_app
+from .asgi import OmniStreamApp, create_app
 from .limits import ServerLimits
+from .ws_protocol import LingeringWSProtocol
 
-__all__ = ["Server", "ServerLimits", "create_app", "serve"]
+__all__ = ["LingeringWSProtocol", "OmniStreamApp", "Server", "ServerLimits", "create_app", "serve"]

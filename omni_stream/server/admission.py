@@ -132,15 +132,17 @@ def preview_spec(
     decoder: str | Callable[[torch.Tensor], Any],
     limits: ServerLimits,
     request_id: str,
+    model: StepModel | None = None,
 ) -> PreviewSpec:
     """The request's preview settings from its wire form (``default`` when None).
 
-    Raises MessageError ``invalid_field`` naming ``preview.<option>``.
+    ``model`` checks a decoder that depends on it (``taesd``: the model's tiny
+    autoencoder). Raises MessageError ``invalid_field`` naming ``preview.<option>``.
     """
     if wire is None:
         return default
     try:
-        spec = PreviewSpec.from_dict(wire, decoder=decoder)
+        spec = PreviewSpec.from_dict(wire, decoder=decoder, model=model)
     except ParamsError as exc:
         field = f"preview.{exc.field}" if exc.field and exc.field != "preview" else "preview"
         raise MessageError(
@@ -453,11 +455,16 @@ def frame_bytes(model: StepModel, params: Mapping[str, Any]) -> tuple[int, str] 
         v = values.get(name) if name in names else None
         return v if isinstance(v, int) and not isinstance(v, bool) and v > 0 else None
 
-    size = side("size")
-    width, height = side("width") or size, side("height") or size
+    # A given size sets both sides (a different given side is refused by the
+    # model), but the values here have the defaults filled in: a default
+    # width must not hide a larger size, so each side is the larger reading.
+    size = side("size") or 0
+    width, height = max(side("width") or 0, size), max(side("height") or 0, size)
     if width and height:
         frames = side("num_frames") or 1
-        field = next((n for n in _SIDES if side(n)), "size")
+        field = "size" if size and size >= max(side("width") or 0, side("height") or 0) else next(
+            (n for n in _SIDES if side(n)), "size"
+        )
         keep(3 * width * height * frames * _FLOAT32, field)
     return best
 

@@ -31,6 +31,7 @@ import anyio.abc
 import uvicorn
 
 from ..config import run
+from ..engine.like import looks_like_engine
 from ..errors import LifecycleError, OmniStreamError, ParamsError, ServerFailedError
 from ..lifecycle import Lifecycle
 from ..model import StepModel
@@ -40,6 +41,7 @@ from .asgi import FrontDoor, app_for, build_front_door
 from .http11 import DeadlineH11Protocol
 from .metrics import ServerMetrics
 from .service import FdWarning
+from .ws_protocol import LingeringWSProtocol
 
 # ServerFailedError (errors.py's) is re-exported: the CLI imports it from here.
 __all__ = ["Server", "ServerFailedError", "serve"]
@@ -55,7 +57,9 @@ class Server:
     :class:`~omni_stream.StepModel`, for which the server creates an engine
     on ``device`` and owns it. ``port=0`` picks a free port; read it back
     from :attr:`port`. ``limits`` are the keyword arguments of
-    :class:`ServerLimits`. Raises ParamsError for a bad option.
+    :class:`ServerLimits`. Raises ParamsError for a bad option, TypeError for
+    an engine that lacks what a server needs, naming it (docs/configuration.md,
+    "An engine of your own behind the server").
 
     ``async with Server(model, port=0) as server: ...`` serves until the
     block ends, then shuts down gracefully (see :meth:`aclose`). When the
@@ -189,7 +193,9 @@ class Server:
             config = uvicorn.Config(
                 self.app,
                 lifespan="off",  # this task runs the service (it must enter and leave it)
-                ws="websockets-sansio",
+                # websockets' sans-I/O core, closing a failed connection so that the
+                # client reads why (1009 for an oversize message): ws_protocol.py.
+                ws=LingeringWSProtocol,
                 http=DeadlineH11Protocol,
                 ws_max_size=self.limits.max_message_bytes,
                 # Previews are compressed images: deflating them again would
@@ -439,7 +445,7 @@ def serve(
 
     async def main() -> None:
         async with contextlib.AsyncExitStack() as stack:
-            if _is_engine(model):
+            if looks_like_engine(model):
                 # An engine given to serve() is serve()'s to run: nobody else
                 # could (this call blocks). A remote one connects here.
                 await stack.enter_async_context(model)
@@ -454,11 +460,3 @@ def serve(
     run(main)
     if servers and servers[0].fatal is not None:
         raise servers[0].fatal
-
-
-def _is_engine(obj: Any) -> bool:
-    """An engine (EngineLike), told apart without touching it: a remote one may not be connected yet."""
-    if isinstance(obj, StepModel):
-        return False
-    kind = type(obj)
-    return all(hasattr(kind, name) for name in ("stream", "cancel", "health", "__aenter__", "__aexit__"))

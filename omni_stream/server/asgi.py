@@ -21,9 +21,11 @@ Every route answers HEAD like GET without a body, other methods 405 with
 Who runs what: the :class:`FrontDoor` holds the :class:`Service` (the
 core: requests and their rules). Standalone, the app's lifespan enters it
 (and the engine, when the app was given a model). Mounted in a host app
-(Starlette does not run a mounted app's lifespan), the host's lifespan runs
-``app.state.omni_stream.running()``; until then every request is answered
-503 ``engine_unavailable`` naming what is missing.
+(Starlette does not run a mounted app's lifespan), the host runs
+:meth:`OmniStreamApp.lifespan`: as its own (``Starlette(lifespan=omni.lifespan)``)
+or inside its own (``async with omni.lifespan(app): ...``). Until then
+``/health`` answers 503 ``not_started`` and every request 503
+``engine_unavailable``, both naming what is missing.
 """
 
 from __future__ import annotations
@@ -31,6 +33,7 @@ from __future__ import annotations
 import contextlib
 import logging
 from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
+from contextlib import AbstractAsyncContextManager
 from typing import Any
 
 import anyio
@@ -42,9 +45,8 @@ from starlette.routing import Route, WebSocketRoute
 from starlette.websockets import WebSocket
 
 from .. import protocol
-from ..engine import Engine
 from ..engine.group import engine_for
-from ..engine.like import EngineLike
+from ..engine.like import looks_like_engine
 from ..errors import ParamsError
 from ..model import StepModel
 from ..preview import Previewer
@@ -55,7 +57,7 @@ from .limits import ServerLimits, resolve_origins, resolve_token
 from .metrics import CONTENT_TYPE
 from .service import Service
 
-__all__ = ["FrontDoor", "create_app"]
+__all__ = ["FrontDoor", "OmniStreamApp", "create_app"]
 
 logger = logging.getLogger("omni_stream.server")
 
@@ -156,15 +158,15 @@ def create_app(
     stay_dead: bool = False,
     metrics_public: bool = False,
     **limits: Any,
-) -> Starlette:
+) -> OmniStreamApp:
     """The server as a Starlette application (see the module docstring).
 
     ``engine_or_model``: an engine (``Engine``, ``EngineGroup``, anything
     EngineLike; its owner runs it) or a :class:`~omni_stream.StepModel`
     (the app creates an engine on ``device`` and its lifespan runs it).
     ``limits`` are :class:`ServerLimits`' keyword arguments. Raises
-    ParamsError for a bad option. ``app.state.omni_stream`` is the
-    :class:`FrontDoor`.
+    ParamsError for a bad option, TypeError for an engine that lacks what
+    a server needs (naming it). Mounted, the host runs ``app.lifespan``.
     """
     door = build_front_door(
         engine_or_model,
@@ -198,7 +200,8 @@ def build_front_door(
         raise ParamsError(
             f"metrics_public must be true or false, got {metrics_public!r}", field="metrics_public"
         )
-    if _is_engine_like(engine_or_model):
+    if looks_like_engine(engine_or_model):
+        # The Service checks it has what a server needs (a TypeError naming what is missing).
         engine, owns = engine_or_model, False
     elif isinstance(engine_or_model, StepModel) or callable(engine_or_model):
         # A model (or a factory: one model per device of a group) the server
@@ -223,11 +226,7 @@ def build_front_door(
     return FrontDoor(service, allow_origins=resolve_origins(allow_origins), metrics_public=metrics_public)
 
 
-def _is_engine_like(obj: Any) -> bool:
-    return isinstance(obj, (Engine, EngineLike))
-
-
-def app_for(door: FrontDoor) -> Starlette:
+def app_for(door: FrontDoor) -> OmniStreamApp:
     """The Starlette application serving ``door``."""
     api = HttpApi(door)
     service = door.service
@@ -319,18 +318,42 @@ def app_for(door: FrontDoor) -> Starlette:
             )
         return responses.error_response(exc.status_code, "bad_request", str(exc.detail))
 
-    @contextlib.asynccontextmanager
-    async def lifespan(app: Starlette) -> AsyncIterator[None]:
-        async with door.running():
-            yield
+    return OmniStreamApp(door, routes=app_routes, exception_handlers={HTTPException: http_error})
 
-    app = Starlette(
-        routes=app_routes,
-        exception_handlers={HTTPException: http_error},
-        lifespan=lifespan,
-    )
-    app.state.omni_stream = door
-    return app
+
+class OmniStreamApp(Starlette):
+    """The omni_stream server as a Starlette application; :meth:`lifespan` runs it.
+
+    ``state.omni_stream`` (and :attr:`door`) is its :class:`FrontDoor`.
+    """
+
+    def __init__(self, door: FrontDoor, **options: Any) -> None:
+        super().__init__(lifespan=self.lifespan, **options)
+        self.door = door
+        self.state.omni_stream = door
+
+    @property
+    def engine(self) -> Any:
+        """The engine behind it (the one it created, when given a model): for the host's own code."""
+        return self.door.service.engine
+
+    def lifespan(self, app: object = None) -> AbstractAsyncContextManager[None]:
+        """Serve for the duration of the block: the service, and the engine when the app created it.
+
+        The app's own lifespan, and the one a host app must run when it
+        mounts it (a host does not run a mounted app's): pass it as the
+        host's, ``Starlette(lifespan=omni.lifespan)`` / ``FastAPI(lifespan=
+        omni.lifespan)``, or enter it in the host's own, ``async with engine,
+        omni.lifespan(app): yield``. ``app`` (the host) is not used. On
+        leaving: the graceful shutdown of :meth:`FrontDoor.running`. Raises
+        LifecycleError when entered a second time.
+        """
+        return self._serving()
+
+    @contextlib.asynccontextmanager
+    async def _serving(self) -> AsyncIterator[None]:
+        async with self.door.running():
+            yield
 
 
 def handshake_refusal(door: FrontDoor, conn: HTTPConnection) -> Response | None:

@@ -72,8 +72,12 @@ async def stream_request(
     previewer: Previewer,
     metrics: ServerMetrics,
     memory: MemoryReservation | None = None,
+    paced: bool = True,
 ) -> dict[str, Any]:
     """Publish the request's steps into ``record``; return its terminal message.
+
+    ``paced``: take the frames of a request nobody reads at most every
+    :data:`UNREAD_PACE_S` (for a stream opened with ``policy="latest"``).
 
     Returns ``done``, ``cancelled`` (reason from ``record.cancel_reason``,
     else ``engine``) or a request-ending ``error`` for the request's own
@@ -99,7 +103,7 @@ async def stream_request(
                         record, result, output, decoder=spec.decoder, params=params,
                         previewer=previewer, metrics=metrics, memory=memory,
                     )
-                elif not record.has_reader():
+                elif paced and not record.has_reader():
                     # Nobody would receive the next step's progress (no
                     # watcher, or none reading): take steps at a bounded
                     # pace rather than every one the engine makes (it

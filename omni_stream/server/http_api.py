@@ -49,6 +49,14 @@ STATUS: dict[str, int] = {
     "engine_unavailable": 503,
 }
 
+#: Who a ``cancelled`` request's ``reason`` names, for ``/output``'s message.
+_CANCELLED_BY = {
+    "client": "by a client (a cancel message or DELETE)",
+    "disconnect": "because the connection that started it closed (it was not detached)",
+    "shutdown": "because the server shut down",
+    "engine": "by the engine",
+}
+
 #: The body's keys: the websocket's ``generate`` fields (``detach`` is implied).
 _BODY_KEYS = frozenset({"id", "params", "preview", "output", "priority"})
 
@@ -243,6 +251,20 @@ class HttpApi:
                 code = str(terminal.get("code"))
                 body = {"error": code, "message": terminal.get("message"), "id": record.id, "status": payload}
                 return responses.json_response(500 if code == "internal" else 409, body)
+            if record.ended and terminal is not None and terminal.get("type") == "cancelled":
+                # Not "not ready": it never will be.
+                reason = str(terminal.get("reason") or "engine")
+                return responses.json_response(
+                    409,
+                    {
+                        "error": "cancelled",
+                        "message": f"request {record.id} was cancelled {_CANCELLED_BY.get(reason, reason)}: "
+                        "it has no output",
+                        "reason": reason,
+                        "id": record.id,
+                        "status": payload,
+                    },
+                )
             return responses.json_response(
                 409,
                 {

@@ -35,7 +35,7 @@ import anyio
 import anyio.abc
 
 from .. import protocol
-from ..engine.like import RendersFrames
+from ..engine.like import RendersFrames, missing_stream_members, server_stream_keywords
 from ..errors import (
     EngineDeadError,
     EngineError,
@@ -59,9 +59,16 @@ from .records import RequestRecord, RequestRegistry
 if TYPE_CHECKING:
     from ..engine.like import EngineLike, FrameStreamLike
 
-__all__ = ["Service"]
+__all__ = ["NOT_STARTED", "Service"]
 
 logger = logging.getLogger("omni_stream.server")
+
+#: Why a service that was never entered serves nothing (what ``/health`` and a generate say).
+NOT_STARTED = (
+    "the server is not started: a mounted app needs its lifespan run by the host app "
+    "(Starlette(lifespan=omni.lifespan), FastAPI(lifespan=omni.lifespan), or "
+    "`async with omni.lifespan(app)` in the host's own; docs/http.md, Mounting)"
+)
 
 #: How often the service looks at engine.health() for a dead engine.
 _ENGINE_WATCH_S = 0.2
@@ -88,10 +95,12 @@ class Service:
     """Requests and their rules for every front door (see the module docstring).
 
     ``engine``: anything :class:`~omni_stream.engine.like.EngineLike` (an
-    ``Engine``, an ``EngineGroup``); ``owns_engine`` makes ``async with``
-    start and close it. ``token`` is the resolved token (None: open server).
-    ``on_fatal`` is called once, with the error, when the engine dies or a
-    task of the service fails, unless ``stay_dead``.
+    ``Engine``, an ``EngineGroup``), or less: what ``SERVER_NEEDS`` names,
+    its ``stream`` given only the keywords it takes; ``owns_engine`` makes
+    ``async with`` start and close it. ``token`` is the resolved token
+    (None: open server). ``on_fatal`` is called once, with the error, when
+    the engine dies or a task of the service fails, unless ``stay_dead``.
+    Raises TypeError naming what ``engine`` lacks (``server_stream_keywords``).
     """
 
     def __init__(
@@ -105,6 +114,8 @@ class Service:
         stay_dead: bool = False,
         on_fatal: Callable[[OmniStreamError], None] | None = None,
     ) -> None:
+        #: The keywords besides request_id that engine.stream takes, read once here.
+        self.stream_keywords = server_stream_keywords(engine)
         self.engine = engine
         self.model: StepModel = engine.model
         self.limits = limits
@@ -358,12 +369,7 @@ class Service:
         """Apply every admission rule to ``msg`` (load, params, memory); raises MessageError."""
         request_id = msg.id or uuid.uuid4().hex
         if self._tg is None:
-            raise protocol.MessageError(
-                "engine_unavailable",
-                "the server is not started (a mounted app needs its lifespan run by the host app; "
-                "see docs/http.md, Mounting)",
-                request_id=request_id,
-            )
+            raise protocol.MessageError("engine_unavailable", NOT_STARTED, request_id=request_id)
         if self.closing:
             raise protocol.MessageError(
                 "shutting_down", "the server is shutting down", request_id=request_id
@@ -406,6 +412,7 @@ class Service:
             decoder=self.default_decoder,
             limits=self.limits,
             request_id=request_id,
+            model=self.model,
         )
         output = admission.output_spec(
             msg.output, video=bool(getattr(self.model, "produces_video", False)), request_id=request_id
@@ -435,19 +442,17 @@ class Service:
         """
         request_id = admitted.record.id
         spec, output = admitted.spec, admitted.output
-        options: dict[str, Any] = {
-            "request_id": request_id,
-            "policy": "latest",
-            "preview_every": spec.every,
-            "priority": admitted.priority,
-        }
         try:
+            wanted: dict[str, Any] = {
+                "policy": "latest",
+                "preview_every": spec.every,
+                "priority": admitted.priority,
+                "render": self._render_request(spec, output),
+            }
+            # Only what the engine takes (an engine of one's own may take less).
+            options = {k: v for k, v in wanted.items() if k in self.stream_keywords and v is not None}
             # The raw params: the engine validates them itself (the same checks).
-            render = self._render_request(spec, output)
-            if render is not None:
-                assert isinstance(self.engine, RendersFrames)
-                return self.engine.stream(admitted.params, render=render, **options)
-            return self.engine.stream(admitted.params, **options)
+            stream = self.engine.stream(admitted.params, request_id=request_id, **options)
         except ParamsError as exc:
             admitted.memory.release()
             raise protocol.MessageError(
@@ -458,6 +463,19 @@ class Service:
             raise protocol.MessageError(
                 "engine_unavailable", exc.message, request_id=request_id
             ) from None
+        missing = missing_stream_members(stream)
+        if missing:
+            # The engine's own type: nothing a client did. Said once per request
+            # here rather than as an `internal` in the middle of its stream.
+            admitted.memory.release()
+            self.engine.cancel(request_id)
+            message = (
+                f"the engine's stream() returned a {type(stream).__name__}, which lacks "
+                f"{', '.join(missing)} (omni_stream.engine.like.FrameStreamLike)"
+            )
+            logger.error("request %s: %s", request_id, message)
+            raise protocol.MessageError("engine_unavailable", message, request_id=request_id)
+        return stream
 
     def _start_consumer(self, admitted: _Admitted, stream: FrameStreamLike) -> None:
         record = admitted.record
@@ -500,7 +518,9 @@ class Service:
         Then the network carries each preview's and the result's bytes,
         not raw frames (omni_stream/preview/remote.py).
         """
-        if not (isinstance(self.engine, RendersFrames) and self.engine.renders_frames):
+        if "render" not in self.stream_keywords or not (
+            isinstance(self.engine, RendersFrames) and self.engine.renders_frames
+        ):
             return None
         return RenderRequest.of(spec, output.format, output.quality)
 
@@ -554,14 +574,23 @@ class Service:
         """``/health``: (HTTP status, body). 200 while it can serve, busy included."""
         health = self.engine.health()
         payload = health.to_dict()
+        load = self.load(health)
+        # One meaning for active and queued: the server's (load's), which
+        # counts the requests waiting in the gate; the engine's own counts
+        # (where requests sit inside it) are under "engine".
+        engine_view = {"active": payload["active"], "queued": payload["queued"]}
+        payload.update(active=load.active, queued=load.queued, engine=engine_view)
         payload["server"] = {
             "connections": len(self.connections),
             "requests": len(self.registry.running()),
             "retained": len(self.registry.retained()),
         }
-        load = self.load(health)
         payload["load"] = load.to_dict()
-        if self.closing and health.ok:
+        if not self.started:
+            # Mounted without its lifespan: a 200 here would be a zombie
+            # that passes every probe and refuses every request.
+            payload.update(status="not_started", ok=False, reason=NOT_STARTED)
+        elif self.closing and health.ok:
             payload.update(status="shutting_down", ok=False, reason="the server is shutting down")
         elif health.ok and load.busy:
             # 200: a full server is healthy (a 503 would make a liveness
@@ -614,6 +643,10 @@ class Service:
                 previewer=self.previewer,
                 metrics=self.metrics,
                 memory=memory,
+                # Pacing an unread request relies on "latest" (the engine
+                # replaces what the server has not taken); under another
+                # policy the engine would wait on it.
+                paced="policy" in self.stream_keywords,
             )
         except Exception as exc:
             logger.exception("request %s: the server failed while streaming it", record.id)

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import inspect
 import os
+import re
 import subprocess
 import sys
 import tempfile
@@ -14,6 +15,7 @@ import pytest
 
 import omni_stream as om
 from omni_stream.engine import EngineLike, FrameStreamLike, GroupStream
+from omni_stream.engine.like import OPTIONAL_STREAM_KEYWORDS, looks_like_engine, server_stream_keywords
 
 ROOT = Path(__file__).resolve().parents[2]
 SMALL = {"shape": [4, 8, 8], "work": 0, "steps": 2}
@@ -114,3 +116,74 @@ def test_mypy_agrees(tmp_path):
     errors = [line for line in out.stdout.splitlines() if ": error:" in line]
     expected = next(i for i, line in enumerate(PROBE.splitlines(), 1) if "# E:" in line)
     assert len(errors) == 1 and f"probe.py:{expected}:" in errors[0], out.stdout
+
+
+# -- what a server needs of an engine (server_stream_keywords, looks_like_engine) ----------------
+
+
+class _Minimal:
+    """docs/configuration.md's stream, and the rest of SERVER_NEEDS."""
+
+    model = om.models.Synthetic()
+    max_batch_size = 1
+
+    def stream(self, params=None, request_id=None, policy="all", timeout=None): ...
+
+    def cancel(self, request_id): ...
+
+    def health(self): ...
+
+
+class _TakesAnything(_Minimal):
+    def stream(self, params=None, **options): ...
+
+
+class _Proxy:
+    """Forwards everything it does not define, as a wrapper of one's own may."""
+
+    def __init__(self, inner):
+        self._inner = inner
+
+    def __getattr__(self, name):
+        return getattr(self._inner, name)
+
+
+def test_the_keywords_a_server_may_pass_are_read_from_stream():
+    engine = om.Engine(om.models.Synthetic(), device="cpu")
+    assert server_stream_keywords(engine) == {"policy", "preview_every", "priority"}
+    assert server_stream_keywords(_Minimal()) == {"policy"}
+    assert server_stream_keywords(_TakesAnything()) == set(OPTIONAL_STREAM_KEYWORDS)
+    assert server_stream_keywords(_Proxy(engine)) == {"policy", "preview_every", "priority"}
+
+
+def test_what_a_server_cannot_run_is_named():
+    class NoCancel(_Minimal):
+        cancel = None
+
+    class PositionalOnly(_Minimal):
+        def stream(self, params, /): ...
+
+    class NotAnEngine:
+        pass
+
+    for engine, named in [
+        (NoCancel(), "lacks cancel"),
+        (NotAnEngine(), "lacks model, max_batch_size, stream, cancel, health"),
+        (PositionalOnly(), "cannot be called as stream(params, request_id=...)"),
+    ]:
+        with pytest.raises(TypeError, match=re.escape(named)):
+            server_stream_keywords(engine)
+
+
+def test_an_engine_is_told_from_a_model_or_factory_without_touching_it():
+    class Unconnected(_Minimal):
+        @property
+        def model(self):
+            raise AssertionError("a property was read")
+
+    assert looks_like_engine(om.Engine(om.models.Synthetic(), device="cpu"))
+    assert looks_like_engine(Unconnected()) and looks_like_engine(_Proxy(_Minimal()))
+    assert not looks_like_engine(om.models.Synthetic())
+    assert not looks_like_engine(om.models.Synthetic)  # a factory (a class)
+    assert not looks_like_engine(lambda: om.models.Synthetic())
+    assert server_stream_keywords(Unconnected()) == {"policy"}

@@ -336,6 +336,26 @@ def test_frame_bytes_come_from_a_shape_param_or_the_image_sides() -> None:
     assert frame_bytes(om.from_generator(lambda p: iter(())), {"steps": 3}) is None
 
 
+def test_a_given_size_is_not_hidden_by_the_default_sides() -> None:
+    # A pipeline declares size beside height and width (defaults 64 here): a
+    # request of size 2048 was costed at the default width, 64x64.
+    class Pipe(Synthetic):
+        params = (om.Param("steps", "int", 4, minimum=1), om.Param("size", "int", None, minimum=8),
+                  om.Param("height", "int", 64, minimum=8), om.Param("width", "int", 64, minimum=8))
+
+    assert frame_bytes(Pipe(), {"size": 2048}) == (3 * 2048 * 2048 * 4, "size")
+    assert frame_bytes(Pipe(), {}) == (3 * 64 * 64 * 4, "width")
+    assert frame_bytes(Pipe(), {"width": 128}) == (3 * 128 * 64 * 4, "width")
+
+
+def test_the_taesd_decoder_is_refused_at_admission_for_a_model_without_a_tiny_vae() -> None:
+    with pytest.raises(MessageError) as info:
+        preview_spec({"decoder": "taesd"}, default=PreviewSpec(), decoder="rgb", limits=LIMITS,
+                     request_id="r", model=om.models.Mixture())
+    assert (info.value.code, info.value.field, info.value.request_id) == ("invalid_field", "preview.decoder", "r")
+    assert "--preview-vae" in info.value.message and "OMNI_STREAM_PREVIEW_VAE" in info.value.message
+
+
 def test_the_estimate_is_a_base_plus_frames_own_and_shared_with_the_batch() -> None:
     f = 3 * 64 * 64 * 4
     est = estimate_memory(Synthetic(), {"shape": [3, 64, 64], "work": 2}, on_host=True, batch_size=8)

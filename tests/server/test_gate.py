@@ -168,6 +168,20 @@ async def test_beyond_max_active_requests_wait_unstarted_and_go_in_as_others_end
 
 
 @pytest.mark.asyncio
+async def test_health_says_one_thing_by_queued_counting_the_gate() -> None:
+    async with serving(max_active=1, max_queued=4) as service:
+        a = Client(service)
+        a.generate("first", {**SHORT, "steps": 30})
+        a.generate("second", SHORT)  # waits in the gate: the engine never saw it
+        body = service.health_payload()[1]
+        assert (body["active"], body["queued"]) == (body["load"]["active"], body["load"]["queued"]) == (1, 1)
+        # Where requests sit inside the engine: its own counts, under their own name.
+        assert body["engine"]["active"] + body["engine"]["queued"] == 1
+        await a.until_end("first")
+        await a.until_end("second")
+
+
+@pytest.mark.asyncio
 @pytest.mark.parametrize("how", ["cancel", "disconnect", "shutdown"])
 async def test_a_waiting_request_ends_at_once_and_gives_its_memory_back(how: str) -> None:
     async with serving(max_active=1, max_queued=4) as service:

@@ -167,6 +167,19 @@ async def test_status_while_queued_and_running_then_cancel() -> None:
 
 
 @pytest.mark.asyncio
+async def test_a_cancelled_requests_output_says_it_was_cancelled_and_by_whom() -> None:
+    async with running(Slow(0.01)) as server, http(server) as client:
+        rid = (await client.post("/v1/generations", json={"params": {**SMALL, "steps": 2000}})).json()["id"]
+        assert (await client.delete(f"/v1/generations/{rid}")).json()["status"] == "cancelled"
+        reply = await client.get(f"/v1/generations/{rid}/output")
+    body = reply.json()
+    assert reply.status_code == 409
+    assert (body["error"], body["reason"], body["id"]) == ("cancelled", "client", rid)
+    assert "cancelled by a client" in body["message"] and "no output" in body["message"]
+    assert "once it is done" not in body["message"]  # it never will be
+
+
+@pytest.mark.asyncio
 async def test_events_resume_after_last_event_id() -> None:
     async with running(Slow(0.01)) as server, http(server) as client:
         rid = (await client.post("/v1/generations", json={"params": {**SMALL, "steps": 60}})).json()["id"]
@@ -368,8 +381,8 @@ async def test_mounted_under_a_prefix_in_a_host_app() -> None:
 
     @contextlib.asynccontextmanager
     async def lifespan(app: Starlette) -> AsyncIterator[None]:
-        # Starlette does not run a mounted app's lifespan: the host runs both.
-        async with engine, omni.state.omni_stream.running():
+        # Starlette does not run a mounted app's lifespan: the host's runs it, inside its own.
+        async with engine, omni.lifespan(app):
             yield
 
     async def hello(request: Any) -> PlainTextResponse:
@@ -409,7 +422,59 @@ async def test_a_mounted_app_without_its_lifespan_says_what_is_missing() -> None
     async with httpx.AsyncClient(transport=transport, base_url="http://omni") as client:
         reply = await client.post("/v1/generations", json={"params": {"steps": 2}})
     assert reply.status_code == 503 and reply.json()["error"] == "engine_unavailable"
-    assert "lifespan" in reply.json()["message"]
+    assert "omni.lifespan" in reply.json()["message"]
+
+
+@pytest.mark.asyncio
+async def test_a_host_that_runs_only_the_engine_is_not_healthy() -> None:
+    # The zombie: the engine runs, the omni_stream app's lifespan never did, so every
+    # generate gets 503; /health must say so rather than pass a probe with 200.
+    engine = om.Engine(Synthetic(), device="cpu")
+    omni = create_app(engine)
+    host = Starlette(routes=[Mount("/omni", app=omni)])
+    transport = httpx.ASGITransport(app=host)
+    async with engine, httpx.AsyncClient(transport=transport, base_url="http://h") as client:
+        health = await client.get("/omni/health")
+        refused = await client.post("/omni/v1/generations", json={"params": {"steps": 2}})
+    body = health.json()
+    assert health.status_code == 503 and (body["status"], body["ok"]) == ("not_started", False), body
+    assert "lifespan=omni.lifespan" in body["reason"]
+    assert refused.status_code == 503 and refused.json()["error"] == "engine_unavailable"
+
+
+@contextlib.asynccontextmanager
+async def _serve_host(host: Any) -> AsyncIterator[httpx.AsyncClient]:
+    sock = _free_socket()
+    port = sock.getsockname()[1]
+    server = uvicorn.Server(uvicorn.Config(host, lifespan="on", log_config=None, ws="websockets-sansio"))
+    server.capture_signals = contextlib.nullcontext  # type: ignore[method-assign]
+    async with anyio.create_task_group() as tg:
+        tg.start_soon(server.serve, [sock])
+        await wait_for(lambda: server.started, what="uvicorn to start")
+        try:
+            async with httpx.AsyncClient(base_url=f"http://127.0.0.1:{port}", timeout=30) as client:
+                yield client
+        finally:
+            server.should_exit = True
+
+
+@pytest.mark.asyncio
+@pytest.mark.parametrize("framework", ["starlette", "fastapi"])
+async def test_the_apps_lifespan_is_the_hosts_in_one_step(framework: str) -> None:
+    # Given a model, the app owns its engine: its lifespan runs both.
+    omni = create_app(Synthetic(), device="cpu")
+    if framework == "fastapi":
+        fastapi = pytest.importorskip("fastapi")
+        host: Any = fastapi.FastAPI(lifespan=omni.lifespan)
+        host.mount("/omni", omni)
+    else:
+        host = Starlette(routes=[Mount("/omni", app=omni)], lifespan=omni.lifespan)
+    async with _serve_host(host) as client:
+        health = await client.get("/omni/health")
+        assert health.status_code == 200 and health.json()["status"] == "ok"
+        result = await client.post("/omni/v1/generations?wait=1", json={"params": {**SMALL, "steps": 2}})
+        assert result.status_code == 200 and result.headers["content-type"] == "image/png"
+    assert omni.engine.health().status == "closed"  # the host's shutdown closed the app's engine
 
 
 @pytest.mark.asyncio

@@ -673,3 +673,51 @@ async def test_page_works_without_session_storage(chromium: str) -> None:
         assert "session storage is off" in await tab.evaluate(
             "document.getElementById('gallery-note').textContent"
         )
+
+
+async def _enter_token(tab: Tab, value: str) -> None:
+    await tab.evaluate(
+        f"(() => {{ document.getElementById('token').value = {json.dumps(value)};"
+        " document.querySelector('#token-form button').click(); return true; })()"
+    )
+
+
+@needs_chromium
+@pytest.mark.browser
+@pytest.mark.asyncio
+async def test_a_token_server_page_asks_for_the_token_and_streams_once_given_it(chromium: str) -> None:
+    async with open_tab(chromium) as tab, running(Slow(0.02), token=TOKEN) as server:
+        await tab.open(f"{server.http_url}/")  # no ?token=
+        await tab.wait_for("window.omniStream.state === 'error'")
+        state = await tab.state()
+        assert state["error"]["code"] == "unauthorized" and "token" in state["status"], state
+        shown = await tab.evaluate(
+            "[document.getElementById('token-form').hidden, document.getElementById('token').type,"
+            " document.getElementById('model').textContent]"
+        )
+        assert shown[:2] == [False, "password"] and "loading" not in shown[2], shown
+
+        # A wrong one: refused again, and asked again.
+        await _enter_token(tab, "not-the-token")
+        await tab.wait_for(
+            "window.omniStream.state === 'error' && !document.getElementById('token-form').hidden"
+        )
+        assert (await tab.state())["error"]["code"] == "unauthorized"
+
+        await _enter_token(tab, TOKEN)
+        await tab.wait_for("window.omniStream.state === 'ready' && window.omniStream.connected")
+        assert await tab.evaluate("document.getElementById('token-form').hidden") is True
+        await _fill_form(tab, dict(PARAMS, steps=4), "png")
+        canvases = await _generate_and_watch(tab)
+        assert (await tab.state())["state"] == "done" and len(canvases) >= 2
+        # Kept for this tab only: sessionStorage, never localStorage or a cookie.
+        kept = await tab.evaluate(
+            "[Object.keys(sessionStorage).filter(k => sessionStorage.getItem(k).includes("
+            f"{json.dumps(TOKEN)})), localStorage.length, document.cookie]"
+        )
+        assert kept == [["omniStream.token:/"], 0, ""], kept
+
+        # A reload in the same tab needs no token typed again.
+        await tab.call("Page.reload")
+        await tab.wait_for("document.readyState === 'complete' && !!window.omniStream")
+        await tab.wait_for("window.omniStream.connected && window.omniStream.state === 'done'")

@@ -568,7 +568,9 @@ async def test_engine_unavailable_when_the_service_is_not_started() -> None:
         err = reject(a, "engine_unavailable", {"type": "generate", "id": "e1", "params": SHORT})
         assert err["id"] == "e1" and "not started" in err["message"]
         code, health = service.health_payload()
-        assert (code, health["status"], health["ok"]) == (503, "closed", False)
+        # Not "closed": the engine is not started because the service is not.
+        assert (code, health["status"], health["ok"]) == (503, "not_started", False)
+        assert "lifespan" in health["reason"]
 
 
 # -- ownership and security ---------------------------------------------------------

@@ -61,6 +61,8 @@ class _Facts:
     totals: dict[int, int] = field(default_factory=dict)
     #: total_steps of the default params, for a model with no ``steps`` param.
     default_total: int | None = None
+    #: Whether the replica's model decodes previews with a tiny autoencoder.
+    has_preview_vae: bool = False
 
 
 class ModelCard(StepModel):
@@ -74,6 +76,9 @@ class ModelCard(StepModel):
         self.produces_video = facts.produces_video
         self.runs_whole_requests = facts.runs_whole_requests
         self.preview_decoder = facts.preview_decoder
+        # Read by preview.check_decoder ("taesd" needs one): a flag standing
+        # for the replica's autoencoder, which stays on the replica.
+        self.preview_vae: bool | None = True if facts.has_preview_vae else None
         if facts.dtype is not None:
             self.dtype = facts.dtype
 
@@ -93,6 +98,7 @@ class ModelCard(StepModel):
             dtype=dtype if isinstance(dtype, torch.dtype) else None,
             totals=_step_counts(model, params),
             default_total=_default_total(model, params),
+            has_preview_vae=getattr(model, "preview_vae", None) is not None,
         )
         return cls(facts)
 
