@@ -100,9 +100,10 @@ class Frame:
         Decoded pixels are read as they are; a latent goes through
         ``decoder`` (default ``"auto"``; pass
         ``omni_stream.preview.default_decoder(model)`` for the model's own).
-        Raises ValueError for a video frame (use :meth:`images` or
-        :meth:`save`), ParamsError (a ValueError) when the frame does not
-        fit ``decoder``.
+        A video frame is its frames side by side, left to right: the strip
+        its previews show by default (:meth:`images` gives the frames).
+        Raises ParamsError (a ValueError) when the frame does not fit
+        ``decoder``.
         """
         from .preview.save import frame_picture
 

@@ -16,7 +16,7 @@ from typing import Any
 
 from .errors import ParamsError
 
-__all__ = ["Param", "validate", "describe", "positive_int"]
+__all__ = ["Param", "validate", "describe", "positive_int", "square_size"]
 
 _KINDS = ("int", "float", "str", "bool", "shape")
 
@@ -169,6 +169,32 @@ def validate(
     for spec in specs:
         out[spec.name] = spec.check(params.get(spec.name, spec.default), model=model)
     return out
+
+
+def square_size(out: dict[str, Any], given: Mapping[str, Any] | None, *, model: str) -> None:
+    """Resolve a checked ``size`` (both sides at once) into ``out``'s ``height`` and ``width``.
+
+    ``given`` is the caller's mapping: a ``size`` it names wins over the
+    sides' defaults, and a side it names must equal it (``{"size": 512,
+    "height": 512}`` is fine, ``{"size": 512, "height": 256}`` is not). A
+    ``size`` that only comes from a default applies when neither side is
+    given. Raises ParamsError (field ``size``) naming both values.
+    """
+    size = out.get("size")
+    if size is None:
+        return
+    given = given if isinstance(given, Mapping) else {}
+    sides = [s for s in ("height", "width") if s in given and given[s] is not None]
+    if "size" not in given and sides:
+        return  # a default size never overrides a side the caller chose
+    for side in sides:
+        if out[side] != size:
+            raise ParamsError(
+                f"{model} param 'size' ({size}) and {side!r} ({out[side]}) differ; "
+                "give 'size' for a square, or 'height' and 'width'",
+                field="size",
+            )
+    out["height"] = out["width"] = size
 
 
 def describe(specs: Sequence[Param]) -> list[dict[str, Any]]:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import ast
+import io
 import json
 from pathlib import Path
 
@@ -14,7 +15,7 @@ from PIL import Image
 import omni_stream.frame as frame_module
 from omni_stream.errors import ParamsError
 from omni_stream.frame import Frame
-from omni_stream.preview import decode_rgb, decode_sd15, decode_sdxl
+from omni_stream.preview import PreviewSpec, decode_rgb, decode_sd15, decode_sdxl, render_sync
 
 try:
     import av
@@ -64,11 +65,18 @@ def test_image_of_a_latent_uses_auto_or_the_given_decoder():
     assert _frame(torch.randn(7, 8, 6)).image().size == (6, 8)
 
 
-def test_image_of_a_video_frame_points_to_images_and_save():
-    for frame in (_video(), _frame(torch.randn(16, 3, 4, 4))):
+def test_image_of_a_video_frame_is_its_strip_as_the_previews_show_it():
+    # An intermediate frame of a video model is a video too: image() must
+    # give the picture the previews draw (PreviewSpec's default "strip").
+    for frame in (_video(4), _frame(torch.randn(16, 3, 4, 6))):
         assert frame.is_video
-        with pytest.raises(ValueError, match=r"video.*images\(\).*save\("):
-            frame.image()
+        frames = frame.images()
+        strip = frame.image()
+        assert strip.size == (sum(f.width for f in frames), frames[0].height)
+        np.testing.assert_array_equal(
+            np.asarray(strip), np.concatenate([np.asarray(f) for f in frames], axis=1))
+        preview = render_sync(frame, PreviewSpec(format="png", max_size=None))
+        np.testing.assert_array_equal(np.asarray(Image.open(io.BytesIO(preview.data))), np.asarray(strip))
 
 
 def test_images_of_a_video_and_of_an_image():

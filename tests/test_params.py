@@ -30,3 +30,34 @@ def test_a_float_bound_keeps_its_digits():
         fine.check(0.1, model="m")
     with pytest.raises(om.ParamsError, match=r"must be <= 7\.5, got 8"):
         fine.check(8, model="m")
+
+
+# -- square_size: `size` for both sides ---------------------------------------------
+
+
+def _sides(raw: dict, defaults: dict | None = None) -> dict:
+    from omni_stream.params import square_size
+
+    out = {"height": 512, "width": 768, "size": None, **(defaults or {}), **raw}
+    square_size(out, raw, model="m")
+    return out
+
+
+def test_square_size_sets_both_sides_and_agrees_with_an_equal_side():
+    assert _sides({"size": 256})["height"] == _sides({"size": 256})["width"] == 256
+    assert (_sides({"size": 256, "width": 256})["height"]) == 256
+    assert _sides({"height": 64}) == {"height": 64, "width": 768, "size": None}
+
+
+def test_square_size_with_a_different_side_names_both():
+    from omni_stream.params import square_size
+
+    with pytest.raises(om.ParamsError) as info:
+        square_size({"size": 256, "height": 128, "width": 768}, {"size": 256, "height": 128}, model="m")
+    assert info.value.field == "size"
+    assert "'size' (256)" in info.value.message and "'height' (128)" in info.value.message
+
+
+def test_a_default_size_never_overrides_a_side_the_caller_gave():
+    assert _sides({"height": 64}, {"size": 256}) == {"height": 64, "width": 768, "size": 256}
+    assert _sides({}, {"size": 256})["width"] == 256

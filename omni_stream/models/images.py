@@ -20,6 +20,9 @@ known tag, else ParamsError. The components tagged with *all* the words
 are chosen; when none has all of them, those with the most of them are
 (``red square`` gives the red things and the squares when no red square
 exists). An empty prompt chooses every component.
+
+A prompt of one colour and one shape and nothing else (:func:`plain`)
+draws that instead, on a plain background: :func:`render_plain`.
 """
 
 from __future__ import annotations
@@ -41,10 +44,16 @@ from ..params import positive_int
 __all__ = [
     "COMPONENTS",
     "LEVELS",
+    "PLAIN_COLOURS",
+    "PLAIN_SHAPES",
+    "VARIANTS",
     "VOCABULARY",
     "ComponentImage",
+    "PlainPicture",
+    "plain",
     "render",
     "render_all",
+    "render_plain",
     "select",
 ]
 
@@ -74,14 +83,21 @@ RAINBOW: tuple[Color, ...] = (RED, ORANGE, YELLOW, GREEN, CYAN, BLUE, PURPLE)
 
 
 class _Canvas:
-    """Pixel-centre coordinates in [-1, 1] (y down) and the pixel width."""
+    """Pixel-centre coordinates in [-1, 1] (y down) and the pixel width.
 
-    def __init__(self, size: int) -> None:
+    ``shift`` and ``scale`` move and grow the drawing: a point drawn at
+    ``(x, y)`` lands at ``(x * scale + dx, y * scale + dy)``, edges still
+    one pixel wide.
+    """
+
+    def __init__(self, size: int, shift: tuple[float, float] = (0.0, 0.0), scale: float = 1.0) -> None:
         self.size = size
-        self.px = 2.0 / size
-        centres = (np.arange(size, dtype=np.float32) + 0.5) * np.float32(self.px) - 1.0
-        self.y = np.broadcast_to(centres[:, None], (size, size))
-        self.x = np.broadcast_to(centres[None, :], (size, size))
+        self.px = 2.0 / size / scale
+        centres = (np.arange(size, dtype=np.float32) + 0.5) * np.float32(2.0 / size) - 1.0
+        xs = ((centres - np.float32(shift[0])) / np.float32(scale)).astype(np.float32)
+        ys = ((centres - np.float32(shift[1])) / np.float32(scale)).astype(np.float32)
+        self.y = np.broadcast_to(ys[:, None], (size, size))
+        self.x = np.broadcast_to(xs[None, :], (size, size))
 
     def fill(self, color: Color) -> Array:
         image: Array = np.broadcast_to(_rgb(color), (3, self.size, self.size)).copy()
@@ -458,16 +474,121 @@ def render(component: ComponentImage, size: int) -> torch.Tensor:
     Raises ParamsError for a size below 1.
     """
     positive_int(size, "size", what="image size")
-    img = np.clip(component.draw(_Canvas(size)), 0.0, 1.0)
+    return torch.from_numpy(_levels(component.draw(_Canvas(size))))
+
+
+def _levels(img: Array) -> npt.NDArray[np.float32]:
     # sRGB [0, 1] -> [-1, 1], then onto the level grid; "+ 0.0" turns the
     # -0.0 that rounding leaves into +0.0.
-    levels = np.clip(np.round((img * 2 - 1) * LEVELS), -LEVELS, LEVELS)
-    return torch.from_numpy((levels / LEVELS + 0.0).astype(np.float32))
+    levels = np.clip(np.round((np.clip(img, 0.0, 1.0) * 2 - 1) * LEVELS), -LEVELS, LEVELS)
+    out: npt.NDArray[np.float32] = (levels / LEVELS + 0.0).astype(np.float32)
+    return out
 
 
 def render_all(size: int) -> torch.Tensor:
     """Every component at ``size``: float32 [len(COMPONENTS), 3, size, size]."""
     return torch.from_numpy(np.stack([render(c, size).numpy() for c in COMPONENTS]))
+
+
+# ---- a colour and a shape -------------------------------------------------
+#
+# A prompt that names one colour and one shape ("red circle", "a blue
+# square", "green stripes") draws that, on a plain background: a family of
+# VARIANTS of the one picture, each moved and sized a little differently, so
+# that the sampler's posterior has something left to decide at every noise
+# level (where the shape sits, how large it is), as a real model's has.
+
+#: The colours a prompt may name for a plain picture, by tag.
+PLAIN_COLOURS: dict[str, Color] = {
+    "red": RED, "orange": ORANGE, "yellow": YELLOW, "green": GREEN, "cyan": CYAN,
+    "blue": BLUE, "purple": PURPLE, "pink": PINK, "white": WHITE, "black": BLACK,
+}
+
+
+def _star(c: _Canvas) -> Array:
+    return _polygon(c, _regular(5, 0.75, inner=0.32, cy=0.05))
+
+
+def _heart_shape(c: _Canvas) -> Array:
+    s = 0.42 / math.sqrt(2)
+    return np.minimum(_box(c, 0, 0.12, s, s, math.pi / 4),
+                      np.minimum(_circle(c, -0.21, -0.1, 0.3), _circle(c, 0.21, -0.1, 0.3)))
+
+
+def _dots(c: _Canvas) -> Array:
+    n = 3.0
+    lx = (c.x * n - np.round(c.x * n)) / n
+    ly = (c.y * n - np.round(c.y * n)) / n
+    return c.cover(np.sqrt(lx ** 2 + ly ** 2) - 0.11)
+
+
+#: The shapes a prompt may name for a plain picture: coverage [S, S] in [0, 1].
+PLAIN_SHAPES: dict[str, Callable[[_Canvas], Array]] = {
+    "circle": lambda c: c.cover(_circle(c, 0, 0, 0.55)),
+    "square": lambda c: c.cover(_box(c, 0, 0, 0.5, 0.5)),
+    "triangle": lambda c: c.cover(_polygon(c, _regular(3, 0.7, cy=0.12))),
+    "star": lambda c: c.cover(_star(c)),
+    "heart": lambda c: c.cover(_heart_shape(c)),
+    "hexagon": lambda c: c.cover(_polygon(c, _regular(6, 0.6, phase=0.0))),
+    "diamond": lambda c: c.cover(_box(c, 0, 0, 0.45, 0.45, math.pi / 4)),
+    "cross": lambda c: c.cover(np.minimum(_box(c, 0, 0, 0.5, 0.15), _box(c, 0, 0, 0.15, 0.5))),
+    "stripes": lambda c: _odd_bands(c, c.x, 4.0),
+    "rings": lambda c: _odd_bands(c, np.sqrt(c.x ** 2 + c.y ** 2), 6.0),
+    "dots": _dots,
+}
+
+#: How each variant of a plain picture is moved (dx, dy) and sized: offsets
+#: at two scales, so that where the shape sits is decided coarse to fine.
+VARIANTS: tuple[tuple[float, float, float], ...] = tuple(
+    (dx, dy, scale)
+    for scale in (0.85, 1.15)
+    for dx in (-0.2, -0.07, 0.07, 0.2)
+    for dy in (-0.2, -0.07, 0.07, 0.2)
+)
+
+
+@dataclass(frozen=True)
+class PlainPicture:
+    """A shape in a colour on a plain background (see :func:`plain`)."""
+
+    shape: str
+    colour: str
+
+    @property
+    def name(self) -> str:
+        return f"{self.colour} {self.shape}"
+
+
+def plain(prompt: str) -> PlainPicture | None:
+    """The colour and shape ``prompt`` names, when it names exactly one of each and nothing else.
+
+    ``"red circle"``, ``"a blue square"``, ``"green striped"``; None for any
+    other prompt (those choose among :data:`COMPONENTS`, see :func:`select`).
+    Raises nothing: :func:`select` checks the words.
+    """
+    words = [w for w in map(_normalise, _WORD.findall(prompt.lower())) if w is not None]
+    colours = [w for w in words if w in PLAIN_COLOURS]
+    shapes = [w for w in words if w in PLAIN_SHAPES]
+    if len(set(colours)) == 1 and len(set(shapes)) == 1 and len(colours) + len(shapes) == len(words):
+        return PlainPicture(shapes[0], colours[0])
+    return None
+
+
+def render_plain(picture: PlainPicture, size: int) -> torch.Tensor:
+    """Every variant of ``picture``: float32 [len(VARIANTS), 3, size, size], on the level grid.
+
+    The background is white (black for a white shape). Raises ParamsError
+    for a size below 1.
+    """
+    positive_int(size, "size", what="image size")
+    colour = PLAIN_COLOURS[picture.colour]
+    background = BLACK if picture.colour == "white" else WHITE
+    out = []
+    for dx, dy, scale in VARIANTS:
+        c = _Canvas(size, (dx, dy), scale)
+        img = _paint(c.fill(background), PLAIN_SHAPES[picture.shape](c), colour)
+        out.append(_levels(img))
+    return torch.from_numpy(np.stack(out))
 
 
 def _normalise(word: str) -> str | None:

@@ -5,7 +5,10 @@ images of :mod:`omni_stream.models.images`, with ``w`` uniform over the
 components the prompt names. Its posterior mean ``E[x0 | x_t]`` is exact and
 closed-form (see :func:`omni_stream.models.samplers.posterior`), so this is a
 genuine sampler with an exact denoiser: no training, no weights. Each step's
-frame is the current x0 prediction; the last frame is the sample.
+frame is the current x0 prediction; the last frame is the sample. A prompt
+of one colour and one shape (``images.plain``) adds that picture's variants
+as components, which its posterior weighs alone (the unconditional model,
+for guidance, stays the built-in images).
 
 Bit-identical frames alone or in any batch. Two reductions touch every pixel:
 the dot products ``<x, mu_k>`` (over pixels) and the mixture mean
@@ -70,6 +73,7 @@ class _Bank:
     """The component images at one size, on one device, ready for the exact sums."""
 
     size: int
+    picture: images.PlainPicture | None  # whose VARIANTS follow the COMPONENTS rows, if any
     mu: torch.Tensor  # float32 [K, D]: the images, the component means (multiples of 1/128)
     levels: torch.Tensor | None  # float64 [K, D]: images * 128 (integers); None above LEVELS64_MAX_DIMS
     norms: torch.Tensor  # float64 [K]: sum of levels^2 (exact)
@@ -103,12 +107,16 @@ def _x_bits(dims: int) -> int:
     return min(exact, _FLOAT32_BITS - X_RANGE_BITS)
 
 
-def _make_bank(size: int, device: torch.device) -> _Bank:
-    pictures = images.render_all(size).reshape(len(images.COMPONENTS), -1)
+def _make_bank(size: int, picture: images.PlainPicture | None, device: torch.device) -> _Bank:
+    rendered = images.render_all(size)
+    if picture is not None:
+        rendered = torch.cat([rendered, images.render_plain(picture, size)])
+    pictures = rendered.reshape(rendered.shape[0], -1)
     levels = pictures.to(torch.float64) * images.LEVELS
     keep = levels.shape[1] <= LEVELS64_MAX_DIMS
     return _Bank(
         size=size,
+        picture=picture,
         mu=pictures.to(device),
         levels=levels.to(device) if keep else None,
         norms=(levels * levels).sum(1).to(device),
@@ -117,7 +125,7 @@ def _make_bank(size: int, device: torch.device) -> _Bank:
 
 
 class _BankCache:
-    """An LRU of banks keyed by (size, device), bounded in entries and bytes; thread-safe.
+    """An LRU of banks keyed by (size, picture, device), bounded in entries and bytes; thread-safe.
 
     The newest bank always stays, whatever its size. Banks in use by running
     requests stay alive through their states even once evicted here.
@@ -129,17 +137,19 @@ class _BankCache:
             raise ValueError(f"cache_bytes must be >= 0, got {max_bytes}")
         self.max_entries = max_entries
         self.max_bytes = max_bytes
-        self._banks: OrderedDict[tuple[int, str], _Bank] = OrderedDict()
+        self._banks: OrderedDict[tuple[int, images.PlainPicture | None, str], _Bank] = OrderedDict()
         self._lock = threading.Lock()
 
-    def get(self, size: int, device: torch.device) -> _Bank:
-        key = (size, str(device))
+    def get(
+        self, size: int, device: torch.device, picture: images.PlainPicture | None = None
+    ) -> _Bank:
+        key = (size, picture, str(device))
         with self._lock:
             bank = self._banks.get(key)
             if bank is not None:
                 self._banks.move_to_end(key)
                 return bank
-        bank = _make_bank(size, device)  # outside the lock: rendering takes a while
+        bank = _make_bank(size, picture, device)  # outside the lock: rendering takes a while
         with self._lock:
             self._banks[key] = bank
             self._banks.move_to_end(key)
@@ -150,8 +160,8 @@ class _BankCache:
                 self._banks.popitem(last=False)
         return bank
 
-    def entries(self) -> list[tuple[int, str]]:
-        """(size, device) of the cached banks, least recently used first."""
+    def entries(self) -> list[tuple[int, images.PlainPicture | None, str]]:
+        """(size, picture, device) of the cached banks, least recently used first."""
         with self._lock:
             return list(self._banks)
 
@@ -232,6 +242,7 @@ class _State:
     spread: float
     sigmas: list[float]
     bank: _Bank
+    log_all: torch.Tensor  # float64 [K]: 0 for COMPONENTS (the unconditional model), -inf for variants
     log_w: torch.Tensor  # float64 [K]: 0 for the prompt's components, -inf elsewhere
     x: torch.Tensor  # float32 [D]: the VP state x_t
     x0_prev: torch.Tensor | None = None  # the previous x0 prediction (dpmpp_2m)
@@ -266,7 +277,9 @@ class Mixture(StepModel):
         """``cache_sizes`` and ``cache_bytes`` bound the rendered image sizes kept (LRU).
 
         One size takes 12 bytes per image value up to 512 pixels (the images
-        in float32 and float64: 71 MB at 256, 283 MB at 512), 4 above it.
+        in float32 and float64: 71 MB at 256, 283 MB at 512), 4 above it;
+        a size with a plain picture (a colour-and-shape prompt) caches its
+        32 variants beside them (146 MB at 256).
         Raises ParamsError for a bound below 1 (ValueError for ``cache_bytes`` below 0).
         """
         positive_int(max_batch_size, "max_batch_size")
@@ -288,8 +301,10 @@ class Mixture(StepModel):
 
     def batch_key(self, params: Mapping[str, Any]) -> Hashable | None:
         # Prompts, seeds, samplers, step counts and step indices are all per
-        # request inside one call; only the image size must match to stack.
-        return ("mixture", int(params["size"]))
+        # request inside one call; the images must match to stack: the size,
+        # and the plain picture whose variants a colour-and-shape prompt adds.
+        picture = images.plain(params["prompt"])
+        return ("mixture", int(params["size"]), None if picture is None else picture.name)
 
     def load(self, device: torch.device) -> None:
         self._banks.get(DEFAULT_SIZE, device)
@@ -297,9 +312,16 @@ class Mixture(StepModel):
     def start(self, params: Mapping[str, Any], device: torch.device) -> _State:
         """Draw the initial noise for one request; raises ParamsError for bad params."""
         chosen = images.select(params["prompt"])
-        bank = self._banks.get(int(params["size"]), device)
-        log_w = torch.full((len(images.COMPONENTS),), -math.inf, dtype=torch.float64)
-        log_w[list(chosen)] = 0.0
+        picture = images.plain(params["prompt"])
+        bank = self._banks.get(int(params["size"]), device, picture)
+        fixed = len(images.COMPONENTS)
+        rows = bank.mu.shape[0]
+        log_all = torch.full((rows,), -math.inf, dtype=torch.float64)
+        log_all[:fixed] = 0.0
+        log_w = torch.full((rows,), -math.inf, dtype=torch.float64)
+        # A colour and a shape: its variants are the prompt's images; else
+        # the COMPONENTS its words pick.
+        log_w[list(range(fixed, rows)) if picture is not None else list(chosen)] = 0.0
         sampler = params["sampler"]
         eta = params["eta"]
         seed = int(params["seed"])
@@ -310,8 +332,9 @@ class Mixture(StepModel):
             eta=samplers.default_eta(sampler) if eta is None else float(eta),
             guidance=float(params["guidance"]),
             spread=float(params["spread"]),
-            sigmas=samplers.karras_sigmas(int(params["steps"]), samplers.sigma_max(bank.dims)),
+            sigmas=samplers.schedule(int(params["steps"]), bank.dims),
             bank=bank,
+            log_all=log_all.to(device),
             log_w=log_w.to(device),
             x=x.to(device),
         )
@@ -323,7 +346,7 @@ class Mixture(StepModel):
         bank = states[0].bank
         for s in states:
             if s.bank is not bank:
-                raise ValueError("Mixture.step: states of different sizes cannot share a step")
+                raise ValueError("Mixture.step: states of different sizes or pictures cannot share a step")
             if s.step >= len(s.sigmas) - 1:
                 raise ValueError(f"Mixture.step: request already finished its {s.step} steps")
         group = max(1, CHUNK_VALUES // bank.dims)
@@ -368,9 +391,10 @@ class Mixture(StepModel):
         dots = _dots(xq, bank)  # [B, K]
         del xq
         logits = dots.mul_(dot).sub_(bank.norms * norm)
+        log_all = torch.stack([s.log_all for s in states])
         log_w = torch.stack([s.log_w for s in states])
         # Softmax subtracts each row's max: the log-sum-exp form, stable for any logits.
-        weights = torch.softmax(torch.cat([logits, logits + log_w]), dim=-1)
+        weights = torch.softmax(torch.cat([logits + log_all, logits + log_w]), dim=-1)
         r_all, r_prompt = weights[: len(states)], weights[len(states):]
         # Guidance mixes the two posteriors' means; the mean is linear in r.
         rq = (r_all + guide * (r_prompt - r_all)).mul_(2.0 ** R_BITS).round_()
@@ -403,4 +427,4 @@ class Mixture(StepModel):
 
     def cached_sizes(self) -> list[int]:
         """Sizes whose images are rendered and cached, least recently used first."""
-        return [size for size, _ in self._banks.entries()]
+        return [size for size, _, _ in self._banks.entries()]

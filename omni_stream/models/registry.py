@@ -39,8 +39,16 @@ def load_model(spec: str) -> StepModel:
     ``attr`` may be a StepModel instance, a StepModel subclass or a factory
     called with no arguments. ``diffusers:MODEL_ID`` loads a pipeline with
     the diffusers extra. Raises ParamsError naming ``spec`` when it cannot
-    be loaded.
+    be loaded. Logs one INFO line saying what was loaded, unless it is a
+    built-in (a diffusers pipeline: which mode, native or callback, it runs in).
     """
+    model = _load(spec)
+    if spec not in BUILTIN_MODELS:  # a built-in is what its name says
+        logger.info("model %s: %s", spec, model.describe())
+    return model
+
+
+def _load(spec: str) -> StepModel:
     if spec in BUILTIN_MODELS:
         return BUILTIN_MODELS[spec]()
     if spec.startswith("diffusers:"):
@@ -53,7 +61,6 @@ def load_model(spec: str) -> StepModel:
             raise ParamsError(f"model {spec!r}: {exc}", field="model") from exc
         except (OSError, ValueError) as exc:
             raise ParamsError(f"model {spec!r} could not be loaded: {exc}", field="model") from exc
-        logger.info("model %s: %s", spec, model.describe())
         return model
     if ":" not in spec:
         raise ParamsError(

@@ -25,9 +25,12 @@ __all__ = [
     "SIGMA_MIN",
     "Posterior",
     "Update",
+    "FORMING",
+    "SPLIT",
     "default_eta",
     "karras_sigmas",
     "posterior",
+    "schedule",
     "sigma_max",
     "update",
 ]
@@ -66,6 +69,38 @@ def karras_sigmas(steps: int, sig_max: float, sig_min: float = SIGMA_MIN, rho: f
     hi, lo = sig_max ** (1 / rho), sig_min ** (1 / rho)
     sig = [(hi + i / (steps - 1) * (lo - hi)) ** rho for i in range(steps)]
     return sig + [0.0]
+
+
+#: Where a schedule splits (as a fraction of ``sqrt(dims)``, see
+#: :func:`schedule`): two images ``d`` apart per value are told apart near
+#: ``sigma = d sqrt(dims) / 2``, and the variants of a plain picture
+#: (``images.VARIANTS``) are about 0.2 to 0.5 apart: from here down they
+#: are being told apart, above it the picture is a blend of them.
+SPLIT = 0.15
+#: The fraction of a schedule's steps above the split.
+FORMING = 0.7
+
+
+def schedule(steps: int, dims: int) -> list[float]:
+    """The Mixture's noise levels for ``steps`` steps on images of ``dims`` values: ``steps + 1``, then 0.
+
+    Two Karras segments: :data:`FORMING` of the steps from ``sigma_max``
+    down to ``SPLIT * sqrt(dims)``, where the posterior decides what the
+    picture is and where its parts sit (the previews show it forming), the
+    rest from there to ``SIGMA_MIN``, where only the fine per-value detail
+    is left. One Karras curve over the whole range spends two thirds of its
+    steps below the split: a 30-step preview that is done by its third frame.
+    Raises ParamsError for ``steps`` < 1.
+    """
+    positive_int(steps, "steps")
+    hi = sigma_max(dims)
+    if steps == 1:
+        return [hi, 0.0]
+    split = SPLIT * math.sqrt(dims)
+    upper = min(steps - 1, max(1, round(steps * FORMING)))
+    # upper levels above the split, which starts the lower segment.
+    top = karras_sigmas(upper + 1, hi, split)[:-2]
+    return top + karras_sigmas(steps - upper, split, SIGMA_MIN)
 
 
 def default_eta(sampler: str) -> float:

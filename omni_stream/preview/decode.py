@@ -13,6 +13,12 @@ Built-in decoders, by name:
 ``flux``
     16-channel latents ``[16, h, w]``, or diffusers' packed form ``[seq, 64]``
     (see :func:`unpack_flux`).
+``taesd``
+    The model's tiny autoencoder (``use_preview_vae``, ``--preview-vae``,
+    ``OMNI_STREAM_PREVIEW_VAE``): it runs on the model's device and its
+    frames arrive decoded, so here it only refuses a latent it never saw
+    (see :func:`check_decoder`, which refuses it up front for a model
+    without one).
 ``auto``
     Picks one of the above from the shape, and previews any other channel
     count too (see :func:`decode_auto`); what :func:`default_decoder` returns
@@ -45,12 +51,14 @@ from typing import Any, TypeAlias
 import numpy as np
 import torch
 
+from ..config import PREVIEW_VAE_ENV
 from ..errors import ParamsError
 from ..frame import Frame
 
 __all__ = [
     "Decoder",
     "DECODERS",
+    "check_decoder",
     "LATENT_FACTORS",
     "decoder_for",
     "default_decoder",
@@ -62,6 +70,7 @@ __all__ = [
     "decode_sdxl",
     "decode_sd3",
     "decode_flux",
+    "decode_taesd",
     "unpack_flux",
     "tensor_to_numpy",
 ]
@@ -475,6 +484,57 @@ def decode_auto(t: torch.Tensor) -> np.ndarray:
     return frames[0]
 
 
+def _taesd_array(a: np.ndarray) -> np.ndarray:
+    # Only frames the model decoded reach here undecoded-as-pixels: _decode
+    # reads decoded frames as auto, so this frame is a latent the tiny
+    # autoencoder never saw.
+    raise ParamsError(
+        f"the taesd decoder draws the frames a tiny autoencoder decoded on the model's device, "
+        f"and this one is a latent shaped {_shape(a)}: configure one with --preview-vae PATH|ID "
+        f"or {PREVIEW_VAE_ENV} (model.use_preview_vae() in Python); it decodes image latents, "
+        "on the steps a reader previews (preview_every)",
+        field="decoder",
+    )
+
+
+def decode_taesd(t: torch.Tensor) -> np.ndarray:
+    """The ``taesd`` decoder on a bare tensor: always ParamsError (field ``decoder``).
+
+    ``taesd`` names the model's tiny autoencoder, which runs on the model's
+    device (``use_preview_vae``); the frames it decoded arrive with
+    ``decoded=True`` and are drawn as pixels, so a latent that gets here was
+    not decoded by one.
+    """
+    return _taesd_array(tensor_to_numpy(t))
+
+
+def check_decoder(decoder: str | Callable[[torch.Tensor], Any] | None, model: Any) -> None:
+    """Raise ParamsError (field ``decoder``) when ``decoder`` cannot preview ``model``'s frames.
+
+    That is ``taesd`` for a model with no tiny autoencoder configured: a
+    diffusers model without ``use_preview_vae`` (``--preview-vae``,
+    ``OMNI_STREAM_PREVIEW_VAE``), or a model with no ``decode_preview`` hook
+    of its own. Checked when a request is admitted, not at its first preview.
+    """
+    if decoder != "taesd":
+        return
+    from ..model import StepModel
+
+    hook = getattr(type(model), "decode_preview", None)
+    if hasattr(model, "preview_vae"):
+        configured = model.preview_vae is not None
+    else:
+        configured = hook is not None and hook is not StepModel.decode_preview
+    if not configured:
+        name = getattr(model, "name", type(model).__name__)
+        raise ParamsError(
+            f"decoder 'taesd' needs a tiny autoencoder and model {name!r} has none: start it with "
+            f"--preview-vae PATH|ID (e.g. madebyollin/taesd) or set {PREVIEW_VAE_ENV} "
+            "(model.use_preview_vae() in Python), or pick another decoder",
+            field="decoder",
+        )
+
+
 #: Built-in decoders by name (``decoder_for`` also takes any callable).
 DECODERS: dict[str, Decoder] = {
     "auto": decode_auto,
@@ -483,6 +543,7 @@ DECODERS: dict[str, Decoder] = {
     "sdxl": decode_sdxl,
     "sd3": decode_sd3,
     "flux": decode_flux,
+    "taesd": decode_taesd,
 }
 
 # The same decoders on numpy arrays, for the frames of a video.
@@ -493,6 +554,7 @@ _ARRAY_DECODERS: dict[str, Callable[[np.ndarray], np.ndarray]] = {
     "sdxl": functools.partial(_latent_array, family="sdxl"),
     "sd3": functools.partial(_latent_array, family="sd3"),
     "flux": _flux_array,
+    "taesd": _taesd_array,
 }
 
 

@@ -20,7 +20,7 @@ import torch
 from ..errors import ParamsError
 from ..frame import Frame
 from ..params import positive_int
-from .decode import DECODERS, Decoder, _decode, decoder_for
+from .decode import DECODERS, Decoder, _decode, check_decoder, decoder_for
 from .encode import (
     DEFAULT_FPS,
     EncodedImage,
@@ -75,14 +75,20 @@ class PreviewSpec:
 
     @classmethod
     def from_dict(
-        cls, data: Any, *, decoder: str | Callable[[torch.Tensor], Any] | None = "auto"
+        cls,
+        data: Any,
+        *,
+        decoder: str | Callable[[torch.Tensor], Any] | None = "auto",
+        model: Any = None,
     ) -> PreviewSpec:
         """Build a spec from its wire form: ``{"every": 1, "format": "jpeg", "max_size": 512}``.
 
         Missing keys take the defaults; ``decoder`` is used when ``data``
         names none (the wire form may only name a built-in decoder, ``auto``
-        included). Raises ParamsError for a non-object, an unknown key
-        (listing the known ones) or a bad value, naming the field.
+        included). With ``model``, the decoder must fit it
+        (:func:`~omni_stream.preview.decode.check_decoder`: ``taesd`` needs
+        a tiny autoencoder). Raises ParamsError for a non-object, an unknown
+        key (listing the known ones) or a bad value, naming the field.
         """
         if not isinstance(data, Mapping):
             raise ParamsError(
@@ -103,7 +109,10 @@ class PreviewSpec:
                 f"decoder must be one of {', '.join(DECODERS)}; got {data['decoder']!r}",
                 field="decoder",
             )
-        return cls(**{**{"decoder": decoder}, **data})
+        spec = cls(**{**{"decoder": decoder}, **data})
+        if model is not None:
+            check_decoder(spec.decoder, model)
+        return spec
 
 
 def should_preview(step: int, total: int, every: int) -> bool:

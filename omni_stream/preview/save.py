@@ -41,6 +41,7 @@ from .encode import (
     _check_frames,
     _check_rgb,
     check_fps,
+    video_strip,
 )
 
 __all__ = [
@@ -434,22 +435,13 @@ def frame_pictures(frame: Frame, decoder: _DecoderSpec = "auto") -> list[Image.I
 
 
 def frame_picture(frame: Frame, decoder: _DecoderSpec = "auto") -> Image.Image:
-    """``Frame.image``: the frame as one image (see there)."""
-    if is_video(frame.data):
-        raise _video_frame_error(frame)
+    """``Frame.image``: the frame as one image; a video's frames side by side (see there)."""
     images, video = _decode(frame.data, frame.decoded, decoder)
-    if video:  # a callable decoder made a video of it
-        raise _video_frame_error(frame, len(images))
+    if video:
+        # The strip, as a video previews by default (PreviewSpec.video):
+        # full size, no shrinking.
+        return Image.fromarray(video_strip(images))
     return Image.fromarray(images[0])
-
-
-def _video_frame_error(frame: Frame, count: int | None = None) -> ValueError:
-    shape = "x".join(str(s) for s in frame.data.shape)
-    what = f"{count} frames" if count is not None else f"frames ({shape})"
-    return ValueError(
-        f"this frame is a video of {what}; use Frame.images() for its frames "
-        "or Frame.save('out.mp4') (.webp, .gif) to write it"
-    )
 
 
 def save_frame(

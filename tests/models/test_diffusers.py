@@ -22,6 +22,7 @@ pytest.importorskip("diffusers")
 from diffusers import (  # noqa: E402
     AutoencoderKL,
     DDIMScheduler,
+    DDPMScheduler,
     DPMSolverMultistepScheduler,
     EulerAncestralDiscreteScheduler,
     EulerDiscreteScheduler,
@@ -456,7 +457,7 @@ def test_params_are_declared_and_checked():
     model = Diffusers(sd_pipe(), encode_prompt=fixed_embeddings)
     names = [p.name for p in model.params]
     assert names == ["prompt", "negative_prompt", "steps", "guidance_scale", "guidance_rescale",
-                     "seed", "height", "width", "eta"]  # eta: DDIM takes it
+                     "seed", "height", "width", "size", "eta"]  # eta: DDIM takes it
     params = model.validate({})
     assert (params["height"], params["width"], params["steps"]) == (16, 16, 50)
     with pytest.raises(om.ParamsError) as err:
@@ -475,10 +476,71 @@ def test_params_are_declared_and_checked():
 def test_steps_the_scheduler_rejects_are_a_params_error():
     short = DDIMScheduler(**SCHEDULE, clip_sample=False, num_train_timesteps=100)
     model = Diffusers(sd_pipe(short), encode_prompt=fixed_embeddings)
-    assert model.total_steps(model.validate({"steps": 100})) == 100
+    assert model.total_steps(model.validate({"steps": 99})) == 99
     with pytest.raises(om.ParamsError) as err:
         model.validate({"steps": 101})
     assert err.value.field == "steps"
+
+
+# Found by running every step count of each scheduler (1-1000 of 1000
+# training steps, the spacings and offsets): with steps_offset=1 and
+# "leading" spacing, DDIM, PNDM and DDPM set timesteps 1..num_train at
+# steps == num_train and index alphas_cumprod[num_train]; every lower count
+# runs. DPM-Solver++ with "leading" spacing repeats timestep 0 there, which
+# fails only when the step index is looked up by value: the adapter sets
+# begin_index 0, so it runs (below).
+FAILS_AT_TRAIN_STEPS = {
+    "ddim": lambda n: DDIMScheduler(**SCHEDULE, clip_sample=False, num_train_timesteps=n),
+    "pndm": lambda n: PNDMScheduler(**SCHEDULE, skip_prk_steps=True, num_train_timesteps=n),
+    "ddpm": lambda n: DDPMScheduler(**SCHEDULE, num_train_timesteps=n),
+}
+
+
+@pytest.mark.parametrize("case", sorted(FAILS_AT_TRAIN_STEPS))
+def test_steps_the_scheduler_accepts_but_cannot_run_are_refused_at_admission(case):
+    model = Diffusers(sd_pipe(FAILS_AT_TRAIN_STEPS[case](40)), encode_prompt=fixed_embeddings)
+    with pytest.raises(om.ParamsError) as err:
+        model.validate({"steps": 40})
+    assert err.value.field == "steps"
+    name = model._scheduler_cls.__name__
+    assert "at most 39" in err.value.message and name in err.value.message
+    assert "40 training timesteps" in err.value.message
+    # The bound is real: the largest count it names runs to its last step.
+    assert len(run(model, dict(steps=39, height=16, width=16))) == model.total_steps(
+        model.validate({"steps": 39}))
+
+
+@pytest.mark.parametrize("scheduler", [
+    lambda: EulerDiscreteScheduler(**SCHEDULE, num_train_timesteps=40),
+    lambda: DPMSolverMultistepScheduler(**SCHEDULE, timestep_spacing="leading", num_train_timesteps=40),
+], ids=["euler", "dpm++-leading"])
+def test_a_count_the_scheduler_runs_is_not_refused(scheduler):
+    model = Diffusers(sd_pipe(scheduler()), encode_prompt=fixed_embeddings)
+    assert len(run(model, dict(steps=40, height=16, width=16))) == 40
+
+
+def test_a_dry_run_leaves_the_global_rng_alone():
+    ancestral = EulerAncestralDiscreteScheduler(**SCHEDULE)
+    model = Diffusers(sd_pipe(ancestral), encode_prompt=fixed_embeddings)
+    torch.manual_seed(3)
+    want = torch.rand(1)
+    torch.manual_seed(3)
+    model.validate({"steps": 7})
+    assert torch.equal(torch.rand(1), want)
+
+
+def test_size_sets_both_sides_and_a_different_side_is_refused():
+    model = Diffusers(sd_pipe(), encode_prompt=fixed_embeddings)
+    square = model.validate({"size": 24})
+    assert (square["height"], square["width"]) == (24, 24)
+    assert model.validate({"size": 24, "height": 24})["width"] == 24  # the same value: fine
+    with pytest.raises(om.ParamsError) as err:
+        model.validate({"size": 24, "width": 32})
+    assert err.value.field == "size"
+    assert "'size' (24)" in err.value.message and "'width' (32)" in err.value.message
+    with pytest.raises(om.ParamsError) as err:
+        model.validate({"size": 20})
+    assert err.value.field == "size" and "multiple of" in err.value.message
 
 
 def test_defaults_can_be_overridden_and_are_checked():

@@ -343,6 +343,18 @@ def test_a_scheduler_swapped_after_wrapping_is_the_one_counted(text_encoder):
     assert model.total_steps(model.validate(raw)) == len(seen) == 5
 
 
+def test_steps_the_scheduler_cannot_run_are_refused_before_the_pipeline_runs(text_encoder):
+    # DDIM with steps_offset=1 sets timesteps 1..40 for 40 of its 40 training
+    # steps and the pipeline would raise IndexError at its first step.
+    short = DDIMScheduler(**SCHEDULE, clip_sample=False, num_train_timesteps=40)
+    model = Diffusers(img2img_pipe(text_encoder, short), mode="callback")
+    raw = dict(steps=40, strength=1.0, guidance_scale=1.0, image=picture())
+    with pytest.raises(om.ParamsError) as err:
+        model.total_steps(model.validate(raw))
+    assert err.value.field == "steps" and "at most 39 for DDIMScheduler" in err.value.message
+    assert model.total_steps(model.validate(dict(raw, steps=39))) == 39
+
+
 def test_strength_that_leaves_no_step_is_a_params_error(text_encoder):
     model = Diffusers(img2img_pipe(text_encoder), mode="callback")
     with pytest.raises(om.ParamsError) as err:

@@ -420,7 +420,7 @@ def test_diffusers_picks_this_adapter():
 def test_params_are_declared_and_checked():
     model = Diffusers(flux_pipe(), encode_prompt=fixed_embeddings)
     assert [p.name for p in model.params] == [
-        "prompt", "steps", "guidance_scale", "seed", "height", "width"
+        "prompt", "steps", "guidance_scale", "seed", "height", "width", "size"
     ]
     params = model.validate({})
     # The pipeline's defaults: 28 steps, guidance 3.5, 128 latents * vae scale.
@@ -439,6 +439,20 @@ def test_params_are_declared_and_checked():
         with pytest.raises(om.ParamsError, match=words) as err:
             model.validate(raw)
         assert err.value.field == field
+
+
+def test_size_sets_both_sides_and_a_different_side_is_refused():
+    model = Diffusers(flux_pipe(), encode_prompt=fixed_embeddings)
+    square = model.validate({"size": 32})
+    assert (square["height"], square["width"]) == (32, 32)
+    assert model.validate({"size": 32, "height": 32})["width"] == 32  # the same value: fine
+    with pytest.raises(om.ParamsError) as err:
+        model.validate({"size": 32, "width": 48})
+    assert err.value.field == "size"
+    assert "'size' (32)" in err.value.message and "'width' (48)" in err.value.message
+    with pytest.raises(om.ParamsError) as err:
+        model.validate({"size": 18})
+    assert err.value.field == "size" and "multiple of" in err.value.message
 
 
 def test_defaults_can_be_overridden_and_are_checked():

@@ -142,15 +142,20 @@ def test_step_rejects_finished_and_mixed_size_states(model: Mixture) -> None:
 
 
 def reference_x0(
-    x: torch.Tensor, sigma: float, spread: float, log_w: torch.Tensor, guidance: float, size: int
+    x: torch.Tensor, sigma: float, spread: float, log_w: torch.Tensor, guidance: float, size: int,
+    m: torch.Tensor | None = None, log_all: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """E[x0 | x] in float64 from plain squared distances; also the weights r."""
-    m = mus(size)
+    """E[x0 | x] in float64 from plain squared distances; also the weights r.
+
+    ``m`` are the components (default: COMPONENTS at ``size``), ``log_all``
+    the unconditional model's log weights over them (default: all equal).
+    """
+    m = mus(size) if m is None else m.double()
     a = 1 / math.sqrt(1 + sigma**2)
     s = sigma * a
     v = a * a * spread * spread + s * s
     log_lik = -((x.double() - a * m) ** 2).sum(1) / (2 * v)
-    r_all = torch.softmax(log_lik, 0)
+    r_all = torch.softmax(log_lik if log_all is None else log_lik + log_all, 0)
     r_prompt = torch.softmax(log_lik + log_w, 0)
     r = r_all + guidance * (r_prompt - r_all)
     per_component = m + (a * spread * spread / v) * (x.double() - a * m)
@@ -187,9 +192,19 @@ def test_x0_prediction_is_the_exact_posterior_mean(
     # Halfway between two images plus a little noise: a genuinely mixed posterior.
     i, j = index("sunset gradient"), index("rainbow stripes")
     x = a * (m[i] + m[j]) / 2 + 0.02 * sigma * a * torch.randn(m.shape[1], generator=gen, dtype=torch.float64)
-    log_w = torch.full((K,), -math.inf, dtype=torch.float64)
-    log_w[list(images.select(prompt))] = 0.0
-    expected, r = reference_x0(x.float(), sigma, spread, log_w, guidance, size)
+    # The state's own components and weights: a colour-and-shape prompt
+    # ("red circle") adds its picture's variants, weighted by the prompt only.
+    state = model.start(model.validate({"size": size, "prompt": prompt}), CPU)
+    want_log_w = torch.full((state.bank.mu.shape[0],), -math.inf, dtype=torch.float64)
+    if images.plain(prompt) is None:
+        want_log_w[list(images.select(prompt))] = 0.0
+    else:
+        want_log_w[K:] = 0.0
+    assert torch.equal(state.log_w, want_log_w)
+    assert torch.equal(state.log_all[:K], torch.zeros(K, dtype=torch.float64))
+    assert bool((state.log_all[K:] == -math.inf).all())
+    expected, r = reference_x0(x.float(), sigma, spread, want_log_w, guidance, size,
+                               state.bank.mu, state.log_all)
     got = predict(model, x, sigma, size=size, spread=spread, prompt=prompt, guidance=guidance)
     assert (got.double() - expected).abs().max() < 2e-5
     if prompt == "":
@@ -307,6 +322,58 @@ def test_guidance_zero_ignores_the_prompt(model: Mixture) -> None:
     a = run(model, size=32, steps=8, seed=3, prompt="heart", guidance=0.0)
     b = run(model, size=32, steps=8, seed=3, prompt="", guidance=0.0)
     assert all(torch.equal(x, y) for x, y in zip(a, b))
+
+
+# ---- the README's picture -----------------------------------------------------
+
+README = {"prompt": "red circle", "steps": 30, "size": 256}  # omni-stream generate's defaults: seed 0
+
+
+@pytest.fixture(scope="module")
+def readme_frames(model: Mixture) -> list[torch.Tensor]:
+    return run(model, **README)
+
+
+def test_red_circle_is_a_red_disc_on_a_plain_background(readme_frames) -> None:
+    # It drew a red-and-white bullseye (the "target" image is tagged red and circle too).
+    final = readme_frames[-1]
+    side = final.shape[-1]
+    centres = (torch.arange(side) + 0.5) / side * 2 - 1
+    r = (centres[None, :] ** 2 + centres[:, None] ** 2).sqrt()
+    red = (final[0] > 0.4) & (final[1] < -0.4) & (final[2] < -0.4)
+    assert red[r < 0.35].float().mean() > 0.95  # the disc, wherever the variant put it
+    outside = r > 0.9
+    assert red[outside].float().mean() < 0.01
+    background = final[:, outside]
+    assert float((background - background.mean(1, keepdim=True)).abs().mean()) < 0.06  # plain
+
+
+def test_readme_previews_show_the_picture_forming_over_most_steps(readme_frames) -> None:
+    # It was sharp by frame 3: 28 of 30 frames within 5% of the final image.
+    pixels = [((f + 1) * 127.5).round() for f in readme_frames]
+    near = [float((p - pixels[-1]).abs().mean()) / 255 < 0.05 for p in pixels]
+    assert sum(near) <= len(near) // 3, near
+
+
+@pytest.mark.parametrize("prompt", ["blue square", "a green triangle", "red stripes", "purple heart"])
+def test_a_colour_and_a_shape_draw_that_on_a_plain_background(model: Mixture, prompt: str) -> None:
+    final = run(model, prompt=prompt, size=64, steps=12, seed=1)[-1]
+    picture = images.plain(prompt)
+    assert picture is not None
+    # One of the picture's variants (that shape in that colour on white), plus its spread.
+    variants = images.render_plain(picture, 64).reshape(len(images.VARIANTS), -1).double()
+    assert float(((variants - final.flatten().double()) ** 2).mean(1).sqrt().min()) < 0.07
+    colour = torch.tensor(images.PLAIN_COLOURS[picture.colour]).view(3, 1, 1) * 2 - 1
+    white = torch.tensor(images.WHITE).view(3, 1, 1) * 2 - 1
+    painted = ((final - colour).abs().amax(0) < 0.2).float().mean()
+    plain = ((final - white).abs().amax(0) < 0.2).float().mean()
+    assert painted > 0.1 and plain > 0.2 and painted + plain > 0.85
+
+
+def test_batch_key_separates_plain_pictures(model: Mixture) -> None:
+    key = lambda prompt: model.batch_key(model.validate({"prompt": prompt, "size": 32}))  # noqa: E731
+    assert key("red circle") == key("a red circle") != key("blue circle") != key("red")
+    assert key("red") == key("stripes")
 
 
 # ---- bitwise batching -------------------------------------------------------

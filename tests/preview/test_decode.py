@@ -310,7 +310,7 @@ def test_flux_non_square_packed_needs_latent_size():
 
 
 def test_decoder_for_names():
-    assert set(D.DECODERS) == {"auto", "rgb", "sd15", "sdxl", "sd3", "flux"}
+    assert set(D.DECODERS) == {"auto", "rgb", "sd15", "sdxl", "sd3", "flux", "taesd"}
     assert D.decoder_for("auto") is D.decode_auto
     assert D.decoder_for("sd15") is D.decode_sd15
     assert D.decoder_for("rgb") is D.decode_rgb
@@ -365,3 +365,50 @@ def test_user_callable_result_is_made_contiguous():
     decode = D.decoder_for(lambda t: np.zeros((3, 4, 5), dtype=np.uint8).transpose(1, 2, 0))
     rgb = decode(torch.zeros(1))
     assert rgb.shape == (4, 5, 3) and rgb.flags.c_contiguous
+
+
+# -- taesd: the model's tiny autoencoder ------------------------------------------------
+
+
+def test_taesd_is_a_decoder_name_that_draws_the_frames_the_tiny_vae_decoded():
+    from omni_stream.frame import Frame
+
+    assert D.decoder_for("taesd") is D.decode_taesd
+    pixels = torch.rand(3, 8, 6, generator=torch.Generator().manual_seed(0)) * 2 - 1
+    decoded = Frame(request_id="r", step=1, total=2, data=pixels, decoded=True)
+    np.testing.assert_array_equal(D.decode_frame(decoded, "taesd"), D.decode_rgb(pixels))
+
+
+def test_taesd_on_a_latent_it_never_saw_names_the_flag_and_the_variable():
+    from omni_stream.frame import Frame
+
+    latent = Frame(request_id="r", step=1, total=2, data=torch.randn(4, 8, 8))
+    for call in (lambda: D.decode_frame(latent, "taesd"), lambda: D.decode_taesd(latent.data)):
+        with pytest.raises(ParamsError) as info:
+            call()
+        assert info.value.field == "decoder"
+        assert "--preview-vae" in info.value.message
+        assert "OMNI_STREAM_PREVIEW_VAE" in info.value.message
+
+
+def test_check_decoder_refuses_taesd_for_a_model_without_a_tiny_vae():
+    import omni_stream as om
+
+    class WithVae:
+        name = "stub"
+        preview_vae: object = None
+
+    class OwnHook(om.models.Synthetic):
+        def decode_preview(self, state, frame):  # a network of its own
+            return None
+
+    bare = WithVae()
+    for model in (om.models.Mixture(), bare):
+        with pytest.raises(ParamsError) as info:
+            D.check_decoder("taesd", model)
+        assert info.value.field == "decoder"
+        assert "--preview-vae" in info.value.message and "OMNI_STREAM_PREVIEW_VAE" in info.value.message
+        D.check_decoder("auto", model)  # other decoders are not its business
+    bare.preview_vae = object()
+    D.check_decoder("taesd", bare)
+    D.check_decoder("taesd", OwnHook())

@@ -249,3 +249,13 @@ async def test_reserve_holds_a_preview_thread_for_its_renders():
             order.append("reserved")
     assert order == ["reserved", "other"]
     assert first.format == second.format == "jpeg" and (first.width, first.height) == (16, 16)
+
+
+def test_spec_from_dict_takes_taesd_and_checks_it_against_the_model():
+    import omni_stream as om
+
+    assert PreviewSpec.from_dict({"decoder": "taesd"}).decoder == "taesd"
+    with pytest.raises(ParamsError) as info:
+        PreviewSpec.from_dict({"decoder": "taesd"}, model=om.models.Mixture())
+    assert info.value.field == "decoder" and "--preview-vae" in info.value.message
+    assert PreviewSpec.from_dict({}, model=om.models.Mixture()).decoder == "auto"

@@ -62,10 +62,10 @@ import torch
 
 from ...errors import ParamsError
 from ...model import Emit
-from ...params import Param, positive_int
+from ...params import Param, positive_int, square_size
 from .base import Diffusers, takes_step_callback
 from .inputs import MAX_IMAGE_BYTES, MAX_IMAGE_PIXELS, load_image
-from .loop import same_device
+from .loop import same_device, timestep_count
 
 __all__ = ["CallbackDiffusers"]
 
@@ -277,7 +277,7 @@ class CallbackDiffusers(Diffusers):
         """Checked params with defaults filled in, ``image`` decoded to an RGB PIL image.
 
         Raises ParamsError naming the field: a bad value, ``size`` given with
-        ``height``/``width``, a missing or bad ``image``, or steps (and
+        a different ``height``/``width``, a missing or bad ``image``, or steps (and
         strength) that leave no step to run.
         """
         image: Any = None
@@ -286,14 +286,8 @@ class CallbackDiffusers(Diffusers):
             params = dict(params)
             image = params.pop("image", None)
         out = super().validate(params)
-        if "size" in self._args and out["size"] is not None:
-            given = [s for s in ("height", "width") if isinstance(params, Mapping) and s in params]
-            if given:
-                raise ParamsError(
-                    f"{self.name}: give 'size' or {' and '.join(map(repr, given))}, not both",
-                    field="size",
-                )
-            out["height"] = out["width"] = out["size"]
+        if "size" in self._args:
+            square_size(out, params, model=self.name)
         if "image" in self._args:
             if image is None:
                 image = out["image"]  # a default from defaults=
@@ -344,7 +338,11 @@ class CallbackDiffusers(Diffusers):
 
     def _count(self, steps: int, strength: float | None) -> int:
         scheduler = self._throwaway_scheduler(steps)
-        count = steps if scheduler is None else len(scheduler.timesteps)
+        count = steps
+        if scheduler is not None:
+            # Also runs a throwaway through every step: a count set_timesteps
+            # takes may still fail inside the pipeline's loop (loop.timestep_count).
+            count = timestep_count(self._throwaway_scheduler, steps, self.name)
         if strength is not None:
             count = self._strength_count(scheduler, steps, strength)
             if count < 1:

@@ -35,7 +35,7 @@ import numpy as np
 import torch
 
 from ...errors import ParamsError
-from ...params import Param
+from ...params import Param, square_size
 from .base import INSTALL_HINT as _INSTALL_HINT, Diffusers, EncodePrompt, PromptEmbeddings
 from .loop import (
     cat_rows,
@@ -49,6 +49,7 @@ from .loop import (
     scheduler_template,
     shifted_vae_decode,
     signature_params,
+    size_param,
     step_atomically,
     text_conditioning,
     timestep_count,
@@ -223,12 +224,14 @@ class FluxDiffusers(Diffusers):
             Param("width", "int", self._default_side,
                   f"image width in pixels, a multiple of {self._multiple}",
                   minimum=self._multiple, maximum=MAX_SIDE),
+            size_param(self._multiple, MAX_SIDE),
         ]
         return with_defaults(params, defaults, self.name)
 
     def validate(self, params: Mapping[str, Any] | None) -> dict[str, Any]:
         """Checked params with defaults filled in; raises ParamsError naming the field."""
         out = super().validate(params)
+        square_size(out, params, model=self.name)
         # FluxPipeline only warns and rounds down; a request gets the size it asked for.
         check_multiple(out, self._multiple, self.name)
         self._timestep_count(out["steps"])
@@ -244,18 +247,23 @@ class FluxDiffusers(Diffusers):
             # A throwaway CPU scheduler, cached per step count; mu (for the
             # default size) moves the sigmas, never their number.
             side = self._default_side
-            count = timestep_count(
-                self._scheduler_cls.from_config(self._scheduler_config),
-                lambda s: self._timesteps(s, steps, None, side, side),
-                steps,
-                self.name,
-            )
+            count = timestep_count(lambda n: self._scheduler(n, None, side, side), steps, self.name)
             self._timestep_counts[steps] = count
         return count
 
     def _latent_size(self, height: int, width: int) -> tuple[int, int]:
         # FluxPipeline.prepare_latents: whole 2x2 patches of latents.
         return (2 * (height // self._multiple), 2 * (width // self._multiple))
+
+    def _scheduler(self, steps: int, device: torch.device | None, height: int, width: int) -> Any:
+        """A fresh scheduler set as a request's loop starts it (the step count checks run it too)."""
+        scheduler = self._scheduler_cls.from_config(self._scheduler_config)
+        self._timesteps(scheduler, steps, device, height, width)
+        # Set by the pipeline before its loop, so the first step needs no
+        # lookup of the timestep's index.
+        if hasattr(scheduler, "set_begin_index"):
+            scheduler.set_begin_index(0)
+        return scheduler
 
     def _timesteps(
         self, scheduler: Any, steps: int, device: torch.device | None, height: int, width: int
@@ -309,12 +317,7 @@ class FluxDiffusers(Diffusers):
             )
             latents = self._flux._pack_latents(noise, 1, self._channels, h, w)
             image_ids = self._flux._prepare_latent_image_ids(1, h // 2, w // 2, device, dtype)
-            scheduler = self._scheduler_cls.from_config(self._scheduler_config)
-            self._timesteps(scheduler, int(params["steps"]), device, height, width)
-            # Set by the pipeline before its loop, so the first step needs no
-            # lookup of the timestep's index.
-            if hasattr(scheduler, "set_begin_index"):
-                scheduler.set_begin_index(0)
+            scheduler = self._scheduler(int(params["steps"]), device, height, width)
             guidance = None
             if self._guidance_embeds:
                 guidance = torch.full(

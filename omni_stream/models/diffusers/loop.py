@@ -168,22 +168,40 @@ def with_defaults(
     return tuple(params)
 
 
+def size_param(multiple: int, maximum: int) -> Param:
+    """``size``: both sides at once, as every image model takes it (see ``params.square_size``)."""
+    return Param("size", "int", None, f"height and width in pixels, both at once, a multiple of {multiple}",
+                 minimum=multiple, maximum=maximum)
+
+
 def check_multiple(params: Mapping[str, Any], multiple: int, model: str) -> None:
-    """Raise ParamsError naming ``height`` or ``width`` when one is not a multiple of ``multiple``."""
+    """Raise ParamsError naming ``height`` or ``width`` (``size`` where it set them) when not a multiple."""
     for side in ("height", "width"):
         if params[side] % multiple:
+            name = "size" if params.get("size") == params[side] else side
             raise ParamsError(
-                f"{model} param {side!r} must be a multiple of {multiple}, got {params[side]}",
-                field=side,
+                f"{model} param {name!r} must be a multiple of {multiple}, got {params[side]}",
+                field=name,
             )
 
 
-def timestep_count(scheduler: Any, set_timesteps: Any, steps: int, model: str) -> int:
-    """``len(timesteps)`` once ``set_timesteps(scheduler)`` ran; ParamsError when the scheduler refuses."""
-    try:
-        set_timesteps(scheduler)
-    except ValueError as exc:
-        raise ParamsError(f"{model} param 'steps': {exc}", field="steps") from None
+#: How far below a failing step count ``timestep_count`` looks for the bound.
+_BOUND_SEARCH = 32
+
+
+def timestep_count(make: Callable[[int], Any], steps: int, model: str) -> int:
+    """``len(timesteps)`` of ``make(steps)``, a throwaway scheduler set for ``steps``.
+
+    The scheduler is also run through every one of its steps on a one-value
+    latent: a count its ``set_timesteps`` accepts may still index past its
+    tables (DDIM, PNDM and DDPM with ``steps_offset=1`` and ``"leading"``
+    spacing at ``steps == num_train_timesteps``; DPM-Solver++ with
+    ``"leading"`` spacing there), which the request would otherwise hit as
+    a raw IndexError at its first or last step. Raises ParamsError (field
+    ``steps``) naming the scheduler and, where one is found, the largest
+    count below that runs.
+    """
+    scheduler = _scheduled(make, steps, model)
     count = len(scheduler.timesteps)
     if count < 1:
         raise ParamsError(
@@ -191,7 +209,59 @@ def timestep_count(scheduler: Any, set_timesteps: Any, steps: int, model: str) -
             f"{steps} steps",
             field="steps",
         )
+    failure = _dry_run(scheduler)
+    if failure is not None:
+        name = type(scheduler).__name__
+        trained = getattr(scheduler.config, "num_train_timesteps", None)
+        what = f"{name} ({trained} training timesteps)" if trained else name
+        bound = next(
+            (m for m in range(steps - 1, max(steps - _BOUND_SEARCH, 0), -1) if _runs(make, m)), None
+        )
+        limit = f"must be at most {bound} for {what}" if bound else f"cannot be run by {what}"
+        raise ParamsError(
+            f"{model} param 'steps' {limit}, got {steps} "
+            f"({type(failure).__name__} at that count: {failure})",
+            field="steps",
+        )
     return count
+
+
+def _scheduled(make: Callable[[int], Any], steps: int, model: str) -> Any:
+    try:
+        return make(steps)
+    except ValueError as exc:
+        raise ParamsError(f"{model} param 'steps': {exc}", field="steps") from None
+
+
+def _runs(make: Callable[[int], Any], steps: int) -> bool:
+    try:
+        scheduler = make(steps)
+    except ValueError:
+        return False
+    return len(scheduler.timesteps) > 0 and _dry_run(scheduler) is None
+
+
+def _dry_run(scheduler: Any) -> Exception | None:
+    """Step ``scheduler`` through all its timesteps on zeros; the exception it raised, or None.
+
+    Only the indices matter here, not the values: a latent of one value
+    costs about 0.1 ms a step. A private generator keeps ancestral
+    schedulers off the global RNG.
+    """
+    sample = torch.zeros(1, 1, 1, 1)
+    takes = signature_params(scheduler.step)
+    kwargs: dict[str, Any] = {}
+    if "generator" in takes:
+        kwargs["generator"] = torch.Generator().manual_seed(0)
+    try:
+        for t in scheduler.timesteps:
+            if hasattr(scheduler, "scale_model_input"):
+                scheduler.scale_model_input(sample, t)
+            out = scheduler.step(torch.zeros_like(sample), t, sample, **kwargs)
+            sample = out[0] if isinstance(out, tuple) else out.prev_sample
+    except Exception as exc:  # any scheduler's own failure: what the request would have hit
+        return exc
+    return None
 
 
 def check_steppable(states: Sequence[Any], model: str) -> None:

@@ -34,7 +34,7 @@ from typing import Any
 import torch
 
 from ...errors import ParamsError
-from ...params import Param
+from ...params import Param, square_size
 from .base import INSTALL_HINT as _INSTALL_HINT, Diffusers, EncodePrompt, PromptEmbeddings
 from .loop import (
     cat_rows,
@@ -48,6 +48,7 @@ from .loop import (
     scheduler_template,
     shifted_vae_decode,
     signature_params,
+    size_param,
     step_atomically,
     text_conditioning,
     timestep_count,
@@ -216,12 +217,14 @@ class SD3Diffusers(Diffusers):
                   minimum=self._multiple, maximum=largest),
             Param("width", "int", side, f"image width in pixels, a multiple of {self._multiple}",
                   minimum=self._multiple, maximum=largest),
+            size_param(self._multiple, largest),
         ]
         return with_defaults(params, defaults, self.name)
 
     def validate(self, params: Mapping[str, Any] | None) -> dict[str, Any]:
         """Checked params with defaults filled in; raises ParamsError naming the field."""
         out = super().validate(params)
+        square_size(out, params, model=self.name)
         check_multiple(out, self._multiple, self.name)
         self._timestep_count(out["steps"])
         return out
@@ -236,14 +239,15 @@ class SD3Diffusers(Diffusers):
             # A throwaway CPU scheduler, cached per step count; mu (for the
             # default size) moves the sigmas, never their number.
             side = self._transformer.config.sample_size * self._vae_scale
-            count = timestep_count(
-                self._scheduler_cls.from_config(self._scheduler_config),
-                lambda s: self._timesteps(s, steps, None, side, side),
-                steps,
-                self.name,
-            )
+            count = timestep_count(lambda n: self._scheduler(n, None, side, side), steps, self.name)
             self._timestep_counts[steps] = count
         return count
+
+    def _scheduler(self, steps: int, device: torch.device | None, height: int, width: int) -> Any:
+        """A fresh scheduler set as a request's loop starts it (the step count checks run it too)."""
+        scheduler = self._scheduler_cls.from_config(self._scheduler_config)
+        self._timesteps(scheduler, steps, device, height, width)
+        return scheduler
 
     def _timesteps(
         self, scheduler: Any, steps: int, device: torch.device | None, height: int, width: int
@@ -294,8 +298,7 @@ class SD3Diffusers(Diffusers):
             generator = torch.Generator(device="cpu").manual_seed(int(params["seed"]))
             shape = (1, self._channels, height // self._vae_scale, width // self._vae_scale)
             latents = self._randn_tensor(shape, generator=generator, device=device, dtype=dtype)
-            scheduler = self._scheduler_cls.from_config(self._scheduler_config)
-            self._timesteps(scheduler, int(params["steps"]), device, height, width)
+            scheduler = self._scheduler(int(params["steps"]), device, height, width)
         step_kwargs: dict[str, Any] = {}
         if "generator" in self._step_params:
             # Only stochastic sampling draws here; the pipeline would use the

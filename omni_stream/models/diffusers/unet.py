@@ -36,9 +36,18 @@ from typing import Any
 import torch
 
 from ...errors import ParamsError
-from ...params import Param, positive_int
+from ...params import Param, positive_int, square_size
 from .base import INSTALL_HINT as _INSTALL_HINT, Diffusers, EncodePrompt, PromptEmbeddings, vae_image
-from .loop import batch_of_one, cat_rows, same_device, signature_params, step_atomically
+from .loop import (
+    batch_of_one,
+    cat_rows,
+    check_multiple,
+    same_device,
+    signature_params,
+    size_param,
+    step_atomically,
+    timestep_count,
+)
 
 __all__ = ["UNetDiffusers"]
 _MAX_PROMPT_CHARS = 10_000
@@ -216,6 +225,7 @@ class UNetDiffusers(Diffusers):
             Param("width", "int", side_w * self._vae_scale,
                   f"image width in pixels, a multiple of {self._multiple}",
                   minimum=self._multiple, maximum=_MAX_SIDE),
+            size_param(self._multiple, _MAX_SIDE),
         ]
         if "eta" in self._step_params:
             params.append(Param("eta", "float", 0.0, "DDIM eta: 0 is deterministic, 1 is DDPM-like",
@@ -240,13 +250,8 @@ class UNetDiffusers(Diffusers):
     def validate(self, params: Mapping[str, Any] | None) -> dict[str, Any]:
         """Checked params with defaults filled in; raises ParamsError naming the field."""
         out = super().validate(params)
-        for side in ("height", "width"):
-            if out[side] % self._multiple:
-                raise ParamsError(
-                    f"{self.name} param {side!r} must be a multiple of {self._multiple}, "
-                    f"got {out[side]}",
-                    field=side,
-                )
+        square_size(out, params, model=self.name)
+        check_multiple(out, self._multiple, self.name)
         self._timestep_count(out["steps"])
         return out
 
@@ -264,20 +269,20 @@ class UNetDiffusers(Diffusers):
         if count is None:
             # A throwaway scheduler on the CPU: tiny numpy/torch math, cached per
             # step count, so the event loop pays it once per distinct value.
-            scheduler = self._scheduler_cls.from_config(self._scheduler_config)
-            try:
-                scheduler.set_timesteps(steps)
-            except ValueError as exc:
-                raise ParamsError(f"{self.name} param 'steps': {exc}", field="steps") from None
-            count = len(scheduler.timesteps)
-            if count < 1:
-                raise ParamsError(
-                    f"{self.name} param 'steps': {self._scheduler_cls.__name__} gives no timesteps "
-                    f"for {steps} steps",
-                    field="steps",
-                )
+            count = timestep_count(self._scheduler, steps, self.name)
             self._timestep_counts[steps] = count
         return count
+
+    def _scheduler(self, steps: int, device: torch.device | None = None) -> Any:
+        """A fresh scheduler set as a request's loop starts it (the step count checks run it too)."""
+        scheduler = self._scheduler_cls.from_config(self._scheduler_config)
+        scheduler.set_timesteps(steps, device=device)
+        if hasattr(scheduler, "set_begin_index"):
+            # Text-to-image always starts at the first timestep; without this
+            # the index is looked up by value, which is wrong for repeated
+            # timesteps.
+            scheduler.set_begin_index(0)
+        return scheduler
 
     def batch_key(self, params: Mapping[str, Any]) -> Hashable | None:
         """``(height, width)`` when batching is on (``max_batch_size > 1``), else None.
@@ -320,14 +325,8 @@ class UNetDiffusers(Diffusers):
 
             # The order below is the pipelines' (timesteps, then noise) so the
             # generator is drawn from exactly as pipe(generator=...) draws it.
-            scheduler = self._scheduler_cls.from_config(self._scheduler_config)
-            scheduler.set_timesteps(int(params["steps"]), device=device)
+            scheduler = self._scheduler(int(params["steps"]), device)
             total = len(scheduler.timesteps)
-            if hasattr(scheduler, "set_begin_index"):
-                # Text-to-image always starts at the first timestep; without this
-                # the index is looked up by value, which is wrong for repeated
-                # timesteps.
-                scheduler.set_begin_index(0)
             generator = torch.Generator(device="cpu").manual_seed(int(params["seed"]))
             shape = (1, self._channels, height // self._vae_scale, width // self._vae_scale)
             latents = self._randn_tensor(shape, generator=generator, device=device, dtype=dtype)
