@@ -9,11 +9,13 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
 import functools
 import inspect
 import json
 import logging
 import math
+import os
 import re
 import subprocess
 import sys
@@ -29,7 +31,7 @@ from .model import StepModel, split_output
 from .params import positive_int
 
 # TOKEN_ENV (config.py's) is re-exported: cli.TOKEN_ENV is where it was first defined.
-__all__ = ["main", "build_parser", "ProgressBar", "TOKEN_ENV"]
+__all__ = ["main", "entry", "build_parser", "ProgressBar", "TOKEN_ENV"]
 
 PROG = "omni-stream"
 #: ``serve``'s exit statuses when it shut itself down (README, docs/protocol.md).
@@ -117,6 +119,38 @@ class _StderrLogHandler(logging.Handler):
             print(text, file=sys.stderr)
         except Exception:  # noqa: BLE001 - logging must never raise
             self.handleError(record)
+
+
+class _CliLogging:
+    """The library's log records on stderr while one command runs; levels restored after.
+
+    Warnings always; INFO only from the loggers a command asks for
+    (``show_info``), everything with ``--verbose``.
+    """
+
+    def __init__(self, verbose: bool) -> None:
+        self.handler = _StderrLogHandler(verbose)
+        self._verbose = verbose
+        self._saved: dict[str, int] = {}
+
+    def __enter__(self) -> _CliLogging:
+        logging.getLogger("omni_stream").addHandler(self.handler)
+        if self._verbose:
+            self.show_info("omni_stream")
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        logging.getLogger("omni_stream").removeHandler(self.handler)
+        for name, level in self._saved.items():
+            logging.getLogger(name).setLevel(level)
+
+    def show_info(self, name: str) -> None:
+        """Show INFO records of logger ``name`` (and below it) for the rest of the command."""
+        logger = logging.getLogger(name)
+        self._saved.setdefault(name, logger.level)
+        logger.setLevel(logging.INFO)
+        if self.handler.level > logging.INFO:
+            self.handler.setLevel(logging.INFO)
 
 
 def _error(message: str) -> None:
@@ -251,25 +285,38 @@ class ProgressBar:
 
 
 def _model_params(model: StepModel, args: argparse.Namespace) -> dict[str, Any]:
+    """The request's params from the flags and ``-p``; two that set one param differently: usage error."""
     declared = [p.name for p in model.params]
     params: dict[str, Any] = {}
+    set_by: dict[str, str] = {}  # param -> the flag that set it, for a conflict's message
+
+    def put(name: str, value: Any, flag: str) -> None:
+        if name in params and params[name] != value:
+            raise _UsageError(
+                f"{flag} sets {name!r} to {json.dumps(value)} but {set_by[name]} sets it to "
+                f"{json.dumps(params[name])}; give one"
+            )
+        params[name] = value
+        set_by[name] = flag
+
     given = [(name, flag, getattr(args, name)) for name, flag in _PARAM_FLAGS]
-    given += [(key, f"--param {key}=...", value) for key, value in args.param or ()]
+    given += [(key, f"-p {key}={json.dumps(value)}", value) for key, value in args.param or ()]
     for name, flag, value in given:
         if value is None:
             continue
         if name == "output":
-            params[name] = value  # every request has it (omni_stream.model)
+            put(name, value, flag)  # every request has it (omni_stream.model)
             continue
         if name == "size" and name not in declared and {"height", "width"} <= set(declared):
-            params["height"] = params["width"] = value  # pipelines take the two sides
+            put("height", value, flag)  # pipelines take the two sides
+            put("width", value, flag)
             continue
         if name not in declared:
             raise _UsageError(
                 f"model {model.name!r} takes no {name!r} param ({flag}); "
                 f"its params: {', '.join(declared) or 'none'}"
             )
-        params[name] = value
+        put(name, value, flag)
     return params
 
 
@@ -370,6 +417,8 @@ def _cmd_generate(args: argparse.Namespace) -> int:
             sink = PreviewWriter(args.previews)
         except (ValueError, ImportError) as exc:
             raise _UsageError(f"--previews: {_describe_error(exc)}") from None
+    # Which model was loaded and how it runs (a pipeline's native or callback mode).
+    args.log.show_info("omni_stream.models")
     model = _load_model(args.model, args.preview_vae)
     params = _model_params(model, args)
     # Checked here for an early error; the engine gets the params as given
@@ -501,6 +550,10 @@ def _cmd_models(args: argparse.Namespace) -> int:
 
 
 def _cmd_serve(args: argparse.Namespace) -> int:
+    # A server's operator wants its lifecycle lines (the model loaded and its
+    # mode, the URL it listens on, shutdown), not only warnings: from before
+    # the model loads.
+    args.log.show_info("omni_stream")
     token = args.token or env_token()
     from .engine.group import names_group
 
@@ -526,13 +579,6 @@ def _cmd_serve(args: argparse.Namespace) -> int:
     else:
         # A group builds one model per device with the factory (before it listens).
         model = load if names_group(args.device) else load()
-    # A server's operator wants its lifecycle lines (the URL it listens on,
-    # shutdown), not only warnings.
-    root = logging.getLogger("omni_stream")
-    root.setLevel(logging.INFO)
-    for handler in root.handlers:
-        if isinstance(handler, _StderrLogHandler):
-            handler.setLevel(logging.INFO)
     from .errors import EngineDeadError
 
     serve: Callable[..., object]  # blocking, or a coroutine to run (the CLI's tests' stand-in)
@@ -685,20 +731,11 @@ def main(argv: Sequence[str] | None = None) -> int:
     """Run the command line; returns the exit status."""
     args_list = list(sys.argv[1:] if argv is None else argv)
     verbose = bool({"-v", "--verbose"} & set(args_list[:1]))
-    logger = logging.getLogger("omni_stream")
-    handler = _StderrLogHandler(verbose)
-    saved_level = logger.level
-    logger.addHandler(handler)
-    if verbose:
-        logger.setLevel(logging.INFO)
-    try:
-        return _main(args_list)
-    finally:
-        logger.removeHandler(handler)
-        logger.setLevel(saved_level)
+    with _CliLogging(verbose) as log:
+        return _main(args_list, log)
 
 
-def _main(args_list: list[str]) -> int:
+def _main(args_list: list[str], log: _CliLogging) -> int:
     try:
         command_at = 1 if args_list[:1] in (["-v"], ["--verbose"]) else 0
         if args_list[command_at : command_at + 1] == ["bench"]:
@@ -712,6 +749,7 @@ def _main(args_list: list[str]) -> int:
         if handler is None:
             parser.print_help(sys.stderr)
             return 2
+        args.log = log
         return int(handler(args))
     except _UsageError as exc:
         _error(str(exc))
@@ -730,5 +768,29 @@ def _main(args_list: list[str]) -> int:
         return 130
 
 
+def entry(argv: Sequence[str] | None = None) -> NoReturn:
+    """The ``omni-stream`` command: :func:`main`, then end the process with its status.
+
+    Everything of ours is finished when ``main`` returns (the engine closed,
+    its producer thread done, files closed), but a thread that ran torch code
+    may still be tearing down its native per-thread state. A normal exit runs
+    C++ static destructors beside it, and one that finds a native thread still
+    running aborts the process ("terminate called without an active exception",
+    status 134): seen on about 1 in 8 Ctrl-Cs under CPU load, where nothing
+    (saving the result) stands between the engine's close and the exit. So the
+    process ends deliberately, once its output is flushed, without running
+    native destructors. Not after Ray was used: its exit hooks stop the
+    local cluster it started.
+    """
+    status = main(argv)
+    for stream in (sys.stdout, sys.stderr):
+        with contextlib.suppress(Exception):  # a closed pipe must not change the status
+            stream.flush()
+    if "ray" in sys.modules:
+        sys.exit(status)
+    logging.shutdown()
+    os._exit(status)
+
+
 if __name__ == "__main__":  # pragma: no cover
-    sys.exit(main())
+    entry()

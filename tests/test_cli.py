@@ -54,14 +54,63 @@ def test_no_command_prints_help_and_exits_2(capsys):
     assert "generate" in err and "serve" in err and "models" in err and "bench" in err
 
 
+def _cli_env() -> dict[str, str]:
+    return dict(os.environ, PYTHONPATH=str(REPO) + os.pathsep + os.environ.get("PYTHONPATH", ""))
+
+
 def test_python_dash_m_runs_the_cli():
-    env = dict(os.environ, PYTHONPATH=str(REPO) + os.pathsep + os.environ.get("PYTHONPATH", ""))
     proc = subprocess.run(
         [sys.executable, "-m", "omni_stream", "generate", "--steps", "nope"],
-        capture_output=True, text=True, cwd=REPO, env=env, timeout=120,
+        capture_output=True, text=True, cwd=REPO, env=_cli_env(), timeout=120,
     )
     assert proc.returncode == 2
     assert_one_line_error(proc.stderr, "--steps", "nope")
+
+
+def test_the_command_ends_its_process_without_running_native_finalizers():
+    # A normal interpreter exit runs C++ static destructors while a thread
+    # that ran torch code may still be tearing down: under CPU load 4 of 25
+    # Ctrl-Cs aborted ("terminate called without an active exception", 134).
+    # entry() ends the process deliberately once its output is flushed; an
+    # atexit hook standing for those destructors must not run.
+    code = (
+        "import atexit, sys\n"
+        "atexit.register(lambda: print('finalized', flush=True))\n"
+        "from omni_stream.cli import entry\n"
+        "print('before', flush=True)\n"
+        "entry(['generate', '--steps', 'nope'])\n"
+    )
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                          cwd=REPO, env=_cli_env(), timeout=120)
+    assert proc.returncode == 2
+    assert proc.stdout.split() == ["before"]
+    assert_one_line_error(proc.stderr, "--steps", "nope")
+
+
+def test_ctrl_c_during_generate_exits_130_with_one_line(tmp_path):
+    import signal
+    import time
+
+    frames = tmp_path / "frames"
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "omni_stream", "generate", "stripes", "--steps", "10000", "--size", "64",
+         "-o", str(tmp_path / "x.png"), "--previews", str(frames)],
+        stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, cwd=REPO, env=_cli_env(),
+    )
+    try:
+        # Interrupted mid-render: once the first preview is on disk.
+        deadline = time.monotonic() + 120
+        while not (frames.is_dir() and any(frames.iterdir())):
+            assert proc.poll() is None, proc.communicate()
+            assert time.monotonic() < deadline, "no preview within 120 s"
+            time.sleep(0.05)
+        proc.send_signal(signal.SIGINT)
+        _, err = proc.communicate(timeout=120)
+    finally:
+        proc.kill()
+    assert proc.returncode == 130, err
+    assert "interrupted" in err and "Traceback" not in err and "terminate" not in err
+    assert not (tmp_path / "x.png").exists()
 
 
 # -- generate: bad arguments exit 2 with one line ----------------------------------------
@@ -98,6 +147,30 @@ def test_generate_bad_arguments_exit_2_with_one_line(capsys, tmp_path, monkeypat
     assert code == 2, err
     assert_one_line_error(err, *needles)
     assert not (tmp_path / "out.png").exists()
+
+
+@pytest.mark.parametrize(
+    "argv, needles",
+    [
+        (["--steps", "20", "-p", "steps=10"], ["-p steps=10", "--steps", "'steps'", "20"]),
+        (["blue square", "-p", "prompt=red circle"], ['-p prompt="red circle"', 'PROMPT', '"blue square"']),
+        (["-p", "seed=1", "-p", "seed=2"], ["-p seed=2", "-p seed=1"]),
+        (["--seed", "3", "-p", "seed=4"], ["--seed", "-p seed=4"]),
+    ],
+)
+def test_generate_refuses_two_flags_that_set_one_param_differently(capsys, tmp_path, argv, needles):
+    # Silently keeping one of the two (as it did: -p won) runs what the user did not ask for.
+    code, _, err = run(capsys, "generate", *argv, "-o", str(tmp_path / "x.png"))
+    assert code == 2, err
+    assert_one_line_error(err, *needles)
+    assert not (tmp_path / "x.png").exists()
+
+
+def test_generate_takes_a_flag_and_a_param_that_agree(capsys, tmp_path):
+    code, _, err = run(capsys, "generate", "red circle", "--steps", "2", "-p", "steps=2", "--size", "32",
+                       "-o", str(tmp_path / "x.png"))
+    assert code == 0, err
+    assert json.loads(Image.open(tmp_path / "x.png").text["omni_stream"])["steps"] == 2
 
 
 def test_generate_with_a_decoder_that_does_not_fit_exits_2(capsys, tmp_path):

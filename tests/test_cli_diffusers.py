@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import json
+import sys
+import types
 
 import pytest
 import torch
@@ -20,6 +22,10 @@ pytestmark = [
     pytest.mark.diffusers,
     pytest.mark.filterwarnings("ignore:__array__ implementation:DeprecationWarning"),
 ]
+
+
+def _load_lines(err: str) -> list[str]:
+    return [line for line in err.splitlines() if "info: model " in line]
 
 
 @pytest.fixture(scope="module")
@@ -44,6 +50,9 @@ def test_generate_writes_the_pipelines_image_at_full_size(saved, capsys, tmp_pat
     _, err = capsys.readouterr()
     assert code == 0, err
     assert "cat.png (32x32)" in err and "2 previews" in err
+    # The mode the pipeline runs in, said once at INFO while the model loads.
+    assert _load_lines(err) == [f"omni-stream: info: model diffusers:{root / 'sd'}: "
+                                "StableDiffusionPipeline, native mode"]
     image = Image.open(out)
     expected = pipe(prompt="a red cat", num_inference_steps=3, height=32, width=32,
                     generator=torch.Generator().manual_seed(4), output_type="pil").images[0]
@@ -81,6 +90,7 @@ def test_generate_in_callback_mode_takes_size_and_output_latent(saved, capsys, t
                      "--seed", "4", "-o", str(out)])
     _, err = capsys.readouterr()
     assert code == 0, err
+    assert _load_lines(err) == ["omni-stream: info: model cbfactory:make: StableDiffusionPipeline, callback mode"]
     expected = pipe(prompt="a red cat", num_inference_steps=2, height=32, width=32,
                     generator=torch.Generator().manual_seed(4), output_type="pil").images[0]
     assert Image.open(out).convert("RGB").tobytes() == expected.tobytes()
@@ -91,3 +101,21 @@ def test_generate_in_callback_mode_takes_size_and_output_latent(saved, capsys, t
     assert code == 0, err
     latent = Image.open(tmp_path / "latent.png")
     assert latent.size == (16, 16) and json.loads(latent.text["omni_stream"])["output"] == "latent"
+
+
+def test_serve_says_which_mode_the_pipeline_runs_in_before_it_listens(saved, capsys, monkeypatch):
+    root, _ = saved
+    module = types.ModuleType("omni_stream.server")
+    seen: list[str] = []
+
+    async def serve(**kwargs):
+        seen.append(kwargs["model"].mode)
+
+    module.serve = serve  # type: ignore[attr-defined]
+    monkeypatch.setitem(sys.modules, "omni_stream.server", module)
+    code = cli.main(["serve", "--model", f"diffusers:{root / 'sd'}"])
+    _, err = capsys.readouterr()
+    assert code == 0, err
+    assert seen == ["native"]
+    assert _load_lines(err) == [f"omni-stream: info: model diffusers:{root / 'sd'}: "
+                                "StableDiffusionPipeline, native mode"]
