@@ -13,3 +13,19 @@ from ..conftest import one_torch_thread
 def _one_torch_thread() -> Iterator[None]:
     with one_torch_thread():
         yield
+
+
+def check_size_param(model, side: int, other: int, off_grid: int) -> None:
+    """``size`` sets both sides; a different side beside it, or an off-grid size, is refused naming ``size``."""
+    from omni_stream import ParamsError
+
+    square = model.validate({"size": side})
+    assert (square["height"], square["width"]) == (side, side)
+    assert model.validate({"size": side, "height": side})["width"] == side  # the same value: fine
+    with pytest.raises(ParamsError) as err:
+        model.validate({"size": side, "width": other})
+    assert err.value.field == "size"
+    assert f"'size' ({side})" in err.value.message and f"'width' ({other})" in err.value.message
+    with pytest.raises(ParamsError) as err:
+        model.validate({"size": off_grid})
+    assert err.value.field == "size" and "multiple of" in err.value.message

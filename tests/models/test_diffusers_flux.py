@@ -29,6 +29,8 @@ import omni_stream as om  # noqa: E402
 from omni_stream.models.diffusers import Diffusers, PromptEmbeddings  # noqa: E402
 from omni_stream.models.diffusers.flux import FluxDiffusers  # noqa: E402
 
+from .conftest import check_size_param  # noqa: E402
+
 pytestmark = [
     pytest.mark.diffusers,
     # diffusers' schedulers call np.array(tensor, copy=False) (numpy 2 deprecation); not ours.
@@ -442,17 +444,7 @@ def test_params_are_declared_and_checked():
 
 
 def test_size_sets_both_sides_and_a_different_side_is_refused():
-    model = Diffusers(flux_pipe(), encode_prompt=fixed_embeddings)
-    square = model.validate({"size": 32})
-    assert (square["height"], square["width"]) == (32, 32)
-    assert model.validate({"size": 32, "height": 32})["width"] == 32  # the same value: fine
-    with pytest.raises(om.ParamsError) as err:
-        model.validate({"size": 32, "width": 48})
-    assert err.value.field == "size"
-    assert "'size' (32)" in err.value.message and "'width' (48)" in err.value.message
-    with pytest.raises(om.ParamsError) as err:
-        model.validate({"size": 18})
-    assert err.value.field == "size" and "multiple of" in err.value.message
+    check_size_param(Diffusers(flux_pipe(), encode_prompt=fixed_embeddings), 32, 48, 18)
 
 
 def test_defaults_can_be_overridden_and_are_checked():

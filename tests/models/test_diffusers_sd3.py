@@ -29,6 +29,8 @@ import omni_stream as om  # noqa: E402
 from omni_stream.models.diffusers import Diffusers, PromptEmbeddings  # noqa: E402
 from omni_stream.models.diffusers.sd3 import SD3Diffusers  # noqa: E402
 
+from .conftest import check_size_param  # noqa: E402
+
 pytestmark = [
     pytest.mark.diffusers,
     # diffusers' schedulers call np.array(tensor, copy=False) (numpy 2 deprecation); not ours.
@@ -431,17 +433,7 @@ def test_params_are_declared_and_checked():
 
 
 def test_size_sets_both_sides_and_a_different_side_is_refused():
-    model = Diffusers(sd3_pipe(), encode_prompt=fixed_embeddings)
-    square = model.validate({"size": 24})
-    assert (square["height"], square["width"]) == (24, 24)
-    assert model.validate({"size": 24, "height": 24})["width"] == 24  # the same value: fine
-    with pytest.raises(om.ParamsError) as err:
-        model.validate({"size": 24, "width": 32})
-    assert err.value.field == "size"
-    assert "'size' (24)" in err.value.message and "'width' (32)" in err.value.message
-    with pytest.raises(om.ParamsError) as err:
-        model.validate({"size": 18})
-    assert err.value.field == "size" and "multiple of" in err.value.message
+    check_size_param(Diffusers(sd3_pipe(), encode_prompt=fixed_embeddings), 24, 32, 18)
 
 
 def test_defaults_can_be_overridden_and_are_checked():
