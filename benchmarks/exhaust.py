@@ -134,7 +134,7 @@ async def _attack_raw_previews(server: Any, clients: int, per_client: int, secon
 
 def _largest_admitted_side(server: Any, *, fraction: float = 1.0) -> int:
     """The side of the largest ``[3, s, s]`` frame estimated within ``fraction`` of the request cap."""
-    from omni_stream.server import admission
+    from omni_stream.core import admission
 
     on_host = admission.state_on_host(server.engine)
     batch = int(server.engine.max_batch_size)

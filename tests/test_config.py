@@ -173,7 +173,7 @@ def test_an_engine_takes_the_default_when_it_is_built(cores, monkeypatch):
 
 def test_the_token_is_read_from_one_variable_everywhere(monkeypatch):
     from omni_stream import cli
-    from omni_stream.server import limits
+    from omni_stream.core import limits
 
     assert cli.TOKEN_ENV is config.TOKEN_ENV and limits.TOKEN_ENV is config.TOKEN_ENV
     monkeypatch.setenv(config.TOKEN_ENV, " s3cret ")
@@ -201,7 +201,7 @@ def test_run_picks_uvloop_where_it_is_installed():
 def test_every_server_limit_variable_is_documented() -> None:
     from pathlib import Path
 
-    from omni_stream.server.limits import _ENV
+    from omni_stream.core.limits import _ENV
 
     text = (Path(__file__).parent.parent / "docs" / "configuration.md").read_text()
     missing = [env for env, _ in _ENV.values() if f"`{env}`" not in text]

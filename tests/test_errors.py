@@ -163,7 +163,7 @@ def test_the_old_homes_of_moved_errors_still_import():
     from omni_stream.device import PoolClosedError
     from omni_stream.protocol import MessageError
     from omni_stream.server.app import ServerFailedError
-    from omni_stream.server.outbox import OutboxOverflowError
+    from omni_stream.core.outbox import OutboxOverflowError
 
     assert (BusyError, PoolClosedError, MessageError, ServerFailedError, OutboxOverflowError) == (
         errors.BusyError, errors.PoolClosedError, errors.MessageError,

@@ -13,7 +13,7 @@ from __future__ import annotations
 
 from .app import Server, serve
 from .asgi import OmniStreamApp, create_app
-from .limits import ServerLimits
+from ..core.limits import ServerLimits
 from .ws_protocol import LingeringWSProtocol
 
 __all__ = ["LingeringWSProtocol", "OmniStreamApp", "Server", "ServerLimits", "create_app", "serve"]

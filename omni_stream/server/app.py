@@ -36,7 +36,7 @@ from ..errors import LifecycleError, OmniStreamError, ParamsError, ServerFailedE
 from ..lifecycle import Lifecycle
 from ..model import StepModel
 from ..preview import Previewer
-from . import security
+from ..core import origin as security
 from .asgi import FrontDoor, app_for, build_front_door
 from .http11 import DeadlineH11Protocol
 from .metrics import ServerMetrics

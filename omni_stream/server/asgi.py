@@ -50,10 +50,11 @@ from ..engine.like import looks_like_engine
 from ..errors import ParamsError
 from ..model import StepModel
 from ..preview import Previewer
-from . import responses, security
+from ..core import origin as security
+from . import responses
 from .connection import ClientConnection
 from .http_api import HttpApi
-from .limits import ServerLimits, resolve_origins, resolve_token
+from ..core.limits import ServerLimits, resolve_origins, resolve_token
 from .metrics import CONTENT_TYPE
 from .service import Service
 

@@ -24,9 +24,9 @@ import anyio.lowlevel
 from starlette.websockets import WebSocket, WebSocketDisconnect
 
 from .. import protocol
-from .limits import ServerLimits
+from ..core.limits import ServerLimits
 from .metrics import ServerMetrics
-from .outbox import MemoryBudget, Outbox, OutboxOverflowError
+from ..core.outbox import MemoryBudget, Outbox, OutboxOverflowError
 
 __all__ = ["COST_BYTES", "ClientConnection", "message_cost"]
 

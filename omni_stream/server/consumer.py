@@ -44,10 +44,10 @@ from ..errors import (
 )
 from ..frame import Frame
 from ..preview import EncodedImage, Previewer, PreviewSpec, encode_output, should_preview
-from .admission import OutputSpec
+from ..core.admission import OutputSpec
 from .metrics import ServerMetrics
-from .outbox import MemoryReservation
-from .records import RequestRecord
+from ..core.outbox import MemoryReservation
+from ..core.records import RequestRecord
 
 __all__ = ["UNREAD_PACE_S", "stream_request"]
 

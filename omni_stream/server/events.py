@@ -24,7 +24,7 @@ import anyio
 from starlette.types import Receive, Scope, Send
 
 from .. import protocol
-from .outbox import Outbox, OutboxItem, OutboxOverflowError
+from ..core.outbox import Outbox, OutboxItem, OutboxOverflowError
 
 __all__ = ["EventStream", "parse_last_event_id", "sse_event"]
 

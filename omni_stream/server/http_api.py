@@ -23,8 +23,8 @@ from starlette.responses import Response
 from .. import protocol
 from . import responses
 from .events import EventStream, parse_last_event_id
-from .outbox import Outbox
-from .records import RequestRecord
+from ..core.outbox import Outbox
+from ..core.records import RequestRecord
 
 if TYPE_CHECKING:
     from .asgi import FrontDoor

@@ -25,7 +25,7 @@ from ..preview import (
     PreviewSpec,
     has_video_encoder,
 )
-from .limits import ServerLimits
+from ..core.limits import ServerLimits
 
 __all__ = [
     "PAGE",

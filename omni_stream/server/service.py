@@ -48,13 +48,14 @@ from ..errors import (
 from ..lifecycle import Lifecycle
 from ..model import StepModel
 from ..preview import Previewer, PreviewSpec, RenderRequest
-from . import admission, responses
+from ..core import admission
+from . import responses
 from .consumer import stream_request
-from .gate import Gate
-from .limits import ServerLimits
+from ..core.gate import Gate
+from ..core.limits import ServerLimits
 from .metrics import ServerMetrics
-from .outbox import MemoryBudget, MemoryReservation, Outbox
-from .records import RequestRecord, RequestRegistry
+from ..core.outbox import MemoryBudget, MemoryReservation, Outbox
+from ..core.records import RequestRecord, RequestRegistry
 
 if TYPE_CHECKING:
     from ..engine.like import EngineLike, FrameStreamLike

@@ -91,7 +91,7 @@ class _Counting(Previewer):
 @pytest.mark.parametrize("reads", [False, True])
 async def test_a_request_nobody_reads_is_neither_rendered_nor_consumed_at_full_pace(reads: bool) -> None:
     from omni_stream import Engine
-    from omni_stream.server.limits import ServerLimits
+    from omni_stream.core.limits import ServerLimits
     from omni_stream.server.service import Service
 
     from .conftest import Slow

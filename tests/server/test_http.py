@@ -189,7 +189,7 @@ async def test_each_request_logs_one_line_when_it_ends(caplog: pytest.LogCapture
 async def test_the_log_line_counts_frames_a_busy_server_let_the_engine_replace(
     caplog: pytest.LogCaptureFixture, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    from omni_stream.server import records
+    from omni_stream.core import records
 
     caplog.set_level(logging.INFO, logger="omni_stream.server")
     real = records.RequestRecord.publish_progress

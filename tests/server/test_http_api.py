@@ -25,7 +25,7 @@ from omni_stream.models import Synthetic
 from omni_stream.protocol import PreviewHeader, pack_preview
 from omni_stream.server import create_app
 from omni_stream.server.events import sse_event
-from omni_stream.server.outbox import OutboxItem
+from omni_stream.core.outbox import OutboxItem
 
 from .conftest import SMALL, Slow, recv, running, send, until_end, wait_for
 
@@ -314,8 +314,8 @@ async def test_metrics_public_opens_metrics_only() -> None:
 
 
 def test_queue_positions_follow_priority_then_arrival() -> None:
-    from omni_stream.server.gate import Gate
-    from omni_stream.server.records import RequestRecord
+    from omni_stream.core.gate import Gate
+    from omni_stream.core.records import RequestRecord
     from omni_stream.server.service import Service
 
     records = []

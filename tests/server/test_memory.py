@@ -21,8 +21,8 @@ from websockets.uri import parse_uri
 import omni_stream as om
 from omni_stream.models import Synthetic
 from omni_stream.server import Server
-from omni_stream.server.admission import estimate_memory
-from omni_stream.server.outbox import MemoryBudget, Outbox
+from omni_stream.core.admission import estimate_memory
+from omni_stream.core.outbox import MemoryBudget, Outbox
 
 from .conftest import (
     SMALL,
@@ -600,7 +600,7 @@ async def test_the_consumer_releases_the_reservation_before_the_result_is_publis
     # Else a finished request is counted twice, its reservation and its
     # result, and a reading client could be closed for it.
     from omni_stream.preview import Previewer, PreviewSpec
-    from omni_stream.server.admission import OutputSpec
+    from omni_stream.core.admission import OutputSpec
     from omni_stream.server.consumer import stream_request
 
     budget = MemoryBudget(1 << 30)

@@ -22,7 +22,7 @@ from omni_stream.engine.like import FrameStreamLike, RendersFrames
 from omni_stream.errors import RenderFailedError
 from omni_stream.preview import EncodedImage, Previewer, PreviewSpec, RenderRequest, render_frame
 from omni_stream.protocol import unpack_preview
-from omni_stream.server.limits import ServerLimits
+from omni_stream.core.limits import ServerLimits
 from omni_stream.server.service import Service
 
 from .conftest import Slow

@@ -28,8 +28,8 @@ from omni_stream.protocol import (
     pack_preview,
     unpack_preview,
 )
-from omni_stream.server.limits import ServerLimits
-from omni_stream.server.outbox import Outbox
+from omni_stream.core.limits import ServerLimits
+from omni_stream.core.outbox import Outbox
 from omni_stream.server.service import Service
 
 from .conftest import SMALL, Slow

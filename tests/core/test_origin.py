@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from omni_stream.server.security import (
+from omni_stream.core.origin import (
     is_loopback,
     origin_allowed,
     own_origins,

@@ -7,7 +7,7 @@ import random
 import anyio
 import pytest
 
-from omni_stream.server.outbox import MemoryBudget, Outbox, OutboxOverflowError
+from omni_stream.core.outbox import MemoryBudget, Outbox, OutboxOverflowError
 
 
 def drain(outbox: Outbox) -> list:

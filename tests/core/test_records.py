@@ -8,8 +8,8 @@ import pytest
 
 from omni_stream import protocol
 from omni_stream.protocol import MessageError
-from omni_stream.server.outbox import Outbox
-from omni_stream.server.records import RequestRecord, RequestRegistry
+from omni_stream.core.outbox import Outbox
+from omni_stream.core.records import RequestRecord, RequestRegistry
 
 
 class Clock:

@@ -8,7 +8,7 @@ import omni_stream as om
 from omni_stream.models import Synthetic
 from omni_stream.preview import PreviewSpec
 from omni_stream.protocol import MessageError
-from omni_stream.server.admission import (
+from omni_stream.core.admission import (
     DEVICE_FRAMES_PER_REQUEST,
     HOST_BATCH_RETAINED_BYTES,
     HOST_FRAMES_PER_BATCH,
@@ -36,8 +36,8 @@ from omni_stream.server.admission import (
     retry_after,
     state_on_host,
 )
-from omni_stream.server.limits import HOST_ACTIVE_PER_ENGINE, ServerLimits
-from omni_stream.server.outbox import MemoryBudget
+from omni_stream.core.limits import HOST_ACTIVE_PER_ENGINE, ServerLimits
+from omni_stream.core.outbox import MemoryBudget
 
 LIMITS = ServerLimits(max_steps=50, max_image_size=256)
 MIB = 1 << 20

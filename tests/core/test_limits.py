@@ -9,7 +9,7 @@ import pytest
 from omni_stream.errors import ParamsError
 from omni_stream.models import Synthetic
 from omni_stream.protocol import MessageError
-from omni_stream.server.limits import (
+from omni_stream.core.limits import (
     ServerLimits,
     check_request_limits,
     resolve_origins,
@@ -121,7 +121,7 @@ async def test_a_connection_over_max_messages_per_s_is_read_later_and_every_mess
 
     from websockets.asyncio.client import connect
 
-    from .conftest import running
+    from ..server.conftest import running
 
     async with running(max_messages_per_s=20.0) as server, connect(server.url) as ws:
         n = 60  # 20 in the first burst, the other 40 paced

@@ -15,9 +15,9 @@ import anyio
 import pytest
 
 from omni_stream.engine.scheduler import AGE_ROUNDS
-from omni_stream.server.gate import OVERDUE_LET_INS, Gate
+from omni_stream.core.gate import OVERDUE_LET_INS, Gate
 
-from .test_service import LONG, SHORT, Client, check_stream, serving, wait_for
+from ..server.test_service import LONG, SHORT, Client, check_stream, serving, wait_for
 
 # -- the bookkeeping -----------------------------------------------------------------
 
