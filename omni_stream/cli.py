@@ -549,12 +549,25 @@ def _cmd_models(args: argparse.Namespace) -> int:
 # -- serve ---------------------------------------------------------------------
 
 
+def _door_options(args: argparse.Namespace) -> dict[str, Any]:
+    """The server's door options the command line gave (the rest come from the environment)."""
+    out: dict[str, Any] = {}
+    if args.tokens_file is not None:
+        out["tokens_file"] = args.tokens_file
+    if args.allowed_host:
+        out["allowed_hosts"] = list(args.allowed_host)
+    if args.trusted_proxy:
+        out["trusted_proxies"] = list(args.trusted_proxy)
+    return out
+
+
 def _cmd_serve(args: argparse.Namespace) -> int:
     # A server's operator wants its lifecycle lines (the model loaded and its
     # mode, the URL it listens on, shutdown), not only warnings: from before
     # the model loads.
     args.log.show_info("omni_stream")
-    token = args.token or env_token()
+    # Several --token (named: NAME=SECRET) serve several tenants; none: $OMNI_STREAM_TOKEN.
+    token: Any = (args.token[0] if len(args.token) == 1 else list(args.token)) if args.token else env_token()
     from .engine.group import names_group
 
     def load() -> Any:
@@ -602,6 +615,7 @@ def _cmd_serve(args: argparse.Namespace) -> int:
             token=token,
             allow_origins=list(args.allow_origin or ()),
             device=args.device,
+            **_door_options(args),
             stay_dead=args.stay_dead,
             metrics_public=args.metrics_public,
         )
@@ -690,8 +704,19 @@ def build_parser() -> argparse.ArgumentParser:
     srv.add_argument("--preview-vae", metavar="PATH|ID", default=None, help=_PREVIEW_VAE_HELP)
     srv.add_argument("--host", default="127.0.0.1", help="address to listen on")
     srv.add_argument("--port", type=_port, default=8765, help="port to listen on; 0 picks a free one")
-    srv.add_argument("--token", help=f"bearer token clients must send on every route but /health "
-                     f"and the page (default: ${TOKEN_ENV})")
+    srv.add_argument("--token", action="append", metavar="[NAME=]SECRET",
+                     help=f"bearer token clients must send on every route but /health and the page "
+                     f"(default: ${TOKEN_ENV}); repeat with NAME=SECRET for several tenants, each its own "
+                     "principal (docs/protocol.md, Security)")
+    srv.add_argument("--tokens-file", metavar="PATH", default=None,
+                     help="a file of NAME=SECRET [priority=N] lines, one tenant each "
+                     "(default: $OMNI_STREAM_TOKENS_FILE)")
+    srv.add_argument("--allowed-host", action="append", metavar="NAME",
+                     help="a host name the server answers to besides its address (repeatable; "
+                     "default: $OMNI_STREAM_ALLOWED_HOSTS)")
+    srv.add_argument("--trusted-proxy", action="append", metavar="ADDR",
+                     help="a proxy (address or network) whose X-Forwarded-For names the client "
+                     "(repeatable; default: $OMNI_STREAM_TRUSTED_PROXIES)")
     srv.add_argument("--metrics-public", action="store_true",
                      help="serve /metrics without the token (for a scraper that cannot send one)")
     srv.add_argument("--allow-origin", action="append", metavar="ORIGIN",

@@ -49,13 +49,31 @@ frame to the copier and returns when the request may take its next step; if
 the request was cancelled, timed out or the engine is stopping, it raises
 :class:`RequestStopped`, which ``run`` must let propagate (it ends the
 pipeline's loop within one step). Such models are never batched.
+
+Memory (optional, :class:`ModelMemory`): a model that builds buffers for
+requests (rendered images, per-size tables) and keeps some of them cached
+tells the server about them with three methods; :func:`model_memory`
+returns the model when it has all three, else None, and models without
+them are unaffected. ``request_memory_bytes(params)`` (event loop, at
+admission; params checked, defaults filled in, as ``validate`` returns
+them) is the bytes on the model's device one request adds beyond its
+frames while it runs: buffers built for it that are not there yet,
+counted at their building peak, and its decoded inputs; 0 when everything
+it needs is cached. ``cache_bytes()`` is the bytes held now in caches that
+requests built and ``trim_cache`` can give back (not what ``load`` built:
+that is there when the server is idle). ``trim_cache(keep_bytes=0)``
+evicts cached entries, least recently used first, until ``cache_bytes() <=
+keep_bytes``, never what ``load`` built, and returns the bytes the cache
+no longer holds (a running request keeps what it uses alive through its
+state). All three are cheap (no building, no device work) and safe to call
+from any thread while the producer thread builds or uses those buffers.
 """
 
 from __future__ import annotations
 
 import abc
 from collections.abc import Callable, Hashable, Iterator, Mapping, Sequence
-from typing import Any, Protocol
+from typing import Any, Protocol, cast, runtime_checkable
 
 import torch
 
@@ -64,7 +82,7 @@ from .params import Param, positive_int, validate
 
 __all__ = [
     "StepModel", "GeneratorModel", "from_generator", "RequestStopped", "Emit", "OUTPUTS",
-    "OUTPUT_PARAM", "split_output",
+    "OUTPUT_PARAM", "split_output", "ModelMemory", "model_memory",
 ]
 
 #: The values of the ``output`` param every request has.
@@ -92,6 +110,40 @@ class Emit(Protocol):
     """``emit(frame, *, decoded=False)``: hand one step's frame to the engine (see ``run``)."""
 
     def __call__(self, frame: torch.Tensor, *, decoded: bool = False) -> None: ...
+
+
+@runtime_checkable
+class ModelMemory(Protocol):
+    """A model that reports and gives back the memory it builds for requests (see the module docstring)."""
+
+    def request_memory_bytes(self, params: Mapping[str, Any]) -> int:
+        """Bytes one request with these checked params adds on the model's device beyond its frames."""
+        ...
+
+    def cache_bytes(self) -> int:
+        """Bytes held now in caches requests built (not ``load``'s), that ``trim_cache`` can give back."""
+        ...
+
+    def trim_cache(self, keep_bytes: int = 0) -> int:
+        """Evict least recently used entries until ``cache_bytes() <= keep_bytes``; the bytes given back."""
+        ...
+
+
+#: The methods of ModelMemory, each of which a model must have, callable.
+_MEMORY_METHODS = ("request_memory_bytes", "cache_bytes", "trim_cache")
+
+
+def model_memory(model: object) -> ModelMemory | None:
+    """``model`` as a :class:`ModelMemory` when it has all three methods, else None.
+
+    Stricter than ``isinstance(model, ModelMemory)``, which only checks that
+    the names exist: an attribute of one of these names that is not
+    callable (a ``cache_bytes`` setting, say) does not make a model one.
+    Raises nothing.
+    """
+    if all(callable(getattr(model, name, None)) for name in _MEMORY_METHODS):
+        return cast(ModelMemory, model)
+    return None
 
 
 class StepModel(abc.ABC):

@@ -70,8 +70,8 @@ _DROP = object()
 
 
 def test_preview_formats_match_the_encoder() -> None:
-    # The client restates the MIME table; the id pattern and error codes it
-    # imports from the server's pure protocol module.
+    # One MIME table (protocol/formats.py) for the encoders and the client:
+    # every format a preview or a result may come in is in it.
     from omni_stream.preview import FORMATS, IMAGE_OUTPUTS, VIDEO_OUTPUTS
 
     # Previews, and the formats a result may come in.
@@ -695,7 +695,13 @@ def test_generate_message_carries_a_checked_priority() -> None:
 
 @pytest.mark.asyncio
 async def test_a_busy_server_raises_busy_error_and_priority_reaches_it() -> None:
-    async with running(Slow(0.02), max_active=1, max_queued=1) as server, omc.connect(server.url) as client:
+    from omni_stream.core.tokens import TokenGrant, Tokens
+
+    # Its token is granted priority 4 (core/tokens.py): it reaches the engine.
+    tokens = Tokens([TokenGrant("ops", "s3cret", priority=4)])
+    async with running(Slow(0.02), max_active=1, max_queued=1, token=tokens) as server, omc.connect(
+        server.url, token="s3cret"
+    ) as client:
         first = client.generate(dict(SMALL, steps=5000), priority=4)
         await first.__anext__()
         second = client.generate(dict(SMALL, steps=5000))
@@ -715,5 +721,5 @@ async def test_a_busy_server_raises_busy_error_and_priority_reaches_it() -> None
             # A slot frees: the queued one goes into the engine (its first frame arrives).
             await first.aclose()
         await second.aclose()
-        await _eventually(lambda: server.service.load().held == 0, "both to leave the engine")
+        await _eventually(lambda: server.service.rules.load().held == 0, "both to leave the engine")
         assert (await client.generate(dict(SMALL, steps=2)).result()).final

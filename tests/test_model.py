@@ -6,6 +6,7 @@ import pytest
 import torch
 
 import omni_stream as om
+from omni_stream.model import ModelMemory, model_memory
 
 
 def ramp(params):
@@ -99,3 +100,37 @@ def test_params_validation_names_the_field():
     with pytest.raises(om.ParamsError, match="object"):
         m.validate("steps=3")  # type: ignore[arg-type]
     assert m.validate({"steps": 3.0})["steps"] == 3
+
+
+def test_model_memory_finds_a_models_optional_memory_methods():
+    mixture = om.models.Mixture()
+    assert model_memory(mixture) is mixture
+    assert isinstance(mixture, ModelMemory)
+    assert model_memory(om.models.Synthetic()) is None
+    assert model_memory(om.from_generator(ramp)) is None
+
+    class Own:  # any object with the three methods
+        def request_memory_bytes(self, params):
+            return 7
+
+        def cache_bytes(self):
+            return 3
+
+        def trim_cache(self, keep_bytes=0):
+            return 3
+
+    own = Own()
+    assert model_memory(own) is own
+
+
+def test_model_memory_needs_methods_not_just_their_names():
+    class Setting(om.models.Synthetic):
+        cache_bytes = 1 << 20  # a setting of that name, not the method
+
+        def request_memory_bytes(self, params):
+            return 0
+
+        def trim_cache(self, keep_bytes=0):
+            return 0
+
+    assert model_memory(Setting()) is None

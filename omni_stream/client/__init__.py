@@ -14,8 +14,10 @@ its oldest intermediate previews, never the final one or the outcome.
 
 .. code-block:: text
 
-    ../protocol/client.py  the protocol without I/O: constants, parsing, encoding
-    ../protocol/inbox.py   one request's inbox (a pure state machine)
+    ../protocol/           the protocol without I/O, shared with the server: each
+                           message one class (client_messages.py, server_messages.py,
+                           frames.py), the format table, what an error code means
+                           (client.py), one request's inbox (inbox.py)
     stream.py              RequestStream, what the caller iterates
     connection.py          Client and connect(): the websocket, the reader, cancels
 
@@ -43,12 +45,9 @@ from ..errors import (
     RequestFailedError,
     RequestRejectedError,
 )
-from ..protocol.client import (
-    FORMATS,
-    PreviewFrame,
-    Progress,
-    parse_preview_frame,
-)
+from ..protocol.formats import FORMATS
+from ..protocol.frames import PreviewFrame, parse_preview_frame
+from ..protocol.server_messages import Progress
 from .connection import DEFAULT_MAX_SIZE, Client, connect
 from .stream import RequestStream
 

@@ -1,9 +1,10 @@
 """Client and connect(): one websocket connection, its reader task, its requests.
 
-The reader parses every server message (omni_stream/protocol/client.py) and hands it to the inbox
-of the request it names (stream.py), so several iterations run at once on
-one connection. A message or frame that breaks the protocol closes the
-connection with 1002 and fails every request on it with ProtocolError.
+The reader parses every server message (omni_stream/protocol/server_messages.py,
+frames.py) and hands it to the inbox of the request it names (stream.py), so
+several iterations run at once on one connection. A message or frame that
+breaks the protocol closes the connection with 1002 and fails every request
+on it with ProtocolError.
 Websockets' exceptions are translated here and nowhere else.
 """
 
@@ -39,21 +40,12 @@ from ..errors import (
 )
 from ..lifecycle import Lifecycle
 from ..params import positive_int
-from ..protocol.client import (
-    CLOSE_PROTOCOL_ERROR,
-    ErrorMessage,
-    Event,
-    PreviewFrame,
-    Progress,
-    attach_message,
-    cancel_message,
-    check_request_id,
-    generate_message,
-    parse_message,
-    parse_preview_frame,
-    server_error,
-)
+from ..protocol.client import Event, server_error
+from ..protocol.client_messages import Attach, Cancel, Generate
+from ..protocol.codes import CLOSE_PROTOCOL_ERROR
+from ..protocol.frames import PreviewFrame, parse_preview_frame
 from ..protocol.inbox import Inbox
+from ..protocol.server_messages import ErrorMessage, Progress, parse_server_message
 from .stream import RequestStream
 
 __all__ = [
@@ -282,18 +274,16 @@ class Client:
         Iterating a request the server is too busy for raises BusyError
         (its ``retry_after_s`` says when to try again).
         """
-        request_id = uuid.uuid4().hex if id is None else check_request_id(id)
-        if not isinstance(detach, bool):
-            raise ParamsError(f"detach must be a bool, got {detach!r}", field="detach")
-        if not isinstance(progress, bool):
-            raise ParamsError(f"progress must be a bool, got {progress!r}", field="progress")
-        message = generate_message(
+        request_id = uuid.uuid4().hex if id is None else id
+        message = Generate.build(
             request_id, params, preview, detach=detach, output=output, priority=priority
         )
+        if not isinstance(progress, bool):
+            raise ParamsError(f"progress must be a bool, got {progress!r}", field="progress")
         return RequestStream(
             self,
             request_id,
-            message,
+            message.serialize(),
             kind="generate",
             cancel_on_exit=not detach,
             want_progress=progress,
@@ -314,14 +304,13 @@ class Client:
         ``already_attached``) and otherwise as :meth:`generate`. Raises
         ParamsError for a malformed id.
         """
-        request_id = check_request_id(id)
+        message = Attach.build(id)
         if not isinstance(progress, bool):
             raise ParamsError(f"progress must be a bool, got {progress!r}", field="progress")
-        message = attach_message(request_id)
         return RequestStream(
             self,
-            request_id,
-            message,
+            message.id,
+            message.serialize(),
             kind="attach",
             cancel_on_exit=False,
             want_progress=progress,
@@ -335,8 +324,7 @@ class Client:
         error that only a stream of that id would see. Raises ParamsError for
         a malformed id and ConnectionClosedError when the connection is gone.
         """
-        request_id = check_request_id(id)
-        await self._send(cancel_message(request_id))
+        await self._send(Cancel.build(id).serialize())
 
     # -- internals shared with RequestStream --
 
@@ -442,7 +430,7 @@ class Client:
     def _dispatch(self, message: str | bytes) -> None:
         event: Event | None
         if isinstance(message, str):
-            event = parse_message(message)
+            event = parse_server_message(message)
             if event is None:
                 logger.warning("ignoring a server message of an unknown type: %.200s", message)
                 return

@@ -14,8 +14,9 @@ from types import TracebackType
 from typing import TYPE_CHECKING, Any, Generic, Literal, TypeVar
 
 from ..errors import ClientError, ProtocolError
-from ..protocol.client import PreviewFrame, Progress
+from ..protocol.frames import PreviewFrame
 from ..protocol.inbox import Inbox
+from ..protocol.server_messages import Progress
 
 if TYPE_CHECKING:
     from .connection import Client

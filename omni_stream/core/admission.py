@@ -35,8 +35,9 @@ from typing import Any, Final
 import torch
 
 from ..errors import MessageError, ParamsError, ServerBusyError
-from ..model import StepModel, split_output
+from ..model import StepModel, model_memory, split_output
 from ..preview import (
+    DEFAULT_QUALITY,
     IMAGE_OUTPUTS,
     VIDEO_OUTPUTS,
     PreviewSpec,
@@ -44,11 +45,13 @@ from ..preview import (
     default_decoder as preview_default_decoder,
     has_video_encoder,
 )
+from .inputs import check_images, image_params
 from .limits import ServerLimits, check_request_limits
-from .outbox import MemoryBudget, MemoryReservation
+from .memory import MemoryBudget, MemoryReservation
 
 __all__ = [
-    "cap_preview", "check_params", "default_decoder", "preview_spec", "OutputSpec", "output_spec",
+    "cap_preview", "check_params", "default_decoder", "preview_spec", "preview_wire", "OutputSpec",
+    "output_spec",
     "IMAGE_FORMATS", "VIDEO_FORMATS",
     "ServerBusyError", "Load", "check_load", "retry_after", "RETRY_AFTER_MIN_S", "RETRY_AFTER_MAX_S",
     "MemoryEstimate", "estimate_memory", "frame_bytes", "host_engines", "reserve_memory", "state_on_host",
@@ -153,23 +156,18 @@ def preview_spec(
 
 def check_params(
     model: StepModel, params: Mapping[str, Any], limits: ServerLimits, *, request_id: str
-) -> int:
-    """Validate ``params`` with the model and the server's limits; return the step count.
+) -> tuple[int, dict[str, Any]]:
+    """Validate ``params`` with the model and the server's limits; the step count and the checked params.
 
-    Raises MessageError ``bad_params`` (the model refused them; ``field``
-    names the param) or ``limit_exceeded`` (beyond this server's limits).
+    Image params are checked from their header first (inputs.py): a path
+    or an image with a side over ``max_image_size`` is refused before
+    ``validate`` could read or decode it. Raises MessageError
+    ``bad_params`` (the model refused them; ``field`` names the param) or
+    ``limit_exceeded`` (beyond this server's limits).
     """
-    for spec in model.params:
-        value = params.get(spec.name) if isinstance(params, Mapping) else None
-        if spec.name == "image" and isinstance(value, str) and not value.startswith("data:"):
-            # Checked before validate, which would read the file: a path
-            # would let any client read the server's files.
-            raise MessageError(
-                "bad_params",
-                f"{model.name} param 'image' must be a data: URL (PNG or JPEG, base64) over the wire",
-                field="image",
-                request_id=request_id,
-            )
+    # Images a door has not decoded yet (a caller of the core without one):
+    # their headers first, so nothing oversize is ever decoded.
+    check_images(model, params, limits, request_id=request_id)
     try:
         rest, _ = split_output(model, params)
         checked = model.validate(rest)
@@ -177,20 +175,37 @@ def check_params(
         raise MessageError("bad_params", exc.message, field=exc.field, request_id=request_id) from None
     except (ValueError, TypeError, KeyError) as exc:
         raise MessageError("bad_params", f"{model.name}: {exc}", request_id=request_id) from None
-    size = getattr(checked.get("image"), "size", None)
-    if isinstance(size, tuple) and max(size) > limits.max_image_size:
-        raise MessageError(
-            "limit_exceeded",
-            f"input image of {size[0]}x{size[1]} has a side over this server's "
-            f"max_image_size={limits.max_image_size} ({ServerLimits.env_name('max_image_size')})",
-            field="image",
-            request_id=request_id,
-        )
+    for name in image_params(model):
+        size = getattr(checked.get(name), "size", None)
+        if isinstance(size, tuple) and max(size) > limits.max_image_size:
+            # A PIL image given to the core directly (a door decodes only what fits).
+            raise MessageError(
+                "limit_exceeded",
+                f"input image {name!r} of {size[0]}x{size[1]} has a side over this server's "
+                f"max_image_size={limits.max_image_size} ({ServerLimits.env_name('max_image_size')})",
+                field=name,
+                request_id=request_id,
+            )
     try:
-        return check_request_limits(model, checked, limits)
+        return check_request_limits(model, checked, limits), checked
     except MessageError as exc:
         exc.request_id = request_id
         raise
+
+
+def preview_wire(spec: PreviewSpec) -> dict[str, Any]:
+    """The effective preview settings as ``accepted`` and ``/models`` report them."""
+    decoder = spec.decoder
+    name = decoder if isinstance(decoder, str) else getattr(decoder, "__name__", "custom")
+    quality = spec.quality if spec.quality is not None else DEFAULT_QUALITY.get(spec.format)
+    return {
+        "every": spec.every,
+        "format": spec.format,
+        "max_size": spec.max_size,
+        "quality": quality,
+        "decoder": name,
+        "video": spec.video,
+    }
 
 
 # -- load -------------------------------------------------------------------------
@@ -246,9 +261,9 @@ class Load:
         """True when the queue is over half full: each connection gets a fair share only."""
         return 2 * self.queued > self.max_queued
 
-    def fair_share(self, connections: int) -> int:
-        """Requests one of ``connections`` open connections may hold while crowded."""
-        return max(1, self.capacity // max(1, connections))
+    def fair_share(self, principals: int) -> int:
+        """Requests one of ``principals`` clients may hold while crowded."""
+        return max(1, self.capacity // max(1, principals))
 
     def to_dict(self) -> dict[str, int]:
         return {
@@ -290,26 +305,27 @@ def check_load(
     load: Load,
     *,
     own: int,
-    connections: int,
+    principals: int,
     retry_after_s: Callable[[], float],
     request_id: str,
 ) -> None:
-    """Refuse one more request when the engine is full, or this connection has its share.
+    """Refuse one more request when the engine is full, or its principal has its share.
 
-    ``own``: requests the asking connection runs; ``connections``: open
-    connections, counted whether or not they hold work (one just refused
-    holds none, and must still count, or whoever holds the queue refills
-    each slot first). Raises ServerBusyError with ``retry_after_s()``.
+    ``own``: requests the asking principal runs; ``principals``: principals
+    with a client open or a request held, counted whether or not they hold
+    work (one just refused holds none, and must still count, or whoever
+    holds the queue refills each slot first). Raises ServerBusyError with
+    ``retry_after_s()``.
     """
     names = "max_active + max_queued, OMNI_STREAM_MAX_ACTIVE / OMNI_STREAM_MAX_QUEUED"
-    share = load.fair_share(connections)
+    share = load.fair_share(principals)
     if load.busy:
         why = f"the server is busy: it holds {load.held} requests ({names} = {load.capacity})"
     elif load.crowded and own >= share:
         why = (
             f"the server is crowded ({load.queued} of max_queued={load.max_queued} queued) and this "
-            f"connection holds {own} requests, its fair share of {share} among {connections} "
-            "connections"
+            f"client holds {own} requests, its fair share of {share} among {principals} "
+            "clients"
         )
     else:
         return
@@ -460,13 +476,44 @@ def frame_bytes(model: StepModel, params: Mapping[str, Any]) -> tuple[int, str] 
     # width must not hide a larger size, so each side is the larger reading.
     size = side("size") or 0
     width, height = max(side("width") or 0, size), max(side("height") or 0, size)
+    frames = side("num_frames") or 1
     if width and height:
-        frames = side("num_frames") or 1
         field = "size" if size and size >= max(side("width") or 0, side("height") or 0) else next(
             (n for n in _SIDES if side(n)), "size"
         )
         keep(3 * width * height * frames * _FLOAT32, field)
+    # An image-to-image model renders at its input image's size: an input
+    # image is a side reading too (a 1024x1024 input counted as the model's
+    # default side let a request cost 379 MiB against a 0.25 MiB estimate).
+    for name, (w, h) in _input_sizes(model, values):
+        keep(3 * w * h * frames * _FLOAT32, name)
     return best
+
+
+def _input_sizes(model: StepModel, values: Mapping[str, Any]) -> list[tuple[str, tuple[int, int]]]:
+    """(param, (width, height)) of each decoded input image in ``values``."""
+    out = []
+    for name in image_params(model):
+        size = getattr(values.get(name), "size", None)
+        if isinstance(size, tuple) and len(size) == 2 and all(isinstance(v, int) and v > 0 for v in size):
+            out.append((name, (int(size[0]), int(size[1]))))
+    return out
+
+
+#: Bytes an input image holds per pixel while its request runs: the decoded
+#: RGB image (8-bit) and the float32 tensor a pipeline makes of it.
+INPUT_BYTES_PER_PIXEL: Final = 3 + 3 * _FLOAT32
+
+
+def _model_extra(model: StepModel, values: Mapping[str, Any]) -> int:
+    """What the model says a request adds beyond its frames (model.ModelMemory), 0 if it says nothing."""
+    memory = model_memory(model)
+    if memory is None:
+        return 0
+    try:
+        return max(0, int(memory.request_memory_bytes(values)))
+    except Exception:  # noqa: BLE001 - a model's own estimate failing must not refuse the request
+        return 0
 
 
 def _on_cpu(engine: Any) -> list[bool | None]:
@@ -537,10 +584,15 @@ def estimate_memory(
     found = frame_bytes(model, params)
     nbytes, field = found if found is not None else (0, "params")
     own_per_byte = float(own_k)
-    if not on_host and field in _SIDES:
+    if not on_host and (field in _SIDES or field in image_params(model)):
         own_per_byte = RESULT_COPIES + DEVICE_FRAMES_PER_REQUEST / LATENT_RATIO
+    values = _param_values(model, params)
+    inputs = sum(w * h * INPUT_BYTES_PER_PIXEL for _, (w, h) in _input_sizes(model, values))
+    # Buffers the model builds for this request (a cache entry for a new
+    # size): host memory only where the engine computes on the host.
+    extra = _model_extra(model, values) if on_host else 0
     return MemoryEstimate(
-        own=REQUEST_BASE_BYTES + int(own_per_byte * nbytes),
+        own=REQUEST_BASE_BYTES + int(own_per_byte * nbytes) + inputs + extra,
         shared=shared_k * nbytes,
         group=group,
         batch_size=max(1, batch_size) if group is not None else 1,

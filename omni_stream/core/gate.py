@@ -9,26 +9,33 @@ limits.py) and keeps the other admitted ones (up to
 ``max_queued``) here, unstarted: they cost nobody a step, hold no model
 state, and a client watching one sees it ``queued`` with its position.
 
-When a request leaves the engine, the next one goes in:
+When a request leaves the engine, the next one goes in. Owners are
+principals (principal.py: a token's tenant, a websocket connection, an
+HTTP client's address), so the same rules hold whatever door a client
+uses and however many connections it opens:
 
 1. one that has waited :data:`OVERDUE_LET_INS` let-ins or more, oldest
    first: whatever the rules below prefer, nobody waits longer than that
    (plus the overdue ones before it);
-2. the highest *effective* priority: its ``priority`` plus one point for
-   every ``AGE_ROUNDS`` requests let in since the oldest waiting request
-   of that priority arrived, so a low priority is delayed, never starved
-   (the engine's own rule, scheduler.py, where all requests of one level
-   age alike too: ageing each request from its own arrival would make
-   every level first come, first served, and a connection that queued a
-   hundred requests would keep a newcomer waiting behind all of them);
-3. the connection with the fewest requests in the engine;
-4. the connection that has had the fewest steps let in while it kept
+2. the highest *effective cross priority*: the part of a request's
+   ``priority`` its principal may use against others (``cross``: 0
+   unless its token is granted more, tokens.py), plus one point for every
+   ``AGE_ROUNDS`` requests let in since the oldest waiting request of that
+   level arrived, so a low level is delayed, never starved (the engine's
+   own rule, scheduler.py, where all requests of one level age alike too:
+   ageing each request from its own arrival would make every level first
+   come, first served). A principal's own ``priority`` does not rank it
+   against anyone else (a priority-10 flood once kept a priority-0 client
+   waiting 9-12 s for its first step);
+3. the principal with the fewest requests in the engine;
+4. the principal that has had the fewest steps let in while it kept
    requests here or in the engine (its requests' ``cost``, their step
    counts): a client with one short request at a time goes in before a
    flood of long ones that arrived earlier, rather than after a round of
-   every flooding connection; a connection with nothing here or inside
-   is forgotten;
-5. arrival.
+   every flooding principal; a principal with nothing here or inside is
+   forgotten;
+5. of that principal's requests: its own highest ``priority`` first,
+   then arrival.
 
 Pure bookkeeping: no I/O, no engine; the service submits what
 :meth:`Gate.pop` returns.
@@ -58,6 +65,8 @@ class Waiting:
     owner: str
     priority: int
     payload: Any = field(repr=False)
+    #: The part of ``priority`` that ranks against other owners (rule 2).
+    cross: int = 0
     #: Its share of the engine, for fairness between connections: its steps.
     cost: int = 1
     #: The gate's count of requests let in when this one arrived.
@@ -120,10 +129,14 @@ class Gate:
             del self._inside[owner]
         self._forget_if_gone(owner)
 
-    def wait(self, request_id: str, owner: str, priority: int, payload: Any, cost: int = 1) -> Waiting:
-        """Hold an admitted request (``cost``: its steps) until :meth:`pop` lets it in."""
+    def wait(
+        self, request_id: str, owner: str, priority: int, payload: Any, cost: int = 1, *, cross: int = 0
+    ) -> Waiting:
+        """Hold an admitted request (``cost``: its steps; ``cross``: rule 2) until :meth:`pop` lets it in."""
         self._seq += 1
-        item = Waiting(request_id, owner, priority, payload, cost=cost, arrived=self._let_in, seq=self._seq)
+        item = Waiting(
+            request_id, owner, priority, payload, cross=cross, cost=cost, arrived=self._let_in, seq=self._seq
+        )
         self._waiting[request_id] = item
         self._queued[owner] += 1
         return item
@@ -155,7 +168,7 @@ class Gate:
         """
         if not self._waiting or self._in_engine >= self._bound():
             return None
-        item = min(self._waiting.values(), key=self._ranker())
+        item = self._next()
         del self._waiting[item.request_id]
         self._unqueue(item.owner)
         # If submitting it fails, nothing else may ever mention this owner.
@@ -163,27 +176,66 @@ class Gate:
         return item
 
     def order(self) -> list[str]:
-        """The waiting requests' ids, next first (as :meth:`pop` would take them now)."""
-        return [w.request_id for w in sorted(self._waiting.values(), key=self._ranker())]
+        """The waiting requests' ids, next first: an estimate of the order :meth:`pop` takes them.
 
-    def _ranker(self) -> Callable[[Waiting], tuple[int, ...]]:
-        """The sort key of the rules in the module docstring, for the requests waiting now."""
+        Owners in the order the rules rank them now, taking turns one
+        request at a time (as letting one in moves its owner down rules 3
+        and 4), each owner's own requests in its order (rule 5); overdue
+        ones first.
+        """
         now = self._let_in
-        oldest: dict[int, int] = {}  # priority -> the longest wait at that level
+        overdue = sorted((w for w in self._waiting.values() if now - w.arrived >= OVERDUE_LET_INS), key=_seq)
+        rest = [w for w in self._waiting.values() if now - w.arrived < OVERDUE_LET_INS]
+        level = self._levels()
+        queues: dict[str, list[Waiting]] = {}
+        for w in sorted(rest, key=lambda w: (-level(w), -w.priority, w.seq)):
+            queues.setdefault(w.owner, []).append(w)
+        owners = sorted(queues, key=lambda o: self._owner_rank(queues[o][0], level))
+        out = [w.request_id for w in overdue]
+        depth = 0
+        while len(out) < len(self._waiting):
+            out.extend(queues[o][depth].request_id for o in owners if depth < len(queues[o]))
+            depth += 1
+        return out
+
+    def _next(self) -> Waiting:
+        """The request rules 1-5 pick now (one pass: O(waiting))."""
+        now = self._let_in
+        overdue = [w for w in self._waiting.values() if now - w.arrived >= OVERDUE_LET_INS]
+        if overdue:
+            return min(overdue, key=_seq)
+        level = self._levels()
+        # Each owner's own first request (rules 2 and 5), then the owners ranked.
+        best: dict[str, Waiting] = {}
         for w in self._waiting.values():
-            oldest[w.priority] = max(oldest.get(w.priority, 0), now - w.arrived)
+            mine = best.get(w.owner)
+            if mine is None or (-level(w), -w.priority, w.seq) < (-level(mine), -mine.priority, mine.seq):
+                best[w.owner] = w
+        return min(best.values(), key=lambda w: self._owner_rank(w, level))
 
-        def rank(w: Waiting) -> tuple[int, ...]:
-            if now - w.arrived >= OVERDUE_LET_INS:
-                return (0, w.seq)
-            level = effective_priority(w.priority, oldest[w.priority], age_rounds=AGE_ROUNDS)
-            return (1, -level, self._inside[w.owner], self._served[w.owner], w.seq)
+    def _owner_rank(self, first: Waiting, level: Callable[[Waiting], int]) -> tuple[int, ...]:
+        # Rules 2-4 for the owner whose first request is ``first``, then arrival.
+        return (-level(first), self._inside[first.owner], self._served[first.owner], first.seq)
 
-        return rank
+    def _levels(self) -> Callable[[Waiting], int]:
+        """Each waiting request's effective cross priority now (rule 2)."""
+        now = self._let_in
+        oldest: dict[int, int] = {}  # cross level -> the longest wait at that level
+        for w in self._waiting.values():
+            oldest[w.cross] = max(oldest.get(w.cross, 0), now - w.arrived)
+
+        def level(w: Waiting) -> int:
+            return effective_priority(w.cross, oldest[w.cross], age_rounds=AGE_ROUNDS)
+
+        return level
 
     def __repr__(self) -> str:
         return f"Gate(in_engine={self._in_engine}, waiting={len(self._waiting)}, bound={self._bound()})"
 
     def owners_known(self) -> int:
-        """Connections the gate keeps a history of use for (bounded by the requests held)."""
+        """Principals the gate keeps a history of use for (bounded by the requests held)."""
         return len(self._served)
+
+
+def _seq(w: Waiting) -> int:
+    return w.seq

@@ -8,6 +8,7 @@ keyword. docs/protocol.md lists them all.
 
 from __future__ import annotations
 
+import logging
 import math
 from collections.abc import Mapping
 from dataclasses import asdict, dataclass, fields
@@ -16,24 +17,34 @@ from typing import Any, Final
 from ..config import TOKEN_ENV, env_float, env_int, env_str, token as env_token
 from ..errors import ParamsError
 from ..params import positive_int
+from .principal import TRUSTED_PROXIES_ENV, TrustedProxies
+from .tokens import TOKENS_FILE_ENV, Tokens
 
 # TOKEN_ENV (config.py's) is re-exported: it was defined here before.
 __all__ = [
+    "ALLOWED_HOSTS_ENV",
     "ALLOW_ORIGINS_ENV",
     "TOKEN_ENV",
     "ServerLimits",
     "check_request_limits",
     "resolve_origins",
+    "resolve_hosts",
+    "resolve_proxies",
     "resolve_token",
+    "resolve_tokens",
 ]
 
 ALLOW_ORIGINS_ENV = "OMNI_STREAM_ALLOW_ORIGINS"
+ALLOWED_HOSTS_ENV = "OMNI_STREAM_ALLOWED_HOSTS"
+
+logger = logging.getLogger("omni_stream.server")
 
 # keyword -> (environment variable, kind)
 _ENV: dict[str, tuple[str, type]] = {
     "max_message_bytes": ("OMNI_STREAM_MAX_MESSAGE_BYTES", int),
     "max_connections": ("OMNI_STREAM_MAX_CONNECTIONS", int),
-    "max_requests_per_connection": ("OMNI_STREAM_MAX_REQUESTS_PER_CONNECTION", int),
+    "max_connections_per_principal": ("OMNI_STREAM_MAX_CONNECTIONS_PER_PRINCIPAL", int),
+    "max_requests_per_principal": ("OMNI_STREAM_MAX_REQUESTS_PER_PRINCIPAL", int),
     "max_active": ("OMNI_STREAM_MAX_ACTIVE", int),
     "max_queued": ("OMNI_STREAM_MAX_QUEUED", int),
     "max_steps": ("OMNI_STREAM_MAX_STEPS", int),
@@ -43,6 +54,7 @@ _ENV: dict[str, tuple[str, type]] = {
     "max_pending_bytes": ("OMNI_STREAM_MAX_PENDING_BYTES", int),
     "max_memory_bytes": ("OMNI_STREAM_MAX_MEMORY_BYTES", int),
     "send_timeout_s": ("OMNI_STREAM_SEND_TIMEOUT", float),
+    "body_timeout_s": ("OMNI_STREAM_BODY_TIMEOUT", float),
     "retention_s": ("OMNI_STREAM_RETENTION", float),
     "max_retained": ("OMNI_STREAM_MAX_RETAINED", int),
     "shutdown_timeout_s": ("OMNI_STREAM_SHUTDOWN_TIMEOUT", float),
@@ -51,6 +63,11 @@ _ENV: dict[str, tuple[str, type]] = {
     "max_messages_per_s": ("OMNI_STREAM_MAX_MESSAGES_PER_S", float),
 }
 
+
+#: Names a limit was known by before: keyword -> (its name now, its old variable).
+_RENAMED: dict[str, tuple[str, str]] = {
+    "max_requests_per_connection": ("max_requests_per_principal", "OMNI_STREAM_MAX_REQUESTS_PER_CONNECTION"),
+}
 
 #: Limits whose None default is derived from the engine (``active_bound``).
 _ENGINE_DEFAULTS = frozenset({"max_active"})
@@ -76,8 +93,15 @@ class ServerLimits:
     """Every bound the server enforces (docs/protocol.md, "Limits")."""
 
     max_message_bytes: int = 1 << 20
+    #: Open clients at once: websockets, HTTP calls (an open POST, a
+    #: ``?wait``) and event streams alike.
     max_connections: int = 64
-    max_requests_per_connection: int = 16
+    #: Open clients of one principal (principal.py): a tenant's token, an
+    #: HTTP client's address; a websocket without a token is its own.
+    max_connections_per_principal: int = 32
+    #: Requests one principal holds running or queued (was
+    #: max_requests_per_connection, a websocket's own count).
+    max_requests_per_principal: int = 16
     #: Requests in the engine at once; None: on an accelerator, twice the
     #: engine's max_batch_size, two batches, so each steps at least every
     #: other model call (16 with the defaults; 2 for a whole-request
@@ -105,7 +129,14 @@ class ServerLimits:
     #: Bytes the server holds for all clients: every outbox plus what
     #: request records keep for attach (outbox.MemoryBudget).
     max_memory_bytes: int = 1 << 30
+    #: Seconds any one send to a client may wait for it to read (websocket
+    #: messages, event-stream events, HTTP response bodies): past that the
+    #: client is cut off and what was queued for it is released.
     send_timeout_s: float = 30.0
+    #: Seconds an HTTP request's body may take to arrive, from its headers
+    #: (a client sending 10 bytes of a declared megabyte held a descriptor
+    #: and a buffer for as long as it liked).
+    body_timeout_s: float = 30.0
     retention_s: float = 600.0
     #: Detached requests held, running or ended. Every generation started
     #: over HTTP is detached, so this is above what admission lets run
@@ -160,6 +191,14 @@ class ServerLimits:
         a bad value, naming the keyword.
         """
         overrides = dict(overrides or {})
+        for old, (new, _) in _RENAMED.items():
+            if old in overrides:
+                if new in overrides:
+                    raise ParamsError(
+                        f"server options {old!r} and {new!r} are one limit; give {new!r}", field=old
+                    )
+                logger.warning("server option %r is now %r", old, new)
+                overrides[new] = overrides.pop(old)
         unknown = sorted(k for k in overrides if k not in _ENV)
         if unknown:
             raise ParamsError(
@@ -170,8 +209,12 @@ class ServerLimits:
         values: dict[str, Any] = {}
         defaults = cls()
         for name, (env, kind) in _ENV.items():
+            old_env = next((e for o, (n, e) in _RENAMED.items() if n == name), None)
             if name in overrides:
                 values[name] = overrides[name]
+            elif old_env is not None and env_str(env) is None and env_str(old_env) is not None:
+                logger.warning("%s is now %s", old_env, env)
+                values[name] = env_int(old_env, getattr(defaults, name), minimum=1)
             elif kind is int:
                 values[name] = env_int(env, getattr(defaults, name), minimum=1)
             else:
@@ -202,7 +245,7 @@ class ServerLimits:
 
 
 def resolve_token(token: str | None) -> str | None:
-    """The token to require: ``token``, else ``OMNI_STREAM_TOKEN``, else None.
+    """The one unnamed token to require: ``token``, else ``OMNI_STREAM_TOKEN``, else None.
 
     Raises ParamsError (field ``token``) for an empty or non-string token.
     """
@@ -211,6 +254,69 @@ def resolve_token(token: str | None) -> str | None:
     if not isinstance(token, str) or not token.strip():
         raise ParamsError("token must be a non-empty string", field="token")
     return token
+
+
+def resolve_tokens(token: Any = None, tokens_file: str | None = None) -> Tokens:
+    """The tokens a server accepts (tokens.py): ``token`` (one ``SECRET`` or ``NAME=SECRET``,
+    several, or a name -> secret mapping), else ``OMNI_STREAM_TOKEN``; plus ``tokens_file``,
+    else ``OMNI_STREAM_TOKENS_FILE``. None of them: an open server.
+
+    Raises ParamsError naming the option, the file and line of what is wrong.
+    """
+    if token is None:
+        token = env_token()
+    elif isinstance(token, str) and not token.strip():
+        raise ParamsError("token must be a non-empty string", field="token")
+    elif not isinstance(token, (str, Tokens, Mapping)) and not isinstance(token, (list, tuple)):
+        raise ParamsError(
+            f"token must be a string, a list of them or a name -> secret mapping, got {type(token).__name__}",
+            field="token",
+        )
+    if tokens_file is None:
+        tokens_file = env_str(TOKENS_FILE_ENV)
+    return Tokens.of(token, tokens_file=tokens_file)
+
+
+def resolve_hosts(allowed_hosts: Any = None) -> tuple[str, ...]:
+    """Host names the server answers to besides its bound address: ``allowed_hosts``,
+    else ``OMNI_STREAM_ALLOWED_HOSTS`` (commas); ``*`` answers any (origin.py says when).
+
+    Raises ParamsError (field ``allowed_hosts``) for an entry that is not a host name.
+    """
+    if allowed_hosts is None or (isinstance(allowed_hosts, (tuple, list)) and not allowed_hosts):
+        entries = [e for e in (env_str(ALLOWED_HOSTS_ENV) or "").split(",") if e.strip()]
+        where = ALLOWED_HOSTS_ENV
+    elif isinstance(allowed_hosts, str):
+        entries, where = [allowed_hosts], "allowed_hosts"
+    else:
+        entries, where = list(allowed_hosts), "allowed_hosts"
+    out = []
+    for entry in entries:
+        if not isinstance(entry, str) or not entry.strip():
+            raise ParamsError(
+                f"{where}: host names must be non-empty strings, got {entry!r}", field="allowed_hosts"
+            )
+        name = entry.strip().lower().rstrip(".")
+        if name != "*" and (("/" in name) or any(c.isspace() for c in name)):
+            raise ParamsError(
+                f"{where}: {entry!r} is not a host name (give names as example.com or *.example.com, "
+                "no scheme or path)",
+                field="allowed_hosts",
+            )
+        out.append(name)
+    return tuple(out)
+
+
+def resolve_proxies(trusted_proxies: Any = None) -> TrustedProxies:
+    """The proxies whose X-Forwarded-For names the client: ``trusted_proxies``, else
+    ``OMNI_STREAM_TRUSTED_PROXIES`` (commas); raises ParamsError naming a bad entry."""
+    if trusted_proxies is None:
+        entries = (env_str(TRUSTED_PROXIES_ENV) or "").split(",")
+    elif isinstance(trusted_proxies, str):
+        entries = trusted_proxies.split(",")
+    else:
+        entries = list(trusted_proxies)
+    return TrustedProxies(entries)
 
 
 def resolve_origins(allow_origins: Any) -> tuple[str, ...]:

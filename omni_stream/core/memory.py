@@ -16,6 +16,7 @@ import weakref
 from collections.abc import Callable, Hashable
 from typing import TYPE_CHECKING, Protocol
 
+from ..model import ModelMemory, model_memory
 from ..params import positive_int
 
 if TYPE_CHECKING:
@@ -77,10 +78,39 @@ class MemoryBudget:
         self._own_total = 0
         self._reserved = 0
         self._tokens = itertools.count()
+        # The model whose caches count here (see watch_model), and what they held when last looked at.
+        self._model: ModelMemory | None = None
+        self.model_bytes = 0
 
     def set_retained(self, source: _Retained) -> None:
         """Where ended retained results are evicted from (the request registry; held weakly)."""
         self._retained = weakref.ref(source)
+
+    def watch_model(self, model: object) -> None:
+        """Count ``model``'s caches (``cache_bytes()``) in ``used``, if it has any.
+
+        A model that builds buffers for requests and keeps them afterwards
+        (the Mixture's image banks per size) holds memory no request
+        reserves once they end: counted here (refreshed by
+        :meth:`recount_model`, which the rules call as requests end), and
+        given back through its ``trim_cache`` before retained results are
+        forgotten when the budget is over.
+        """
+        found = model_memory(model)
+        if found is not None:
+            self._model = found
+            self.recount_model()
+
+    def recount_model(self) -> None:
+        """Look at the model's caches again; shed if they took the budget over."""
+        if self._model is None:
+            return
+        held = max(0, int(self._model.cache_bytes()))
+        delta, self.model_bytes = held - self.model_bytes, held
+        if delta >= 0:
+            self.add(delta)
+        else:
+            self.release(-delta)
 
     @property
     def reserved(self) -> int:
@@ -240,7 +270,7 @@ class MemoryBudget:
                 queued = {box: box.pending_bytes for box in list(self._outboxes) if box.pending_bytes}
                 queued_total = sum(queued.values())
                 if self.used - queued_total + self._reserved >= queued_total:
-                    if not self._evict_retained():
+                    if not self._trim_model() and not self._evict_retained():
                         # Held by running requests: not the connections'
                         # doing. Previews stay refused until they end.
                         return
@@ -251,6 +281,17 @@ class MemoryBudget:
                     )
         finally:
             self._shedding = False
+
+    def _trim_model(self) -> bool:
+        # What the model's caches hold beyond what running requests use is
+        # the cheapest to give back: a request that needs it again rebuilds it.
+        if self._model is None or self.model_bytes <= 0:
+            return False
+        excess = self.used + self._reserved - self.limit
+        before = self.model_bytes
+        self._model.trim_cache(max(0, before - excess))
+        self.recount_model()
+        return self.model_bytes < before
 
     def _evict_retained(self) -> bool:
         source = self._retained() if self._retained is not None else None

@@ -1,6 +1,8 @@
-"""Who may open a websocket: the bearer token and the Origin rules (pure, no I/O).
+"""Which browser pages may use the server: the Origin and Host rules (pure, no I/O).
 
-docs/protocol.md, "Security", is the contract. Why the Origin rules are
+docs/protocol.md, "Security", is the contract; every door applies them:
+``Origin`` to a websocket's handshake and to every request that changes
+state over HTTP (POST, DELETE), ``Host`` to every request. Why the Origin rules are
 what they are: a browser lets any page open a websocket to any host, with
 the page's ``Origin`` attached, so the server itself must refuse foreign
 origins (Cross-Site WebSocket Hijacking). A loopback-bound server must not
@@ -10,6 +12,14 @@ agree. So loopback servers only accept loopback names; servers bound to a
 real address also accept the origin that matches the ``Host`` they were
 reached by (the page was served by this server), since anyone who can reach
 them can also connect without any Origin at all.
+
+The same forgery reads answers: a page on evil.example rebound to
+127.0.0.1 is same-origin with whatever it fetches from there, so a
+loopback-bound server also refuses a ``Host`` that is not a loopback name
+(:func:`host_allowed`). A server bound to another address answers any
+``Host`` unless ``allowed_hosts`` names the ones it answers to (behind an
+ingress or a proxy the name is the operator's to know; and an exposed
+server should require a token, which a rebound page does not have).
 """
 
 from __future__ import annotations
@@ -19,7 +29,7 @@ import ipaddress
 from collections.abc import Iterable, Mapping
 from urllib.parse import parse_qs, urlsplit
 
-__all__ = ["is_loopback", "origin_allowed", "own_origins", "token_ok"]
+__all__ = ["host_allowed", "is_loopback", "origin_allowed", "own_origins", "split_host", "token_ok"]
 
 _LOOPBACK_NAMES = ("127.0.0.1", "localhost", "[::1]")
 
@@ -96,3 +106,47 @@ def origin_allowed(
     host = host_header.strip().lower()
     default_port = ":80" if parts.scheme == "http" else ":443"
     return parts.netloc in (host, host.removesuffix(default_port))
+
+
+def split_host(host_header: str) -> str:
+    """The host name of a ``Host`` header, lowercased, without its port (IPv6 without brackets)."""
+    host = host_header.strip().lower()
+    if host.startswith("["):
+        return host[1:].split("]", 1)[0]
+    if host.count(":") == 1:
+        host = host.split(":", 1)[0]
+    return host.rstrip(".")
+
+
+def _is_ip(name: str) -> bool:
+    try:
+        ipaddress.ip_address(name)
+    except ValueError:
+        return False
+    return True
+
+
+def host_allowed(host_header: str | None, *, bound_host: str, allowed: Iterable[str]) -> bool:
+    """Apply the Host rules (module docstring) to a request's ``Host`` header.
+
+    ``bound_host``: the address the server listens on (``scope["server"]``);
+    ``allowed``: configured names, lowercased (``*.example.com`` matches
+    subdomains; ``*`` answers any). No ``Host`` at all (HTTP/1.0) is not a
+    browser: allowed.
+    """
+    if host_header is None:
+        return True
+    allowed = tuple(allowed)
+    if "*" in allowed:
+        return True
+    name = split_host(host_header)
+    if name in allowed or any(a.startswith("*.") and name.endswith(a[1:]) for a in allowed):
+        return True
+    bound = bound_host.strip("[]").lower()
+    if is_loopback(bound):
+        return is_loopback(name)  # a loopback name or address, never a rebound name
+    if not allowed:
+        return True  # see the module docstring: not checked until names are configured
+    if bound in ("", "0.0.0.0", "::"):
+        return _is_ip(name) or is_loopback(name)
+    return name == bound or is_loopback(name)

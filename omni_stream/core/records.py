@@ -23,7 +23,8 @@ from typing import Any
 import anyio
 
 from .. import protocol
-from .outbox import MemoryBudget, Outbox
+from .memory import MemoryBudget
+from .outbox import Outbox
 
 __all__ = ["UNREAD_AFTER_S", "RequestRecord", "RequestRegistry"]
 
@@ -37,9 +38,11 @@ UNREAD_AFTER_S = 0.05
 class RequestRecord:
     """One request as the server sees it (see the module docstring).
 
-    ``owner`` is the id of the connection that created it. ``cancel_reason``
-    is set by whoever cancels it through the engine, so the consumer can say
-    why in ``cancelled``.
+    ``owner`` is the id of the client (connection) that created it: a
+    request that is not detached ends when its owner goes. ``principal`` is
+    the key of who that client is (principal.py): what per-principal rules
+    count it against. ``cancel_reason`` is set by whoever cancels it through
+    the engine, so the consumer can say why in ``cancelled``.
     """
 
     def __init__(
@@ -53,15 +56,20 @@ class RequestRecord:
         created_at: float,
         output: Mapping[str, Any] | None = None,
         priority: int = 0,
+        principal: str | None = None,
+        cross_priority: int = 0,
     ) -> None:
         self.id = request_id
         self.owner = owner
+        self.principal = principal if principal is not None else f"connection:{owner}"
         self.detach = detach
         self.total = total
         self.preview = dict(preview)
         self.output = dict(output) if output is not None else None
         self.created_at = created_at
         self.priority = priority
+        #: The part of ``priority`` that ranks against other principals' requests.
+        self.cross_priority = cross_priority
         self.cancel_reason: str | None = None
         self.ended_at: float | None = None
         self.outcome: str | None = None  # "done" | "cancelled" | "error" once ended
@@ -70,6 +78,8 @@ class RequestRecord:
         #: previews it published: the per-request log line reports them.
         self.frames_taken = 0
         self.previews_sent = 0
+        #: A preview of a non-finite frame was skipped (warned once; consumer.py).
+        self.warned_non_finite = False
         #: The latest progress's estimate of the time left, None before the first.
         self.latest_eta_s: float | None = None
         self._ended_event: anyio.Event | None = None
@@ -330,6 +340,10 @@ class RequestRegistry:
     def running_owned_by(self, conn_id: str) -> int:
         return sum(1 for r in self._records.values() if r.owner == conn_id and not r.ended)
 
+    def running_of(self, principal: str) -> int:
+        """Requests of ``principal`` (its key) that have not ended."""
+        return sum(1 for r in self._records.values() if r.principal == principal and not r.ended)
+
     def check_new(self, request_id: str, *, detach: bool) -> None:
         """Raise MessageError unless a request ``request_id`` may be added now.
 
@@ -367,18 +381,18 @@ class RequestRegistry:
         self._records[record.id] = record
         record.use_budget(self._budget)
 
-    def lookup(self, request_id: str, conn_id: str, *, authenticated: bool) -> RequestRecord:
-        """The record ``conn_id`` may cancel or attach; raises MessageError ``not_found`` otherwise.
+    def lookup(self, request_id: str, conn_id: str, *, principal: str | None = None) -> RequestRecord:
+        """The record client ``conn_id`` may cancel or attach; raises MessageError ``not_found`` otherwise.
 
-        Visible: everything to an ``authenticated`` connection (a token is
-        configured and it presented it); otherwise the connection's own
-        requests and detached requests (their id is the capability).
+        Visible: the client's own requests; every request of its
+        ``principal`` when it proved it (a token's: pass its key, None
+        otherwise, since an address or a connection proves nothing more
+        than the client itself); and detached requests (their id is the
+        capability).
         """
         self.prune()
         record = self._records.get(request_id)
-        if record is None or not (
-            authenticated or record.owner == conn_id or record.detach
-        ):
+        if record is None or not self.visible(record, conn_id, principal=principal):
             raise protocol.MessageError(
                 "not_found",
                 f"no request with id {request_id!r} visible to this connection "
@@ -387,6 +401,13 @@ class RequestRegistry:
                 request_id=request_id,
             )
         return record
+
+    @staticmethod
+    def visible(record: RequestRecord, conn_id: str, *, principal: str | None) -> bool:
+        """Whether client ``conn_id`` (of the proved ``principal``, if any) may see ``record``."""
+        if record.owner == conn_id or record.detach:
+            return True
+        return principal is not None and record.principal == principal
 
     def ended(self, record: RequestRecord) -> None:
         """Call once ``record`` has finished: a request that was not detached is forgotten now."""

@@ -24,10 +24,8 @@ import asyncio
 import contextlib
 import dataclasses
 import logging
-import math
 import threading
 import time
-import uuid
 from collections.abc import Awaitable, Callable, Mapping
 from types import TracebackType
 from typing import Any
@@ -52,15 +50,15 @@ from ..errors import (
 )
 from ..frame import Frame
 from ..lifecycle import Lifecycle
-from ..model import StepModel, split_output
+from ..model import StepModel
 from ..params import positive_int
 from .copier import Copier
-from .delivery import POLICIES, Delivery
+from .delivery import Delivery
+from .intake import CheckedRequest, already_running, as_params_error, check_request, check_request_id
 from .like import final_frame
 from .output_processor import OutputProcessor
 from .producer import Producer
 from .request import Request, Status
-from .scheduler import PRIORITY_MAX, PRIORITY_MIN
 from .stats import EngineStatistics, Health
 from .stream import FrameStream
 from .table import Limits, RequestTable
@@ -68,8 +66,6 @@ from .table import Limits, RequestTable
 __all__ = ["Engine"]
 
 logger = logging.getLogger("omni_stream.engine")
-
-_MAX_ID_LEN = 256
 
 
 class Engine:
@@ -425,6 +421,9 @@ class Engine:
     ) -> FrameStream:
         """Submit a request; returns its frames as an async iterator.
 
+        ``request_id``: 1-128 characters from ``A-Z a-z 0-9 . _ : -``, not
+        "." or ".." (omni_stream/ids.py); None gets a fresh one.
+
         ``priority`` (an int from -10 to 10, higher first) orders it against
         the other requests; waiting ages every request, so none starves
         (docs/design.md, "Scheduling and batching").
@@ -434,84 +433,53 @@ class Engine:
         if it has one (``StepModel.decode_preview``, e.g. a tiny VAE), turns
         the frame into pixels on the producer's device. None decodes none.
 
-        Raises ParamsError (bad params, policy, timeout, preview_every,
-        priority or a duplicate request_id), EngineDeadError or
-        EngineClosedError at once. Iterating raises StepFailedError,
-        StepTimeoutError, RequestCancelledError, EngineDeadError or
-        EngineClosedError.
+        Raises ParamsError (bad params, request_id, policy, timeout,
+        preview_every, priority or a duplicate request_id; engine/intake.py),
+        EngineDeadError or EngineClosedError at once. Iterating raises
+        StepFailedError, StepTimeoutError, RequestCancelledError,
+        EngineDeadError or EngineClosedError.
         """
-        if request_id is None:
-            request_id = uuid.uuid4().hex
-        elif not isinstance(request_id, str) or not request_id or len(request_id) > _MAX_ID_LEN:
-            raise ParamsError(
-                f"request_id must be a non-empty string of at most {_MAX_ID_LEN} characters, "
-                f"got {request_id!r}",
-                field="request_id",
-            )
+        request_id = check_request_id(request_id)
+        # Before the rest: a closed engine says so whatever the params, and
+        # a model still being built has nothing to check them against.
         self._check_open(request_id)
-        if policy not in POLICIES:
-            raise ParamsError(
-                f"policy must be one of {', '.join(POLICIES)}, got {policy!r}",
-                field="policy",
-                request_id=request_id,
+        return self.submit(
+            check_request(
+                self.model, params, request_id=request_id, policy=policy, timeout=timeout,
+                preview_every=preview_every, priority=priority,
             )
-        if timeout is not None and (
-            isinstance(timeout, bool)
-            or not isinstance(timeout, (int, float))
-            or not math.isfinite(timeout)
-            or timeout <= 0
-        ):
-            raise ParamsError(
-                f"timeout must be a positive number of seconds, got {timeout!r}",
-                field="timeout",
-                request_id=request_id,
-            )
-        if preview_every is not None:
-            positive_int(preview_every, "preview_every", request_id=request_id)
-        if (
-            isinstance(priority, bool)
-            or not isinstance(priority, int)
-            or not PRIORITY_MIN <= priority <= PRIORITY_MAX
-        ):
-            raise ParamsError(
-                f"priority must be an int from {PRIORITY_MIN} to {PRIORITY_MAX}, got {priority!r}",
-                field="priority",
-                request_id=request_id,
-            )
-        if request_id in self._by_id:
-            raise ParamsError(
-                f"request_id {request_id!r} is already running", field="request_id", request_id=request_id
-            )
-        try:
-            params, output = split_output(self.model, params)
-            checked = self.model.validate(params)
-            if output is not None:
-                checked["output"] = output
-            total = self.model.total_steps(checked)
-            key = self.model.batch_key(checked)
-        except ParamsError as exc:
-            exc.request_id = request_id
-            raise
-        except (ValueError, TypeError, KeyError) as exc:
-            raise ParamsError(f"{self.model.name}: {exc}", request_id=request_id) from exc
-        positive_int(
-            total, "steps", what=f"{self.model.name}.total_steps()'s count", request_id=request_id
         )
+
+    def submit(self, request: CheckedRequest) -> FrameStream:
+        """Submit a request ``check_request`` passed; returns its frames as ``stream`` does.
+
+        For a front that checks requests once for several engines (an
+        EngineGroup checks against its first member's model, and each member's
+        is built alike): ``request`` is not checked against this model again.
+        Raises ParamsError (a duplicate request_id, or params this model's
+        ``batch_key`` refuses), EngineDeadError or EngineClosedError.
+        """
+        request_id = request.request_id
+        self._check_open(request_id)
+        if request_id in self._by_id:
+            raise already_running(request_id)
+        with as_params_error(self.model, request_id):
+            key = self.model.batch_key(request.params)
         with self._table.cond:
             self._table.arrivals += 1
             r = Request(
                 request_id=request_id,
-                params=checked,
-                total=total,
+                params=request.params,
+                total=request.total,
                 batch_key=key,
-                policy=policy,
-                timeout=None if timeout is None else float(timeout),
-                preview_every=preview_every,
+                policy=request.policy,
+                timeout=request.timeout,
+                preview_every=request.preview_every,
                 arrival=self._table.arrivals,
-                priority=priority,
+                priority=request.priority,
                 # Its wait ages from here (the producer counts rounds under this lock).
                 arrival_round=self._producer._seq,
-                delivery=Delivery(policy),
+                delivery=Delivery(request.policy),
             )
             self._table.live[r.arrival] = r
             self._table.wake_producer()

@@ -1,7 +1,8 @@
 """EngineGroup: one Engine per device of one machine, behind one EngineLike.
 
 Each member is a plain ``Engine`` (its own producer thread, copier and
-model); the group only routes. A new request goes to the member with the
+model); the group checks a request once, against member 0's model
+(engine/intake.py), and routes it. A new request goes to the member with the
 least work (active + queued), ties to the lowest index, skipping members
 that are dead. The group keeps which member runs each request id, from
 ``stream()`` until the stream ends (its final frame or error read,
@@ -27,7 +28,6 @@ from __future__ import annotations
 import dataclasses
 import logging
 import threading
-import uuid
 from collections.abc import AsyncIterator, Callable, Mapping, Sequence
 from dataclasses import dataclass
 from types import TracebackType
@@ -47,6 +47,7 @@ from ..frame import Frame
 from ..lifecycle import Lifecycle
 from ..model import StepModel
 from .engine import Engine
+from .intake import already_running, check_request, check_request_id
 from .like import final_frame
 from .stats import EngineStatistics, Health
 from .stream import FrameStream
@@ -466,7 +467,7 @@ class EngineGroup:
                 what = "shut down"
             raise EngineClosedError(f"the engine group is {what}", request_id=request_id)
 
-    def _pick(self, request_id: str | None) -> int:
+    def _pick(self, request_id: str) -> int:
         """The member for a new request: the least loaded of the ok ones, else of the stalled ones."""
         ok: list[tuple[int, int]] = []
         stalled: list[tuple[int, int]] = []
@@ -502,29 +503,24 @@ class EngineGroup:
     ) -> GroupStream:
         """Submit a request to the least loaded live member; returns its frames.
 
-        Raises as ``Engine.stream`` does: ParamsError (bad params or options,
-        or a request_id still running anywhere in the group), EngineDeadError
-        (every member dead), EngineClosedError at once; iterating raises
-        StepFailedError, StepTimeoutError, RequestCancelledError,
-        EngineDeadError (its member died) or EngineClosedError.
+        The request is checked once, against ``model`` (engine/intake.py),
+        then routed. Raises as ``Engine.stream`` does: ParamsError (bad
+        params or options, or a request_id still running anywhere in the
+        group), EngineDeadError (every member dead), EngineClosedError at
+        once; iterating raises StepFailedError, StepTimeoutError,
+        RequestCancelledError, EngineDeadError (its member died) or
+        EngineClosedError.
         """
-        if request_id is None:
-            request_id = uuid.uuid4().hex
-        self._check_open(request_id if isinstance(request_id, str) else None)
-        if isinstance(request_id, str) and request_id in self._where:
-            # The same error, word for word, as one Engine's for a duplicate.
-            raise ParamsError(
-                f"request_id {request_id!r} is already running", field="request_id", request_id=request_id
-            )
-        index = self._pick(request_id if isinstance(request_id, str) else None)
-        inner = self._members[index].stream(
-            params,
-            request_id=request_id,
-            policy=policy,
-            timeout=timeout,
-            preview_every=preview_every,
-            priority=priority,
+        request_id = check_request_id(request_id)
+        self._check_open(request_id)
+        if request_id in self._where:
+            raise already_running(request_id)
+        checked = check_request(
+            self.model, params, request_id=request_id, policy=policy, timeout=timeout,
+            preview_every=preview_every, priority=priority,
         )
+        index = self._pick(request_id)
+        inner = self._members[index].submit(checked)
         stream = GroupStream(self, inner, index)
         with self._lock:
             self._where[inner.request_id] = (index, stream._token)

@@ -104,7 +104,8 @@ class EngineLike(Protocol):
     """Something that streams frames: ``async with engine: engine.stream(params)``.
 
     Enter and leave it from the same task. ``stream`` raises ParamsError (bad
-    params or options, a duplicate ``request_id``), EngineDeadError or
+    params or options, a ``request_id`` outside omni_stream/ids.py's rule or
+    one still running; engine/intake.py has the checks), EngineDeadError or
     EngineClosedError at once; iterating raises StepFailedError,
     StepTimeoutError, RequestCancelledError, EngineDeadError or
     EngineClosedError.

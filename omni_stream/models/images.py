@@ -485,9 +485,36 @@ def _levels(img: Array) -> npt.NDArray[np.float32]:
     return out
 
 
-def render_all(size: int) -> torch.Tensor:
-    """Every component at ``size``: float32 [len(COMPONENTS), 3, size, size]."""
-    return torch.from_numpy(np.stack([render(c, size).numpy() for c in COMPONENTS]))
+def render_all(size: int, *, out: torch.Tensor | None = None) -> torch.Tensor:
+    """Every component at ``size``: float32 [len(COMPONENTS), 3, size, size].
+
+    Drawn into ``out`` when given (a contiguous float32 CPU tensor of that
+    shape, returned), else into a new tensor. Raises ParamsError for a size
+    below 1, ValueError for a wrong ``out``.
+    """
+    positive_int(size, "size", what="image size")
+    target = _destination(out, len(COMPONENTS), size)
+    for i, component in enumerate(COMPONENTS):
+        target[i] = _levels(component.draw(_Canvas(size)))
+    return out if out is not None else torch.from_numpy(target)
+
+
+def _destination(out: torch.Tensor | None, count: int, size: int) -> npt.NDArray[np.float32]:
+    # The caller's tensor, seen as numpy: each image is written straight into
+    # its row, with no list of images stacked (a second full copy) after.
+    shape = (count, 3, size, size)
+    if out is None:
+        return np.empty(shape, dtype=np.float32)
+    if (
+        tuple(out.shape) != shape or out.dtype != torch.float32 or out.device.type != "cpu"
+        or not out.is_contiguous()
+    ):
+        raise ValueError(
+            f"out must be a contiguous float32 CPU tensor of shape {list(shape)}, "
+            f"got {out.dtype} {list(out.shape)} on {out.device}"
+        )
+    target: npt.NDArray[np.float32] = out.numpy()
+    return target
 
 
 # ---- a colour and a shape -------------------------------------------------
@@ -574,21 +601,21 @@ def plain(prompt: str) -> PlainPicture | None:
     return None
 
 
-def render_plain(picture: PlainPicture, size: int) -> torch.Tensor:
+def render_plain(picture: PlainPicture, size: int, *, out: torch.Tensor | None = None) -> torch.Tensor:
     """Every variant of ``picture``: float32 [len(VARIANTS), 3, size, size], on the level grid.
 
-    The background is white (black for a white shape). Raises ParamsError
-    for a size below 1.
+    The background is white (black for a white shape). Drawn into ``out``
+    when given (as :func:`render_all`). Raises ParamsError for a size below
+    1, ValueError for a wrong ``out``.
     """
     positive_int(size, "size", what="image size")
+    target = _destination(out, len(VARIANTS), size)
     colour = PLAIN_COLOURS[picture.colour]
     background = BLACK if picture.colour == "white" else WHITE
-    out = []
-    for dx, dy, scale in VARIANTS:
+    for i, (dx, dy, scale) in enumerate(VARIANTS):
         c = _Canvas(size, (dx, dy), scale)
-        img = _paint(c.fill(background), PLAIN_SHAPES[picture.shape](c), colour)
-        out.append(_levels(img))
-    return torch.from_numpy(np.stack(out))
+        target[i] = _levels(_paint(c.fill(background), PLAIN_SHAPES[picture.shape](c), colour))
+    return out if out is not None else torch.from_numpy(target)
 
 
 def _normalise(word: str) -> str | None:

@@ -21,6 +21,15 @@ gives the same answer. Everything else is per-element arithmetic (+ - * /,
 round, clamp: correctly rounded wherever it runs) or a softmax over one row,
 and the noise comes from a generator seeded by (seed, step) alone. The
 rounding only enters the softmax logits, far below the noise they measure.
+
+Memory: the images at one size and plain picture (a *bank*: float32, plus
+a float64 copy up to 512 pixels) are built on the producer thread when a
+request first needs them, at a peak a little above the bank itself, and
+cached (an LRU bounded by ``cache_sizes`` and ``cache_bytes``); ``load``
+builds the default size's, which stays. Mixture is an
+:class:`omni_stream.model.ModelMemory`: ``request_memory_bytes`` is the
+building peak of a bank not cached yet, ``cache_bytes`` and ``trim_cache``
+the banks requests left behind.
 """
 
 from __future__ import annotations
@@ -30,7 +39,7 @@ import threading
 from collections import OrderedDict
 from collections.abc import Hashable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, TypeAlias
 
 import torch
 
@@ -59,8 +68,35 @@ CHUNK_VALUES = 1 << 23
 #: above it (sizes over 512) it is made slice by slice at each step instead.
 LEVELS64_MAX_DIMS = 3 * 512 * 512
 _SLICE_DIMS = 1 << 16
+_FLOAT32 = 4
+_FLOAT64 = 8
+#: A bank is built this many columns at a time (the float64 chunk buffer).
+_BUILD_COLUMNS = 1 << 13
+#: Building a bank takes, beyond the bank and its chunk buffer, the drawing
+#: of an image: numpy temporaries of about 86 bytes a pixel at their peak
+#: (tracemalloc, the gradients; 48 for a plain picture's variants). Measured
+#: peak RSS increase of one build in a fresh process (32 to 2048 pixels,
+#: with and without plain pictures), over the bank and the chunk buffer: at
+#: most 81 bytes a pixel (800 and up, no plain picture; 40-55 with one),
+#: and at most 1.2 MiB below 512 pixels. E.g. 512: 276.6 MiB for a 270.0 MiB
+#: bank (561.6 for 558.0 with "red circle"), 1024: 440.2 for 360.0 (799.6
+#: for 744.0), 2048: 1743.6 for 1440.0 (3139.6 for 2976.0). The estimate
+#: (_build_peak_bytes) is the bank, the buffer and these two on top.
+BUILD_BYTES_PER_PIXEL = 96
+BUILD_BYTES_BASE = 8 << 20
 #: The size ``load`` renders ahead of the first request (the ``size`` default).
 DEFAULT_SIZE = 256
+#: Default bounds of the banks requests leave cached (``load``'s is outside
+#: them; the newest always stays). A bank saves what building it costs: at
+#: 256 and 512 pixels about a whole 30-step request (measured on two cores:
+#: 0.12-0.17 s against 0.16 s of steps at 256, 0.42-0.64 s against 0.52 s
+#: at 512). 256 MiB (it was 1 GiB) is a quarter of the server's default
+#: max_memory_bytes, held while idle: a colour-and-shape bank at 256 pixels
+#: (140 MiB) beside smaller sizes, or a 384-pixel bank (152 MiB); a larger
+#: size in repeated use stays as the newest, and two alternating large sizes
+#: are rebuilt. The server trims further (``trim_cache``) when its budget is over.
+CACHE_SIZES = 4
+CACHE_BYTES = 256 << 20
 
 assert images.LEVELS == 2**_LEVEL_BITS
 # The mixture-mean bound: |r| sums to at most 1 + 2 * MAX_GUIDANCE, each
@@ -85,8 +121,9 @@ class _Bank:
 
     @property
     def nbytes(self) -> int:
+        """Bytes of its tensors: the images, their float64 copy when kept, the norms."""
         extra = 0 if self.levels is None else self.levels.nbytes
-        return self.mu.nbytes + extra
+        return self.mu.nbytes + extra + self.norms.nbytes
 
     def level_slices(self) -> Iterator[tuple[slice, torch.Tensor]]:
         """(columns, float64 levels [K, n]) covering every column."""
@@ -95,7 +132,12 @@ class _Bank:
             return
         for lo in range(0, self.dims, _SLICE_DIMS):
             cols = slice(lo, lo + _SLICE_DIMS)
-            yield cols, self.mu[:, cols].to(torch.float64).mul_(images.LEVELS)
+            yield cols, _levels64(self.mu, cols)
+
+
+def _levels64(mu: torch.Tensor, cols: slice) -> torch.Tensor:
+    """float64 ``mu[:, cols] * 128``: integers, exact (a power-of-two scale of float32 values)."""
+    return mu[:, cols].to(torch.float64).mul_(images.LEVELS)
 
 
 def _x_bits(dims: int) -> int:
@@ -107,28 +149,78 @@ def _x_bits(dims: int) -> int:
     return min(exact, _FLOAT32_BITS - X_RANGE_BITS)
 
 
+def _rows(picture: images.PlainPicture | None) -> int:
+    return len(images.COMPONENTS) + (0 if picture is None else len(images.VARIANTS))
+
+
+def _bank_bytes(size: int, picture: images.PlainPicture | None = None) -> int:
+    """Bytes of the bank for ``size`` and ``picture``, as ``_Bank.nbytes`` will count them once built."""
+    rows, dims = _rows(picture), 3 * size * size
+    per_value = _FLOAT32 + (_FLOAT64 if dims <= LEVELS64_MAX_DIMS else 0)
+    return rows * dims * per_value + rows * _FLOAT64
+
+
+def _build_peak_bytes(size: int, picture: images.PlainPicture | None = None) -> int:
+    """Memory building that bank takes at its peak: the bank, its chunk buffer, the drawing.
+
+    At or above the measured peak RSS increase (see BUILD_BYTES_PER_PIXEL).
+    On an accelerator the device holds the bank and the chunk buffer, and
+    the host the images in float32 while they are drawn: both below this.
+    """
+    rows, dims = _rows(picture), 3 * size * size
+    chunk = rows * min(dims, _BUILD_COLUMNS) * _FLOAT64
+    return _bank_bytes(size, picture) + chunk + BUILD_BYTES_PER_PIXEL * size * size + BUILD_BYTES_BASE
+
+
 def _make_bank(size: int, picture: images.PlainPicture | None, device: torch.device) -> _Bank:
-    rendered = images.render_all(size)
+    """Draw the images at ``size`` and build their float64 levels and norms on ``device``.
+
+    Nothing twice: the images are drawn straight into the bank's float32
+    tensor, and the float64 levels (integers up to 128) are made column chunk
+    by column chunk, straight into the kept copy when there is one. The
+    chunked norms are the whole-row sums bit for bit: every partial sum is an
+    integer below 2^14 * 3 * 2048^2 < 2^38, exact in float64 in any order.
+    Raises ParamsError for a size below 1.
+    """
+    rows, fixed = _rows(picture), len(images.COMPONENTS)
+    drawn = torch.empty(rows, 3, size, size, dtype=torch.float32)
+    images.render_all(size, out=drawn[:fixed])
     if picture is not None:
-        rendered = torch.cat([rendered, images.render_plain(picture, size)])
-    pictures = rendered.reshape(rendered.shape[0], -1)
-    levels = pictures.to(torch.float64) * images.LEVELS
-    keep = levels.shape[1] <= LEVELS64_MAX_DIMS
-    return _Bank(
-        size=size,
-        picture=picture,
-        mu=pictures.to(device),
-        levels=levels.to(device) if keep else None,
-        norms=(levels * levels).sum(1).to(device),
-        x_bits=_x_bits(levels.shape[1]),
+        images.render_plain(picture, size, out=drawn[fixed:])
+    mu = drawn.view(rows, -1).to(device)  # no copy on the CPU
+    del drawn
+    dims = mu.shape[1]
+    levels = (
+        torch.empty(rows, dims, dtype=torch.float64, device=device)
+        if dims <= LEVELS64_MAX_DIMS else None
     )
+    norms = torch.zeros(rows, dtype=torch.float64, device=device)
+    # One narrow buffer reused for every chunk: a fresh tensor per chunk left
+    # freed blocks in glibc's heap (RSS held after the build), and chunks as
+    # wide as the step's slices made the buffer as large as the float64 copy
+    # itself at sizes up to 147 pixels (peak 1.7x the bank).
+    buffer = torch.empty(rows, min(dims, _BUILD_COLUMNS), dtype=torch.float64, device=device)
+    for lo in range(0, dims, _BUILD_COLUMNS):
+        cols = slice(lo, lo + _BUILD_COLUMNS)
+        part = buffer[:, : min(_BUILD_COLUMNS, dims - lo)]
+        part.copy_(mu[:, cols]).mul_(images.LEVELS)  # as _levels64, in place
+        if levels is not None:
+            levels[:, cols] = part
+        norms.add_(part.mul_(part).sum(1))
+    return _Bank(size=size, picture=picture, mu=mu, levels=levels, norms=norms, x_bits=_x_bits(dims))
+
+
+_Key: TypeAlias = tuple[int, images.PlainPicture | None, str]
 
 
 class _BankCache:
     """An LRU of banks keyed by (size, picture, device), bounded in entries and bytes; thread-safe.
 
-    The newest bank always stays, whatever its size. Banks in use by running
-    requests stay alive through their states even once evicted here.
+    One bank may be pinned (``load``'s): never evicted, outside the bounds
+    and :meth:`nbytes`. Of the others, the newest always stays on insertion,
+    whatever its size (the request that built it is using it); :meth:`trim`
+    may take it. Banks in use by running requests stay alive through their
+    states even once evicted here.
     """
 
     def __init__(self, max_entries: int, max_bytes: int) -> None:
@@ -137,30 +229,81 @@ class _BankCache:
             raise ValueError(f"cache_bytes must be >= 0, got {max_bytes}")
         self.max_entries = max_entries
         self.max_bytes = max_bytes
-        self._banks: OrderedDict[tuple[int, images.PlainPicture | None, str], _Bank] = OrderedDict()
+        self._banks: OrderedDict[_Key, _Bank] = OrderedDict()
+        self._pinned: _Key | None = None
+        self._bytes = 0  # of the unpinned banks
+        # Held only for dictionary work, never while a bank is drawn: the
+        # event loop reads and trims the cache while the producer thread builds.
         self._lock = threading.Lock()
 
     def get(
-        self, size: int, device: torch.device, picture: images.PlainPicture | None = None
+        self, size: int, device: torch.device, picture: images.PlainPicture | None = None,
+        *, pin: bool = False,
     ) -> _Bank:
+        """The bank, built now if it is not cached; ``pin`` keeps it for good (``load``)."""
         key = (size, picture, str(device))
         with self._lock:
             bank = self._banks.get(key)
             if bank is not None:
                 self._banks.move_to_end(key)
+                if pin:
+                    self._pin(key)
+                    self._evict(self.max_entries, self.max_bytes, spare=key)
                 return bank
-        bank = _make_bank(size, picture, device)  # outside the lock: rendering takes a while
+        bank = _make_bank(size, picture, device)  # outside the lock: drawing takes a while
         with self._lock:
+            old = self._banks.pop(key, None)  # built twice by two threads: keep the new one
+            if old is not None and key != self._pinned:
+                self._bytes -= old.nbytes
             self._banks[key] = bank
-            self._banks.move_to_end(key)
-            while len(self._banks) > 1 and (
-                len(self._banks) > self.max_entries
-                or sum(b.nbytes for b in self._banks.values()) > self.max_bytes
-            ):
-                self._banks.popitem(last=False)
+            if key != self._pinned:
+                self._bytes += bank.nbytes
+            if pin:
+                self._pin(key)
+            self._evict(self.max_entries, self.max_bytes, spare=key)
         return bank
 
-    def entries(self) -> list[tuple[int, images.PlainPicture | None, str]]:
+    def _pin(self, key: _Key) -> None:
+        # Called with the lock held. A previously pinned bank becomes an ordinary entry.
+        if key == self._pinned:
+            return
+        if self._pinned is not None and self._pinned in self._banks:
+            self._bytes += self._banks[self._pinned].nbytes
+        self._bytes -= self._banks[key].nbytes
+        self._pinned = key
+
+    def _evict(self, max_entries: int, max_bytes: int, spare: _Key | None) -> int:
+        # Called with the lock held: least recently used first, never the
+        # pinned bank or ``spare``. Returns the bytes evicted.
+        freed = 0
+        for key in list(self._banks):
+            if len(self._banks) - (self._pinned is not None) <= max_entries and self._bytes <= max_bytes:
+                break
+            if key in (self._pinned, spare):
+                continue
+            bank = self._banks.pop(key)
+            self._bytes -= bank.nbytes
+            freed += bank.nbytes
+        return freed
+
+    def trim(self, keep_bytes: int) -> int:
+        """Evict unpinned banks, least recently used first, down to ``keep_bytes``; the bytes evicted."""
+        with self._lock:
+            return self._evict(len(self._banks), keep_bytes, spare=None)
+
+    def nbytes(self) -> int:
+        """Bytes of the unpinned banks."""
+        with self._lock:
+            return self._bytes
+
+    def holds(self, size: int, picture: images.PlainPicture | None, device: torch.device | None) -> bool:
+        """Whether the bank is cached (on any device when ``device`` is None)."""
+        with self._lock:
+            if device is not None:
+                return (size, picture, str(device)) in self._banks
+            return any(key[:2] == (size, picture) for key in self._banks)
+
+    def entries(self) -> list[_Key]:
         """(size, picture, device) of the cached banks, least recently used first."""
         with self._lock:
             return list(self._banks)
@@ -272,19 +415,22 @@ class Mixture(StepModel):
     )
 
     def __init__(
-        self, *, max_batch_size: int = 64, cache_sizes: int = 4, cache_bytes: int = 1 << 30
+        self, *, max_batch_size: int = 64, cache_sizes: int = CACHE_SIZES,
+        cache_bytes: int = CACHE_BYTES,
     ) -> None:
-        """``cache_sizes`` and ``cache_bytes`` bound the rendered image sizes kept (LRU).
+        """``cache_sizes`` and ``cache_bytes`` bound the image banks requests built and left (LRU).
 
         One size takes 12 bytes per image value up to 512 pixels (the images
-        in float32 and float64: 71 MB at 256, 283 MB at 512), 4 above it;
-        a size with a plain picture (a colour-and-shape prompt) caches its
-        32 variants beside them (146 MB at 256).
+        in float32 and float64: 68 MiB at 256, 270 MiB at 512), 4 above it
+        (220 MiB at 800); a size with a plain picture (a colour-and-shape
+        prompt) caches its 32 variants beside them (140 MiB at 256). The
+        bank ``load`` builds for the default size stays outside the bounds.
         Raises ParamsError for a bound below 1 (ValueError for ``cache_bytes`` below 0).
         """
         positive_int(max_batch_size, "max_batch_size")
         self.max_batch_size = max_batch_size
         self._banks = _BankCache(cache_sizes, cache_bytes)
+        self._device: torch.device | None = None  # load's: where the banks are built
 
     def validate(self, params: Mapping[str, Any] | None) -> dict[str, Any]:
         """Check params (see :data:`params`); raises ParamsError naming the field."""
@@ -307,7 +453,40 @@ class Mixture(StepModel):
         return ("mixture", int(params["size"]), None if picture is None else picture.name)
 
     def load(self, device: torch.device) -> None:
-        self._banks.get(DEFAULT_SIZE, device)
+        self._device = device
+        self._banks.get(DEFAULT_SIZE, device, pin=True)
+
+    # -- memory (omni_stream.model.ModelMemory) --------------------------------
+
+    def request_memory_bytes(self, params: Mapping[str, Any]) -> int:
+        """Bytes a request with these checked params adds on the model's device beyond its frames.
+
+        The bank of its size and plain picture, at its building peak, when
+        that bank is not cached now; 0 when it is. An estimate at admission:
+        a bank trimmed or evicted before the request starts is built again.
+        A bank still being built counts as not cached. Cheap (no drawing),
+        thread-safe; raises KeyError for params without ``size`` or ``prompt``.
+        """
+        size = int(params["size"])
+        picture = images.plain(params["prompt"])
+        if self._banks.holds(size, picture, self._device):
+            return 0
+        return _build_peak_bytes(size, picture)
+
+    def cache_bytes(self) -> int:
+        """Bytes of the banks requests built and the cache keeps (not ``load``'s); thread-safe."""
+        return self._banks.nbytes()
+
+    def trim_cache(self, keep_bytes: int = 0) -> int:
+        """Evict banks, least recently used first, until :meth:`cache_bytes` <= ``keep_bytes``.
+
+        Never ``load``'s bank; a running request keeps its bank alive through
+        its state. Returns the bytes the cache no longer holds. Thread-safe.
+        Raises ValueError for ``keep_bytes`` below 0.
+        """
+        if keep_bytes < 0:
+            raise ValueError(f"keep_bytes must be >= 0, got {keep_bytes}")
+        return self._banks.trim(keep_bytes)
 
     def start(self, params: Mapping[str, Any], device: torch.device) -> _State:
         """Draw the initial noise for one request; raises ParamsError for bad params."""

@@ -42,7 +42,15 @@ from .encode import (
     video_strip,
 )
 from .remote import RenderRequest, render_frame
-from .render import VIDEO_MODES, Previewer, PreviewSpec, render_sync, should_preview
+from .render import (
+    VIDEO_MODES,
+    NonFiniteFrameError,
+    Previewer,
+    PreviewSpec,
+    check_finite,
+    render_sync,
+    should_preview,
+)
 from .save import (
     IMAGE_OUTPUTS,
     IMAGE_SUFFIXES,
@@ -94,6 +102,8 @@ __all__ = [
     "PreviewSpec",
     "Previewer",
     "render_sync",
+    "NonFiniteFrameError",
+    "check_finite",
     "should_preview",
     "IMAGE_SUFFIXES",
     "VIDEO_SUFFIXES",

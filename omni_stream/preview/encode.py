@@ -26,8 +26,9 @@ from __future__ import annotations
 
 import io
 import math
+from collections.abc import Mapping
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Final
 
 import numpy as np
 from PIL import Image
@@ -39,6 +40,7 @@ except ImportError:  # pragma: no cover - tests set it to None for the fallback
 
 from ..errors import ParamsError
 from ..params import positive_int
+from ..protocol.formats import PREVIEW_FORMATS
 
 __all__ = [
     "FORMATS",
@@ -53,14 +55,10 @@ __all__ = [
     "check_fps",
 ]
 
-#: Format name -> MIME type of the bytes ``encode`` returns.
-FORMATS: dict[str, str] = {
-    "jpeg": "image/jpeg",
-    "png": "image/png",
-    "webp": "image/webp",
-    # Bare RGB bytes, row-major, 3 bytes a pixel; width and height travel beside them.
-    "raw": "application/octet-stream",
-}
+#: Format name -> MIME type of the bytes ``encode`` returns: the protocol's
+#: table (omni_stream/protocol/formats.py), so what the encoder labels a
+#: frame is what the client checks it against.
+FORMATS: Final[Mapping[str, str]] = PREVIEW_FORMATS
 
 #: Quality used when none is given, for the formats that take one.
 DEFAULT_QUALITY: dict[str, int] = {"jpeg": 85, "webp": 80}

@@ -9,6 +9,7 @@ and the producer thread keeps computing the next step meanwhile.
 from __future__ import annotations
 
 import contextlib
+import functools
 from collections.abc import AsyncIterator, Awaitable, Callable, Mapping
 from dataclasses import dataclass, field
 from typing import Any, TypeVar
@@ -30,7 +31,10 @@ from .encode import (
     video_strip,
 )
 
-__all__ = ["PreviewSpec", "Previewer", "should_preview", "render_sync", "VIDEO_MODES"]
+__all__ = [
+    "NonFiniteFrameError", "PreviewSpec", "Previewer", "check_finite", "should_preview", "render_sync",
+    "VIDEO_MODES",
+]
 
 _WIRE_KEYS = ("every", "format", "max_size", "quality", "decoder", "video")
 
@@ -124,7 +128,24 @@ def should_preview(step: int, total: int, every: int) -> bool:
     return step >= total or step % every == 0
 
 
-def render_sync(frame: Frame | torch.Tensor, spec: PreviewSpec) -> EncodedImage:
+class NonFiniteFrameError(ValueError):
+    """A frame holds NaN or infinite values: there is no picture to draw from it."""
+
+
+def check_finite(frame: Frame | torch.Tensor) -> None:
+    """Raise NonFiniteFrameError when ``frame``'s values are not all finite (floating frames only).
+
+    A model that diverged (a NaN in its latents) would otherwise be drawn as
+    black or garbage and reported as done. One pass over the frame: call it
+    where the frame is rendered, in a worker thread.
+    """
+    data = frame.data if isinstance(frame, Frame) else frame
+    if data.is_floating_point() and data.numel() and not bool(torch.isfinite(data).all()):
+        bad = int((~torch.isfinite(data)).sum())
+        raise NonFiniteFrameError(f"{bad} of its {data.numel()} values are NaN or infinite")
+
+
+def render_sync(frame: Frame | torch.Tensor, spec: PreviewSpec, *, finite: bool = False) -> EncodedImage:
     """Decode, shrink and encode one frame in the calling thread.
 
     A video frame (``decode.is_video``: ``[C, T, h, w]`` latents, ``[T, 3,
@@ -134,8 +155,11 @@ def render_sync(frame: Frame | torch.Tensor, spec: PreviewSpec) -> EncodedImage:
     dimension of 3 as ``[T, 3, H, W]`` (``decode.decode_frame``). Raises
     ParamsError when the frame does not fit the spec's decoder (field
     ``frame``) or a custom decoder returns something other than an RGB array
-    (field ``decoder``).
+    (field ``decoder``); with ``finite``, NonFiniteFrameError for a frame
+    with NaN or infinite values (:func:`check_finite`).
     """
+    if finite:
+        check_finite(frame)
     if isinstance(frame, Frame):
         data, decoded = frame.data, frame.decoded
     else:
@@ -207,15 +231,14 @@ class Previewer:
         return await anyio.to_thread.run_sync(fn, *args, limiter=self._limiter)
 
     @contextlib.asynccontextmanager
-    async def reserve(
-        self,
-    ) -> AsyncIterator[Callable[[Frame | torch.Tensor, PreviewSpec], Awaitable[EncodedImage]]]:
+    async def reserve(self) -> AsyncIterator[Callable[..., Awaitable[EncodedImage]]]:
         """Wait for a free preview thread, then yield a ``render`` that uses it.
 
         For callers that pick the frame only once a thread is free: a server
         behind on its previews renders the newest step it has, not the one
         it held while it queued (which would reach the client already stale).
-        The returned callable may be awaited any number of times while the
+        The returned callable, ``render(frame, spec, *, finite=False)`` (as
+        :func:`render_sync`), may be awaited any number of times while the
         reservation is held, and only then; each call renders in the reserved
         slot. Calling ``render`` itself inside the reservation raises (anyio:
         the task already holds a token of this previewer).
@@ -223,10 +246,13 @@ class Previewer:
         async with self._limiter:
             yield self._render_reserved
 
-    async def _render_reserved(self, frame: Frame | torch.Tensor, spec: PreviewSpec) -> EncodedImage:
+    async def _render_reserved(
+        self, frame: Frame | torch.Tensor, spec: PreviewSpec, *, finite: bool = False
+    ) -> EncodedImage:
         # The reservation holds one of self._limiter's tokens; this limiter
         # only keeps the call off anyio's shared one (same bound).
-        return await anyio.to_thread.run_sync(render_sync, frame, spec, limiter=self._reserved)
+        job = functools.partial(render_sync, frame, spec, finite=finite)
+        return await anyio.to_thread.run_sync(job, limiter=self._reserved)
 
     def __repr__(self) -> str:
         return f"Previewer(threads={self._threads}, busy={self._limiter.borrowed_tokens})"

@@ -1,13 +1,23 @@
 """The wire protocol, with no I/O: what the server and the client both speak (docs/protocol.md).
 
-- :mod:`.messages`: the message types and the codec, one for both sides:
-  client messages parsed and checked into :class:`Generate`,
-  :class:`Cancel`, :class:`Attach` (or :class:`MessageError` with the
-  ``error`` code to answer), the server's messages built, binary preview
-  frames packed and unpacked, the shared constants and codes.
-- :mod:`.client`: the client's reading of the server's messages (strict:
-  ``ProtocolError`` naming what is wrong) into events, and its own messages.
-- :mod:`.inbox`: one request's inbox on the client, a pure state machine.
+Every message is defined once, for both sides, as one frozen class with its
+fields, its wire form and its parser:
+
+.. code-block:: text
+
+    codes.py            error codes, cancel reasons, close codes, priority range, echo bounds
+    formats.py          format -> MIME type (the one table), the formats' signatures
+    codec.py            JSON text: one serializer (dumps), the server's reading of a
+                        client (MessageError), the client's reading of the server (ProtocolError)
+    client_messages.py  Generate, Cancel, Attach: built by the client (ParamsError),
+                        parsed by the server (MessageError with the ``error`` code)
+    server_messages.py  Accepted, Progress, Done, Cancelled, ErrorMessage: built by the
+                        server, parsed by the client (ProtocolError)
+    frames.py           the binary preview frame: PreviewHeader, PreviewFrame, one pack,
+                        one strict parse, and the server's cheap unpack of its own frames
+    messages.py         the server's functions over those: accepted() ... error() -> dict
+    client.py           the client's policy: an ``error`` code -> the exception a caller sees
+    inbox.py            one request's inbox on the client, a pure state machine
 
 The server's rules (admission, ownership, attach, retention) are
 ``omni_stream.server.service`` and ``.records``; the I/O layers (the
@@ -17,7 +27,42 @@ Importing this package loads neither the server nor the engine.
 
 from __future__ import annotations
 
-from .messages import *  # noqa: F403 - this package's face is the messages module
+from .client_messages import (
+    CLIENT_MESSAGES,
+    check_request_id,
+)
+from .codes import CLOSE_PROTOCOL_ERROR
+from .formats import FORMATS, PREVIEW_FORMATS
+from .frames import MAX_HEADER_BYTES, PreviewFrame, parse_preview_frame
+from .messages import *  # noqa: F403 - the server's names, kept as they were
 from .messages import __all__ as _messages_all
+from .server_messages import (
+    SERVER_MESSAGES,
+    Accepted,
+    Cancelled,
+    Done,
+    ErrorMessage,
+    Progress,
+    ServerMessage,
+    parse_server_message,
+)
 
-__all__ = list(_messages_all)
+__all__ = [
+    *_messages_all,
+    "CLIENT_MESSAGES",
+    "CLOSE_PROTOCOL_ERROR",
+    "FORMATS",
+    "MAX_HEADER_BYTES",
+    "PREVIEW_FORMATS",
+    "SERVER_MESSAGES",
+    "Accepted",
+    "Cancelled",
+    "Done",
+    "ErrorMessage",
+    "PreviewFrame",
+    "Progress",
+    "ServerMessage",
+    "check_request_id",
+    "parse_preview_frame",
+    "parse_server_message",
+]

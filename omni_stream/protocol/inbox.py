@@ -14,17 +14,10 @@ from collections import deque
 
 from .._wakeup import Wakeup
 from ..errors import ClientError, ProtocolError, RemoteCancelledError
-from .client import (
-    REJECTION_CODES,
-    Accepted,
-    Cancelled,
-    Done,
-    ErrorMessage,
-    Event,
-    PreviewFrame,
-    Progress,
-    server_error,
-)
+from .client import Event, server_error
+from .codes import REJECTION_CODES
+from .frames import PreviewFrame
+from .server_messages import Accepted, Cancelled, Done, ErrorMessage, Progress
 
 __all__ = ["Inbox"]
 

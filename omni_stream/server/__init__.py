@@ -11,9 +11,9 @@ docs/protocol.md (the websocket), docs/http.md (HTTP, SSE, mounting).
 
 from __future__ import annotations
 
+from ..core.limits import ServerLimits
 from .app import Server, serve
 from .asgi import OmniStreamApp, create_app
-from ..core.limits import ServerLimits
 from .ws_protocol import LingeringWSProtocol
 
 __all__ = ["LingeringWSProtocol", "OmniStreamApp", "Server", "ServerLimits", "create_app", "serve"]

@@ -31,15 +31,15 @@ import anyio.abc
 import uvicorn
 
 from ..config import run
+from ..core import origin as security
+from ..core.metrics import ServerMetrics
 from ..engine.like import looks_like_engine
 from ..errors import LifecycleError, OmniStreamError, ParamsError, ServerFailedError
 from ..lifecycle import Lifecycle
 from ..model import StepModel
 from ..preview import Previewer
-from ..core import origin as security
 from .asgi import FrontDoor, app_for, build_front_door
-from .http11 import DeadlineH11Protocol
-from .metrics import ServerMetrics
+from .http11 import h11_protocol
 from .service import FdWarning
 from .ws_protocol import LingeringWSProtocol
 
@@ -75,8 +75,11 @@ class Server:
         *,
         host: str = "127.0.0.1",
         port: int = 8765,
-        token: str | None = None,
+        token: Any = None,
+        tokens_file: str | None = None,
         allow_origins: Sequence[str] | str | None = (),
+        allowed_hosts: Sequence[str] | str | None = (),
+        trusted_proxies: Sequence[str] | str | None = None,
         device: str = "auto",
         previewer: Previewer | None = None,
         stay_dead: bool = False,
@@ -90,6 +93,9 @@ class Server:
         self._door: FrontDoor = build_front_door(
             engine_or_model,
             token=token,
+            tokens_file=tokens_file,
+            allowed_hosts=allowed_hosts,
+            trusted_proxies=trusted_proxies,
             allow_origins=allow_origins,
             device=device,
             previewer=previewer,
@@ -196,7 +202,9 @@ class Server:
                 # websockets' sans-I/O core, closing a failed connection so that the
                 # client reads why (1009 for an oversize message): ws_protocol.py.
                 ws=LingeringWSProtocol,
-                http=DeadlineH11Protocol,
+                http=h11_protocol(
+                    max_body_bytes=self.limits.max_message_bytes, body_timeout_s=self.limits.body_timeout_s
+                ),
                 ws_max_size=self.limits.max_message_bytes,
                 # Previews are compressed images: deflating them again would
                 # only burn the event loop.
@@ -221,7 +229,7 @@ class Server:
         logger.info("omni_stream server listening on %s (model %s)", self.http_url, self.model.name)
         bound = {str(sock.getsockname()[0]) for sock in sockets}
         exposed = sorted(h for h in bound if not security.is_loopback(h))
-        if exposed and self._service.token is None:
+        if exposed and not self._service.tokens:
             logger.warning(
                 "listening on %s, not a loopback address, without a token: anyone who can reach "
                 "the port can run requests; set a token (--token, OMNI_STREAM_TOKEN) or bind 127.0.0.1",
@@ -406,7 +414,7 @@ def serve(
     *,
     host: str = "127.0.0.1",
     port: int = 8765,
-    token: str | None = None,
+    token: Any = None,
     allow_origins: Sequence[str] | str | None = (),
     device: str = "auto",
     stay_dead: bool = False,

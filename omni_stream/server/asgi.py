@@ -18,10 +18,21 @@ Routes (docs/protocol.md, docs/http.md)::
 Every route answers HEAD like GET without a body, other methods 405 with
 ``Allow``, unknown paths 404, all errors as ``{"error", "message"}`` JSON.
 
+Every door applies the same checks, in one place (:class:`FrontDoor`):
+``Host`` on every request, the token (where configured) on all but the
+page and ``/health``, ``Origin`` on the websocket handshake and on every
+request that changes state (POST, DELETE), CORS headers only for origins
+configured in ``allow_origins``. A caller is a *principal* (core/principal.py):
+its token's name, else (websocket) its connection or (HTTP) its address.
+Each call to the HTTP API is a client of the core for as long as it is
+open (an open POST, a ``?wait``, an event stream, a result being sent),
+counted against ``max_connections`` and its principal's share, and its
+messages against its principal's rate.
+
 Who runs what: the :class:`FrontDoor` holds the :class:`Service` (the
-core: requests and their rules). Standalone, the app's lifespan enters it
-(and the engine, when the app was given a model). Mounted in a host app
-(Starlette does not run a mounted app's lifespan), the host runs
+core's shell). Standalone, the app's lifespan enters it (and the engine,
+when the app was given a model). Mounted in a host app (Starlette does
+not run a mounted app's lifespan), the host runs
 :meth:`OmniStreamApp.lifespan`: as its own (``Starlette(lifespan=omni.lifespan)``)
 or inside its own (``async with omni.lifespan(app): ...``). Until then
 ``/health`` answers 503 ``not_started`` and every request 503
@@ -42,32 +53,41 @@ from starlette.exceptions import HTTPException
 from starlette.requests import HTTPConnection, Request
 from starlette.responses import Response
 from starlette.routing import Route, WebSocketRoute
+from starlette.types import Receive, Scope, Send
 from starlette.websockets import WebSocket
 
 from .. import protocol
+from ..core import origin as security
+from ..core.limits import ServerLimits, resolve_hosts, resolve_origins, resolve_proxies, resolve_tokens
+from ..core.metrics import CONTENT_TYPE
+from ..core.principal import Principal, TrustedProxies
+from ..core.rules import Client
 from ..engine.group import engine_for
 from ..engine.like import looks_like_engine
 from ..errors import ParamsError
 from ..model import StepModel
 from ..preview import Previewer
-from ..core import origin as security
 from . import responses
-from .connection import ClientConnection
+from .http11 import BoundedSend
 from .http_api import HttpApi
-from ..core.limits import ServerLimits, resolve_origins, resolve_token
-from .metrics import CONTENT_TYPE
 from .service import Service
+from .websocket import ClientConnection
 
 __all__ = ["FrontDoor", "OmniStreamApp", "create_app"]
 
 logger = logging.getLogger("omni_stream.server")
 
-#: An HTTP route's handler.
+#: An HTTP route's handler; an API handler also gets the call's client.
 Handler = Callable[[Request], Awaitable[Response]]
+ApiHandler = Callable[[Request, Client], Awaitable[Response]]
+
+#: Methods that change state: their Origin is checked (a browser sends one
+#: with every cross-site POST, even a "simple" text/plain one).
+_STATE_CHANGING = frozenset({"POST", "PUT", "PATCH", "DELETE"})
 
 
 class FrontDoor:
-    """What every route shares: the service, the token and Origin rules (see the module docstring)."""
+    """What every door shares: the service and the checks at the door (see the module docstring)."""
 
     def __init__(
         self,
@@ -75,16 +95,23 @@ class FrontDoor:
         *,
         allow_origins: frozenset[str] | tuple[str, ...],
         metrics_public: bool,
+        allowed_hosts: tuple[str, ...] = (),
+        trusted_proxies: TrustedProxies | None = None,
     ) -> None:
         self.service = service
+        self.rules = service.rules
         self.allow_origins = allow_origins
+        self.allowed_hosts = allowed_hosts
+        self.trusted_proxies = trusted_proxies or TrustedProxies()
         self.metrics_public = metrics_public
-        #: Open websocket connections, by id (shutdown closes them with 1001).
+        #: Open websocket connections, by client id (shutdown closes them with 1001).
         self.websockets: dict[str, ClientConnection] = {}
 
     @property
     def token(self) -> str | None:
-        return self.service.token
+        """Compatibility: the first configured token's name, None on an open server."""
+        names = self.service.tokens.names
+        return names[0] if names else None
 
     @contextlib.asynccontextmanager
     async def running(self) -> AsyncIterator[FrontDoor]:
@@ -110,16 +137,28 @@ class FrontDoor:
         with anyio.move_on_after(service.limits.close_timeout_s * 2):
             await service.wait_connections_idle()
 
+    # -- who is calling ---------------------------------------------------------------
+
     def authenticated(self, conn: HTTPConnection) -> bool:
-        """The caller presented the token (always False on a server without one)."""
-        token = self.token
-        return token is not None and security.token_ok(token, conn.headers, conn.url.query)
+        """The caller presented a configured token (always False on a server without one)."""
+        tokens = self.service.tokens
+        return bool(tokens) and tokens.identify(conn.headers, conn.url.query) is not None
+
+    def address(self, conn: HTTPConnection) -> str:
+        """The caller's address: the peer's, or what a trusted proxy says it forwarded."""
+        peer = conn.client.host if conn.client is not None else "unknown"
+        return self.trusted_proxies.client_address(peer, conn.headers.get("x-forwarded-for"))
+
+    def http_principal(self, conn: HTTPConnection) -> Principal:
+        return self.rules.principal_of_address(self.address(conn), headers=conn.headers, query=conn.url.query)
+
+    # -- the checks at the door -----------------------------------------------------------
 
     def refuse_token(self, conn: HTTPConnection) -> Response | None:
-        """401 unless the server is open or the caller presented the token."""
-        if self.token is None or self.authenticated(conn):
+        """401 unless the server is open or the caller presented a configured token."""
+        if not self.service.tokens or self.authenticated(conn):
             return None
-        self.service.metrics.handshakes_refused.labels("unauthorized").inc()
+        self._refused("unauthorized", conn)
         return responses.error_response(
             401,
             "unauthorized",
@@ -130,8 +169,7 @@ class FrontDoor:
     def refuse_origin(self, conn: HTTPConnection) -> Response | None:
         """403 for a browser page of another origin (docs/protocol.md's rules)."""
         origin = conn.headers.get("origin")
-        server = conn.scope.get("server") or ("", 0)
-        host, port = str(server[0] or ""), int(server[1] or 0)
+        host, port = _server(conn)
         if security.origin_allowed(
             origin,
             allowed=self.allow_origins,
@@ -140,7 +178,7 @@ class FrontDoor:
             host_header=conn.headers.get("host"),
         ):
             return None
-        self.service.metrics.handshakes_refused.labels("forbidden_origin").inc()
+        self._refused("forbidden_origin", conn)
         return responses.error_response(
             403,
             "forbidden_origin",
@@ -148,12 +186,62 @@ class FrontDoor:
             "(OMNI_STREAM_ALLOW_ORIGINS) to allow it",
         )
 
+    def refuse_host(self, conn: HTTPConnection) -> Response | None:
+        """421 for a ``Host`` this server does not answer to (DNS rebinding; origin.py)."""
+        host_header = conn.headers.get("host")
+        bound, _ = _server(conn)
+        if security.host_allowed(host_header, bound_host=bound, allowed=self.allowed_hosts):
+            return None
+        self._refused("forbidden_host", conn)
+        return responses.error_response(
+            421,
+            "forbidden_host",
+            f"this server does not answer to host {protocol.clip(str(host_header))!r}; start it with "
+            "allowed_hosts (OMNI_STREAM_ALLOWED_HOSTS) to add it",
+        )
+
+    def cors_headers(self, conn: HTTPConnection) -> dict[str, str]:
+        """CORS headers for a configured origin (``allow_origins``); none otherwise."""
+        origin = conn.headers.get("origin")
+        if origin is None or not self.allow_origins:
+            return {}
+        norm = origin.strip().rstrip("/").lower()
+        if "*" not in self.allow_origins and norm not in self.allow_origins:
+            return {}
+        return {
+            "Access-Control-Allow-Origin": origin.strip(),
+            "Access-Control-Allow-Headers": "Authorization, Content-Type, Last-Event-ID",
+            "Access-Control-Allow-Methods": "GET, HEAD, POST, DELETE, OPTIONS",
+            "Access-Control-Expose-Headers": "Location, Retry-After, X-Omni-Stream-Step, "
+            "X-Omni-Stream-Width, X-Omni-Stream-Height",
+            "Vary": "Origin",
+        }
+
+    def _refused(self, reason: str, conn: HTTPConnection) -> None:
+        if conn.scope["type"] == "websocket":
+            self.rules.metrics.handshakes_refused.labels(reason).inc()
+        else:
+            self.rules.metrics.http_refused.labels(reason).inc()
+
+    def refuse_client(self, principal: Principal, conn: HTTPConnection) -> Response | None:
+        """503 / 429 when the core refuses one more client of ``principal`` (``Connection: close``)."""
+        refusal = self.rules.connection_refusal(principal)
+        if refusal is None:
+            return None
+        self._refused(refusal.code, conn)
+        return responses.error_response(
+            refusal.status, refusal.code, refusal.message, extra={"Connection": "close"}
+        )
+
 
 def create_app(
     engine_or_model: Any,
     *,
-    token: str | None = None,
+    token: Any = None,
+    tokens_file: str | None = None,
     allow_origins: Sequence[str] | str | None = (),
+    allowed_hosts: Sequence[str] | str | None = (),
+    trusted_proxies: Sequence[str] | str | None = None,
     device: str = "auto",
     previewer: Previewer | None = None,
     stay_dead: bool = False,
@@ -165,14 +253,21 @@ def create_app(
     ``engine_or_model``: an engine (``Engine``, ``EngineGroup``, anything
     EngineLike; its owner runs it) or a :class:`~omni_stream.StepModel`
     (the app creates an engine on ``device`` and its lifespan runs it).
-    ``limits`` are :class:`ServerLimits`' keyword arguments. Raises
+    ``token``: one ``SECRET`` or ``NAME=SECRET``, several, or a name ->
+    secret mapping (core/tokens.py); ``tokens_file``: a file of them.
+    ``allowed_hosts``: host names it answers to besides its address;
+    ``trusted_proxies``: the proxies whose ``X-Forwarded-For`` names the
+    client. ``limits`` are :class:`ServerLimits`' keyword arguments. Raises
     ParamsError for a bad option, TypeError for an engine that lacks what
     a server needs (naming it). Mounted, the host runs ``app.lifespan``.
     """
     door = build_front_door(
         engine_or_model,
         token=token,
+        tokens_file=tokens_file,
         allow_origins=allow_origins,
+        allowed_hosts=allowed_hosts,
+        trusted_proxies=trusted_proxies,
         device=device,
         previewer=previewer,
         stay_dead=stay_dead,
@@ -185,7 +280,7 @@ def create_app(
 def build_front_door(
     engine_or_model: Any,
     *,
-    token: str | None,
+    token: Any,
     allow_origins: Sequence[str] | str | None,
     device: str,
     previewer: Previewer | None,
@@ -193,6 +288,9 @@ def build_front_door(
     metrics_public: bool,
     limits: dict[str, Any],
     on_fatal: Any = None,
+    tokens_file: str | None = None,
+    allowed_hosts: Sequence[str] | str | None = (),
+    trusted_proxies: Sequence[str] | str | None = None,
 ) -> FrontDoor:
     """The front door :func:`create_app` serves (``Server`` builds one too); raises ParamsError."""
     if not isinstance(stay_dead, bool):
@@ -215,32 +313,63 @@ def build_front_door(
             field="engine_or_model",
         )
     server_limits = ServerLimits.from_env(limits)
+    tokens = resolve_tokens(token, tokens_file)
+    origins = resolve_origins(allow_origins)
+    hosts = resolve_hosts(allowed_hosts)
+    proxies = resolve_proxies(trusted_proxies)
     service = Service(
         engine,
         limits=server_limits,
-        token=resolve_token(token),
+        tokens=tokens,
         owns_engine=owns,
         previewer=previewer,
         stay_dead=stay_dead,
         on_fatal=on_fatal,
     )
-    return FrontDoor(service, allow_origins=resolve_origins(allow_origins), metrics_public=metrics_public)
+    return FrontDoor(
+        service, allow_origins=origins, metrics_public=metrics_public, allowed_hosts=hosts,
+        trusted_proxies=proxies,
+    )
 
 
 def app_for(door: FrontDoor) -> OmniStreamApp:
     """The Starlette application serving ``door``."""
     api = HttpApi(door)
     service = door.service
+    rules = door.rules
 
     def guarded(handler: Handler, *, public: bool = False) -> Handler:
         async def endpoint(request: Request) -> Response:
-            if not public:
-                refused = door.refuse_token(request)
-                if refused is not None:
-                    return refused
-            return await handler(request)
+            refused = door.refuse_host(request) or (None if public else door.refuse_token(request))
+            if refused is None and request.method in _STATE_CHANGING:
+                refused = door.refuse_origin(request)
+            response = refused or await handler(request)
+            response.headers.update(door.cors_headers(request))
+            return response
 
         return endpoint
+
+    def call(handler: ApiHandler) -> Handler:
+        """An API call as a client of the core, for as long as its answer is being sent."""
+
+        async def endpoint(request: Request) -> Response:
+            principal = door.http_principal(request)
+            refused = door.refuse_client(principal, request)
+            if refused is not None:
+                return refused
+            client = rules.connect(principal, "http")
+            try:
+                # Its principal's rate: a call over it is answered later, never refused.
+                delay = rules.pace(client, int(request.headers.get("content-length") or 0))
+                if delay > 0.0:
+                    await anyio.sleep(delay)
+                response = await handler(request, client)
+            except BaseException:
+                rules.disconnect(client)
+                raise
+            return responses.until_sent(response, on_close=lambda: rules.disconnect(client))
+
+        return guarded(endpoint)
 
     async def page(request: Request) -> Response:
         return responses.page_response()
@@ -250,17 +379,22 @@ def app_for(door: FrontDoor) -> OmniStreamApp:
         return responses.json_response(status, payload)
 
     async def metrics(request: Request) -> Response:
-        return responses.respond(200, service.metrics.render(), CONTENT_TYPE)
+        return responses.respond(200, rules.metrics.render(), CONTENT_TYPE)
 
     async def models(request: Request) -> Response:
         return responses.json_response(
-            200, responses.models_payload(service.model, service.default_preview, service.limits)
+            200, responses.models_payload(service.model, rules.default_preview, service.limits)
         )
+
+    async def preflight(request: Request) -> Response:
+        # CORS only where configured: an origin not in allow_origins gets no
+        # Access-Control-* headers, and the browser refuses the request.
+        return responses.respond(204, b"", "text/plain", extra={"Access-Control-Max-Age": "600"})
 
     async def ws_over_http(request: Request) -> Response:
         # The websocket's refusals first (a page diagnosing a failed
         # connection asks here), then: not an upgrade.
-        refused = handshake_refusal(door, request)
+        refused = handshake_refusal(door, request, door.http_principal(request))
         if refused is not None:
             return refused
         return responses.error_response(
@@ -276,6 +410,8 @@ def app_for(door: FrontDoor) -> OmniStreamApp:
     def methods(path: str, **handlers: Handler) -> Route:
         # One route per path, so a wrong method's 405 lists every allowed one.
         allowed = tuple(handlers) + (("HEAD",) if "GET" in handlers else ())
+        if door.allow_origins and "OPTIONS" not in handlers:
+            handlers["OPTIONS"] = guarded(preflight, public=True)
 
         async def endpoint(request: Request) -> Response:
             method = "GET" if request.method == "HEAD" else request.method
@@ -296,11 +432,11 @@ def app_for(door: FrontDoor) -> OmniStreamApp:
         methods("/models", GET=guarded(models)),
         WebSocketRoute("/ws", websocket),
         methods("/ws", GET=ws_over_http),
-        methods("/v1/generations", GET=guarded(api.listing), POST=guarded(api.create)),
-        methods("/v1/generations/{request_id}", GET=guarded(api.status), DELETE=guarded(api.cancel)),
-        methods("/v1/generations/{request_id}/events", GET=guarded(api.events)),
-        methods("/v1/generations/{request_id}/output", GET=guarded(api.output)),
-        methods("/v1/generations/{request_id}/preview", GET=guarded(api.preview)),
+        methods("/v1/generations", GET=call(api.listing), POST=call(api.create)),
+        methods("/v1/generations/{request_id}", GET=call(api.status), DELETE=call(api.cancel)),
+        methods("/v1/generations/{request_id}/events", GET=call(api.events)),
+        methods("/v1/generations/{request_id}/output", GET=call(api.output)),
+        methods("/v1/generations/{request_id}/preview", GET=call(api.preview)),
     ]
 
     async def http_error(request: Request, exc: Exception) -> Response:
@@ -332,6 +468,12 @@ class OmniStreamApp(Starlette):
         super().__init__(lifespan=self.lifespan, **options)
         self.door = door
         self.state.omni_stream = door
+        self._bounded = BoundedSend(super().__call__, timeout_s=door.service.limits.send_timeout_s)
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        # Every HTTP response's sends are bounded (http11.BoundedSend): a
+        # client that stops reading is cut off, whatever route answered it.
+        await self._bounded(scope, receive, send)
 
     @property
     def engine(self) -> Any:
@@ -357,22 +499,27 @@ class OmniStreamApp(Starlette):
             yield
 
 
-def handshake_refusal(door: FrontDoor, conn: HTTPConnection) -> Response | None:
-    """Why a websocket handshake is refused (401, 403, 503), as the HTTP answer; None to accept."""
-    refused = door.refuse_token(conn) or door.refuse_origin(conn)
-    if refused is None:
-        refusal = door.service.connection_refusal()
-        if refusal is not None:
-            status, code, message = refusal
-            door.service.metrics.handshakes_refused.labels(code).inc()
-            refused = responses.error_response(status, code, message)
-    return refused
+def handshake_refusal(door: FrontDoor, conn: HTTPConnection, principal: Principal) -> Response | None:
+    """Why a websocket handshake is refused (421, 401, 403, 503, 429), as the HTTP answer; None to accept."""
+    return (
+        door.refuse_host(conn)
+        or door.refuse_token(conn)
+        or door.refuse_origin(conn)
+        or door.refuse_client(principal, conn)
+    )
+
+
+def _server(conn: HTTPConnection) -> tuple[str, int]:
+    server = conn.scope.get("server") or ("", 0)
+    return str(server[0] or ""), int(server[1] or 0)
 
 
 async def _serve_websocket(door: FrontDoor, ws: WebSocket) -> None:
     """One websocket: the handshake rules, then a :class:`ClientConnection` until it closes."""
-    service = door.service
-    refused = handshake_refusal(door, ws)
+    service, rules = door.service, door.rules
+    # Without a token, a websocket is its own principal (rules.connect names it).
+    principal = rules.principal_of_connection("pending", headers=ws.headers, query=ws.url.query)
+    refused = handshake_refusal(door, ws, principal)
     if refused is not None:
         try:
             await ws.send_denial_response(refused)
@@ -380,20 +527,12 @@ async def _serve_websocket(door: FrontDoor, ws: WebSocket) -> None:
             await ws.close(protocol.CLOSE_POLICY_VIOLATION, "refused")
         return
     await ws.accept()
-    conn_id = service.connect()
-    conn = ClientConnection(
-        ws,
-        conn_id=conn_id,
-        limits=service.limits,
-        metrics=service.metrics,
-        dispatch=lambda c, data: service.handle(c.id, c.outbox, data),
-        budget=service.memory,
-    )
-    door.websockets[conn_id] = conn
-    logger.debug("connection %s from %s", conn_id, conn.remote)
+    conn = ClientConnection(ws, rules=rules, service=service, principal=principal)
+    door.websockets[conn.id] = conn
+    logger.debug("connection %s (%s) from %s", conn.id, conn.client.principal, conn.remote)
     try:
         await conn.run()
     finally:
-        del door.websockets[conn_id]
-        service.disconnect(conn_id)
-        logger.debug("connection %s closed (%s)", conn_id, conn.close_text())
+        del door.websockets[conn.id]
+        rules.disconnect(conn.client)
+        logger.debug("connection %s closed (%s)", conn.id, conn.close_text())

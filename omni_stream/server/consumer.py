@@ -15,6 +15,12 @@ where it makes frames, such as a Ray replica, asked with a RenderRequest)
 are published as they are: the replica rendered the same preview or result
 this module would have, and no tensor crossed the network.
 
+A frame with NaN or infinite values has no picture in it (a model that
+diverged): such a preview is skipped (one warning per request), and such a
+final frame fails its request (``step_failed``, saying so) rather than
+ending ``done`` with a garbage result. The check runs where the frame is
+rendered, in a preview thread.
+
 Memory: the request's :class:`~omni_stream.server.outbox.MemoryReservation`
 (made at admission, ``admission.reserve_memory``) counts what it holds
 outside the outboxes against ``max_memory_bytes``. Each frame's size is
@@ -27,12 +33,17 @@ record), and in any case when the request ends.
 from __future__ import annotations
 
 import functools
+import logging
 import time
 from typing import Any
 
 import anyio
 
 from .. import protocol
+from ..core.admission import OutputSpec
+from ..core.metrics import ServerMetrics
+from ..core.outbox import MemoryReservation
+from ..core.records import RequestRecord
 from ..engine.like import FrameStreamLike
 from ..errors import (
     EngineError,
@@ -43,13 +54,19 @@ from ..errors import (
     StepTimeoutError,
 )
 from ..frame import Frame
-from ..preview import EncodedImage, Previewer, PreviewSpec, encode_output, should_preview
-from ..core.admission import OutputSpec
-from .metrics import ServerMetrics
-from ..core.outbox import MemoryReservation
-from ..core.records import RequestRecord
+from ..preview import (
+    EncodedImage,
+    NonFiniteFrameError,
+    Previewer,
+    PreviewSpec,
+    check_finite,
+    encode_output,
+    should_preview,
+)
 
 __all__ = ["UNREAD_PACE_S", "stream_request"]
+
+logger = logging.getLogger("omni_stream.server")
 
 #: The longest a consumer waits before taking the next frame of a request
 #: no client is reading (see ``RequestRecord.has_reader``): at most 20
@@ -60,6 +77,10 @@ UNREAD_PACE_S = 0.05
 
 class _PreviewFailed(Exception):
     """Rendering a frame failed; ``__cause__`` says why."""
+
+
+class _NonFiniteResult(Exception):
+    """The final frame holds NaN or infinite values; ``__cause__`` says how many."""
 
 
 async def stream_request(
@@ -133,6 +154,14 @@ async def stream_request(
         return protocol.error(
             "preview_failed", f"could not render a preview: {exc.__cause__}", request_id=rid
         )
+    except _NonFiniteResult as exc:
+        logger.warning("request %s: its final frame has no picture: %s", rid, exc.__cause__)
+        return protocol.error(
+            "step_failed",
+            f"the model's final frame holds non-finite values ({exc.__cause__}): the model diverged, "
+            "and there is no result (try another seed, fewer steps or a lower guidance)",
+            request_id=rid,
+        )
     finally:
         if memory is not None:
             memory.release()
@@ -191,7 +220,14 @@ async def _publish(
                 frame = newer
                 _progress(record, frame, metrics)
         try:
-            image = await render(frame, spec)
+            image = await render(frame, spec, finite=True)
+        except NonFiniteFrameError as exc:
+            # No picture in it; the next step may have one again. Said once a request.
+            if not record.warned_non_finite:
+                record.warned_non_finite = True
+                logger.warning("request %s: skipping previews of non-finite frames (step %d: %s)",
+                               record.id, frame.step, exc)
+            return None
         except Exception as exc:
             raise _PreviewFailed() from exc
     metrics.preview_encode.observe(time.perf_counter() - started)
@@ -236,9 +272,11 @@ async def _publish_result(
         # Full size, in the request's format; a latent result (output:
         # "latent") is drawn by the request's preview decoder.
         encode = functools.partial(
-            encode_output, frame, output.format, output.quality, params, decoder=decoder
+            _encode_finite, frame, output.format, output.quality, params, decoder=decoder
         )
         image = await previewer.run_sync(encode)
+    except NonFiniteFrameError as exc:
+        raise _NonFiniteResult() from exc
     except Exception as exc:
         raise _PreviewFailed() from exc
     metrics.preview_encode.observe(time.perf_counter() - started)
@@ -247,6 +285,12 @@ async def _publish_result(
         # here on what it holds is its result, counted where it is queued.
         memory.release()
     _publish_image(record, frame, image, final=True)
+
+
+def _encode_finite(frame: Frame, *args: Any, **kwargs: Any) -> EncodedImage:
+    # In the preview thread: the check is one pass over the frame.
+    check_finite(frame)
+    return encode_output(frame, *args, **kwargs)
 
 
 def _progress(record: RequestRecord, frame: Frame, metrics: ServerMetrics) -> None:

@@ -21,6 +21,7 @@ import logging
 from collections.abc import Callable
 
 import anyio
+from starlette.datastructures import MutableHeaders
 from starlette.types import Receive, Scope, Send
 
 from .. import protocol
@@ -85,7 +86,7 @@ class EventStream:
         outbox: Outbox,
         *,
         send_timeout_s: float,
-        on_close: Callable[[], None],
+        on_close: Callable[[], None] = lambda: None,
         after_step: int | None = None,
         headers: dict[str, str] | None = None,
     ) -> None:
@@ -93,24 +94,21 @@ class EventStream:
         self._send_timeout_s = send_timeout_s
         self._on_close = on_close
         self._after_step = after_step
-        self._headers = headers or {}
+        self.status_code = 200
+        fixed = {
+            "content-type": "text/event-stream; charset=utf-8",
+            "cache-control": "no-store",
+            "x-accel-buffering": "no",  # nginx: do not buffer the stream
+            "x-content-type-options": "nosniff",
+            **{k.lower(): v for k, v in (headers or {}).items()},
+        }
+        self.raw_headers = [(k.encode("latin-1"), v.encode("latin-1")) for k, v in fixed.items()]
+        #: The response's headers (the door adds CORS ones here).
+        self.headers = MutableHeaders(raw=self.raw_headers)
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         try:
-            headers = {
-                "content-type": "text/event-stream; charset=utf-8",
-                "cache-control": "no-store",
-                "x-accel-buffering": "no",  # nginx: do not buffer the stream
-                "x-content-type-options": "nosniff",
-                **{k.lower(): v for k, v in self._headers.items()},
-            }
-            await send(
-                {
-                    "type": "http.response.start",
-                    "status": 200,
-                    "headers": [(k.encode(), v.encode()) for k, v in headers.items()],
-                }
-            )
+            await send({"type": "http.response.start", "status": 200, "headers": self.raw_headers})
             # Stays False when the client hangs up first (the watcher
             # cancels the pump): then there is no one to end the body for.
             ended = False

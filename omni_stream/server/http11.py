@@ -1,30 +1,90 @@
-"""uvicorn's HTTP/1.1 protocol with a deadline for each request's headers.
+"""uvicorn's HTTP/1.1 protocol with deadlines and wire bounds, and a bound on every send.
 
-uvicorn times out only idle keep-alive connections: a client that opens a
-connection and sends nothing, or sends its headers a byte at a time
-(slowloris), holds a descriptor and a slot of ``max_connections``' budget
-of the process forever. Here the headers of every request (the first on a
-connection, and each next one on a kept-alive connection) must be complete
-within :data:`HEADER_TIMEOUT_S`; otherwise the connection is dropped.
+uvicorn bounds neither how long a request's headers or body may take nor
+what its body costs on the wire, and an ASGI response's sends wait for a
+client that stops reading for as long as the socket stays open. Each of
+these let one client hold a descriptor, a buffer or the event loop as long
+as it liked (issue #19, findings 2-4). :class:`DeadlineH11Protocol` (made
+for a server's limits by :func:`h11_protocol`) drops a connection:
+
+- whose request headers are not complete within :data:`HEADER_TIMEOUT_S`
+  (the first request on a connection, and each next one on a kept-alive
+  connection): slowloris;
+- whose request body is not complete within ``body_timeout_s`` of its
+  headers (a POST that sends 10 bytes of a declared megabyte), with 408
+  when no answer has started;
+- whose body is over ``max_message_bytes``, or whose chunked framing on
+  the wire outweighs its data (more than :data:`FRAMING_ALLOWANCE` bytes
+  plus 1/8 of the data), with 413, checked every :data:`_SLICE_BYTES` of
+  wire as it is parsed: a body in chunks of one byte is six times its size
+  on the wire and costs the pure-Python parser one event per byte; decoded
+  bytes alone let a ~1 MiB body in 1-byte chunks take 13 s of the event
+  loop.
+
+:class:`BoundedSend` bounds each send of a response by ``send_timeout_s``;
+a client that does not take a send in time is cut off (the transport
+aborted: what was buffered for it is freed at once, not when TCP gives up).
+
+uvicorn has no public hook for these: this module is where omni_stream
+relies on its internals (the protocol's ``cycle``, the ``receive`` callable
+being a method of the object that holds the transport), checked by
+tests/server/test_http11.py against the installed uvicorn.
 """
 
 from __future__ import annotations
 
 import asyncio
+import logging
+from typing import Any, Final
 
+import anyio
+from starlette.types import ASGIApp, Message, Receive, Scope, Send
 from uvicorn.protocols.http.h11_impl import H11Protocol
 
-__all__ = ["HEADER_TIMEOUT_S", "DeadlineH11Protocol"]
+__all__ = [
+    "FRAMING_ALLOWANCE",
+    "HEADER_TIMEOUT_S",
+    "BoundedSend",
+    "DeadlineH11Protocol",
+    "abort_receive",
+    "abort_transport",
+    "h11_protocol",
+    "transport_of",
+]
+
+logger = logging.getLogger("omni_stream.server")
 
 #: Seconds a client has to send a request's headers (the websocket
 #: handshake included); as python-websockets' open_timeout.
-HEADER_TIMEOUT_S = 10.0
+HEADER_TIMEOUT_S: Final = 10.0
+#: Bytes of chunked framing a body may carry beyond its data, plus 1/8 of
+#: its size: a body in chunks of 100 bytes or more (7 bytes of framing
+#: each) always fits; one in chunks of a few bytes does not.
+FRAMING_ALLOWANCE: Final = 16 << 10
+#: Seconds a refused connection is read and dropped before it is closed (see _refuse).
+LINGER_S: Final = 10.0
+#: A body is parsed this much at a time, its framing checked in between:
+#: a slice of one-byte chunks is about 2,700 parser events (a few ms).
+_SLICE_BYTES: Final = 16 << 10
 
 
 class DeadlineH11Protocol(H11Protocol):
-    """:class:`H11Protocol` that drops a connection whose request headers take too long."""
+    """:class:`H11Protocol` with the deadlines and wire bounds of the module docstring.
+
+    The class attributes are the defaults; :func:`h11_protocol` makes a
+    subclass with a server's limits.
+    """
+
+    #: The body's decoded bound (max_message_bytes) and its deadline (body_timeout_s).
+    max_body_bytes: int = 1 << 20
+    body_timeout_s: float = 30.0
 
     _header_timer: asyncio.TimerHandle | None = None
+    _body_timer: asyncio.TimerHandle | None = None
+    _body_cycle: Any = None
+    _body_wire = 0
+    _body_decoded = 0
+    _lingering = False
 
     def connection_made(self, transport: asyncio.Transport) -> None:  # type: ignore[override]
         super().connection_made(transport)
@@ -32,7 +92,46 @@ class DeadlineH11Protocol(H11Protocol):
 
     def connection_lost(self, exc: Exception | None) -> None:
         self._disarm_header_timer()
+        self._disarm_body_timer()
         super().connection_lost(exc)
+
+    def data_received(self, data: bytes) -> None:
+        if self._lingering:
+            return  # refused: what the client still sends is read and dropped (see _refuse)
+        # Parsed a slice at a time, a body's framing counted between slices,
+        # so a body of tiny chunks is refused after a bounded amount of
+        # parsing, not after all of what one read brought (up to 256 KiB).
+        for start in range(0, len(data), _SLICE_BYTES):
+            piece = data[start:start + _SLICE_BYTES] if len(data) > _SLICE_BYTES else data
+            cycle = self.cycle
+            counting = cycle is not None and cycle is self._body_cycle
+            counting = counting and cycle.more_body and not cycle.response_complete
+            before = len(cycle.body) if counting and cycle is not None else 0
+            super().data_received(piece)
+            if self.transport.is_closing() or self.transport.get_protocol() is not self:
+                return
+            if not counting or cycle is not self.cycle:
+                continue
+            assert cycle is not None
+            # The app cannot run during this call: what the body grew by is what the parser decoded.
+            self._body_wire += len(piece)
+            self._body_decoded += max(0, len(cycle.body) - before)
+            problem = self._body_problem()
+            if problem is not None:
+                self._refuse(413, "limit_exceeded", problem)
+                return
+
+    def _body_problem(self) -> str | None:
+        framing = self._body_wire - self._body_decoded
+        if self._body_decoded > self.max_body_bytes:
+            limit = self.max_body_bytes
+            return f"the body is over {limit} bytes (max_message_bytes, OMNI_STREAM_MAX_MESSAGE_BYTES)"
+        if framing > FRAMING_ALLOWANCE + self._body_decoded // 8:
+            return (
+                f"the body's chunked framing ({framing} bytes for {self._body_decoded} of data) outweighs "
+                "what it carries: send it with a Content-Length or in chunks of 100 bytes or more"
+            )
+        return None
 
     def handle_events(self) -> None:
         super().handle_events()
@@ -41,6 +140,15 @@ class DeadlineH11Protocol(H11Protocol):
         cycle = self.cycle
         if (cycle is not None and not cycle.response_complete) or self.transport.get_protocol() is not self:
             self._disarm_header_timer()
+        if cycle is not None and cycle is not self._body_cycle and self.transport.get_protocol() is self:
+            # A new request: its body's clock and count start now (headers are in).
+            self._body_cycle = cycle
+            self._body_wire = self._body_decoded = 0
+            self._disarm_body_timer()
+            if cycle.more_body:
+                self._body_timer = self.loop.call_later(self.body_timeout_s, self._body_too_slow)
+        if cycle is not None and not cycle.more_body:
+            self._disarm_body_timer()
 
     def on_response_complete(self) -> None:
         super().on_response_complete()
@@ -56,6 +164,11 @@ class DeadlineH11Protocol(H11Protocol):
             self._header_timer.cancel()
             self._header_timer = None
 
+    def _disarm_body_timer(self) -> None:
+        if self._body_timer is not None:
+            self._body_timer.cancel()
+            self._body_timer = None
+
     def _headers_too_slow(self) -> None:
         self._header_timer = None
         cycle = self.cycle
@@ -63,3 +176,145 @@ class DeadlineH11Protocol(H11Protocol):
             return  # a request is being answered (its headers did arrive)
         if not self.transport.is_closing():
             self.transport.close()
+
+    def _body_too_slow(self) -> None:
+        self._body_timer = None
+        cycle = self.cycle
+        if cycle is None or not cycle.more_body or cycle.response_complete:
+            return
+        self._refuse(
+            408,
+            "body_timeout",
+            f"the request's body did not arrive within {self.body_timeout_s:g} s of its headers "
+            "(body_timeout_s, OMNI_STREAM_BODY_TIMEOUT)",
+        )
+
+    def _refuse(self, status: int, code: str, message: str) -> None:
+        """Answer ``status`` if no answer has started, then drop the connection; the app sees a disconnect."""
+        cycle = self.cycle
+        self._disarm_body_timer()
+        if cycle is not None:
+            if not cycle.response_started:
+                body = f'{{"error":"{code}","message":{_json_str(message)}}}'.encode()
+                reason = {408: b"Request Timeout", 413: b"Content Too Large"}.get(status, b"Error")
+                head = (
+                    b"HTTP/1.1 %d %s\r\ncontent-type: application/json\r\ncontent-length: %d\r\n"
+                    b"connection: close\r\ncache-control: no-store\r\n\r\n" % (status, reason, len(body))
+                )
+                self.transport.write(head + body)
+                cycle.response_started = cycle.response_complete = True
+            # The app's next receive() reads http.disconnect; its sends are dropped.
+            cycle.disconnected = True
+            cycle.message_event.set()
+        logger.info("dropping an HTTP connection: %s", message)
+        # A lingering close (as the websocket's, ws_protocol.py): the client
+        # is usually still sending; closing at once would answer its data
+        # with a reset, which can discard our answer before it reads it.
+        # So: the answer, FIN, then read and drop until it closes, or LINGER_S.
+        self._lingering = True
+        self.flow.resume_reading()
+        if self.transport.can_write_eof():
+            self.transport.write_eof()
+            self.loop.call_later(LINGER_S, self.transport.close)
+        else:
+            self.transport.close()
+
+    def eof_received(self) -> None:
+        if self._lingering:
+            self.transport.close()
+            return
+        super().eof_received()
+
+
+def _json_str(text: str) -> str:
+    import json
+
+    return json.dumps(text)
+
+
+def h11_protocol(*, max_body_bytes: int, body_timeout_s: float) -> type[DeadlineH11Protocol]:
+    """:class:`DeadlineH11Protocol` with these bounds (a class: uvicorn instantiates it per connection)."""
+    return type(
+        "DeadlineH11Protocol",
+        (DeadlineH11Protocol,),
+        {"max_body_bytes": max_body_bytes, "body_timeout_s": body_timeout_s},
+    )
+
+
+def transport_of(conn: Any) -> Any:
+    """The asyncio transport under a Starlette ``WebSocket``/``Request``, or under an ASGI
+    ``receive`` callable, where the ASGI server lets us see it; else None.
+
+    ASGI hides it. Under uvicorn ``receive`` is a method of the connection's
+    protocol object (websocket) or request cycle (HTTP), which holds it.
+    """
+    receive = getattr(conn, "_receive", conn)
+    holder = getattr(receive, "__self__", None)
+    return getattr(holder, "transport", None)
+
+
+def abort_transport(conn: Any) -> bool:
+    """Drop the TCP connection under ``conn`` (see :func:`transport_of`) at once, discarding
+    what is buffered. Returns whether it could.
+
+    ASGI has no abort: a client that stopped reading would otherwise keep its
+    socket and the buffered bytes until the server's own close timer (10 s
+    in uvicorn) or TCP's, which may be never.
+    """
+    abort = getattr(transport_of(conn), "abort", None)
+    if abort is None:
+        return False
+    abort()
+    return True
+
+
+def abort_receive(receive: Receive) -> bool:
+    """:func:`abort_transport` for an HTTP exchange, telling uvicorn its client is gone (no error log)."""
+    holder = getattr(receive, "__self__", None)
+    if holder is not None and hasattr(holder, "disconnected"):
+        holder.disconnected = True
+    return abort_transport(receive)
+
+
+class _SendTimedOut(Exception):
+    """A send to an HTTP client did not complete within send_timeout_s."""
+
+
+class BoundedSend:
+    """ASGI middleware: each ``send`` of an HTTP response completes within ``timeout_s``, or the
+    client is cut off (see the module docstring). The app's own code unwinds through the send
+    that timed out; the exchange ends quietly."""
+
+    def __init__(self, app: ASGIApp, *, timeout_s: float) -> None:
+        self.app = app
+        self.timeout_s = timeout_s
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http":
+            await self.app(scope, receive, send)
+            return
+        timeout = self.timeout_s
+
+        async def bounded(message: Message) -> None:
+            with anyio.move_on_after(timeout) as waited:
+                await send(message)
+            if waited.cancelled_caught:
+                raise _SendTimedOut
+
+        try:
+            await self.app(scope, receive, bounded)
+        except BaseException as exc:
+            if not _timed_out(exc):
+                raise
+            logger.warning(
+                "cutting off an HTTP client: a send was blocked for %g s (send_timeout_s)", timeout
+            )
+            abort_receive(receive)
+
+
+def _timed_out(exc: BaseException) -> bool:
+    # Raised through a task group (an event stream's), it arrives in an exception group.
+    if isinstance(exc, _SendTimedOut):
+        return True
+    inner: Any = getattr(exc, "exceptions", None)
+    return bool(inner) and all(_timed_out(e) for e in inner)

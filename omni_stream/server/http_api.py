@@ -1,30 +1,40 @@
-"""The HTTP API: ``/v1/generations`` (docs/http.md), beside the websocket, on one core.
+"""The HTTP door: ``/v1/generations`` (docs/http.md), beside the websocket, on one core.
 
-A generation started over HTTP is a websocket ``generate`` with
-``detach: true`` and an owner of its own: it runs whether or not anyone
-watches, its id is the capability to see it (or the token, when one is
-set), and its result is kept ``retention_s`` after it ends (at most
-``max_retained`` of them). Every refusal has the websocket's error code,
-here with an HTTP status (:data:`STATUS`); ``busy`` also sets
-``Retry-After``.
+Each call is a client of the core while it is open (asgi.py opens and
+closes it), its principal its token's name or its address: the same rules
+as a websocket's, counted against the same principal (core/rules.py). A
+generation started over HTTP is a websocket ``generate`` with ``detach:
+true``: it runs whether or not anyone watches, its id is the capability to
+see it (and its principal's token, when one is used), and its result is
+kept ``retention_s`` after it ends (at most ``max_retained`` of them). Every
+refusal has the websocket's error code, here with an HTTP status
+(:data:`STATUS`); ``busy`` also sets ``Retry-After``.
+
+A body is read within ``body_timeout_s`` and ``max_message_bytes`` (the
+wire's own bounds are http11.py's), held as one buffer counted in
+``max_memory_bytes`` until it is parsed; its input images are decoded off
+the event loop (Service.prepare). A result is sent from the record's own
+buffer, never copied per call (responses.BufferResponse).
 """
 
 from __future__ import annotations
 
 import math
 import time
-import uuid
 from typing import TYPE_CHECKING, Any
 
 import anyio
-from starlette.requests import Request
+from starlette.requests import ClientDisconnect, Request
 from starlette.responses import Response
 
 from .. import protocol
-from . import responses
-from .events import EventStream, parse_last_event_id
+from ..core import admission
 from ..core.outbox import Outbox
 from ..core.records import RequestRecord
+from ..core.rules import Client
+from ..errors import ServerBusyError
+from . import responses
+from .events import EventStream, parse_last_event_id
 
 if TYPE_CHECKING:
     from .asgi import FrontDoor
@@ -61,6 +71,15 @@ _CANCELLED_BY = {
 _BODY_KEYS = frozenset({"id", "params", "preview", "output", "priority"})
 
 
+class _BodyRefused(Exception):
+    """The request's body is refused: too large, or too slow (``status``, ``code``, the words)."""
+
+    def __init__(self, status: int, code: str, message: str) -> None:
+        super().__init__(message)
+        self.status = status
+        self.code = code
+
+
 def _status_name(record: RequestRecord, positions: dict[str, int]) -> str:
     if record.outcome == "done":
         return "done"
@@ -93,7 +112,7 @@ def status_payload(
 
 
 class HttpApi:
-    """The ``/v1/generations`` handlers over one :class:`FrontDoor`."""
+    """The ``/v1/generations`` handlers over one :class:`FrontDoor`; each gets the call's :class:`Client`."""
 
     def __init__(self, door: FrontDoor) -> None:
         self._door = door
@@ -112,7 +131,7 @@ class HttpApi:
         }
 
     def _error(self, exc: protocol.MessageError, *, request_id: str | None) -> Response:
-        reply = self._service.error_reply(exc, request_id=request_id)
+        reply = self._service.rules.error_reply(exc, request_id=request_id)
         body = {"error": exc.code, "message": reply["message"]}
         for key in ("field", "retry_after_s"):
             if key in reply:
@@ -124,48 +143,89 @@ class HttpApi:
             extra["Retry-After"] = str(max(1, math.ceil(float(reply["retry_after_s"]))))
         return responses.json_response(STATUS.get(exc.code, 400), body, extra=extra)
 
-    def _lookup(self, request: Request) -> RequestRecord:
-        request_id = request.path_params["request_id"]
-        # Ids over HTTP are capabilities: any caller holding one may see it.
-        return self._service.lookup(
-            f"http:{uuid.uuid4().hex}", request_id, authenticated=self._door.authenticated(request)
-        )
+    def _lookup(self, request: Request, client: Client) -> RequestRecord:
+        return self._service.rules.lookup(client, request.path_params["request_id"])
 
     def _positions(self) -> dict[str, int]:
-        return self._service.queue_positions()
+        return self._service.rules.queue_positions()
 
     # -- routes ------------------------------------------------------------------
 
-    async def create(self, request: Request) -> Response:
+    async def create(self, request: Request, client: Client) -> Response:
         """``POST /v1/generations``: 202 and the URLs; or the events (SSE); or, with ``?wait``, the result."""
-        limit = self._service.limits.max_message_bytes
-        body = b""
-        async for chunk in request.stream():
-            body += chunk
-            if len(body) > limit:
-                return responses.error_response(
-                    413,
-                    "limit_exceeded",
-                    f"the body is over {limit} bytes (max_message_bytes, OMNI_STREAM_MAX_MESSAGE_BYTES)",
-                )
         try:
-            msg = self._parse(body)
+            body = await self._read_body(request)
+            msg = await self._service.prepare(self._parse(body))
         except protocol.MessageError as exc:
-            return self._error(exc, request_id=None)
-        # Its own owner: a caller over HTTP has no connection to hold its work.
-        owner = f"http:{uuid.uuid4().hex}"
+            unknown = exc.code in ("bad_json", "bad_message")
+            return self._error(exc, request_id=None if unknown else exc.request_id)
+        except _BodyRefused as exc:
+            return responses.error_response(exc.status, exc.code, str(exc), extra={"Connection": "close"})
+        except ClientDisconnect:
+            return responses.error_response(
+                400, "bad_message", "the client went away before its body arrived"
+            )
         try:
-            record = self._service.generate(owner, None, msg)
+            assert isinstance(msg, protocol.Generate)
+            record = self._service.rules.generate(client, msg)
         except protocol.MessageError as exc:
             return self._error(exc, request_id=msg.id)
         if request.query_params.get("wait", "").lower() in ("1", "true", "yes"):
             return await self._wait_result(request, record)
         if "text/event-stream" in request.headers.get("accept", ""):
-            return self._events(record, after_step=None)
+            return self._events(client, record, after_step=None)
         urls = self._urls(request, record.id)
         payload = status_payload(record, self._positions())
         payload["urls"] = urls
         return responses.json_response(202, payload, extra={"Location": urls["self"]})
+
+    async def _read_body(self, request: Request) -> bytes:
+        """The body, within ``max_message_bytes`` and ``body_timeout_s``, counted in
+        ``max_memory_bytes`` while it arrives.
+
+        Raises _BodyRefused (413 ``limit_exceeded``, 408 ``body_timeout``),
+        ServerBusyError (the server is out of memory for it).
+        """
+        limits = self._service.limits
+        limit = limits.max_message_bytes
+        memory = self._service.memory
+        declared = request.headers.get("content-length")
+        too_large = _BodyRefused(
+            413,
+            "limit_exceeded",
+            f"the body is over {limit} bytes (max_message_bytes, OMNI_STREAM_MAX_MESSAGE_BYTES)",
+        )
+        if declared is not None and declared.isdigit() and int(declared) > limit:
+            raise too_large
+        body = bytearray()
+        counted = 0
+        try:
+            with anyio.move_on_after(limits.body_timeout_s) as waited:
+                async for chunk in request.stream():
+                    body += chunk
+                    if len(body) > limit:
+                        raise too_large
+                    # Held until parsed: it counts against the process's bound. It
+                    # is refused rather than making room (the budget would shed
+                    # other clients' queues for it).
+                    if memory.over(len(chunk)):
+                        raise ServerBusyError(
+                            f"the server holds max_memory_bytes={memory.limit} bytes "
+                            "(OMNI_STREAM_MAX_MEMORY_BYTES); try again shortly",
+                            retry_after_s=admission.RETRY_AFTER_MIN_S,
+                        )
+                    memory.add(len(chunk))
+                    counted += len(chunk)
+            if waited.cancelled_caught:
+                raise _BodyRefused(
+                    408,
+                    "body_timeout",
+                    f"the body did not arrive within {limits.body_timeout_s:g} s "
+                    "(body_timeout_s, OMNI_STREAM_BODY_TIMEOUT)",
+                )
+            return bytes(body)
+        finally:
+            memory.release(counted)
 
     def _parse(self, body: bytes) -> protocol.Generate:
         obj = protocol.decode_json(body)
@@ -191,53 +251,46 @@ class HttpApi:
         await record.wait_ended()
         return self._output_response(request, record)
 
-    def _events(self, record: RequestRecord, *, after_step: int | None) -> Response:
-        service = self._service
-        conn_id = service.connect()
-        limits = service.limits
-        outbox = Outbox(
+    def _events(self, client: Client, record: RequestRecord, *, after_step: int | None) -> Response:
+        limits = self._service.limits
+        metrics = self._service.metrics
+        client.outbox = Outbox(
             max_pending=limits.max_pending,
             max_pending_bytes=limits.max_pending_bytes,
-            budget=service.memory,
-            on_replaced=lambda kind: service.metrics.messages_dropped.labels(kind).inc(),
+            budget=self._service.memory,
+            on_replaced=lambda kind: metrics.messages_dropped.labels(kind).inc(),
         )
-        record.watch(conn_id, outbox, attached=after_step is not None)
+        record.watch(client.id, client.outbox, attached=after_step is not None)
+        # The call's client stays open while the stream is (asgi.py closes it after).
         return EventStream(  # type: ignore[return-value]
-            outbox,
-            send_timeout_s=limits.send_timeout_s,
-            after_step=after_step,
-            on_close=lambda: service.disconnect(conn_id),
+            client.outbox, send_timeout_s=limits.send_timeout_s, after_step=after_step
         )
 
-    async def status(self, request: Request) -> Response:
+    async def status(self, request: Request, client: Client) -> Response:
         """``GET /v1/generations/{id}``."""
         try:
-            record = self._lookup(request)
+            record = self._lookup(request, client)
         except protocol.MessageError as exc:
             return self._error(exc, request_id=request.path_params["request_id"])
         payload = status_payload(record, self._positions())
         payload["urls"] = self._urls(request, record.id)
         return responses.json_response(200, payload)
 
-    async def events(self, request: Request) -> Response:
+    async def events(self, request: Request, client: Client) -> Response:
         """``GET /v1/generations/{id}/events``: SSE, resumed after ``Last-Event-ID``."""
         try:
-            record = self._lookup(request)
+            record = self._lookup(request, client)
         except protocol.MessageError as exc:
             return self._error(exc, request_id=request.path_params["request_id"])
-        refusal = self._service.connection_refusal()
-        if refusal is not None:
-            status, code, message = refusal
-            return responses.error_response(status, code, message)
         after = parse_last_event_id(
             request.headers.get("last-event-id") or request.query_params.get("last_event_id")
         )
-        return self._events(record, after_step=after)
+        return self._events(client, record, after_step=after)
 
-    async def output(self, request: Request) -> Response:
+    async def output(self, request: Request, client: Client) -> Response:
         """``GET /v1/generations/{id}/output``: the result; 409 with the status until it is done."""
         try:
-            record = self._lookup(request)
+            record = self._lookup(request, client)
         except protocol.MessageError as exc:
             return self._error(exc, request_id=request.path_params["request_id"])
         return self._output_response(request, record)
@@ -278,21 +331,22 @@ class HttpApi:
             )
         header, image = result
         ext = {"jpeg": "jpg"}.get(header.format, header.format)
-        return responses.respond(
-            200,
-            bytes(image),
-            header.mime,
-            extra={
+        return responses.BufferResponse(
+            image,
+            status_code=200,
+            media_type=header.mime,
+            headers={
                 "Content-Disposition": f'inline; filename="{record.id}.{ext}"',
                 "X-Omni-Stream-Width": str(header.width),
                 "X-Omni-Stream-Height": str(header.height),
             },
+            budget=self._service.memory,
         )
 
-    async def preview(self, request: Request) -> Response:
+    async def preview(self, request: Request, client: Client) -> Response:
         """``GET /v1/generations/{id}/preview``: the newest preview image; 404 before the first."""
         try:
-            record = self._lookup(request)
+            record = self._lookup(request, client)
         except protocol.MessageError as exc:
             return self._error(exc, request_id=request.path_params["request_id"])
         latest = record.latest_preview()
@@ -301,17 +355,16 @@ class HttpApi:
                 404, "not_found", f"request {record.id} has no preview yet", id=record.id
             )
         header, image = latest
-        return responses.respond(
-            200, bytes(image), header.mime, extra={"X-Omni-Stream-Step": str(header.step)}
+        return responses.BufferResponse(
+            image, status_code=200, media_type=header.mime, headers={"X-Omni-Stream-Step": str(header.step)},
+            budget=self._service.memory,
         )
 
-    async def cancel(self, request: Request) -> Response:
+    async def cancel(self, request: Request, client: Client) -> Response:
         """``DELETE /v1/generations/{id}``: cancel; 200 with the status once it ended."""
         request_id = request.path_params["request_id"]
         try:
-            record = self._service.cancel(
-                f"http:{uuid.uuid4().hex}", request_id, authenticated=self._door.authenticated(request)
-            )
+            record = self._service.rules.cancel(client, request_id)
         except protocol.MessageError as exc:
             return self._error(exc, request_id=request_id)
         # A cancelled request ends within a step (plus a preview render).
@@ -319,10 +372,10 @@ class HttpApi:
             await record.wait_ended()
         return responses.json_response(200, status_payload(record, self._positions()))
 
-    async def listing(self, request: Request) -> Response:
+    async def listing(self, request: Request, client: Client) -> Response:
         """``GET /v1/generations``: the queue, running first, then queued in order, then ended."""
         positions = self._positions()
-        authenticated = self._door.authenticated(request)
+        principal = client.principal
         records = list(self._service.registry)
         order = {"running": 0, "queued": 1, "done": 2, "failed": 2, "cancelled": 2}
 
@@ -330,9 +383,13 @@ class HttpApi:
             status = _status_name(record, positions)
             return (order[status], positions.get(record.id, 0), record.created_at)
 
-        # Without a token an id is the capability to a request: a caller
-        # sees the queue's shape, not the ids of other people's requests.
-        items = [status_payload(r, positions, with_id=authenticated) for r in sorted(records, key=key)]
+        # An id is the capability to a request: a caller sees the queue's
+        # shape, and the ids of its own principal's requests only when it
+        # proved who it is (a token).
+        def own(record: RequestRecord) -> bool:
+            return principal.authenticated and record.principal == principal.key
+
+        items = [status_payload(r, positions, with_id=own(r)) for r in sorted(records, key=key)]
         return responses.json_response(
             200,
             {

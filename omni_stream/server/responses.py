@@ -9,23 +9,25 @@ same codes as the websocket's ``error`` messages (docs/protocol.md).
 from __future__ import annotations
 
 import json
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from pathlib import Path
 from typing import Any
 
 from starlette.responses import Response
+from starlette.types import Receive, Scope, Send
 
+from ..core.admission import preview_wire
+from ..core.limits import ServerLimits
+from ..core.memory import MemoryBudget
 from ..params import describe
 from ..preview import (
     DECODERS,
-    DEFAULT_QUALITY,
     FORMATS,
     IMAGE_OUTPUTS,
     VIDEO_OUTPUTS,
     PreviewSpec,
     has_video_encoder,
 )
-from ..core.limits import ServerLimits
 
 __all__ = [
     "PAGE",
@@ -37,6 +39,8 @@ __all__ = [
     "page_response",
     "preview_wire",
     "respond",
+    "BufferResponse",
+    "until_sent",
 ]
 
 STATIC_DIR = Path(__file__).parent / "static"
@@ -101,21 +105,6 @@ def page_response(page: Path | None = None) -> Response:
     )
 
 
-def preview_wire(spec: PreviewSpec) -> dict[str, Any]:
-    """The effective preview settings as ``accepted`` and ``/models`` report them."""
-    decoder = spec.decoder
-    name = decoder if isinstance(decoder, str) else getattr(decoder, "__name__", "custom")
-    quality = spec.quality if spec.quality is not None else DEFAULT_QUALITY.get(spec.format)
-    return {
-        "every": spec.every,
-        "format": spec.format,
-        "max_size": spec.max_size,
-        "quality": quality,
-        "decoder": name,
-        "video": spec.video,
-    }
-
-
 def models_payload(model: Any, default_preview: PreviewSpec, limits: ServerLimits) -> dict[str, Any]:
     """The ``/models`` body: the model, its params, preview options and request limits."""
     return {
@@ -131,7 +120,8 @@ def models_payload(model: Any, default_preview: PreviewSpec, limits: ServerLimit
         "limits": {
             "max_steps": limits.max_steps,
             "max_image_size": limits.max_image_size,
-            "max_requests_per_connection": limits.max_requests_per_connection,
+            "max_requests_per_principal": limits.max_requests_per_principal,
+            "max_connections_per_principal": limits.max_connections_per_principal,
             "max_message_bytes": limits.max_message_bytes,
         },
     }
@@ -143,3 +133,82 @@ def _output_payload(video: bool) -> dict[str, Any]:
     if video and not has_video_encoder():
         formats.remove("mp4")  # PyAV missing: animated WebP is the default
     return {"formats": formats, "default": {"format": formats[0], "quality": None}}
+
+
+#: Bytes a :class:`BufferResponse` hands the transport at once. uvicorn
+#: waits for a paused transport to drain before each send, so a client that
+#: does not read holds at most about two of these (plus the transport's
+#: 64 KiB high-water mark), not the whole body.
+CHUNK_BYTES = 64 << 10
+
+
+class BufferResponse(Response):
+    """A body sent from a buffer it does not copy, in :data:`CHUNK_BYTES` sends.
+
+    A result is held once, in its request's record (counted there against
+    ``max_memory_bytes``); each client fetching it costs what is in flight
+    to it, counted in ``budget`` while it is sent, not a copy of the whole
+    (200 never-reading clients of a 3 MiB result once held +600 MiB). Each
+    send is bounded by the app's send timeout (http11.BoundedSend).
+    """
+
+    def __init__(
+        self,
+        body: memoryview,
+        *,
+        status_code: int,
+        media_type: str,
+        headers: Mapping[str, str] | None = None,
+        budget: MemoryBudget | None = None,
+    ) -> None:
+        super().__init__(
+            b"", status_code=status_code, headers={**_COMMON, **(headers or {})}, media_type=media_type
+        )
+        self._view = body
+        self._budget = budget
+        self.headers["content-length"] = str(len(body))
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        view, budget = self._view, self._budget
+        counted = min(len(view), 2 * CHUNK_BYTES)
+        if budget is not None:
+            budget.add(counted)
+        try:
+            start = {"type": "http.response.start", "status": self.status_code, "headers": self.raw_headers}
+            await send(start)
+            if not view:
+                await send({"type": "http.response.body", "body": b"", "more_body": False})
+            for offset in range(0, len(view), CHUNK_BYTES):
+                end = offset + CHUNK_BYTES
+                chunk = bytes(view[offset:end])
+                await send({"type": "http.response.body", "body": chunk, "more_body": end < len(view)})
+        finally:
+            if budget is not None:
+                budget.release(counted)
+
+
+class _UntilSent(Response):
+    """``inner``, then ``on_close`` once it is sent or abandoned (see :func:`until_sent`)."""
+
+    def __init__(self, inner: Any, on_close: Callable[[], None]) -> None:
+        # Not Response.__init__: status and headers are the inner response's
+        # (the same list: headers added here are the ones it sends).
+        self._inner = inner
+        self._on_close = on_close
+        self.status_code = inner.status_code
+        self.raw_headers = inner.raw_headers
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        try:
+            await self._inner(scope, receive, send)
+        finally:
+            self._on_close()
+
+
+def until_sent(response: Any, *, on_close: Callable[[], None]) -> Response:
+    """``response``, calling ``on_close`` once it has been sent, however that ends.
+
+    An HTTP call is a client of the core until its answer is out (an event
+    stream, a result to a slow reader): then it is disconnected.
+    """
+    return _UntilSent(response, on_close)

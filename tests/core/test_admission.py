@@ -77,7 +77,7 @@ def test_bad_preview_names_the_option(wire: dict, field: str) -> None:
 
 def test_params_are_checked_by_the_model_then_the_limits() -> None:
     model = Synthetic()
-    assert check_params(model, {"steps": 50}, LIMITS, request_id="r") == 50
+    assert check_params(model, {"steps": 50}, LIMITS, request_id="r")[0] == 50
     with pytest.raises(MessageError) as info:
         check_params(model, {"steps": "ten"}, LIMITS, request_id="r")
     assert (info.value.code, info.value.field, info.value.request_id) == ("bad_params", "steps", "r")
@@ -128,23 +128,59 @@ def test_over_the_wire_an_image_param_must_be_a_data_url() -> None:
     assert opened == [], "the path must be refused before the model reads it"
 
 
-def test_an_input_image_larger_than_max_image_size_is_refused() -> None:
+def _png_url(width: int, height: int) -> str:
+    import base64
+    import io
+
     from PIL import Image
 
-    class Decodes(Synthetic):
-        params = (*Synthetic.params, om.Param("image", "str", ""))
+    buf = io.BytesIO()
+    Image.new("RGB", (width, height), (200, 10, 10)).save(buf, format="PNG")
+    return "data:image/png;base64," + base64.b64encode(buf.getvalue()).decode()
 
-        def validate(self, params):
-            params = dict(params)
-            side = int(params.pop("image")[len("data:"):])
-            return {**super().validate(params), "image": Image.new("RGB", (side, 8))}
 
+class _TakesImage(Synthetic):
+    """Synthetic with an image param that its validate decodes (as img2img pipelines do)."""
+
+    params = (*Synthetic.params, om.Param("image", "str", None))
+    decoded = 0
+
+    def validate(self, params):
+        from omni_stream.models.inputs import load_image
+
+        params = dict(params)
+        image = params.pop("image", None)
+        out = super().validate(params)
+        if isinstance(image, str):
+            type(self).decoded += 1
+            image = load_image(image)
+        return {**out, "image": image}
+
+
+def test_an_input_image_larger_than_max_image_size_is_refused_from_its_header_before_a_decode() -> None:
     limits = ServerLimits(max_image_size=64)
-    assert check_params(Decodes(), {"image": "data:64"}, limits, request_id="r") == 20
+    model = _TakesImage()
+    total, checked = check_params(model, {"image": _png_url(64, 8)}, limits, request_id="r")
+    assert total == 20 and checked["image"].size == (64, 8) and _TakesImage.decoded == 1
     with pytest.raises(MessageError) as info:
-        check_params(Decodes(), {"image": "data:65"}, limits, request_id="r")
+        check_params(model, {"image": _png_url(65, 8)}, limits, request_id="r")
     assert (info.value.code, info.value.field) == ("limit_exceeded", "image")
     assert "65x8" in info.value.message
+    assert _TakesImage.decoded == 1  # refused from the header: never decoded
+
+
+def test_an_input_image_counts_at_its_decoded_size_in_the_memory_estimate() -> None:
+    # A 1024x1024 input to an image-to-image model renders at that size: it
+    # is estimated as a request of that size, not of the model's default one
+    # (issue #19, finding 7: 0.25 MiB reserved, +379 MiB used).
+    limits = ServerLimits()
+    model = _TakesImage()
+    _, small = check_params(model, {"image": _png_url(16, 16)}, limits, request_id="r")
+    _, large = check_params(model, {"image": _png_url(1024, 1024)}, limits, request_id="r")
+    big = estimate_memory(model, large)
+    assert big.field == "image"
+    assert big.alone > 1024 * 1024 * 3 * 4 * 6  # at least its frames at 1024x1024
+    assert big.alone > 50 * estimate_memory(model, small).alone
 
 
 # -- load: max_active, max_queued, fair shares, retry_after ---------------------------
@@ -224,9 +260,9 @@ def test_load_limits_come_from_keywords_and_the_environment(monkeypatch: pytest.
         assert info.value.field == next(iter(bad))
 
 
-def _busy(load: Load, *, own: int = 0, connections: int = 1) -> MessageError | None:
+def _busy(load: Load, *, own: int = 0, principals: int = 1) -> MessageError | None:
     try:
-        check_load(load, own=own, connections=connections, retry_after_s=lambda: 7.5, request_id="r")
+        check_load(load, own=own, principals=principals, retry_after_s=lambda: 7.5, request_id="r")
     except MessageError as exc:
         return exc
     return None
@@ -243,15 +279,15 @@ def test_check_load_refuses_past_capacity_with_busy_and_retry_after() -> None:
 def test_check_load_gives_each_connection_a_fair_share_once_the_queue_is_over_half_full() -> None:
     calm, crowded = Load(7, 4, 6), Load(8, 4, 6)  # 3 and 4 of 6 queued
     # One connection alone may use everything.
-    assert _busy(crowded, own=8, connections=1) is None
+    assert _busy(crowded, own=8, principals=1) is None
     # Two open: a share is 10 // 2 = 5 once crowded, not before.
-    assert _busy(calm, own=7, connections=2) is None
-    assert _busy(crowded, own=4, connections=2) is None
-    err = _busy(crowded, own=5, connections=2)
+    assert _busy(calm, own=7, principals=2) is None
+    assert _busy(crowded, own=4, principals=2) is None
+    err = _busy(crowded, own=5, principals=2)
     assert err is not None and err.code == "busy" and "fair share of 5" in err.message
     # Sixty-four connections: one request each, and a newcomer still gets in.
-    assert _busy(crowded, own=1, connections=64) is not None
-    assert _busy(crowded, own=0, connections=64) is None
+    assert _busy(crowded, own=1, principals=64) is not None
+    assert _busy(crowded, own=0, principals=64) is None
 
 
 def test_retry_after_estimates_when_a_slot_frees_clamped() -> None:
@@ -303,7 +339,7 @@ def test_num_frames_is_bounded_by_max_frames() -> None:
         params = (*Synthetic.params, om.Param("num_frames", "int", 49, minimum=1, maximum=2048))
 
     limits = ServerLimits(max_frames=121)
-    assert check_params(Video(), {"num_frames": 121}, limits, request_id="r") == 20
+    assert check_params(Video(), {"num_frames": 121}, limits, request_id="r")[0] == 20
     with pytest.raises(MessageError) as info:
         check_params(Video(), {"num_frames": 122}, limits, request_id="r")
     assert (info.value.code, info.value.field) == ("limit_exceeded", "num_frames")

@@ -37,25 +37,44 @@ def test_room_until_the_bound_then_requests_wait() -> None:
     assert "w" not in gate and gate.waiting == 0
 
 
-def test_priority_first_then_the_connection_with_least_inside_then_arrival() -> None:
+def test_a_granted_cross_priority_first_then_the_principal_with_least_inside_then_arrival() -> None:
     gate = Gate(lambda: 3)
     gate.entered("busy")  # "busy" has two in the engine already
     gate.entered("busy")
-    for rid, owner, prio in [("b1", "busy", 0), ("b2", "busy", 0), ("q1", "quiet", 0), ("hi", "busy", 3)]:
+    for rid, owner, prio in [("b1", "busy", 0), ("b2", "busy", 0), ("q1", "quiet", 0)]:
         gate.wait(rid, owner, prio, None)
-    assert gate.order() == ["hi", "q1", "b1", "b2"]
+    gate.wait("hi", "busy", 3, None, cross=3)  # its token is granted priority 3
+    assert gate.order()[0] == "hi"
     item = gate.pop()
     assert item is not None and item.request_id == "hi"
     gate.entered(item.owner)  # "busy" now has 3 inside: its others wait behind "quiet"'s
     assert gate.order() == ["q1", "b1", "b2"]
 
 
+def test_a_principals_own_priority_orders_its_own_requests_only() -> None:
+    # A priority-10 flood does not go before another principal's priority 0
+    # (issue #19, finding 9): between principals the least inside goes first.
+    gate = Gate(lambda: 1)
+    gate.entered("flood")
+    for i in range(3):
+        gate.wait(f"f{i}", "flood", 10, None)
+    gate.wait("honest", "me", 0, None)
+    gate.wait("f-low", "flood", -5, None)
+    gate.left("flood")
+    item = gate.pop()
+    assert item is not None and item.request_id == "honest"
+    gate.entered(item.owner)
+    gate.left(item.owner)
+    # Within the flood's own requests: its highest priority first, then arrival.
+    assert gate.order() == ["f0", "f1", "f2", "f-low"]
+
+
 def test_a_low_priority_waits_but_is_not_starved() -> None:
     gate = Gate(lambda: 1)
-    gate.wait("low", "a", -10, None)
+    gate.wait("low", "a", 0, None)
     let_in = 0
     while True:
-        gate.wait(f"hi{let_in}", "b", 10, None)
+        gate.wait(f"hi{let_in}", "b", 10, None, cross=10)
         item = gate.pop()
         assert item is not None
         gate.entered(item.owner)
@@ -64,8 +83,8 @@ def test_a_low_priority_waits_but_is_not_starved() -> None:
             break
         let_in += 1
         assert let_in < 1000, "starved"
-    # 20 points of priority apart: it leads after 20 * AGE_ROUNDS let in.
-    assert let_in == 20 * AGE_ROUNDS
+    # 10 points of cross priority apart: it leads after 10 * AGE_ROUNDS let in.
+    assert let_in == 10 * AGE_ROUNDS
 
 
 def test_a_removed_request_is_never_let_in() -> None:
@@ -157,7 +176,7 @@ async def test_beyond_max_active_requests_wait_unstarted_and_go_in_as_others_end
         # One in the engine; the other waits, unstarted, and says so.
         stats = service.engine.statistics()
         assert stats.active + stats.queued == 1 and service.gate.waiting == 1
-        assert list(service.queue_positions())[-1] == "second"
+        assert list(service.rules.queue_positions())[-1] == "second"
         h = service.health_payload()[1]["load"]
         assert (h["active"], h["queued"]) == (1, 1)
         msgs = await a.until_end("first")

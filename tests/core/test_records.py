@@ -102,18 +102,21 @@ def test_registry_duplicate_and_lookup_rules() -> None:
     with pytest.raises(MessageError) as info:
         reg.add(record("mine", owner="c2"))
     assert info.value.code == "duplicate_id"
-    assert reg.lookup("mine", "c1", authenticated=False).id == "mine"
+    assert reg.lookup("mine", "c1").id == "mine"
     # Another connection cannot see a request that was not detached...
     with pytest.raises(MessageError) as info:
-        reg.lookup("mine", "c2", authenticated=False)
+        reg.lookup("mine", "c2")
     assert info.value.code == "not_found"
     # ...the same answer as for an id that does not exist...
     with pytest.raises(MessageError) as unknown:
-        reg.lookup("nope", "c2", authenticated=False)
+        reg.lookup("nope", "c2")
     assert unknown.value.code == "not_found"
-    # ...but can see a detached one, and a token holder sees everything.
-    assert reg.lookup("kept", "c2", authenticated=False).id == "kept"
-    assert reg.lookup("mine", "c2", authenticated=True).id == "mine"
+    # ...but can see a detached one, and a client of the proved principal
+    # (a token's) sees its principal's requests, and no other's.
+    assert reg.lookup("kept", "c2").id == "kept"
+    assert reg.lookup("mine", "c2", principal="connection:c1").id == "mine"
+    with pytest.raises(MessageError):
+        reg.lookup("mine", "c2", principal="token:other")
 
 
 def test_disconnect_returns_only_undetached_running_requests() -> None:

@@ -9,6 +9,7 @@ import pytest
 import torch
 
 import omni_stream as om
+from omni_stream.engine.intake import check_request
 from omni_stream.lifecycle import Lifecycle
 from omni_stream.models import Synthetic
 
@@ -156,6 +157,32 @@ async def test_params_errors_name_the_field_and_lose_nothing():
         with pytest.raises(om.ParamsError, match="unknown synthetic param"):
             engine.stream({"nope": 1})
         assert len([f async for f in running]) == 5
+
+
+@pytest.mark.asyncio
+@pytest.mark.parametrize("bad", [".", "..", "x" * 129, "a b"], ids=["dot", "dotdot", "129", "space"])
+async def test_an_id_outside_the_rule_is_refused(bad):
+    async with om.Engine(Synthetic(), device="cpu") as engine:
+        with pytest.raises(om.ParamsError) as info:
+            engine.stream(params(steps=2), request_id=bad)
+        assert info.value.field == "request_id" and "A-Z a-z 0-9 . _ : -" in info.value.message
+        assert engine.statistics().queued == 0
+        assert (await engine.generate(params(steps=2), request_id="x" * 128)).final
+
+
+@pytest.mark.asyncio
+async def test_a_checked_request_is_submitted_as_checked():
+    model = Synthetic()
+    async with om.Engine(model, device="cpu") as engine:
+        checked = check_request(model, params(steps=3, seed=4), request_id="c", policy="latest")
+        frames = engine.submit(checked)
+        with pytest.raises(om.ParamsError, match="already running"):
+            engine.submit(checked)
+        assert (frames.request_id, frames.total, frames.params) == ("c", 3, checked.params)
+        assert [f.step async for f in frames][-1] == 3
+    with pytest.raises(om.EngineClosedError) as info:
+        engine.submit(checked)
+    assert info.value.request_id == "c"
 
 
 def test_bad_engine_options_raise_params_errors():

@@ -17,6 +17,7 @@ import omni_stream as om
 from omni_stream import config
 from omni_stream.config import STEP_TIMEOUT_ENV
 from omni_stream.engine import GroupStream, engine_for
+from omni_stream.engine.intake import check_request_id
 from omni_stream.models import Synthetic
 
 from .conftest import make_device, params, wait_for
@@ -428,7 +429,45 @@ async def test_a_running_id_is_refused_on_any_member_with_the_engines_error():
         again = group.stream(params(steps=2), request_id="dup")
         await read_all(again)
         with pytest.raises(om.ParamsError, match="request_id"):
-            group.stream(params(steps=2), request_id="")  # the member's own check
+            group.stream(params(steps=2), request_id="")
+
+
+@pytest.mark.asyncio
+@pytest.mark.parametrize("bad", [".", "..", "x" * 129, "a b"], ids=["dot", "dotdot", "129", "space"])
+async def test_an_id_outside_the_rule_is_refused_as_one_engine_refuses_it(bad):
+    with pytest.raises(om.ParamsError) as expected:
+        check_request_id(bad)
+    async with om.EngineGroup(Synthetic, devices="cpu,cpu") as group:
+        with pytest.raises(om.ParamsError) as info:
+            group.stream(params(steps=2), request_id=bad)
+        assert (info.value.field, str(info.value)) == ("request_id", str(expected.value))
+        assert group.statistics().queued + group.statistics().active == 0 and not group._where
+
+
+class CountsChecks(Synthetic):
+    """Synthetic counting validate() calls across every instance (each member has its own)."""
+
+    checks = 0
+
+    def validate(self, params: Any) -> dict[str, Any]:
+        CountsChecks.checks += 1
+        return super().validate(params)
+
+
+@pytest.mark.asyncio
+async def test_a_request_is_checked_once_by_the_group_not_again_by_its_member():
+    CountsChecks.checks = 0
+    async with om.EngineGroup(CountsChecks, devices="cpu,cpu") as group:
+        streams = [group.stream(params(steps=2, seed=i)) for i in range(2)]
+        assert [s.member for s in streams] == [0, 1]
+        for s in streams:
+            assert (await read_all(s))[-1].final
+        assert CountsChecks.checks == 2
+        # Options are refused before routing: neither member saw these.
+        for bad in ({"policy": "some"}, {"priority": 11}, {"preview_every": 0}, {"timeout": 0}):
+            with pytest.raises(om.ParamsError):
+                group.stream(params(steps=2), **bad)
+        assert group.statistics().completed == 2 and CountsChecks.checks == 2
 
 
 # -- health, and a member that dies -----------------------------------------------------

@@ -30,6 +30,7 @@ from websockets.asyncio.client import connect  # noqa: E402
 
 import omni_stream as om  # noqa: E402
 from omni_stream.device import SimDevice  # noqa: E402
+from omni_stream.engine.intake import check_request, check_request_id  # noqa: E402
 from omni_stream.engine.like import EngineLike, FrameStreamLike, RendersFrames  # noqa: E402
 from omni_stream.integrations.ray_serve import (  # noqa: E402
     DEFAULT_WINDOW,
@@ -281,6 +282,25 @@ async def test_errors_arrive_as_this_projects_own(sim: str) -> None:
             await first.__anext__()
             with pytest.raises(om.ParamsError, match="already running"):
                 engine.stream(SMALL, request_id="dup")
+
+
+@ASYNCIO
+async def test_the_front_door_refuses_what_an_engine_refuses_in_the_same_words(sim: str) -> None:
+    async with RemoteEngine(sim) as engine:
+        for bad in (".", "..", "x" * 129, "a b"):
+            with pytest.raises(om.ParamsError) as expected:
+                check_request_id(bad)
+            with pytest.raises(om.ParamsError) as refused:
+                engine.stream(SMALL, request_id=bad)
+            assert (refused.value.field, str(refused.value)) == ("request_id", str(expected.value))
+        for option, value in [("policy", "newest"), ("timeout", 0), ("preview_every", 0), ("priority", 11)]:
+            with pytest.raises(om.ParamsError) as expected:
+                check_request(engine.model, SMALL, request_id="o", **{option: value})
+            with pytest.raises(om.ParamsError) as refused:
+                engine.stream(SMALL, request_id="o", **{option: value})
+            assert (refused.value.field, str(refused.value)) == (option, str(expected.value))
+        assert engine._open_streams() == []  # nothing was sent to a replica
+        assert (await engine.generate({**SMALL, "steps": 2}, request_id="x" * 128)).final
 
 
 # -- the server in front ---------------------------------------------------------------------

@@ -73,6 +73,34 @@ def test_images_are_distinct_and_colourful() -> None:
     assert int(colourful.sum()) >= 20
 
 
+def test_drawing_into_a_given_tensor_gives_the_same_bits() -> None:
+    # The Mixture draws straight into its bank: no list of images stacked after.
+    size = 33
+    out = torch.full((len(COMPONENTS), 3, size, size), float("nan"))
+    assert render_all(size, out=out) is out
+    alone = torch.stack([render(c, size) for c in COMPONENTS])
+    assert torch.equal(out.view(torch.int32), alone.view(torch.int32))
+    picture = images.plain("green star")
+    assert picture is not None
+    variants = torch.full((len(images.VARIANTS), 3, size, size), float("nan"))
+    assert images.render_plain(picture, size, out=variants) is variants
+    assert torch.equal(variants.view(torch.int32), images.render_plain(picture, size).view(torch.int32))
+
+
+@pytest.mark.parametrize(
+    "out",
+    [
+        torch.empty(len(COMPONENTS), 3, 8, 9),
+        torch.empty(len(COMPONENTS) - 1, 3, 8, 8),
+        torch.empty(len(COMPONENTS), 3, 8, 8, dtype=torch.float64),
+        torch.empty(8, 8, 3, len(COMPONENTS)).permute(3, 2, 0, 1),  # not contiguous
+    ],
+)
+def test_drawing_into_a_wrong_tensor_is_refused(out: torch.Tensor) -> None:
+    with pytest.raises(ValueError, match="out must be"):
+        render_all(8, out=out)
+
+
 def test_render_rejects_bad_sizes() -> None:
     with pytest.raises(ValueError):
         render(COMPONENTS[0], 0)

@@ -8,9 +8,14 @@ counts and the code paths that the exactness argument says must agree.
 
 from __future__ import annotations
 
+import json
 import math
 import random
+import subprocess
+import sys
+import threading
 from collections.abc import Mapping
+from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
 import pytest
@@ -549,6 +554,205 @@ def test_load_prerenders_the_default_size() -> None:
     fresh = Mixture()
     fresh.load(CPU)
     assert fresh.cached_sizes() == [256]
+
+
+def test_loads_bank_is_kept_outside_the_bounds() -> None:
+    # It was the first to go: a 1-size cache dropped it for the next request's size.
+    fresh = Mixture(cache_sizes=1, cache_bytes=0)
+    fresh.load(CPU)
+    for size in (32, 40):
+        fresh.start(fresh.validate({"size": size, "steps": 1}), CPU)
+    assert fresh.cached_sizes() == [256, 40]
+
+
+# ---- memory: the banks, their building peak, the cache (model.ModelMemory) ----
+
+
+def bits(t: torch.Tensor) -> torch.Tensor:
+    return t.view(torch.int32 if t.dtype == torch.float32 else torch.int64)
+
+
+def whole_array_bank(size: int, picture: images.PlainPicture | None) -> tuple[torch.Tensor, ...]:
+    """(mu, levels, norms) as the bank was built before it was chunked: whole-array float64 products."""
+    rendered = torch.stack([images.render(c, size) for c in images.COMPONENTS])
+    if picture is not None:
+        rendered = torch.cat([rendered, images.render_plain(picture, size)])
+    mu = rendered.reshape(rendered.shape[0], -1)
+    levels = mu.to(torch.float64) * images.LEVELS
+    return mu, levels, (levels * levels).sum(1)
+
+
+@pytest.mark.parametrize("columns", [None, 1000])
+@pytest.mark.parametrize("size, prompt", [(32, ""), (61, "red circle"), (61, "white stripes")])
+def test_a_bank_is_built_bit_identical_to_whole_array_products(
+    size: int, prompt: str, columns: int | None, monkeypatch
+) -> None:
+    # 61 pixels: 11,163 values an image, chunks that do not divide them.
+    if columns is not None:
+        monkeypatch.setattr(mixture, "_BUILD_COLUMNS", columns)
+    picture = images.plain(prompt)
+    mu, levels, norms = whole_array_bank(size, picture)
+    bank = mixture._make_bank(size, picture, CPU)
+    assert bank.levels is not None
+    assert torch.equal(bits(bank.mu), bits(mu))
+    assert torch.equal(bits(bank.levels), bits(levels))
+    assert torch.equal(bits(bank.norms), bits(norms))
+    monkeypatch.setattr(mixture, "LEVELS64_MAX_DIMS", 0)  # large sizes: no float64 copy kept
+    sliced = mixture._make_bank(size, picture, CPU)
+    assert sliced.levels is None
+    assert torch.equal(bits(sliced.mu), bits(mu)) and torch.equal(bits(sliced.norms), bits(norms))
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+@pytest.mark.parametrize("keep_levels", [True, False])
+def test_a_bank_built_on_cuda_has_the_cpu_banks_bits(keep_levels: bool, monkeypatch) -> None:
+    # The float64 levels and norms are made on the device, chunk by chunk.
+    if not keep_levels:
+        monkeypatch.setattr(mixture, "LEVELS64_MAX_DIMS", 0)
+    picture = images.plain("red circle")
+    cpu = mixture._make_bank(61, picture, CPU)
+    cuda = mixture._make_bank(61, picture, torch.device("cuda"))
+    assert cuda.mu.device.type == cuda.norms.device.type == "cuda"
+    assert torch.equal(bits(cuda.mu.cpu()), bits(cpu.mu))
+    assert torch.equal(bits(cuda.norms.cpu()), bits(cpu.norms))
+    if keep_levels:
+        assert cuda.levels is not None and cpu.levels is not None
+        assert torch.equal(bits(cuda.levels.cpu()), bits(cpu.levels))
+    assert cuda.nbytes == cpu.nbytes
+
+
+@pytest.mark.parametrize("keep_levels", [True, False])
+@pytest.mark.parametrize("prompt", ["", "green star"])
+def test_bank_bytes_are_exact(prompt: str, keep_levels: bool, monkeypatch) -> None:
+    if not keep_levels:
+        monkeypatch.setattr(mixture, "LEVELS64_MAX_DIMS", 0)
+    picture = images.plain(prompt)
+    bank = mixture._make_bank(40, picture, CPU)
+    assert (bank.levels is not None) == keep_levels
+    tensors = [t for t in (bank.mu, bank.levels, bank.norms) if t is not None]
+    # Whole storages: a view of a larger tensor would hold more than it counts.
+    assert bank.nbytes == sum(t.untyped_storage().nbytes() for t in tensors)
+    assert bank.nbytes == mixture._bank_bytes(40, picture)
+
+
+def test_request_memory_counts_a_bank_until_it_is_cached() -> None:
+    fresh = Mixture()
+    circle = fresh.validate({"size": 48, "prompt": "red circle"})
+    everything = fresh.validate({"size": 48})
+    want = fresh.request_memory_bytes(circle)
+    assert want >= mixture._bank_bytes(48, images.plain("red circle")) > 0
+    assert 0 < fresh.request_memory_bytes(everything) < want  # 30 images, not 62
+    state = fresh.start(circle, CPU)
+    assert fresh.request_memory_bytes(circle) == 0
+    assert fresh.request_memory_bytes(dict(circle, seed=5, steps=3, sampler="euler_a")) == 0
+    # Other banks: another size, no plain picture, another picture.
+    assert fresh.request_memory_bytes(fresh.validate({"size": 56, "prompt": "red circle"})) > 0
+    assert fresh.request_memory_bytes(everything) > 0
+    assert fresh.request_memory_bytes(fresh.validate({"size": 48, "prompt": "blue circle"})) > 0
+    fresh.close(state)
+
+
+def test_cache_bytes_and_trim_cache_never_take_loads_bank() -> None:
+    fresh = Mixture()
+    fresh.load(CPU)
+    default = fresh.validate({"steps": 2})
+    assert fresh.cache_bytes() == 0 and fresh.request_memory_bytes(default) == 0
+    a = fresh.start(fresh.validate({"size": 40, "steps": 3}), CPU)
+    assert fresh.cache_bytes() == a.bank.nbytes
+    b = fresh.start(fresh.validate({"size": 48, "steps": 3, "prompt": "red circle"}), CPU)
+    assert fresh.cache_bytes() == a.bank.nbytes + b.bank.nbytes
+    assert fresh.cached_sizes() == [256, 40, 48]
+    assert fresh.trim_cache(b.bank.nbytes) == a.bank.nbytes  # least recently used first
+    assert fresh.cached_sizes() == [256, 48]
+    assert fresh.trim_cache() == b.bank.nbytes
+    assert fresh.cache_bytes() == 0 and fresh.cached_sizes() == [256]
+    assert fresh.trim_cache() == 0
+    assert fresh.request_memory_bytes(fresh.validate({"size": 40})) > 0  # to be built again
+    # Running requests keep their trimmed banks; load's bank still serves.
+    assert len(fresh.step([a])) == 1 and len(fresh.step([b])) == 1
+    c = fresh.start(default, CPU)
+    assert len(fresh.step([c])) == 1
+    assert fresh.cache_bytes() == 0 and fresh.request_memory_bytes(default) == 0
+    with pytest.raises(ValueError, match="keep_bytes"):
+        fresh.trim_cache(-1)
+
+
+def test_memory_calls_do_not_wait_for_a_bank_being_built(monkeypatch) -> None:
+    # The event loop asks while the producer thread draws; it must not block
+    # on the drawing, and a bank not built yet is not there.
+    fresh = Mixture()
+    drawing, release = threading.Event(), threading.Event()
+    draw = images.render_all
+
+    def held(size: int, *, out: torch.Tensor | None = None) -> torch.Tensor:
+        drawing.set()
+        assert release.wait(60)  # a bound on a hang, not a timing assertion
+        return draw(size, out=out)
+
+    monkeypatch.setattr(images, "render_all", held)
+    params = fresh.validate({"size": 40, "steps": 1})
+    with ThreadPoolExecutor(1) as pool:
+        started = pool.submit(fresh.start, params, CPU)
+        try:
+            assert drawing.wait(60)
+            assert fresh.request_memory_bytes(params) > 0
+            assert fresh.cache_bytes() == 0 and fresh.trim_cache() == 0
+        finally:
+            release.set()
+        state = started.result(60)
+    assert fresh.cache_bytes() == state.bank.nbytes and fresh.request_memory_bytes(params) == 0
+
+
+#: Builds banks in a fresh process and reports the peak RSS increase of each
+#: (Linux: /proc/self/clear_refs resets the peak, VmHWM, to the current RSS).
+PEAK_SCRIPT = r"""
+import json, re, sys
+import torch
+from omni_stream.models import images, mixture
+from omni_stream.models.mixture import Mixture
+
+def status(field):
+    with open("/proc/self/status") as f:
+        return int(re.search(field + r":\s+(\d+) kB", f.read()).group(1)) * 1024
+
+size, prompt = int(sys.argv[1]), sys.argv[2]
+picture = images.plain(prompt)
+model = Mixture()
+estimate = model.request_memory_bytes(model.validate({"size": size, "prompt": prompt}))
+mixture._make_bank(32, picture, torch.device("cpu"))  # first-call allocations out of the way
+try:
+    with open("/proc/self/clear_refs", "w") as f:
+        f.write("5")
+except OSError as exc:
+    print(json.dumps({"skip": f"cannot reset the peak RSS: {exc}"}))
+    sys.exit(0)
+before = status("VmRSS")
+bank = mixture._make_bank(size, picture, torch.device("cpu"))
+print(json.dumps({"peak": status("VmHWM") - before, "bank": bank.nbytes, "estimate": estimate}))
+"""
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="reads /proc/self")
+@pytest.mark.parametrize(
+    "size, prompt",
+    [
+        (512, ""),  # the float64 copy kept; built at 1.66x the bank before
+        (640, "red circle"),  # none kept, a plain picture; 5x the bank before
+    ],
+)
+def test_building_a_bank_peaks_near_the_bank_and_within_the_estimate(size: int, prompt: str) -> None:
+    done = subprocess.run(
+        [sys.executable, "-c", PEAK_SCRIPT, str(size), prompt],
+        capture_output=True, text=True, check=True, timeout=600,
+    )
+    got = json.loads(done.stdout.strip().splitlines()[-1])
+    if "skip" in got:
+        pytest.skip(got["skip"])
+    peak, bank, estimate = got["peak"], got["bank"], got["estimate"]
+    assert peak <= estimate, got  # admission never counts less than the build takes
+    assert peak <= 1.3 * bank, got  # no whole-bank float64 temporaries
+    assert estimate <= 1.3 * bank + (16 << 20), got  # and the estimate is not a blanket
 
 
 def test_close_drops_the_state_tensors(model: Mixture) -> None:

@@ -19,7 +19,7 @@ from omni_stream.engine import Health
 from omni_stream.models import Synthetic
 from omni_stream.preview import Previewer
 from omni_stream.server import Server
-from omni_stream.server.connection import transport_of
+from omni_stream.server.http11 import transport_of
 
 from .conftest import (
     SMALL,
@@ -228,12 +228,12 @@ async def test_oversize_message_closes_with_1009() -> None:
 
 @pytest.mark.asyncio
 async def test_per_connection_request_limit() -> None:
-    async with running(Slow(0.01), max_requests_per_connection=1) as server, connect(server.url) as ws:
+    async with running(Slow(0.01), max_requests_per_principal=1) as server, connect(server.url) as ws:
         await send(ws, type="generate", id="a", params={**SMALL, "steps": 2000})
         await send(ws, type="generate", id="b", params={**SMALL, "steps": 2})
         err = await until(ws, lambda m: m["type"] == "error")
         assert (err["code"], err["id"]) == ("too_many_requests", "b")
-        assert "OMNI_STREAM_MAX_REQUESTS_PER_CONNECTION" in err["message"]
+        assert "OMNI_STREAM_MAX_REQUESTS_PER_PRINCIPAL" in err["message"]
         async with connect(server.url) as other:  # the limit is per connection
             await send(other, type="generate", id="c", params={**SMALL, "steps": 2})
             assert (await until_end(other, "c"))[-1]["type"] == "done"
@@ -535,7 +535,7 @@ async def test_health_reports_statistics_and_turns_503_when_dead(monkeypatch: py
         body = reply.json()
         assert (body["status"], body["ok"], body["reason"]) == ("ok", True, None)
         assert body["completed"] == 1 and body["active"] == 0 and body["cancelled"] == 0
-        assert body["server"] == {"connections": 1, "requests": 0, "retained": 0}
+        assert body["server"] == {"connections": 1, "principals": 1, "requests": 0, "retained": 0}
 
         stats = server.engine.statistics()
         monkeypatch.setattr(
@@ -592,7 +592,7 @@ async def test_health_turns_503_when_the_engine_is_closed() -> None:
 async def test_a_bug_in_one_request_or_connection_never_kills_the_server(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
-    from omni_stream.server import connection, consumer
+    from omni_stream.server import consumer, websocket as connection
 
     real_publish, real_result = consumer._publish, consumer._publish_result
 
@@ -609,10 +609,10 @@ async def test_a_bug_in_one_request_or_connection_never_kills_the_server(
     monkeypatch.setattr(consumer, "_publish", publish)
     monkeypatch.setattr(consumer, "_publish_result", publish_result)
     async with running() as server:
-        def attach(conn_id: Any, outbox: Any, request_id: Any) -> None:
+        def attach(client: Any, request_id: Any) -> None:
             raise RuntimeError("bug while handling a message")
 
-        monkeypatch.setattr(server.service, "attach", attach)
+        monkeypatch.setattr(server.service.rules, "attach", attach)
         async with connect(server.url) as ws:
             await send(ws, type="generate", id="buggy", params={**SMALL, "steps": 3})
             end = (await until_end(ws, "buggy"))[-1]
@@ -765,7 +765,7 @@ async def test_a_connection_accepted_before_close_is_not_answered_after_it():
     ) as server:
         reader, writer = await asyncio.open_connection("127.0.0.1", server.port)
         await anyio.sleep(0.05)
-    writer.write(b"GET /health HTTP/1.1\r\nHost: x\r\n\r\n")
+    writer.write(b"GET /health HTTP/1.1\r\nHost: 127.0.0.1\r\n\r\n")
     try:
         await writer.drain()
         with anyio.fail_after(5):

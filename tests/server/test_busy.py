@@ -92,21 +92,31 @@ async def test_a_busy_generate_without_an_id_gets_an_error_without_one() -> None
 
 
 @pytest.mark.asyncio
-async def test_priority_is_validated_and_reaches_the_engine() -> None:
-    async with running(Slow(0.02)) as server, connect(server.url) as ws:
-        for bad in (11, -11, 1.5, True, "3", None):
-            err = await generate(ws, "bad", priority=bad)
-            assert (err["code"], err["field"]) == ("invalid_field", "priority"), bad
-        assert (await generate(ws, "hi", priority=7))["type"] == "accepted"
-        assert (await generate(ws, "plain"))["type"] == "accepted"
-        by_id = server.engine._by_id
-        assert (by_id["hi"].priority, by_id["plain"].priority) == (7, 0)
+async def test_priority_is_validated_and_reaches_the_engine_as_far_as_its_token_is_granted(tmp_path) -> None:
+    tokens = tmp_path / "tokens"
+    tokens.write_text("ops=s3cret priority=5\nplain=0ther\n")
+    async with running(Slow(0.02), tokens_file=str(tokens)) as server:
+        async with connect(server.url + "?token=s3cret") as ws, connect(server.url + "?token=0ther") as other:
+            for bad in (11, -11, 1.5, True, "3", None):
+                err = await generate(ws, "bad", priority=bad)
+                assert (err["code"], err["field"]) == ("invalid_field", "priority"), bad
+            assert (await generate(ws, "hi", priority=7))["type"] == "accepted"
+            assert (await generate(ws, "plain"))["type"] == "accepted"
+            # Not granted: its priority orders its own requests only, never
+            # another tenant's in the engine (issue #19, finding 9).
+            assert (await generate(other, "own", priority=9))["type"] == "accepted"
+            by_id = server.engine._by_id
+            assert (by_id["hi"].priority, by_id["plain"].priority, by_id["own"].priority) == (5, 0, 0)
 
 
 @pytest.mark.asyncio
-async def test_a_high_priority_request_overtakes_a_low_one() -> None:
+async def test_a_granted_high_priority_request_overtakes_a_low_one(tmp_path) -> None:
+    tokens = tmp_path / "tokens"
+    tokens.write_text("ops=s3cret priority=10\n")
     engine = om.Engine(Slow(0.005), device="cpu", max_batch_size=1)
-    async with engine, running(engine) as server, connect(server.url) as ws:
+    async with engine, running(engine, tokens_file=str(tokens)) as server, connect(
+        server.url + "?token=s3cret"
+    ) as ws:
         await send(ws, type="generate", id="low", params={**SMALL, "steps": 400}, priority=-10)
         await until(ws, lambda m: m.get("id") == "low" and m["type"] == "progress")
         await send(ws, type="generate", id="high", params={**SMALL, "steps": 30}, priority=10)
@@ -118,7 +128,8 @@ async def test_a_high_priority_request_overtakes_a_low_one() -> None:
             if msg["id"] == "high" and msg["type"] == "done":
                 break
         # Round robin would have advanced "low" by ~30 steps meanwhile; aging
-        # gives it one step per 160 rounds at this gap.
+        # gives it one step per 80 rounds at this gap (its -10 counts as 0
+        # against the granted 10).
         assert max(low_steps) - min(low_steps) <= 5, low_steps
 
 

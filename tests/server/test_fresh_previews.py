@@ -23,11 +23,11 @@ class _Gated(Previewer):
         self.gate = threading.Event()
         self.rendered: list[tuple[str, int]] = []
 
-    async def _render_reserved(self, frame, spec):
+    async def _render_reserved(self, frame, spec, **options):
         if frame.request_id == "a" and not self.gate.is_set():
             await anyio.to_thread.run_sync(self.gate.wait, 20)
         self.rendered.append((frame.request_id, frame.step))
-        return await super()._render_reserved(frame, spec)
+        return await super()._render_reserved(frame, spec, **options)
 
     async def run_sync(self, fn, *args):
         # A fast request's first frame may be its result, encoded here: gate
@@ -82,9 +82,9 @@ class _Counting(Previewer):
         super().__init__(threads=1)
         self.renders = 0
 
-    async def _render_reserved(self, frame, spec):
+    async def _render_reserved(self, frame, spec, **options):
         self.renders += 1
-        return await super()._render_reserved(frame, spec)
+        return await super()._render_reserved(frame, spec, **options)
 
 
 @pytest.mark.asyncio
@@ -101,7 +101,7 @@ async def test_a_request_nobody_reads_is_neither_rendered_nor_consumed_at_full_p
     previewer = _Counting()
     engine = Engine(Slow(0.005), device="cpu", torch_threads=1)
     service = Service(
-        engine, limits=ServerLimits.from_env({}), token=None, previewer=previewer, owns_engine=True
+        engine, limits=ServerLimits.from_env({}), previewer=previewer, owns_engine=True
     )
     async with service:
         client = Client(service)

@@ -166,7 +166,7 @@ async def test_each_request_logs_one_line_when_it_ends(caplog: pytest.LogCapture
     ok = records["ok-1"]
     assert ok.levelno == logging.INFO
     assert re.fullmatch(
-        r"request done id=ok-1 conn=\S+ model=slow outcome=done steps=3 total=3 "
+        r"request done id=ok-1 conn=\S+ principal=connection:\S+ model=slow outcome=done steps=3 total=3 "
         r"frames=3 frames_dropped=0 previews=3 elapsed_s=\d+\.\d+ detach=False",
         ok.getMessage(),
     ), ok.getMessage()

@@ -213,7 +213,7 @@ async def test_a_stalled_event_stream_never_slows_the_request_or_others() -> Non
         ).json()["id"]
         stalled = await anyio.connect_tcp(server.host, server.port)
         # Asks for the request's events, and never reads them.
-        await stalled.send(f"GET /v1/generations/{rid}/events HTTP/1.1\r\nHost: x\r\n\r\n".encode())
+        await stalled.send(f"GET /v1/generations/{rid}/events HTTP/1.1\r\nHost: 127.0.0.1\r\n\r\n".encode())
         try:
             other = await client.post("/v1/generations?wait=1", json={"params": {**SMALL, "steps": 5}})
             assert other.status_code == 200
@@ -262,7 +262,7 @@ async def test_busy_is_503_with_retry_after() -> None:
             assert reply.status_code == 202
             held.append(reply.json()["id"])
         # One in the engine (max_active), one waiting in the gate (max_queued).
-        await wait_for(lambda: server.service.load().held >= 2, what="both to be held")
+        await wait_for(lambda: server.service.rules.load().held >= 2, what="both to be held")
         assert (server.service.gate.in_engine, server.service.gate.waiting) == (1, 1)
         third = await client.post("/v1/generations", json={"params": {**SMALL, "steps": 3}})
         assert third.status_code == 503 and third.json()["error"] == "busy"
@@ -313,14 +313,17 @@ async def test_metrics_public_opens_metrics_only() -> None:
 # -- the pure parts ------------------------------------------------------------------------
 
 
-def test_queue_positions_follow_priority_then_arrival() -> None:
+def test_queue_positions_follow_granted_priority_then_arrival() -> None:
     from omni_stream.core.gate import Gate
     from omni_stream.core.records import RequestRecord
-    from omni_stream.server.service import Service
+    from omni_stream.core.rules import Rules
 
     records = []
-    for rid, priority, created, step in [("a", 0, 1.0, 3), ("b", 0, 2.0, 0), ("c", 5, 3.0, 0), ("d", 0, 0.5, 0)]:
-        record = RequestRecord(rid, owner="o", detach=True, total=9, preview={}, created_at=created, priority=priority)
+    for rid, cross, created, step in [("a", 0, 1.0, 3), ("b", 0, 2.0, 0), ("c", 5, 3.0, 0), ("d", 0, 0.5, 0)]:
+        record = RequestRecord(
+            rid, owner="o", detach=True, total=9, preview={}, created_at=created, priority=cross,
+            cross_priority=cross,
+        )
         record.latest_step = step
         records.append(record)
 
@@ -328,17 +331,18 @@ def test_queue_positions_follow_priority_then_arrival() -> None:
         def running(self) -> list[RequestRecord]:
             return records
 
-    service = Service.__new__(Service)
-    service.registry = Registry()  # type: ignore[assignment]
-    service.gate = Gate(lambda: 4)
-    # a has started: not queued. c outranks; then arrival order.
-    assert service.queue_positions() == {"c": 0, "d": 1, "b": 2}
-    # Requests waiting in the gate come after those in the engine, in the gate's order.
+    rules = Rules.__new__(Rules)
+    rules.registry = Registry()  # type: ignore[assignment]
+    rules.gate = Gate(lambda: 4)
+    # a has started: not queued. c's granted priority outranks; then arrival order.
+    assert rules.queue_positions() == {"c": 0, "d": 1, "b": 2}
+    # Requests waiting in the gate come after those in the engine, in the gate's
+    # order: y's own priority does not rank it before x (different principals).
     for rid, owner, priority in [("w1", "x", 0), ("w2", "y", 3)]:
         record = RequestRecord(rid, owner=owner, detach=True, total=9, preview={}, created_at=9.0, priority=priority)
         records.append(record)
-        service.gate.wait(rid, owner, priority, None)
-    assert service.queue_positions() == {"c": 0, "d": 1, "b": 2, "w2": 3, "w1": 4}
+        rules.gate.wait(rid, owner, priority, None)
+    assert rules.queue_positions() == {"c": 0, "d": 1, "b": 2, "w1": 3, "w2": 4}
 
 
 def test_sse_event_formats_and_skips_what_was_seen() -> None:
@@ -526,14 +530,14 @@ async def test_an_event_stream_reader_hanging_up_early_is_quiet(caplog: pytest.L
         reader, writer = await anyio_open(server)
         body = json.dumps({"params": {**SMALL, "steps": 100}}).encode()
         writer.write(
-            b"POST /v1/generations HTTP/1.1\r\nHost: x\r\nAccept: text/event-stream\r\n"
+            b"POST /v1/generations HTTP/1.1\r\nHost: 127.0.0.1\r\nAccept: text/event-stream\r\n"
             b"Content-Type: application/json\r\nContent-Length: %d\r\n\r\n" % len(body) + body
         )
         await reader.readuntil(b"event: progress")
         writer.close()
         record = next(iter(server.service.registry))
         await wait_for(lambda: record.ended, what="the request to end")
-        await wait_for(lambda: not server.service.connections, what="the stream to be let go")
+        await wait_for(lambda: not server.service.rules.clients, what="the stream to be let go")
     assert record.outcome == "done"
     problems = [r for r in caplog.records if r.levelno >= 40]
     assert not problems, [r.getMessage() for r in problems]

@@ -70,7 +70,7 @@ def _writer_blocked(conn: Any) -> bool:
     """Whether the connection's writer is blocked on a client that does not read."""
     if hasattr(conn.ws, "paused"):  # a websockets connection
         return bool(conn.ws.paused)
-    from omni_stream.server.connection import transport_of
+    from omni_stream.server.http11 import transport_of
 
     transport = transport_of(conn.ws)
     return transport is not None and transport.get_write_buffer_size() > 64 * 1024

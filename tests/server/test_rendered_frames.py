@@ -46,9 +46,9 @@ class CountingPreviewer(Previewer):
         self.calls += 1
         return await super().render(frame, spec)
 
-    async def _render_reserved(self, frame: Any, spec: PreviewSpec) -> EncodedImage:
+    async def _render_reserved(self, frame: Any, spec: PreviewSpec, **options: Any) -> EncodedImage:
         self.calls += 1
-        return await super()._render_reserved(frame, spec)
+        return await super()._render_reserved(frame, spec, **options)
 
 
 class RenderedStream:
@@ -153,8 +153,7 @@ class RawClient(Client):
 async def run(engine: Any, previewer: Previewer, preview: dict[str, Any],
               params: dict[str, Any] | None = None) -> tuple[list[dict[str, Any]], list[bytes]]:
     """One request ``r`` through a Service over ``engine``: its messages and its previews' bytes."""
-    service = Service(engine, limits=ServerLimits.from_env({}), previewer=previewer, owns_engine=True,
-                      token=None)
+    service = Service(engine, limits=ServerLimits.from_env({}), previewer=previewer, owns_engine=True)
     async with service:
         client = RawClient(service)
         accepted = client.generate("r", params or SHORT, preview=preview)

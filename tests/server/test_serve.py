@@ -157,7 +157,7 @@ def test_a_dead_engine_answers_the_clients_then_exits_with_status_3() -> None:
         assert len(shutdown_lines) == 1 and "error" in shutdown_lines[0]
         assert "SystemExit" in shutdown_lines[0]
         # The request's own line, at INFO.
-        assert re.search(r"request done id=doomed conn=\S+ model=dies outcome=error code=engine_error", text)
+        assert re.search(r"request done id=doomed conn=\S+ principal=\S+ model=dies outcome=error code=engine_error", text)
     finally:
         if proc.poll() is None:
             proc.kill()

@@ -1,6 +1,6 @@
 """docs/protocol.md's rules, driven through the core (``Service``) with no sockets.
 
-Each test feeds client messages with ``service.handle(conn_id, outbox,
+Each test feeds client messages with ``service.rules.handle(client,
 text)`` and reads the replies from the :class:`Outbox` a front door would
 drain: an ``Engine`` on the CPU with the tiny ``Synthetic`` model (``Slow``:
 steps that sleep a few ms), the real limits (``ServerLimits.from_env``).
@@ -29,6 +29,7 @@ from omni_stream.protocol import (
     unpack_preview,
 )
 from omni_stream.core.limits import ServerLimits
+from omni_stream.core.tokens import TokenGrant, Tokens
 from omni_stream.core.outbox import Outbox
 from omni_stream.server.service import Service
 
@@ -48,11 +49,12 @@ WAIT_S = 10.0  # a bound against hanging only; conditions are met in ms
 
 @asynccontextmanager
 async def serving(
-    model: Any = None, *, token: str | None = None, start: bool = True, **limits: Any
+    model: Any = None, *, token: Any = None, start: bool = True, **limits: Any
 ) -> AsyncIterator[Service]:
     """A Service over its own CPU Engine, entered (``start``) with ``limits``."""
     engine = Engine(model or Slow(0.005), device="cpu", torch_threads=1)
-    service = Service(engine, limits=ServerLimits.from_env(limits), token=token, owns_engine=True)
+    tokens = token if isinstance(token, Tokens) else Tokens.of(token)
+    service = Service(engine, limits=ServerLimits.from_env(limits), tokens=tokens, owns_engine=True)
     if not start:
         yield service
         return
@@ -68,21 +70,28 @@ def decode(data: str | bytes) -> dict[str, Any]:
 
 
 class Client:
-    """One connection as a front door would hold it: an id and an outbox."""
+    """One websocket connection as the door would hold it: a client of the core and its outbox.
 
-    def __init__(self, service: Service, **outbox: Any) -> None:
+    ``token``: the token it presented (its principal is that token's; else
+    the connection's own).
+    """
+
+    def __init__(self, service: Service, *, token: str | None = None, **outbox: Any) -> None:
         self.service = service
-        self.id = service.connect()
         outbox.setdefault("max_pending", service.limits.max_pending)
         outbox.setdefault("max_pending_bytes", service.limits.max_pending_bytes)
         self.outbox = Outbox(budget=service.memory, **outbox)
+        headers = {"authorization": f"Bearer {token}"} if token else {}
+        principal = service.rules.principal_of_connection("pending", headers=headers, query="")
+        self.client = service.rules.connect(principal, "websocket", self.outbox)
+        self.id = self.client.id
         self._backlog: list[dict[str, Any]] = []
 
     def send(self, **message: Any) -> None:
         self.send_raw(json.dumps(message))
 
     def send_raw(self, data: str | bytes) -> None:
-        self.service.handle(self.id, self.outbox, data)
+        self.service.rules.handle(self.client, data)
 
     def _take(self) -> list[dict[str, Any]]:
         out = []
@@ -144,7 +153,7 @@ class Client:
             self._backlog[:0] = others
 
     def close(self) -> None:
-        self.service.disconnect(self.id)
+        self.service.rules.disconnect(self.client)
         self.outbox.abort()
 
 
@@ -444,13 +453,13 @@ async def test_duplicate_id_for_a_retained_detached_request_but_not_for_a_forgot
 
 
 @pytest.mark.asyncio
-async def test_too_many_requests_per_connection() -> None:
-    async with serving(max_requests_per_connection=2) as service:
+async def test_too_many_requests_per_principal() -> None:
+    async with serving(max_requests_per_principal=2) as service:
         a, b = Client(service), Client(service)
         a.generate("a1", LONG)
         a.generate("a2", LONG)
         err = reject(a, "too_many_requests", {"type": "generate", "id": "a3", "params": SHORT})
-        assert err["id"] == "a3" and "OMNI_STREAM_MAX_REQUESTS_PER_CONNECTION" in err["message"]
+        assert err["id"] == "a3" and "OMNI_STREAM_MAX_REQUESTS_PER_PRINCIPAL" in err["message"]
         # Per connection: another one is not affected.
         assert b.generate("b1", SHORT)["type"] == "accepted"
         # Once one of a's ends, a may start another.
@@ -515,7 +524,7 @@ async def test_busy_past_max_active_plus_max_queued_with_retry_after() -> None:
         # A slot frees: the next generate is taken.
         a.send(type="cancel", id="r0")
         await a.until_end("r0")
-        await wait_for(lambda: not service.load().busy, "the engine to let go of r0")
+        await wait_for(lambda: not service.rules.load().busy, "the engine to let go of r0")
         assert b.generate("b0", SHORT)["type"] == "accepted"
 
 
@@ -621,12 +630,12 @@ async def test_a_watchers_disconnect_does_not_cancel_a_request_it_did_not_start(
 
 
 @pytest.mark.asyncio
-async def test_with_a_token_every_connection_may_cancel_and_attach_everything() -> None:
+async def test_with_a_token_every_connection_of_its_principal_may_cancel_and_attach_its_requests() -> None:
     async with serving(token="t") as service:
-        a, b, c = Client(service), Client(service), Client(service)
+        a, b, c = Client(service, token="t"), Client(service, token="t"), Client(service, token="t")
         a.generate("t1", LONG)
         assert b.reply(type="attach", id="t1")["attached"] is True
-        assert service.lookup(c.id, "t1").id == "t1"
+        assert service.rules.lookup(c.client, "t1").id == "t1"
         c.send(type="cancel", id="t1")
         assert c.pending() == []
         for client in (a, b):
@@ -634,14 +643,25 @@ async def test_with_a_token_every_connection_may_cancel_and_attach_everything() 
 
 
 @pytest.mark.asyncio
-async def test_an_authenticated_lookup_sees_everything_an_unauthenticated_one_its_own() -> None:
+async def test_a_tenant_sees_its_own_principals_requests_and_not_another_tenants() -> None:
+    async with serving(token=["ann=sa", "bob=sb"]) as service:
+        a1, a2, b = Client(service, token="sa"), Client(service, token="sa"), Client(service, token="sb")
+        a1.generate("priv", LONG)
+        assert service.rules.lookup(a2.client, "priv").id == "priv"
+        assert service.rules.lookup(a1.client, "priv").id == "priv"
+        with pytest.raises(MessageError) as info:
+            service.rules.lookup(b.client, "priv")
+        assert (info.value.code, info.value.field) == ("not_found", "id")
+
+
+@pytest.mark.asyncio
+async def test_without_a_token_a_connection_sees_its_own_requests_only() -> None:
     async with serving() as service:
         a, b = Client(service), Client(service)
         a.generate("priv", LONG)
-        assert service.lookup(b.id, "priv", authenticated=True).id == "priv"
-        assert service.lookup(a.id, "priv").id == "priv"
+        assert service.rules.lookup(a.client, "priv").id == "priv"
         with pytest.raises(MessageError) as info:
-            service.lookup(b.id, "priv")
+            service.rules.lookup(b.client, "priv")
         assert (info.value.code, info.value.field) == ("not_found", "id")
 
 
@@ -651,7 +671,7 @@ async def test_an_authenticated_lookup_sees_everything_an_unauthenticated_one_it
 @pytest.mark.asyncio
 async def test_disconnect_cancels_the_connections_own_requests_but_not_detached_or_others() -> None:
     async with serving(token="t") as service:
-        a, b, watcher = Client(service), Client(service), Client(service)
+        a, b, watcher = Client(service, token="t"), Client(service, token="t"), Client(service, token="t")
         a.generate("own", LONG)
         a.generate("kept", SHORT, detach=True)
         b.generate("other", LONG)
@@ -668,7 +688,7 @@ async def test_disconnect_cancels_the_connections_own_requests_but_not_detached_
         assert (await watcher.until_end("kept"))[-1]["type"] == "done"
         assert kept.outcome == "done" and "kept" in service.registry  # retained for attach
         assert not other.ended and own.outcome == "cancelled"
-        assert a.id not in service.connections
+        assert a.id not in service.rules.clients
 
 
 @pytest.mark.asyncio
@@ -915,20 +935,23 @@ async def test_a_slow_reader_sees_fewer_steps_never_stale_ones_nor_out_of_order(
 
 
 @pytest.mark.asyncio
-async def test_queue_positions_by_priority_then_arrival_for_requests_not_yet_stepped() -> None:
-    # Room in the engine for all five: the engine's own order (the gate's is tested below).
-    async with serving(max_active=16) as service:
-        a = Client(service)
+async def test_queue_positions_by_granted_priority_then_arrival_for_requests_not_yet_stepped() -> None:
+    # Room in the engine for all five: the engine's own order (the gate's is
+    # tested below). The engine ranks every request it holds, whoever's, so
+    # it is given only the priority a principal may use against others (its
+    # token's grant): here "high" and "low" carry their own up to it.
+    async with serving(max_active=16, token=Tokens([TokenGrant("ops", "s", priority=5)])) as service:
+        a = Client(service, token="s")
         a.generate("first", LONG)
         await wait_for(lambda: service.registry.get("first").latest_step >= 1, "a step")
-        assert service.queue_positions() == {}
+        assert service.rules.queue_positions() == {}
         # No await between the generates and the check: none can have stepped.
         a.generate("low", LONG, priority=-3)
         a.generate("mid", LONG)
         a.generate("high", LONG, priority=5)
         a.generate("mid2", LONG)
-        assert service.queue_positions() == {"high": 0, "mid": 1, "mid2": 2, "low": 3}
-        await wait_for(lambda: service.queue_positions() == {}, "every request to step")
+        assert service.rules.queue_positions() == {"high": 0, "low": 1, "mid": 2, "mid2": 3}
+        await wait_for(lambda: service.rules.queue_positions() == {}, "every request to step")
 
 
 @pytest.mark.asyncio
@@ -941,7 +964,7 @@ async def test_health_payload_ok_with_counts() -> None:
         code, body = service.health_payload()
         assert (code, body["status"], body["ok"], body["reason"]) == (200, "ok", True, None)
         assert body["device"] == "cpu"
-        assert body["server"] == {"connections": 2, "requests": 2, "retained": 1}
+        assert body["server"] == {"connections": 2, "principals": 2, "requests": 2, "retained": 1}
         # max_active's default on the CPU device (limits.HOST_ACTIVE_PER_ENGINE).
         assert body["load"] == {"active": 2, "queued": 0, "max_active": 4, "max_queued": 128}
 

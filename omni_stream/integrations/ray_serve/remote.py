@@ -29,7 +29,6 @@ from __future__ import annotations
 
 import asyncio
 import logging
-import math
 import pickle
 import threading
 import time
@@ -48,10 +47,9 @@ from ray.exceptions import RayError
 from ray.serve.exceptions import RayServeException
 from ray.serve.handle import DeploymentHandle, DeploymentResponseGenerator
 
-from ...engine.delivery import POLICIES
 from ...engine.group import GroupStatistics
+from ...engine.intake import already_running, check_request, check_request_id
 from ...engine.like import final_frame
-from ...engine.scheduler import PRIORITY_MAX, PRIORITY_MIN
 from ...engine.stats import Health
 from ...errors import (
     EngineClosedError,
@@ -61,7 +59,6 @@ from ...errors import (
 )
 from ...frame import Frame
 from ...lifecycle import Lifecycle
-from ...model import split_output
 from ...preview.remote import RenderRequest
 from .card import ModelCard
 from .report import ReplicaReport, ReplicaView, sum_statistics, summarize, view
@@ -272,8 +269,9 @@ class RemoteEngine:
     ) -> RemoteStream:
         """Submit a request to the deployment (Serve picks the replica); returns its frames.
 
-        Raises at once ParamsError (params the card refuses, bad options, a
-        request_id still streaming through this RemoteEngine),
+        Raises at once ParamsError (params the card refuses, bad options or
+        request_id, a request_id still streaming through this RemoteEngine;
+        engine/intake.py),
         EngineDeadError (the deployment is unreachable) or
         EngineClosedError. Iterating raises what ``Engine.stream`` does,
         the replica's ParamsError for params only its model refuses, and
@@ -282,40 +280,29 @@ class RemoteEngine:
         ``render``: the replica renders each frame as a server would
         (``RendersFrames``): frames arrive with ``encoded`` set and no tensor.
         """
+        request_id = check_request_id(request_id)
         if render is not None and not isinstance(render, RenderRequest):
             raise ParamsError(
-                f"render must be a RenderRequest or None, got {type(render).__name__}", field="render"
-            )
-        if request_id is None:
-            request_id = uuid.uuid4().hex
-        if not isinstance(request_id, str) or not request_id:
-            raise ParamsError(
-                f"request_id must be a non-empty string, got {request_id!r}", field="request_id"
+                f"render must be a RenderRequest or None, got {type(render).__name__}",
+                field="render",
+                request_id=request_id,
             )
         self._check_open(request_id)
-        _check_options(policy, timeout, preview_every, priority, request_id)
         with self._lock:
             if self._live(request_id) is not None:
-                raise ParamsError(
-                    f"request_id {request_id!r} is already running", field="request_id", request_id=request_id
-                )
-        card = self.model
-        try:
-            rest, output = split_output(card, params)
-            checked = card.validate(rest)
-            if output is not None:
-                checked["output"] = output
-            total = card.total_steps(checked)
-        except ParamsError as exc:
-            exc.request_id = request_id
-            raise
+                raise already_running(request_id)
+        # Against the card: the replica's engine checks again with the model.
+        checked = check_request(
+            self.model, params, request_id=request_id, policy=policy, timeout=timeout,
+            preview_every=preview_every, priority=priority,
+        )
         submit = Submit(
             key=uuid.uuid4().hex,
             request_id=request_id,
-            policy=policy,
-            timeout=None if timeout is None else float(timeout),
-            preview_every=preview_every,
-            priority=priority,
+            policy=checked.policy,
+            timeout=checked.timeout,
+            preview_every=checked.preview_every,
+            priority=checked.priority,
             window=self._window,
             render=render,
         )
@@ -325,7 +312,7 @@ class RemoteEngine:
         # options(stream=True): Serve returns a generator (typed as either).
         assert isinstance(response, DeploymentResponseGenerator), type(response)
         stream = RemoteStream(
-            self, response, key=submit.key, request_id=request_id, total=total, params=checked
+            self, response, key=submit.key, request_id=request_id, total=checked.total, params=checked.params
         )
         with self._lock:
             self._streams[request_id] = weakref.ref(stream)
@@ -486,43 +473,3 @@ class RemoteEngine:
             raise EngineStalledError(reason)
         raise EngineClosedError(reason)
 
-
-def _check_options(
-    policy: str, timeout: float | None, preview_every: int | None, priority: int, request_id: str
-) -> None:
-    """Engine.stream's option checks, at the front door (so they raise at once)."""
-    if policy not in POLICIES:
-        raise ParamsError(
-            f"policy must be one of {', '.join(POLICIES)}, got {policy!r}",
-            field="policy",
-            request_id=request_id,
-        )
-    if timeout is not None and (
-        isinstance(timeout, bool)
-        or not isinstance(timeout, (int, float))
-        or not math.isfinite(timeout)
-        or timeout <= 0
-    ):
-        raise ParamsError(
-            f"timeout must be a positive number of seconds, got {timeout!r}",
-            field="timeout",
-            request_id=request_id,
-        )
-    if preview_every is not None and (
-        isinstance(preview_every, bool) or not isinstance(preview_every, int) or preview_every < 1
-    ):
-        raise ParamsError(
-            f"preview_every must be a positive int or None, got {preview_every!r}",
-            field="preview_every",
-            request_id=request_id,
-        )
-    if (
-        isinstance(priority, bool)
-        or not isinstance(priority, int)
-        or not PRIORITY_MIN <= priority <= PRIORITY_MAX
-    ):
-        raise ParamsError(
-            f"priority must be an int from {PRIORITY_MIN} to {PRIORITY_MAX}, got {priority!r}",
-            field="priority",
-            request_id=request_id,
-        )

@@ -63,8 +63,8 @@ import torch
 from ...errors import ParamsError
 from ...model import Emit
 from ...params import Param, positive_int, square_size
+from ..inputs import MAX_IMAGE_BYTES, MAX_IMAGE_PIXELS, load_image
 from .base import Diffusers, takes_step_callback
-from .inputs import MAX_IMAGE_BYTES, MAX_IMAGE_PIXELS, load_image
 from .loop import same_device, timestep_count
 
 __all__ = ["CallbackDiffusers"]

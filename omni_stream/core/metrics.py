@@ -116,12 +116,21 @@ class ServerMetrics:
             "for max_pending_bytes or max_memory_bytes",
             ["kind"], registry=r,
         )
-        self.connections = Gauge("omni_stream_connections", "open websockets", registry=r)
+        self.connections = Gauge(
+            "omni_stream_connections", "open clients: websockets, HTTP calls and event streams", registry=r
+        )
         self.connections_opened = Counter(
-            "omni_stream_connections_opened", "websockets accepted", registry=r,
+            "omni_stream_connections_opened", "clients accepted: websockets, HTTP calls, event streams",
+            registry=r,
         )
         self.handshakes_refused = Counter(
             "omni_stream_handshakes_refused", "websocket handshakes refused, by reason",
+            ["reason"], registry=r,
+        )
+        self.http_refused = Counter(
+            "omni_stream_http_refused",
+            "HTTP calls refused at the door, by reason (unauthorized, forbidden_origin, "
+            "forbidden_host, too_many_connections, shutting_down)",
             ["reason"], registry=r,
         )
         self.slow_client_disconnects = Counter(

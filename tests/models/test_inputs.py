@@ -12,7 +12,7 @@ import pytest
 from PIL import Image
 
 import omni_stream as om
-from omni_stream.models.diffusers.inputs import load_image
+from omni_stream.models.inputs import load_image
 
 
 def encoded(image: Image.Image, fmt: str = "PNG", **save) -> bytes:

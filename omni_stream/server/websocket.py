@@ -1,9 +1,12 @@
-"""One websocket client: its outbox, a reader and a writer, and how it is closed.
+"""The websocket door: one client's outbox, a reader and a writer, and how it is closed.
 
-The reader hands each message to the server's ``dispatch`` (synchronous:
-handling a message never waits), then gives the writer a turn, and reads the
-next message only once the outbox has room for its reply (backpressure: a
-client bursting messages it does read the replies of is slowed down, never
+The reader hands each message to the core (``Service.receive``: parsed,
+its input images decoded off the loop, acted on by the rules; handling a
+message never waits on another client), then gives the writer a turn, and
+reads the next message only once its principal is within its rate
+(``Rules.pace``: max_messages_per_s per principal, shared by all its
+connections) and the outbox has room for its reply (backpressure: a client
+bursting messages it does read the replies of is slowed down, never
 closed). The writer drains the :class:`Outbox` onto the socket; it is the
 only task that ever waits on this client, bounded by ``send_timeout_s``, and
 an overflowing outbox interrupts it. A client that stops reading is closed
@@ -16,8 +19,7 @@ from __future__ import annotations
 
 import contextlib
 import logging
-from collections.abc import Callable
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import anyio
 import anyio.lowlevel
@@ -25,10 +27,18 @@ from starlette.websockets import WebSocket, WebSocketDisconnect
 
 from .. import protocol
 from ..core.limits import ServerLimits
-from .metrics import ServerMetrics
-from ..core.outbox import MemoryBudget, Outbox, OutboxOverflowError
+from ..core.outbox import Outbox, OutboxOverflowError
+from ..core.principal import Principal
+from ..core.rates import COST_BYTES, message_cost
+from ..core.rules import Client, Rules
+from .http11 import abort_transport, transport_of
 
-__all__ = ["COST_BYTES", "ClientConnection", "message_cost"]
+if TYPE_CHECKING:
+    from .service import Service
+
+# COST_BYTES, message_cost (core/rates.py) and transport_of, abort_transport
+# (http11.py) are re-exported: they were defined here before.
+__all__ = ["COST_BYTES", "ClientConnection", "abort_transport", "message_cost", "transport_of"]
 
 #: How long the writer may be stuck in one send to a paused socket before the
 #: reader stops waiting for room (the client is then taken as not reading).
@@ -42,31 +52,31 @@ class _Closed(Exception):
 
 
 class ClientConnection:
-    """One open (accepted) websocket (see the module docstring); ``id`` is its owner identity."""
+    """One open (accepted) websocket (see the module docstring), a client of the core while it is open.
 
-    def __init__(
-        self,
-        ws: WebSocket,
-        *,
-        conn_id: str,
-        limits: ServerLimits,
-        metrics: ServerMetrics,
-        dispatch: Callable[[ClientConnection, str | bytes], None],
-        budget: MemoryBudget | None = None,
-    ) -> None:
-        self.id = conn_id
+    ``principal``: who it is (its token's, else its own connection).
+    Registers itself with ``rules`` (the caller checked
+    ``rules.connection_refusal`` first); the caller disconnects it.
+    """
+
+    def __init__(self, ws: WebSocket, *, rules: Rules, service: Service, principal: Principal) -> None:
         self.ws = ws
         self.remote = _remote(ws)
+        limits, metrics = rules.limits, rules.metrics
         self.outbox = Outbox(
             max_pending=limits.max_pending,
             max_pending_bytes=limits.max_pending_bytes,
-            budget=budget,
+            budget=rules.memory,
             on_replaced=lambda kind: metrics.messages_dropped.labels(kind).inc(),
             on_overflow=self._overflowed,
         )
+        self.client: Client = rules.connect(principal, "websocket", self.outbox)
+        #: The client's id: the owner of the requests it starts.
+        self.id = self.client.id
+        self._rules = rules
+        self._service = service
         self._limits = limits
         self._metrics = metrics
-        self._dispatch = dispatch
         # Set by close_soon: the writer closes the socket with it once drained.
         self._close_with: tuple[int, str] | None = None
         # The writer's current send: an overflowing outbox cancels it, since a
@@ -76,9 +86,6 @@ class ClientConnection:
         self._send_started: float | None = None
         #: The close code and reason, once known (for the log).
         self._closed_with: tuple[int, str] | None = None
-        # Token bucket for max_messages_per_s: a second's worth to start with.
-        self._tokens = float(limits.max_messages_per_s)
-        self._refilled: float | None = None
 
     async def run(self) -> None:
         """Read and write until the websocket closes; never raises for this client's faults.
@@ -124,26 +131,16 @@ class ClientConnection:
             data: str | bytes | None = message.get("text")
             if data is None:
                 data = message.get("bytes") or b""
-            self._dispatch(self, data)
+            await self._service.receive(self.client, data)
             # The server may hand over messages it already received without
             # yielding: without this turn, a burst of messages in one TCP
             # write queued every reply before the writer sent the first.
             await anyio.lowlevel.checkpoint()
-            await self._pace(message_cost(data))
+            # max_messages_per_s per principal: past it, the next message is read later.
+            delay = self._rules.pace(self.client, len(data))
+            if delay > 0.0:
+                await anyio.sleep(delay)
             await self._wait_for_room()
-
-    async def _pace(self, cost: float) -> None:
-        # max_messages_per_s on average, in bursts of as many: past that the
-        # next message is read later (see ServerLimits.max_messages_per_s).
-        rate = self._limits.max_messages_per_s
-        now = anyio.current_time()
-        if self._refilled is not None:
-            self._tokens = min(rate, self._tokens + (now - self._refilled) * rate)
-        self._refilled = now
-        self._tokens -= cost
-        if self._tokens < 0.0:
-            self._metrics.reads_paced.inc()
-            await anyio.sleep(-self._tokens / rate)
 
     async def _wait_for_room(self) -> None:
         # Backpressure: read the next message only once its reply fits; the
@@ -250,38 +247,3 @@ class ClientConnection:
 def _remote(ws: WebSocket) -> str:
     client = ws.client
     return f"{client.host}:{client.port}" if client is not None else "unknown"
-
-
-#: A message counts as one more message for every this many bytes
-#: (``message_cost``): parsing is what a message costs the event loop, and
-#: it grows with the bytes (a 1 MiB message takes several ms of the loop).
-COST_BYTES = 64 << 10
-
-
-def message_cost(data: str | bytes) -> float:
-    """What one message counts against ``max_messages_per_s``: 1, plus 1 per ``COST_BYTES``."""
-    return 1.0 + len(data) // COST_BYTES
-
-
-def transport_of(ws: WebSocket) -> Any:
-    """The asyncio transport under ``ws`` where the ASGI server lets us see it, else None.
-
-    ASGI hides it. Under uvicorn the ``receive`` callable is a method of the
-    connection's protocol object, which holds the transport.
-    """
-    protocol_obj = getattr(ws._receive, "__self__", None)
-    return getattr(protocol_obj, "transport", None)
-
-
-def abort_transport(ws: WebSocket) -> bool:
-    """Drop the TCP connection under ``ws`` at once, discarding what is buffered.
-
-    ASGI has no abort: a client that stopped reading would otherwise keep its
-    socket and the buffered bytes until the server's own close timer (10 s
-    in uvicorn). Returns whether it could.
-    """
-    abort = getattr(transport_of(ws), "abort", None)
-    if abort is None:
-        return False
-    abort()
-    return True

@@ -14,6 +14,12 @@ Paths read files from the engine's machine: a server that exposes a model
 with an image param to untrusted clients should pass ``allow_paths=False``
 (the callback adapter's ``image_paths=False``), or any PNG/JPEG the server
 can read becomes a request's input.
+
+A server reads a data URL in two steps (omni_stream/core/inputs.py):
+:func:`read_data_url` on the event loop, which decodes the base64 and reads
+the image's header only (format and size: a few hundred bytes), so a
+request whose image is too large is refused before a pixel is expanded;
+then :func:`decode_image` in a worker thread.
 """
 
 from __future__ import annotations
@@ -23,11 +29,14 @@ import binascii
 import io
 import os
 import stat
+from dataclasses import dataclass
 from typing import Any
 
-from ...errors import ParamsError
+from ..errors import ParamsError
 
-__all__ = ["load_image", "MAX_IMAGE_PIXELS", "MAX_IMAGE_BYTES"]
+__all__ = [
+    "ImageHeader", "MAX_IMAGE_BYTES", "MAX_IMAGE_PIXELS", "decode_image", "load_image", "read_data_url",
+]
 
 #: Default bound on an input image's decoded pixel count (width * height).
 MAX_IMAGE_PIXELS = 4096 * 4096
@@ -37,6 +46,41 @@ MAX_IMAGE_BYTES = 16 * 2**20
 _PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
 _JPEG_MAGIC = b"\xff\xd8\xff"
 _MEDIA_TYPES = ("image/png", "image/jpeg", "image/jpg")
+
+
+@dataclass(frozen=True, slots=True)
+class ImageHeader:
+    """What an encoded image's header says: ``kind`` (``PNG`` / ``JPEG``) and its size."""
+
+    kind: str
+    width: int
+    height: int
+
+
+def read_data_url(
+    value: str, *, field: str = "image", max_bytes: int = MAX_IMAGE_BYTES
+) -> tuple[bytes, ImageHeader]:
+    """A ``data:`` URL's image bytes and header, without decoding a pixel.
+
+    Raises ParamsError (``field``) as :func:`load_image` does for a URL that
+    is not a PNG/JPEG base64 data URL, larger than ``max_bytes``, or whose
+    header does not parse.
+    """
+    where = f"param {field!r}"
+    if not isinstance(value, str) or value[:5].lower() != "data:":
+        raise ParamsError(
+            f"{where} must be a data:image/png;base64 or data:image/jpeg;base64 URL", field=field
+        )
+    data = _data_url_bytes(value, max_bytes, where, field)
+    return data, _header(data, where, field)
+
+
+def decode_image(data: bytes, *, field: str = "image", max_pixels: int = MAX_IMAGE_PIXELS) -> Any:
+    """Encoded PNG/JPEG bytes as an RGB PIL image (the whole decode: for a worker thread).
+
+    Raises ParamsError (``field``) as :func:`load_image` does.
+    """
+    return _decode(data, max_pixels, f"param {field!r}", field)
 
 
 def load_image(
@@ -137,15 +181,35 @@ def _file_bytes(path: str, max_bytes: int, where: str, field: str) -> bytes:
     return data
 
 
+def _kind(data: bytes, where: str, field: str) -> str:
+    if data.startswith(_PNG_MAGIC):
+        return "PNG"
+    if data.startswith(_JPEG_MAGIC):
+        return "JPEG"
+    raise ParamsError(f"{where}: the data is neither a PNG nor a JPEG image", field=field)
+
+
+def _header(data: bytes, where: str, field: str) -> ImageHeader:
+    from PIL import Image
+
+    kind = _kind(data, where, field)
+    try:
+        # open() parses the header only; nothing is decoded until load().
+        with Image.open(io.BytesIO(data), formats=(kind,)) as opened:
+            width, height = opened.size
+    except Image.DecompressionBombError:
+        raise ParamsError(f"{where}: the image declares more pixels than PIL decodes", field=field) from None
+    except Exception as exc:  # untrusted bytes: a header that does not parse
+        raise ParamsError(f"{where}: cannot read the {kind} image's header: {exc}", field=field) from None
+    if width < 1 or height < 1:
+        raise ParamsError(f"{where}: the image is empty ({width}x{height})", field=field)
+    return ImageHeader(kind, width, height)
+
+
 def _decode(data: bytes, max_pixels: int, where: str, field: str) -> Any:
     from PIL import Image, ImageOps
 
-    if data.startswith(_PNG_MAGIC):
-        kind = "PNG"
-    elif data.startswith(_JPEG_MAGIC):
-        kind = "JPEG"
-    else:
-        raise ParamsError(f"{where}: the data is neither a PNG nor a JPEG image", field=field)
+    kind = _kind(data, where, field)
     try:
         # open() reads the header only; restricting the formats keeps PIL
         # from trying its other parsers on untrusted bytes.

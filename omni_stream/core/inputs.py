@@ -1,0 +1,115 @@
+"""A request's input images: checked from their header, decoded off the event loop.
+
+An image param (``image``, ``mask_image``, ``control_image``) arrives over
+the wire as a ``data:`` URL. A PNG of a few KB can declare 4096x4096
+pixels; decoding it takes 250-380 ms of the event loop before its size can
+be refused, and a few such requests a second stall every client (issue #19,
+finding 6). So a door does it in two steps:
+
+1. :func:`check_images`, on the loop: the base64 decoded, each image's
+   header read (its format and size, a few hundred bytes), its sides
+   checked against ``max_image_size``: refused (``limit_exceeded``) before
+   a pixel is expanded;
+2. :func:`decode_images`, in a worker thread: the pixels, which replace the
+   URLs in the params (:func:`with_images`), so the model's ``validate``
+   on the loop finds an image it has no decoding left to do for.
+
+Paths are never accepted over the wire (a client would choose which of the
+server's files a request reads). The decoded image counts in the request's
+memory estimate at its decoded size (admission.py).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Mapping
+from typing import Any, Final
+
+from ..errors import MessageError, ParamsError
+from ..model import StepModel
+from ..models.inputs import ImageHeader, decode_image, read_data_url
+from .limits import ServerLimits
+
+__all__ = [
+    "IMAGE_PARAM_NAMES", "PendingImage", "check_images", "decode_images", "image_params", "with_images",
+]
+
+#: Params with these names (declared as strings) are input images; a model
+#: may list its own in an ``image_params`` attribute instead.
+IMAGE_PARAM_NAMES: Final = frozenset({"image", "mask_image", "control_image"})
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class PendingImage:
+    """An image param read as far as its header: ``data`` is the encoded file."""
+
+    name: str
+    data: bytes = dataclasses.field(repr=False)
+    header: ImageHeader
+
+
+def image_params(model: StepModel) -> tuple[str, ...]:
+    """The names of ``model``'s input-image params."""
+    declared = getattr(model, "image_params", None)
+    if declared is not None:
+        return tuple(declared)
+    return tuple(p.name for p in model.params if p.name in IMAGE_PARAM_NAMES and p.kind == "str")
+
+
+def check_images(
+    model: StepModel, params: Mapping[str, Any], limits: ServerLimits, *, request_id: str | None
+) -> list[PendingImage]:
+    """Read each string image param's header; the images still to decode.
+
+    Raises MessageError ``bad_params`` (not a PNG/JPEG ``data:`` URL, a
+    path, bytes that are no image) or ``limit_exceeded`` (a side over
+    ``max_image_size``), naming the param.
+    """
+    if not isinstance(params, Mapping):
+        return []
+    pending: list[PendingImage] = []
+    cap = limits.max_image_size
+    for name in image_params(model):
+        value = params.get(name)
+        if not isinstance(value, str):
+            continue  # absent, None, or not a string: the model's validate says what it takes
+        if value[:5].lower() != "data:":
+            raise MessageError(
+                "bad_params",
+                f"{model.name} param {name!r} must be a data: URL (PNG or JPEG, base64) over the wire",
+                field=name,
+                request_id=request_id,
+            )
+        try:
+            data, header = read_data_url(value, field=name)
+        except ParamsError as exc:
+            raise MessageError("bad_params", exc.message, field=name, request_id=request_id) from None
+        if max(header.width, header.height) > cap:
+            raise MessageError(
+                "limit_exceeded",
+                f"input image {name!r} of {header.width}x{header.height} has a side over this server's "
+                f"max_image_size={cap} ({ServerLimits.env_name('max_image_size')})",
+                field=name,
+                request_id=request_id,
+            )
+        pending.append(PendingImage(name, data, header))
+    return pending
+
+
+def decode_images(pending: list[PendingImage], *, request_id: str | None) -> dict[str, Any]:
+    """Decode checked images (in a worker thread): param name -> RGB PIL image.
+
+    Raises MessageError ``bad_params`` naming the param whose bytes do not decode.
+    """
+    out: dict[str, Any] = {}
+    for image in pending:
+        try:
+            out[image.name] = decode_image(image.data, field=image.name)
+        except ParamsError as exc:
+            raise MessageError("bad_params", exc.message, field=image.name, request_id=request_id) from None
+    return out
+
+
+def with_images(params: Mapping[str, Any], decoded: Mapping[str, Any]) -> dict[str, Any]:
+    """``params`` with the decoded images in place of their URLs."""
+    return {**params, **decoded}

@@ -1,0 +1,567 @@
+"""The rules every door shares, keyed on principals: one sans-I/O state machine.
+
+:class:`Rules` is what docs/protocol.md and docs/http.md say the server
+does with a client's messages: admission (load, params, memory),
+ownership, attach, cancel, retention, and every per-client bound (requests
+held, connections open, messages a second, the fair share of a crowded
+server), counted per :class:`~omni_stream.core.principal.Principal`. Every
+door calls it the same way: the websocket (one :class:`Client` per
+connection), the HTTP API (one per call, so an open POST or event stream
+counts as a connection) and its event streams. Nothing here waits, reads a
+socket or needs an event loop: a door turns bytes into calls, the replies
+go into the client's :class:`~omni_stream.core.outbox.Outbox`, and the two
+things the core asks of the world are calls it was given:
+
+- ``engine.stream(...)`` (submitting a request; synchronous) and
+  ``engine.cancel(id)``, ``engine.health()``;
+- ``on_start(admitted, stream)``: run a consumer for an admitted request
+  (the server's shell, ``omni_stream.server.service``, starts a task).
+
+So the rules are tested by calling them with no socket and no loop
+(tests/core/test_rules.py), as python-websockets tests its protocol.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+import time
+import uuid
+from collections import Counter
+from collections.abc import Callable, Mapping
+from typing import TYPE_CHECKING, Any, Final
+
+from .. import protocol
+from ..engine.like import RendersFrames, missing_stream_members, server_stream_keywords
+from ..errors import EngineError, OmniStreamError, ParamsError
+from ..model import StepModel
+from ..preview import PreviewSpec, RenderRequest
+from . import admission
+from .gate import Gate
+from .limits import ServerLimits
+from .memory import MemoryBudget, MemoryReservation
+from .metrics import ServerMetrics
+from .outbox import Outbox
+from .principal import Principal
+from .rates import RateBook, message_cost
+from .records import RequestRecord, RequestRegistry
+from .tokens import Tokens
+
+if TYPE_CHECKING:
+    from ..engine.like import EngineLike, FrameStreamLike
+
+__all__ = ["NOT_STARTED", "Admitted", "Client", "Refusal", "Rules"]
+
+logger = logging.getLogger("omni_stream.server")
+
+#: Why a server that was never started serves nothing (what ``/health`` and a generate say).
+NOT_STARTED: Final = (
+    "the server is not started: a mounted app needs its lifespan run by the host app "
+    "(Starlette(lifespan=omni.lifespan), FastAPI(lifespan=omni.lifespan), or "
+    "`async with omni.lifespan(app)` in the host's own; docs/http.md, Mounting)"
+)
+
+
+@dataclasses.dataclass(eq=False)
+class Client:
+    """One client session at a door: a websocket connection, an HTTP call, an event stream.
+
+    ``id`` is unique to the session (it owns the requests it starts that
+    are not detached); ``principal`` is who it is (what the rules count by);
+    ``outbox`` is where its replies go (None for an HTTP call, which reads
+    its answer from the call's return value).
+    """
+
+    id: str
+    principal: Principal
+    door: str
+    outbox: Outbox | None = None
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class Refusal:
+    """Why a new client (connection) is refused: the HTTP status, the code, the words."""
+
+    status: int
+    code: str
+    message: str
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class Admitted:
+    """What an admitted request needs to go into the engine, now or when the gate lets it in."""
+
+    record: RequestRecord
+    params: Any
+    spec: PreviewSpec
+    output: admission.OutputSpec
+    memory: MemoryReservation
+    #: The priority it carries against other principals' requests (its own,
+    #: capped by its principal's grant: Principal.cross_priority).
+    cross_priority: int
+
+
+class Rules:
+    """The server's rules for every door (see the module docstring).
+
+    ``engine``: what serves the requests (its ``stream`` given only the
+    keywords it takes). ``tokens``: the configured tokens (none: an open
+    server). ``clock``: seconds, for rates and retention (tests pass their
+    own). Raises TypeError naming what ``engine`` lacks.
+    """
+
+    def __init__(
+        self,
+        engine: EngineLike,
+        *,
+        limits: ServerLimits,
+        tokens: Tokens | None = None,
+        clock: Callable[[], float] = time.monotonic,
+    ) -> None:
+        #: The keywords besides request_id that engine.stream takes, read once here.
+        self.stream_keywords = server_stream_keywords(engine)
+        self.engine = engine
+        self.model: StepModel = engine.model
+        self.limits = limits
+        self.tokens = tokens if tokens is not None else Tokens()
+        self.clock = clock
+        self.default_decoder = admission.default_decoder(self.model)
+        self.default_preview = admission.cap_preview(PreviewSpec(decoder=self.default_decoder), limits)
+        # Bytes held for clients, queued and retained, reserved by running
+        # requests and held by the model's caches: max_memory_bytes (memory.py).
+        self.memory = MemoryBudget(limits.max_memory_bytes)
+        self.memory.watch_model(self.model)
+        self.registry = RequestRegistry(
+            retention_s=limits.retention_s, max_retained=limits.max_retained, budget=self.memory,
+            clock=clock,
+        )
+        self.metrics = ServerMetrics(engine, running=lambda: len(self.registry.running()))
+        self.metrics.watch_memory(self.memory)
+        #: Engines computing on this host's CPU (max_active's default depends on it).
+        self.host_engines = admission.host_engines(engine)
+        #: At most max_active requests in the engine; the other admitted ones wait here.
+        self.gate = Gate(
+            lambda: self.limits.active_bound(self.engine.max_batch_size, host_engines=self.host_engines)
+        )
+        #: Open clients (websockets, HTTP calls, event streams), by id.
+        self.clients: dict[str, Client] = {}
+        #: Open clients per principal key.
+        self.open_by_principal: Counter[str] = Counter()
+        self.rates = RateBook(limits.max_messages_per_s)
+        #: Run a consumer for an admitted request (the server's shell sets it when it starts).
+        self.on_start: Callable[[Admitted, FrameStreamLike], None] | None = None
+        #: Set by the shell: started (consumers can run), closing (refuse new
+        #: work), letting_in (queued requests may still start: the graceful
+        #: part of a shutdown), fatal (why the server cannot go on).
+        self.started = False
+        self.closing = False
+        self.letting_in = True
+        self.fatal: OmniStreamError | None = None
+        #: Called when the last running request ends / the last client leaves.
+        self.on_requests_idle: Callable[[], None] = lambda: None
+        self.on_clients_idle: Callable[[], None] = lambda: None
+
+    # -- clients -------------------------------------------------------------------
+
+    def principal_of_connection(self, conn_id: str, *, headers: Mapping[str, str], query: str) -> Principal:
+        """A websocket's principal: its token's, else the connection (see principal.py)."""
+        grant = self.tokens.identify(headers, query) if self.tokens else None
+        return Principal.of_token(grant) if grant is not None else Principal.of_connection(conn_id)
+
+    def principal_of_address(self, address: str, *, headers: Mapping[str, str], query: str) -> Principal:
+        """An HTTP caller's principal: its token's, else its address (see principal.py)."""
+        grant = self.tokens.identify(headers, query) if self.tokens else None
+        return Principal.of_token(grant) if grant is not None else Principal.of_address(address)
+
+    def connection_refusal(self, principal: Principal) -> Refusal | None:
+        """Why a new client of ``principal`` is refused now; None to accept."""
+        if self.closing:
+            return Refusal(503, "shutting_down", "the server is shutting down")
+        limits = self.limits
+        if len(self.clients) >= limits.max_connections:
+            return Refusal(
+                503,
+                "too_many_connections",
+                f"the server has {limits.max_connections} connections open "
+                "(max_connections, OMNI_STREAM_MAX_CONNECTIONS)",
+            )
+        if self.open_by_principal[principal.key] >= limits.max_connections_per_principal:
+            return Refusal(
+                429,
+                "too_many_connections",
+                f"{_who(principal)} already has {limits.max_connections_per_principal} connections "
+                "open, HTTP calls and event streams included (max_connections_per_principal, "
+                "OMNI_STREAM_MAX_CONNECTIONS_PER_PRINCIPAL)",
+            )
+        return None
+
+    def connect(self, principal: Principal, door: str, outbox: Outbox | None = None) -> Client:
+        """Register a new client (call :meth:`connection_refusal` first); returns it."""
+        client = Client(uuid.uuid4().hex, principal, door, outbox)
+        if principal.kind == "connection" and principal.name != client.id:
+            # A websocket without a token is its own principal: one name for both.
+            client.principal = Principal.of_connection(client.id)
+        self.clients[client.id] = client
+        self.open_by_principal[client.principal.key] += 1
+        self.metrics.connections.inc()
+        self.metrics.connections_opened.inc()
+        return client
+
+    def disconnect(self, client: Client) -> None:
+        """The client is gone: nothing more is sent to it; its own requests that are not detached end."""
+        for record in self.registry.disconnect(client.id):
+            self.stop(record, "disconnect")
+        if self.clients.pop(client.id, None) is not None:
+            key = client.principal.key
+            self.open_by_principal[key] -= 1
+            if self.open_by_principal[key] <= 0:
+                del self.open_by_principal[key]
+                self.rates.forget(key, self.clock())
+            self.metrics.connections.dec()
+        if not self.clients:
+            self.on_clients_idle()
+
+    def pace(self, client: Client, nbytes: int) -> float:
+        """Count one message of ``nbytes`` against its principal's rate; seconds to wait before acting.
+
+        max_messages_per_s per principal, in bursts of as many (rates.py):
+        the door reads (or answers) the next one that much later.
+        """
+        delay = self.rates.take(client.principal.key, message_cost(nbytes), self.clock())
+        if delay > 0.0:
+            self.metrics.reads_paced.inc()
+        return delay
+
+    def principals(self) -> int:
+        """Principals with a client open or a request held (the fair share divides among them)."""
+        keys = set(self.open_by_principal)
+        keys.update(r.principal for r in self.registry.running())
+        return max(1, len(keys))
+
+    # -- client messages (every door's, in the websocket's form) ---------------------
+
+    def receive(self, client: Client, data: str | bytes) -> protocol.ClientMessage | None:
+        """Parse one message; a malformed one is answered in ``client.outbox`` (None returned)."""
+        try:
+            return protocol.parse_client_message(data)
+        except protocol.MessageError as exc:
+            self.reply_error(client, exc, request_id=exc.request_id)
+            return None
+
+    def dispatch(self, client: Client, msg: protocol.ClientMessage) -> None:
+        """Act on one parsed message; every reply (and error) goes to ``client.outbox``.
+
+        Synchronous on purpose: handling a message never waits, so one
+        client is never blocked behind anything.
+        """
+        try:
+            if isinstance(msg, protocol.Generate):
+                self.generate(client, msg)
+            elif isinstance(msg, protocol.Cancel):
+                self.cancel(client, msg.id)
+            else:
+                self.attach(client, msg.id)
+        except protocol.MessageError as exc:
+            request_id = exc.request_id
+            if isinstance(msg, protocol.Generate) and msg.id is None:
+                request_id = None  # an id the server made up means nothing to the client
+            self.reply_error(client, exc, request_id=request_id)
+        except Exception as exc:
+            # A bug: this message gets ``internal``; the client and the server go on.
+            logger.exception("handling a message from client %s failed", client.id)
+            if client.outbox is not None:
+                reply = protocol.error("internal", f"internal server error: {exc!r}", request_id=msg.id)
+                client.outbox.put(protocol.dumps(reply), "error")
+
+    def handle(self, client: Client, data: str | bytes) -> None:
+        """:meth:`receive` then :meth:`dispatch`: one message, start to end."""
+        msg = self.receive(client, data)
+        if msg is not None:
+            self.dispatch(client, msg)
+
+    def reply_error(self, client: Client, exc: protocol.MessageError, *, request_id: str | None) -> None:
+        if client.outbox is not None:
+            client.outbox.put(protocol.dumps(self.error_reply(exc, request_id=request_id)), "error")
+
+    def error_reply(self, exc: protocol.MessageError, *, request_id: str | None) -> dict[str, Any]:
+        """The ``error`` message for a refused client message (``busy`` carries ``retry_after_s``)."""
+        reply = protocol.error(exc.code, exc.message, request_id=request_id, field=exc.field)
+        retry = getattr(exc, "retry_after_s", None)
+        if retry is not None:
+            reply["retry_after_s"] = retry
+        return reply
+
+    # -- generate ----------------------------------------------------------------
+
+    def generate(self, client: Client, msg: protocol.Generate) -> RequestRecord:
+        """Admit ``msg`` for ``client`` (its outbox, if any, watches it); it goes into the engine
+        now, or waits in the gate.
+
+        Raises MessageError (ServerBusyError for ``busy``) with the code to
+        answer; every refusal is counted by its code.
+        """
+        try:
+            admitted = self._admit(client, msg)
+            stream = self._open_stream(admitted) if self.gate.has_room() else None
+        except protocol.MessageError as exc:
+            self.metrics.rejections.labels(exc.code).inc()
+            self.metrics.requests.labels("rejected").inc()
+            raise
+        record = admitted.record
+        self.registry.add(record)
+        if client.outbox is not None:
+            record.watch(client.id, client.outbox, attached=False)
+        if stream is None:
+            # The engine holds max_active requests already: this one waits,
+            # unstarted, in the gate (gate.py), and goes in when one leaves.
+            self.gate.wait(
+                record.id, record.principal, msg.priority, admitted,
+                cost=record.total, cross=admitted.cross_priority,
+            )
+            self.let_in()  # in case the bound grew (a remote engine's replicas came up)
+        else:
+            self._start(admitted, stream)
+        return record
+
+    def _admit(self, client: Client, msg: protocol.Generate) -> Admitted:
+        """Apply every admission rule to ``msg`` (load, params, memory); raises MessageError."""
+        request_id = msg.id or uuid.uuid4().hex
+        principal = client.principal
+        if not self.started or self.on_start is None:
+            raise protocol.MessageError("engine_unavailable", NOT_STARTED, request_id=request_id)
+        if self.closing:
+            raise protocol.MessageError("shutting_down", "the server is shutting down", request_id=request_id)
+        if self.fatal is not None:
+            # Kept up by stay_dead after a fatal error: it serves no new work.
+            raise protocol.MessageError(
+                "engine_unavailable", f"the server failed: {self.fatal}", request_id=request_id
+            )
+        health = self.engine.health()
+        if not health.ok:
+            raise protocol.MessageError(
+                "engine_unavailable", f"the engine is {health.status}: {health.reason}", request_id=request_id
+            )
+        self.registry.check_new(request_id, detach=msg.detach)
+        limit = self.limits.max_requests_per_principal
+        own = self.registry.running_of(principal.key)
+        if own >= limit:
+            raise protocol.MessageError(
+                "too_many_requests",
+                f"{_who(principal)} already runs {limit} requests "
+                "(max_requests_per_principal, OMNI_STREAM_MAX_REQUESTS_PER_PRINCIPAL)",
+                request_id=request_id,
+            )
+        # Before the params are read: refusing an overloaded server's work
+        # must cost less than the work (a data: URL image is up to 1 MiB).
+        load = self.load(health)
+        admission.check_load(
+            load,
+            own=own,
+            principals=self.principals(),
+            retry_after_s=lambda: self.retry_after(load),
+            request_id=request_id,
+        )
+        spec = admission.preview_spec(
+            msg.preview, default=self.default_preview, decoder=self.default_decoder,
+            limits=self.limits, request_id=request_id, model=self.model,
+        )
+        output = admission.output_spec(
+            msg.output, video=bool(getattr(self.model, "produces_video", False)), request_id=request_id
+        )
+        total, checked = admission.check_params(self.model, msg.params, self.limits, request_id=request_id)
+        memory = admission.reserve_memory(
+            self.memory, self.model, checked, engine=self.engine, request_id=request_id,
+            retry_after_s=lambda: self.retry_after(load),
+        )
+        cross = principal.cross_priority(msg.priority)
+        record = RequestRecord(
+            request_id,
+            owner=client.id,
+            principal=principal.key,
+            detach=msg.detach,
+            total=total,
+            preview=admission.preview_wire(spec),
+            output=output.wire(),
+            created_at=self.clock(),
+            priority=msg.priority,
+            cross_priority=cross,
+        )
+        return Admitted(record, msg.params, spec, output, memory, cross)
+
+    def _open_stream(self, admitted: Admitted) -> FrameStreamLike:
+        """Submit an admitted request to the engine; its stream.
+
+        Raises MessageError ``bad_params`` (params only the engine refuses)
+        or ``engine_unavailable``, having released its memory.
+        """
+        request_id = admitted.record.id
+        spec, output = admitted.spec, admitted.output
+        try:
+            wanted: dict[str, Any] = {
+                "policy": "latest",
+                "preview_every": spec.every,
+                # Across principals only what its grant allows (the engine's
+                # scheduler ranks every request it holds by priority).
+                "priority": admitted.cross_priority,
+                "render": self._render_request(spec, output),
+            }
+            # Only what the engine takes (an engine of one's own may take less).
+            options = {k: v for k, v in wanted.items() if k in self.stream_keywords and v is not None}
+            # The raw params: the engine validates them itself (the same checks).
+            stream = self.engine.stream(admitted.params, request_id=request_id, **options)
+        except ParamsError as exc:
+            admitted.memory.release()
+            raise protocol.MessageError(
+                "bad_params", exc.message, field=exc.field, request_id=request_id
+            ) from None
+        except EngineError as exc:
+            admitted.memory.release()
+            raise protocol.MessageError("engine_unavailable", exc.message, request_id=request_id) from None
+        missing = missing_stream_members(stream)
+        if missing:
+            # The engine's own type: nothing a client did. Said once per request
+            # here rather than as an `internal` in the middle of its stream.
+            admitted.memory.release()
+            self.engine.cancel(request_id)
+            raise protocol.MessageError(
+                "engine_unavailable",
+                f"the engine's stream() returned a {type(stream).__name__}, which lacks "
+                f"{', '.join(missing)} (omni_stream.engine.like.FrameStreamLike)",
+                request_id=request_id,
+            )
+        return stream
+
+    def _render_request(self, spec: PreviewSpec, output: admission.OutputSpec) -> RenderRequest | None:
+        """What to ask an engine that renders where it makes frames (a Ray replica); None to render here."""
+        if "render" not in self.stream_keywords or not (
+            isinstance(self.engine, RendersFrames) and self.engine.renders_frames
+        ):
+            return None
+        return RenderRequest.of(spec, output.format, output.quality)
+
+    def _start(self, admitted: Admitted, stream: FrameStreamLike) -> None:
+        record = admitted.record
+        self.gate.entered(record.principal, record.total)
+        assert self.on_start is not None  # _admit checked it
+        self.on_start(admitted, stream)
+
+    def let_in(self) -> None:
+        """Submit waiting requests while the engine has room (a request left it, or the bound grew)."""
+        while self.letting_in and (item := self.gate.pop()) is not None:
+            admitted: Admitted = item.payload
+            try:
+                stream = self._open_stream(admitted)
+            except protocol.MessageError as exc:
+                # Accepted already: it ends, with what the engine said.
+                code = "engine_error" if exc.code == "engine_unavailable" else "step_failed"
+                self.finish(
+                    admitted.record,
+                    protocol.error(code, exc.message, request_id=admitted.record.id, field=exc.field),
+                )
+                continue
+            self._start(admitted, stream)
+
+    # -- cancel, attach, lookup ----------------------------------------------------
+
+    def stop(self, record: RequestRecord, reason: str) -> None:
+        """Cancel a running request (``reason`` for its ``cancelled``), in the engine or in the gate."""
+        record.cancel_reason = record.cancel_reason or reason
+        item = self.gate.remove(record.id)
+        if item is None:
+            self.engine.cancel(record.id)
+            return
+        item.payload.memory.release()
+        self.finish(record, protocol.cancelled(record.id, reason=record.cancel_reason))
+
+    def cancel(self, client: Client, request_id: str) -> RequestRecord:
+        """Cancel a request ``client`` may see; raises MessageError ``not_found``."""
+        record = self.lookup(client, request_id)
+        if not record.ended:  # else its terminal message was already sent
+            self.stop(record, "client")
+        return record
+
+    def attach(self, client: Client, request_id: str) -> RequestRecord:
+        """``client``'s outbox watches the request from now on, after its replay; raises MessageError."""
+        record = self.lookup(client, request_id)
+        if client.outbox is None:
+            raise protocol.MessageError(
+                "bad_message", "this door cannot watch a request", request_id=request_id
+            )
+        if record.is_watched_by(client.id):
+            raise protocol.MessageError(
+                "already_attached",
+                f"this connection already watches request {request_id!r}",
+                field="id",
+                request_id=request_id,
+            )
+        record.watch(client.id, client.outbox, attached=True)
+        return record
+
+    def lookup(self, client: Client, request_id: str) -> RequestRecord:
+        """The record ``client`` may see (records.py's rule); raises MessageError ``not_found``."""
+        principal = client.principal
+        return self.registry.lookup(
+            request_id, client.id, principal=principal.key if principal.authenticated else None
+        )
+
+    # -- the end of a request ----------------------------------------------------------
+
+    def consumer_done(self, record: RequestRecord, message: dict[str, Any]) -> None:
+        """A request's consumer ended with ``message``: it left the engine; the next goes in."""
+        self.gate.left(record.principal)
+        self.finish(record, message)
+        self.let_in()
+
+    def finish(self, record: RequestRecord, message: dict[str, Any]) -> None:
+        """End ``record`` with its terminal ``message``: its watchers, the books.
+
+        The model's caches may have grown while it ran (memory.py counts them).
+        """
+        try:
+            record.finish(message, now=self.clock())
+            self.registry.ended(record)
+            self.metrics.requests.labels(record.outcome or "error").inc()
+        finally:
+            self.memory.recount_model()
+            if not self.registry.running():
+                self.on_requests_idle()
+
+    # -- load and health ------------------------------------------------------------
+
+    def load(self, health: Any | None = None) -> admission.Load:
+        stats = (health or self.engine.health()).statistics
+        # What the engine holds (its own count, in case others share it) and what waits in the gate.
+        in_engine = max(self.gate.in_engine, stats.active + stats.queued)
+        return admission.Load.of(
+            in_engine, self.gate.waiting, self.limits, engine_batch_size=self.engine.max_batch_size,
+            host_engines=self.host_engines,
+        )
+
+    def retry_after(self, load: admission.Load) -> float:
+        return admission.retry_after(
+            (r.total - r.latest_step for r in self.registry.running()),
+            held=load.held,
+            step_s=self.metrics.recent_step_s,
+            batch_size=self.metrics.recent_batch_size,
+            whole_requests=bool(getattr(self.model, "runs_whole_requests", False)),
+        )
+
+    def queue_positions(self) -> dict[str, int]:
+        """Position (0 = next) of every request that has not started a step yet.
+
+        Those in the engine first, in the order its scheduler takes them
+        (higher priority across principals first, then arrival), then
+        those waiting in the gate, in the order it lets them in.
+        """
+        starting = [r for r in self.registry.running() if r.latest_step == 0 and r.id not in self.gate]
+        starting.sort(key=lambda r: (-r.cross_priority, r.created_at))
+        order = [r.id for r in starting] + self.gate.order()
+        return {rid: i for i, rid in enumerate(order)}
+
+
+def _who(principal: Principal) -> str:
+    if principal.kind == "token":
+        return f"token {principal.name!r}"
+    if principal.kind == "address":
+        return f"address {principal.name}"
+    return "this connection"

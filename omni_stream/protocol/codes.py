@@ -1,0 +1,69 @@
+"""The protocol's shared codes and bounds (docs/protocol.md), for the server and the client alike.
+
+``error`` codes (which reject one message, which end a request), the
+reasons of ``cancelled``, ``generate``'s priority range, the websocket
+close codes, and how much of a client's input an error may echo back.
+"""
+
+from __future__ import annotations
+
+from typing import Final
+
+__all__ = [
+    "CANCEL_REASONS",
+    "CLOSE_GOING_AWAY",
+    "CLOSE_INTERNAL_ERROR",
+    "CLOSE_MESSAGE_TOO_BIG",
+    "CLOSE_POLICY_VIOLATION",
+    "CLOSE_PROTOCOL_ERROR",
+    "CLOSE_TRY_AGAIN_LATER",
+    "MAX_ECHO",
+    "MAX_ERROR_MESSAGE",
+    "MAX_PRIORITY",
+    "MIN_PRIORITY",
+    "REJECTION_CODES",
+    "REQUEST_ENDING_CODES",
+]
+
+#: ``error`` codes that reject one client message; nothing was started or changed.
+REJECTION_CODES: Final = frozenset(
+    {
+        "bad_json",
+        "bad_message",
+        "invalid_field",
+        "unknown_type",
+        "bad_params",
+        "limit_exceeded",
+        "duplicate_id",
+        "too_many_requests",
+        "not_found",
+        "already_attached",
+        "shutting_down",
+        "engine_unavailable",
+        "busy",
+    }
+)
+#: ``error`` codes that end an accepted request (terminal, sent to every watcher).
+REQUEST_ENDING_CODES: Final = frozenset(
+    {"step_failed", "step_timeout", "engine_error", "preview_failed", "internal"}
+)
+CANCEL_REASONS: Final = frozenset({"client", "disconnect", "shutdown", "engine"})
+#: ``generate``'s ``priority`` range (the engine scheduler's, restated: the
+#: protocol must not import the engine).
+MIN_PRIORITY: Final = -10
+MAX_PRIORITY: Final = 10
+
+CLOSE_GOING_AWAY: Final = 1001
+#: Sent by the client when the server breaks the protocol.
+CLOSE_PROTOCOL_ERROR: Final = 1002
+CLOSE_POLICY_VIOLATION: Final = 1008
+CLOSE_MESSAGE_TOO_BIG: Final = 1009
+CLOSE_INTERNAL_ERROR: Final = 1011
+CLOSE_TRY_AGAIN_LATER: Final = 1013
+
+#: Most characters of client input an error echoes (in ``field`` and in the
+#: message): a reply must not grow with what the client sent.
+MAX_ECHO: Final = 64
+#: Most characters of an error's ``message``: a backstop for messages built
+#: outside the protocol (model params, admission) that echo client input.
+MAX_ERROR_MESSAGE: Final = 512
