@@ -469,6 +469,11 @@ class Mixture(StepModel):
         """
         size = int(params["size"])
         picture = images.plain(params["prompt"])
+        if size == DEFAULT_SIZE and picture is None:
+            # ``load``'s bank: there (or being built by ``load``) for the
+            # model's whole life, whatever requests come; a request admitted
+            # while the engine still loads adds nothing by asking for it.
+            return 0
         if self._banks.holds(size, picture, self._device):
             return 0
         return _build_peak_bytes(size, picture)
