@@ -12,10 +12,13 @@ decides back into bytes. docs/design.md draws the core and its doors.
 - :mod:`.rules`: the rules of docs/protocol.md and docs/http.md for every
   door, keyed on principals: admission, ownership, attach, cancel, rates,
   connections, fair shares.
-- :mod:`.admission`: the checks a request passes before the engine.
+- :mod:`.admission`: the checks a request passes before the engine;
+  :mod:`.load` (``busy``, fair shares) and :mod:`.estimate` (its memory)
+  beside it; :mod:`.inputs` (input images, from their header).
 - :mod:`.gate`: at most ``max_active`` requests in the engine; who goes next.
 - :mod:`.records`: each request's record, its watchers and its retention.
 - :mod:`.outbox`: one client's bounded, latest-wins send queue.
 - :mod:`.memory`: the process's memory bound (``max_memory_bytes``).
 - :mod:`.rates`: token buckets (messages a second per principal).
+- :mod:`.metrics`: the Prometheus metrics of one server.
 """
