@@ -323,9 +323,19 @@ class Rules:
             self._start(admitted, stream)
         return record
 
-    def _admit(self, client: Client, msg: protocol.Generate) -> Admitted:
-        """Apply every admission rule to ``msg`` (load, params, memory); raises MessageError."""
-        request_id = msg.id or uuid.uuid4().hex
+    def precheck(self, client: Client, msg: protocol.ClientMessage) -> None:
+        """The admission rules that cost nothing to check: the server's state, the engine's
+        health, the id, the principal's count, the load.
+
+        A door calls it before work it would do for a ``generate`` (decoding
+        its images): refusing an overloaded server's work must cost less than
+        the work. Raises MessageError as :meth:`generate` would.
+        """
+        if isinstance(msg, protocol.Generate):
+            self._admit_cheap(client, msg, msg.id or uuid.uuid4().hex)
+
+    def _admit_cheap(self, client: Client, msg: protocol.Generate, request_id: str) -> admission.Load:
+        """:meth:`precheck`'s rules; the load they measured."""
         principal = client.principal
         if not self.started or self.on_start is None:
             raise protocol.MessageError("engine_unavailable", NOT_STARTED, request_id=request_id)
@@ -361,6 +371,13 @@ class Rules:
             retry_after_s=lambda: self.retry_after(load),
             request_id=request_id,
         )
+        return load
+
+    def _admit(self, client: Client, msg: protocol.Generate) -> Admitted:
+        """Apply every admission rule to ``msg`` (load, params, memory); raises MessageError."""
+        request_id = msg.id or uuid.uuid4().hex
+        principal = client.principal
+        load = self._admit_cheap(client, msg, request_id)
         spec = admission.preview_spec(
             msg.preview, default=self.default_preview, decoder=self.default_decoder,
             limits=self.limits, request_id=request_id, model=self.model,

@@ -155,7 +155,7 @@ class HttpApi:
         """``POST /v1/generations``: 202 and the URLs; or the events (SSE); or, with ``?wait``, the result."""
         try:
             body = await self._read_body(request)
-            msg = await self._service.prepare(self._parse(body))
+            msg = await self._service.prepare(client, self._parse(body))
         except protocol.MessageError as exc:
             unknown = exc.code in ("bad_json", "bad_message")
             return self._error(exc, request_id=None if unknown else exc.request_id)

@@ -250,18 +250,21 @@ class Service:
 
     # -- what the doors call --------------------------------------------------------
 
-    async def prepare(self, msg: protocol.ClientMessage) -> protocol.ClientMessage:
+    async def prepare(self, client: Client, msg: protocol.ClientMessage) -> protocol.ClientMessage:
         """``msg`` with its input images decoded, off the event loop (core/inputs.py).
 
         Each image's header is checked first, on the loop (its size against
-        ``max_image_size``); only then are its pixels decoded, in a worker
-        thread. Raises MessageError (``bad_params``, ``limit_exceeded``).
+        ``max_image_size``); then, unless the rules would refuse the request
+        anyway (``Rules.precheck``: a busy server does not decode for work it
+        refuses), its pixels are decoded in a worker thread. Raises
+        MessageError (``bad_params``, ``limit_exceeded``, what precheck raises).
         """
         if not isinstance(msg, protocol.Generate):
             return msg
         pending = inputs.check_images(self.model, msg.params, self.limits, request_id=msg.id)
         if not pending:
             return msg
+        self.rules.precheck(client, msg)
         decoded = await anyio.to_thread.run_sync(
             lambda: inputs.decode_images(pending, request_id=msg.id), limiter=self._decode_limiter
         )
@@ -273,7 +276,7 @@ class Service:
         if msg is None:
             return
         try:
-            msg = await self.prepare(msg)
+            msg = await self.prepare(client, msg)
         except protocol.MessageError as exc:
             self.rules.metrics.rejections.labels(exc.code).inc()
             self.rules.metrics.requests.labels("rejected").inc()
