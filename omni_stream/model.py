@@ -67,6 +67,19 @@ keep_bytes``, never what ``load`` built, and returns the bytes the cache
 no longer holds (a running request keeps what it uses alive through its
 state). All three are cheap (no building, no device work) and safe to call
 from any thread while the producer thread builds or uses those buffers.
+
+Preparing (optional): a model may define ``prepare(params, device)`` to
+build, before a request's ``start``, what that start would otherwise build
+on the producer thread (the Mixture's image bank for a new size: seconds
+of work during which every other request's steps would wait). The engine
+calls it in a worker thread (one request at a time, with one torch thread
+on a CPU device) for each request for which ``needs_prepare(params)``
+(event loop, cheap; absent: always) is true, and makes that request
+runnable only when it returns; the producer keeps stepping the others
+meanwhile, and requests with nothing to prepare do not queue behind it. It must be
+thread-safe against the producer (which may be building or using the same
+buffers) and leave what it built ready for ``start`` (on a CUDA device:
+synchronised). Raising fails that request alone (StepFailedError, step 0).
 """
 
 from __future__ import annotations

@@ -40,13 +40,14 @@ from ..config import (
     torch_threads as default_torch_threads,
 )
 from ..device import Device, PinnedBufferPool, resolve_device
-from ..device.openmp import release_idle_team
+from ..device.openmp import release_idle_team, set_torch_threads_here
 from ..errors import (
     EngineClosedError,
     EngineDeadError,
     EngineStalledError,
     ParamsError,
     RequestCancelledError,
+    StepFailedError,
 )
 from ..frame import Frame
 from ..lifecycle import Lifecycle
@@ -176,6 +177,8 @@ class Engine:
         self._thread: threading.Thread | None = None
         self._producer_done = anyio.Event()
         self._producer_error: BaseException | None = None
+        # model.prepare() runs one request at a time (made in start(), on the loop).
+        self._prepare_limiter: anyio.CapacityLimiter | None = None
 
     # -- lifecycle -------------------------------------------------------------
 
@@ -205,6 +208,7 @@ class Engine:
             # a futex at every parallel region. Freed here, the producer's is
             # the only team (device/openmp.py, docs/performance.md).
             release_idle_team()
+        self._prepare_limiter = anyio.CapacityLimiter(1)
         self._tg = anyio.create_task_group()
         await self._tg.__aenter__()
         self._tg.start_soon(self._supervised, "copier", self._copier.run, self._output.copied.extend)
@@ -481,10 +485,52 @@ class Engine:
                 arrival_round=self._producer._seq,
                 delivery=Delivery(request.policy),
             )
+            if _needs_prepare(self._model, request.params):
+                # Not runnable until the model prepared it, in a worker thread:
+                # the producer keeps stepping everyone else meanwhile.
+                r.preparing = True
             self._table.live[r.arrival] = r
             self._table.wake_producer()
         self._by_id[request_id] = r
+        if r.preparing:
+            assert self._tg is not None  # _check_open: running
+            self._tg.start_soon(self._prepare, r, name=f"omni_stream prepare {request_id}")
         return FrameStream(self._output, r)
+
+    async def _prepare(self, r: Request) -> None:
+        """Run ``model.prepare`` for ``r`` in a worker thread (one at a time), then let it run.
+
+        A failure fails ``r`` alone (StepFailedError, step 0). A request
+        cancelled meanwhile just ends; its preparation finishes in the
+        background (a thread cannot be interrupted) and is dropped.
+        """
+        model = self.model
+        prepare = model.prepare  # type: ignore[attr-defined]
+        device = self.device.torch_device
+        on_cpu = self.device.computes_on_cpu
+
+        def job() -> None:
+            if on_cpu:
+                # One thread, no OpenMP team: a second team beside the
+                # producer's slows every parallel region of both (openmp.py).
+                set_torch_threads_here(1)
+            prepare(r.params, device)
+
+        try:
+            await anyio.to_thread.run_sync(job, limiter=self._prepare_limiter, abandon_on_cancel=True)
+        except Exception as exc:
+            error = StepFailedError(
+                f"{model.name} failed preparing the request: {type(exc).__name__}: {exc}",
+                request_id=r.id,
+                step=0,
+            )
+            error.__cause__ = exc
+            logger.info("request %s failed while prepared: %r", r.id, exc)
+            self._output.end(r, Status.FAILED, error)
+            return
+        with self._table.cond:
+            r.preparing = False
+            self._table.wake_producer()
 
     async def generate(
         self,
@@ -602,3 +648,11 @@ class Engine:
             frames_dropped=out.frames_dropped,
             batch_sizes=dict(p.batch_sizes),
         )
+
+
+def _needs_prepare(model: Any, params: Mapping[str, Any]) -> bool:
+    """Whether ``model.prepare`` has work for a request (model.py, Preparing); asked on the loop."""
+    if not callable(getattr(model, "prepare", None)):
+        return False
+    needs = getattr(model, "needs_prepare", None)
+    return bool(needs(params)) if callable(needs) else True

@@ -41,7 +41,7 @@ class Request:
         "priority", "arrival_round", "submitted_at", "delivery",
         # (lock)
         "status", "issued", "delivered", "consumed", "last_scheduled", "ready_at",
-        "handed_at", "started", "closed", "finalized",
+        "handed_at", "preparing", "started", "closed", "finalized",
         # (producer)
         "state",
     )
@@ -83,6 +83,8 @@ class Request:
         # on the table's clock; None until it first does. A whole-request
         # model's reader bounds its wait from here (OutputProcessor.step_deadline).
         self.handed_at: float | None = None
+        #: model.prepare() has not finished yet (a worker thread): not runnable.
+        self.preparing = False
         self.started = False  # model.start() ran (producer)
         self.closed = False  # model.close() ran (producer)
         self.finalized = False  # its outcome was counted and its reader told (loop)
@@ -104,7 +106,7 @@ class Request:
         return every is not None and step < self.total and step % every == 0
 
     def runnable(self, *, max_run_ahead: int, queue_size: int) -> bool:
-        if self.status.ended or self.issued >= self.total:
+        if self.status.ended or self.issued >= self.total or self.preparing:
             return False
         if self.in_flight >= max_run_ahead:
             return False
