@@ -439,6 +439,23 @@ def test_serve_passes_its_options(capsys, fake_server, monkeypatch):
     assert call["loop"].startswith("uvloop")
 
 
+def test_serve_passes_several_tenants_and_the_door_options(capsys, fake_server, monkeypatch, tmp_path):
+    _, calls = fake_server
+    monkeypatch.delenv(cli.TOKEN_ENV, raising=False)
+    tokens = tmp_path / "tokens"
+    tokens.write_text("ops=o priority=3\n")
+    code, _, err = run(
+        capsys, "serve", "--model", "synthetic", "--token", "ann=a", "--token", "bob=b",
+        "--tokens-file", str(tokens), "--allowed-host", "omni.example", "--allowed-host", "*.farm.example",
+        "--trusted-proxy", "10.0.0.0/8",
+    )
+    assert code == 0, err
+    (call,) = calls
+    assert call["token"] == ["ann=a", "bob=b"] and call["tokens_file"] == str(tokens)
+    assert call["allowed_hosts"] == ["omni.example", "*.farm.example"]
+    assert call["trusted_proxies"] == ["10.0.0.0/8"]
+
+
 def test_serve_defaults_and_token_from_the_environment(capsys, fake_server, monkeypatch):
     _, calls = fake_server
     monkeypatch.setenv(cli.TOKEN_ENV, "from-env")
