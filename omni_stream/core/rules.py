@@ -76,6 +76,8 @@ class Client:
     principal: Principal
     door: str
     outbox: Outbox | None = None
+    #: It started a request that is not detached (which ends when it goes).
+    owns_attached: bool = False
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
@@ -209,8 +211,12 @@ class Rules:
 
     def disconnect(self, client: Client) -> None:
         """The client is gone: nothing more is sent to it; its own requests that are not detached end."""
-        for record in self.registry.disconnect(client.id):
-            self.stop(record, "disconnect")
+        if client.outbox is not None or client.owns_attached:
+            # (A client without an outbox watched nothing, and if all it
+            # started is detached, nothing ends with it: an HTTP call's close
+            # is then no walk over every record.)
+            for record in self.registry.disconnect(client.id):
+                self.stop(record, "disconnect")
         if self.clients.pop(client.id, None) is not None:
             key = client.principal.key
             self.open_by_principal[key] -= 1
@@ -309,6 +315,7 @@ class Rules:
             raise
         record = admitted.record
         self.registry.add(record)
+        client.owns_attached = client.owns_attached or not record.detach
         if client.outbox is not None:
             record.watch(client.id, client.outbox, attached=False)
         if stream is None:
