@@ -1,7 +1,8 @@
-"""Websocket fuzzer: hostile and broken messages against a server in a process of its own.
+"""Fuzzer of both doors: hostile and broken messages and HTTP calls against a server in a process of its own.
 
-``python -m benchmarks.fuzz [--messages N] [--seed S] [--connections C] [--workers W] [--rate R]
-[--categories a,b] [--attribute] [--json PATH] [--server-profile PATH]``
+``python -m benchmarks.fuzz [--messages N] [--seed S] [--connections C] [--doors ws|http|both]
+[--http-connections H] [--workers W] [--rate R] [--categories a,b] [--attribute] [--json PATH]
+[--server-profile PATH]``
 
 Starts ``omni_stream.server.Server`` (Synthetic model, CPU) on 127.0.0.1
 port 0 in a process of its own (``benchmarks/_server_proc.py``: its own
@@ -27,8 +28,17 @@ every accepted request must have ended exactly once (``done``, or
 ``fail_at``), no further reply may arrive, no ``internal`` error code
 ever, no error reply over 4096 bytes, no connection closed by the server,
 ``/health`` ok with nothing left running, and the server process exits 0
-on SIGTERM. Each fuzzing process reports its counts and violations as
-JSON; this one merges them.
+on SIGTERM, having logged no ERROR and no traceback. Each fuzzing process
+reports its counts and violations as JSON; this one merges them.
+
+The HTTP door (``--doors http`` or ``both``, the default): ``H`` more
+clients (default ``C``), each from a loopback address of its own, send
+hostile and broken calls to ``/v1/generations`` (``fuzz_http.py`` lists
+them and what each answer must be: one, parsed by h11, a documented
+status, JSON errors with ``error`` and ``message``, every accepted request
+ended once and as asked). ``N`` is the total over every connection of
+both doors. The server runs with ``body_timeout_s`` 2 s when the HTTP
+door is fuzzed (a stalled body waits for its 408).
 
 Alongside, an honest client, in a process of its own, runs one 20-step
 request at a time and the time between its ``progress`` messages is
@@ -501,26 +511,38 @@ class Conn:
                     self._viol(f"{rid} accepted {n} times, ended {self.ended[rid]} times")
 
 
-async def _fuzz_connections(url: str, seed: int, conns: Sequence[tuple[int, int]], tally: Tally,
-                            interval: float = 0.0) -> None:
-    """Run connections ``(index, messages)`` of a run seeded ``seed``.
+async def _fuzz_connections(url: str, seed: int, conns: Sequence[Sequence[Any]], tally: Tally,
+                            interval: float = 0.0, *, http_categories: Sequence[str] = (),
+                            stall_s: float = 2.0) -> None:
+    """Run connections ``(index, messages, door)`` of a run seeded ``seed`` (door: ``ws``, ``http``).
 
     Each connection has its own rng: however they are split over processes, the messages are the same.
+    An HTTP connection ``i`` calls from 127.0.0.(2 + i): a client (principal) of its own, as each
+    websocket is.
     """
     from websockets.exceptions import ConnectionClosed
 
-    async def guarded(i: int, n: int) -> None:
-        c = Conn(tally, i, random.Random(f"{seed}-{i}"), interval)
+    from .fuzz_http import HttpFuzzConn
+
+    port = int(url.rsplit(":", 1)[1].split("/", 1)[0])
+
+    async def guarded(i: int, n: int, door: str = "ws") -> None:
         try:
-            await c.run(url, n)
+            if door == "http":
+                h = HttpFuzzConn(tally, i, random.Random(f"{seed}-http-{i}"), port=port,
+                                 source=f"127.0.0.{2 + i % 250}", interval=interval,
+                                 categories=list(http_categories) or None, stall_s=stall_s)
+                await h.run(n)
+            else:
+                await Conn(tally, i, random.Random(f"{seed}-{i}"), interval).run(url, n)
         except ConnectionClosed as exc:
             tally.violations.append(f"conn {i}: the server closed it: {exc!r}")
         except TimeoutError:
-            tally.violations.append(f"conn {i}: a read timed out")
+            tally.violations.append(f"{door} conn {i}: a read timed out")
         except OSError as exc:
-            tally.violations.append(f"conn {i}: {type(exc).__name__}: {exc}")
+            tally.violations.append(f"{door} conn {i}: {type(exc).__name__}: {exc}")
 
-    await asyncio.gather(*(guarded(i, n) for i, n in conns))
+    await asyncio.gather(*(guarded(*c) for c in conns))
 
 
 async def _worker_main() -> None:
@@ -537,7 +559,8 @@ async def _worker_main() -> None:
     go = json.loads(await asyncio.to_thread(sys.stdin.readline))
     assert go["cmd"] == "go", go
     await _fuzz_connections(config["url"], config["seed"], [tuple(c) for c in config["conns"]], tally,
-                            config["interval"])
+                            config["interval"], http_categories=config.get("http_categories", ()),
+                            stall_s=config.get("stall_s", 2.0))
     say(event="result", **tally.to_json())
 
 
@@ -621,14 +644,30 @@ def attribute(gaps: Sequence[tuple[float, float]], timelines: Sequence[Sequence[
 async def _run(messages: int, seed: int, connections: int, max_key_bytes: int, honest_requests: int,
                workers: int, timeline: bool, verbose: bool, categories: Sequence[str],
                server_profile: str | None, rate: float,
-               server_limits: dict[str, Any] | None = None) -> dict[str, Any]:
+               server_limits: dict[str, Any] | None = None, doors: str = "both",
+               http_connections: int | None = None) -> dict[str, Any]:
+    from .fuzz_http import HTTP_CATEGORIES
     from .stress_common import ChildError, HonestProcess, JsonChild, ServerProcess, health
 
     violations: list[str] = []
     t0 = time.perf_counter()
-    workers = max(1, min(workers, connections))
-    share = [messages // connections + (1 if i < messages % connections else 0) for i in range(connections)]
-    limits = {"shutdown_timeout_s": 1.0, "close_timeout_s": 1.0, **(server_limits or {})}
+    ws_categories = [c for c in categories if c in CATEGORIES]
+    http_categories = [c for c in categories if c in HTTP_CATEGORIES]
+    if categories and not ws_categories:
+        doors = "http" if doors == "both" else doors
+    if categories and not http_categories:
+        doors = "ws" if doors == "both" else doors
+    # Every connection: (index, its share of the messages, its door); --messages is the total.
+    specs = [(i, "ws") for i in range(connections if doors in ("ws", "both") else 0)]
+    specs += [(j, "http") for j in range(
+        (connections if http_connections is None else http_connections) if doors in ("http", "both") else 0)]
+    total = max(1, len(specs))
+    conns = [(i, messages // total + (1 if k < messages % total else 0), door)
+             for k, (i, door) in enumerate(specs)]
+    workers = max(1, min(workers, total))
+    # A stalled HTTP body (http_slow) waits body_timeout_s for its 408: 2 s here, not 30.
+    limits = {"shutdown_timeout_s": 1.0, "close_timeout_s": 1.0,
+              **({"body_timeout_s": 2.0} if doors != "ws" else {}), **(server_limits or {})}
     server = await ServerProcess.start(limits, verbose=verbose, profile=server_profile)
     honest: HonestProcess | None = None
     kids: list[JsonChild] = []
@@ -639,10 +678,11 @@ async def _run(messages: int, seed: int, connections: int, max_key_bytes: int, h
         async def start_worker(w: int) -> JsonChild:
             kid = await JsonChild.start("benchmarks.fuzz", "--worker", what=f"fuzz worker {w}")
             kids.append(kid)
-            conns = [(i, share[i]) for i in range(connections) if i % workers == w]
-            await kid.send(url=server.url, seed=seed, conns=conns, max_key_bytes=max_key_bytes,
-                           timeline=timeline, categories=list(categories),
-                           interval=connections / rate if rate > 0 else 0.0)
+            mine = [c for k, c in enumerate(conns) if k % workers == w]
+            await kid.send(url=server.url, seed=seed, conns=mine, max_key_bytes=max_key_bytes,
+                           timeline=timeline, categories=ws_categories, http_categories=http_categories,
+                           stall_s=float(limits.get("body_timeout_s", 30.0)) + 5.0,
+                           interval=total / rate if rate > 0 else 0.0)
             await kid.expect("ready", timeout=60)
             return kid
 
@@ -700,6 +740,10 @@ async def _run(messages: int, seed: int, connections: int, max_key_bytes: int, h
             await honest.kill()
     if exit_status != 0:
         violations.append(f"the server process exited with status {exit_status} after SIGTERM")
+    if server.log_errors:
+        tracebacks = sum(1 for line in server.log_errors if line.startswith("Traceback"))
+        violations.append(f"the server logged {len(server.log_errors) - tracebacks} ERROR lines and "
+                          f"{tracebacks} tracebacks, the first: {server.log_errors[0]}")
     wall = time.perf_counter() - t0
 
     def merged(key: str) -> dict[str, int]:
@@ -724,7 +768,9 @@ async def _run(messages: int, seed: int, connections: int, max_key_bytes: int, h
     # Messages/s in each whole 10 s of the fuzz (the first and last, partial, left out).
     rates = [per_10s[k] / 10 for k in range(min(per_10s, default=0) + 1, max(per_10s, default=0))]
     out: dict[str, Any] = {
-        "messages": messages, "connections": connections, "workers": workers, "seed": seed,
+        "messages": messages, "connections": connections, "workers": workers, "seed": seed, "doors": doors,
+        "ws_connections": sum(1 for c in conns if c[2] == "ws"),
+        "http_connections": sum(1 for c in conns if c[2] == "http"),
         "categories": list(categories), "paced": rate,
         "sent": merged("sent"), "replies": merged("replies"), "terminals": merged("terminals"),
         "honest": {"quiet_steps": len(q), "quiet_p50_ms": percentile(q, 50) * 1e3,
@@ -773,29 +819,40 @@ def run_fuzz(*, messages: int = 500, seed: int = 0, connections: int = 4, max_ke
              honest_requests: int = 5, workers: int = 1, attribute: bool = False,
              categories: Sequence[str] = (), verbose: bool = False,
              server_profile: str | None = None, rate: float = 0.0,
-             server_limits: dict[str, Any] | None = None) -> dict[str, Any]:
+             server_limits: dict[str, Any] | None = None, doors: str = "both",
+             http_connections: int | None = None) -> dict[str, Any]:
     """One fuzz run (a server process, an honest client process, ``workers`` fuzzing processes): its summary.
 
     ``attribute``: also line the honest client's slow step gaps up with the
     messages in flight then (``summary["attribution"]``; every message's
     times travel back, so keep it for runs of up to a few 100,000).
-    ``categories``: draw only from these (names in ``CATEGORIES``; all by default).
+    ``categories``: draw only from these (names in ``CATEGORIES`` and
+    ``fuzz_http.HTTP_CATEGORIES``; all by default; naming one door's only leaves the other out).
     ``server_profile``: a path for cProfile stats of the server's event-loop thread.
     ``rate``: messages/s over all connections, paced (0: each connection sends its next
     message as soon as the reply to the last one came, what the server's speed allows).
     ``server_limits``: Server options beside the defaults (e.g. ``{"max_messages_per_s": 1e6}``).
+    ``doors``: ``ws``, ``http`` or ``both``: ``connections`` websockets and ``http_connections``
+    (default: as many) HTTP clients, ``messages`` split evenly over all of them.
     """
-    unknown = set(categories) - set(CATEGORIES)
+    from .fuzz_http import HTTP_CATEGORIES
+
+    unknown = set(categories) - set(CATEGORIES) - set(HTTP_CATEGORIES)
     if unknown:
-        raise ValueError(f"unknown categories {sorted(unknown)}; known: {', '.join(CATEGORIES)}")
+        raise ValueError(f"unknown categories {sorted(unknown)}; known: {', '.join(CATEGORIES)}, "
+                         f"{', '.join(HTTP_CATEGORIES)}")
+    if doors not in ("ws", "http", "both"):
+        raise ValueError(f"doors must be ws, http or both, got {doors!r}")
     return asyncio.run(_run(messages, seed, connections, max_key_bytes, honest_requests, workers, attribute,
-                            verbose, tuple(categories), server_profile, rate, server_limits))
+                            verbose, tuple(categories), server_profile, rate, server_limits, doors,
+                            http_connections))
 
 
 def format_summary(s: dict[str, Any], *, latency_rows: int = 12) -> str:
     h, srv = s["honest"], s["server"]
     lines = [
-        (f"fuzz: {s['messages']} messages over {s['connections']} connections in {s['workers']} "
+        (f"fuzz: {s['messages']} messages over {s['ws_connections']} websockets and {s['http_connections']} "
+         f"HTTP clients in {s['workers']} "
          f"worker process{'es' if s['workers'] != 1 else ''} (seed {s['seed']}) in {s['wall_s']} s; "
          f"{s['fuzz_s']} s of fuzz, {s['rate']:.0f} messages/s"
          + (f" (paced at {s['paced']:g})" if s.get("paced") else "")
@@ -848,7 +905,12 @@ def main(argv: Sequence[str] | None = None) -> int:
     ap = argparse.ArgumentParser(prog="python -m benchmarks.fuzz", description=__doc__.split("\n")[0])
     ap.add_argument("--messages", type=int, default=500, help="fuzz messages in all (default 500)")
     ap.add_argument("--seed", type=int, default=0)
-    ap.add_argument("--connections", type=int, default=4, help="fuzzing connections (default 4)")
+    ap.add_argument("--connections", type=int, default=4, help="fuzzing websocket connections (default 4)")
+    ap.add_argument("--doors", choices=("ws", "http", "both"), default="both",
+                    help="which doors to fuzz: the websocket, the HTTP API, or both (default both)")
+    ap.add_argument("--http-connections", type=int, default=None,
+                    help="fuzzing HTTP clients, each from a loopback address of its own "
+                         "(default: --connections)")
     ap.add_argument("--rate", type=float, default=0.0,
                     help="pace the fuzz at this many messages/s in all (default 0: as fast as replies come)")
     ap.add_argument("--workers", type=int, default=1,
@@ -860,7 +922,7 @@ def main(argv: Sequence[str] | None = None) -> int:
                     help="line the honest client's slow step gaps up with the fuzz messages in flight then")
     ap.add_argument("--categories", default="",
                     help=f"only these message categories, comma-separated (default: all of "
-                         f"{','.join(CATEGORIES)})")
+                         f"{','.join(CATEGORIES)} and the HTTP ones, fuzz_http.HTTP_CATEGORIES)")
     ap.add_argument("--server-limits", default="{}", metavar="JSON",
                     help='Server options beside the defaults, e.g. \'{"max_messages_per_s": 1e6}\'')
     ap.add_argument("--json", metavar="PATH", help="also write the summary as JSON")
@@ -878,7 +940,8 @@ def main(argv: Sequence[str] | None = None) -> int:
                  max_key_bytes=args.max_key_bytes, honest_requests=args.honest_requests,
                  attribute=args.attribute, verbose=args.verbose,
                  categories=[c for c in args.categories.split(",") if c], server_profile=args.server_profile,
-                 rate=args.rate, server_limits=json.loads(args.server_limits))
+                 rate=args.rate, server_limits=json.loads(args.server_limits), doors=args.doors,
+                 http_connections=args.http_connections)
     print(format_summary(s), flush=True)
     if args.json:
         with open(args.json, "w") as f:

@@ -303,10 +303,13 @@ class JsonChild:
         self.what = what
 
     @classmethod
-    async def start(cls, module: str, *args: str, what: str | None = None) -> JsonChild:
+    async def start(cls, module: str, *args: str, what: str | None = None,
+                    pipe_stderr: bool = False) -> JsonChild:
+        """``pipe_stderr``: its stderr is a pipe (``proc.stderr``) for the caller to read."""
         proc = await asyncio.create_subprocess_exec(
             sys.executable, "-m", module, *args, cwd=ROOT, env=_child_env(),
             stdin=asyncio.subprocess.PIPE, stdout=asyncio.subprocess.PIPE, limit=1 << 30,
+            stderr=asyncio.subprocess.PIPE if pipe_stderr else None,
         )
         return cls(proc, what or module)
 
@@ -360,7 +363,10 @@ class ServerProcess:
     loop or its CPU time. ``limits`` are Server keyword arguments
     (``shutdown_timeout_s``, ``max_memory_bytes``, ...). ``stats()`` reads
     its RSS, peak RSS (VmHWM) and CPU seconds from ``/proc``; ``stop()``
-    sends SIGTERM (a graceful shutdown) and returns its exit status.
+    sends SIGTERM (a graceful shutdown) and returns its exit status. Its
+    log goes on to this process's stderr; ``log_errors`` counts its ERROR
+    lines and tracebacks (an exception the server did not handle: uvicorn's
+    ``Exception in ASGI application``, a task's).
     """
 
     def __init__(self, child: JsonChild, info: dict[str, Any]) -> None:
@@ -368,19 +374,37 @@ class ServerProcess:
         self.url: str = info["url"]
         self.http_url: str = info["http_url"]
         self.pid: int = info["pid"]
+        self.log_errors: list[str] = []
+        self._log: asyncio.Task[None] | None = None
 
     @classmethod
     async def start(cls, limits: dict[str, Any] | None = None, *, verbose: bool = False,
                     profile: str | None = None) -> ServerProcess:
         args = ["--limits", json.dumps(limits or {})] + (["--verbose"] if verbose else [])
         args += ["--profile", profile] if profile else []
-        child = await JsonChild.start("benchmarks._server_proc", *args, what="the server process")
+        child = await JsonChild.start("benchmarks._server_proc", *args, what="the server process",
+                                      pipe_stderr=True)
+        server: ServerProcess | None = None
+        errors: list[str] = []
+
+        async def forward() -> None:
+            assert child.proc.stderr is not None
+            while line := await child.proc.stderr.readline():
+                text = line.decode(errors="replace")
+                sys.stderr.write(text)
+                if " ERROR " in text[:60] or text.startswith("Traceback"):
+                    errors.append(text.strip()[:300])
+
+        log = asyncio.create_task(forward())
         try:
             info = await child.expect("listening", timeout=120)
         except BaseException:
             await child.close(5, terminate=True)
+            log.cancel()
             raise
-        return cls(child, info)
+        server = cls(child, info)
+        server.log_errors, server._log = errors, log
+        return server
 
     def stats(self) -> dict[str, float]:
         """RSS and peak RSS (MiB), user and system CPU seconds so far; empty once it exited."""
@@ -395,7 +419,13 @@ class ServerProcess:
 
     async def stop(self, timeout: float = 30.0) -> int:
         """SIGTERM, then wait (killed after ``timeout``); the exit status (0: a clean shutdown)."""
-        return await self.child.close(timeout, terminate=True)
+        code = await self.child.close(timeout, terminate=True)
+        if self._log is not None:
+            try:
+                await asyncio.wait_for(self._log, 5)
+            except TimeoutError:
+                self._log.cancel()
+        return code
 
 
 class HonestProcess:

@@ -157,3 +157,33 @@ def test_fanout_sse_readers_get_previews_to_the_end(transport, extra):
     assert s["finished"] == s["clients"] == 3, s
     assert s["outcomes"] == (["done", "stuck"] if extra else ["done"]), s
     assert s["frames"] >= 3 and math.isfinite(s["p99_ms"]) and s["fps"] > 0, s
+
+
+@pytest.mark.parametrize("attack", ["8", "2"])
+def test_doors_attack_runs_against_a_real_server_and_reports(attack):
+    # benchmarks/doors.py (issue #19's attacks) at toy length: an `omni-stream serve` process, the
+    # honest client and the /health probe each a process of their own. The figures are not
+    # checked here (a shared machine), only that every measure came back and renders.
+    from benchmarks import doors
+
+    r = asyncio.run(doors.run_attack(doors.ATTACKS[attack], seconds=1.0, quiet_requests=2))
+    assert r["exit_status"] == 0 and r["settled"]
+    assert r["outcome"]["answers"], r["outcome"]
+    expected = {"8": ("403 forbidden_origin", "421 forbidden_host"), "2": ("413 limit_exceeded",)}[attack]
+    for code in expected:
+        assert any(code in k for k in r["outcome"]["answers"]), r["outcome"]["answers"]
+    assert r["health"]["probes"] > 0 and math.isfinite(r["health"]["max_s"])
+    assert r["honest"]["quiet_steps"] > 0 and math.isfinite(r["peak_mib"]) and r["idle_mib"] > 0
+    assert isinstance(r["violations"], list)
+    text = doors.format_result(r)
+    assert text.startswith(f"({attack}) ") and "honest: quiet" in text and "/health: max" in text
+
+
+def test_doors_lists_its_attacks_and_refuses_unknown_ones(capsys):
+    from benchmarks import doors
+
+    assert doors.main(["--list"]) == 0
+    out = capsys.readouterr().out
+    assert all(f" {a.name} " in out for a in doors.ATTACKS.values())
+    with pytest.raises(SystemExit, match="unknown attack"):
+        doors.main(["--attacks", "nosuch"])
