@@ -42,6 +42,7 @@ from .estimate import (
     REQUEST_BASE_BYTES,
     RESULT_COPIES,
     MemoryEstimate,
+    check_memory,
     estimate_memory,
     frame_bytes,
     host_batch_cost,
@@ -59,7 +60,8 @@ __all__ = [
     # load.py's
     "Load", "check_load", "retry_after", "RETRY_AFTER_MIN_S", "RETRY_AFTER_MAX_S",
     # estimate.py's
-    "MemoryEstimate", "estimate_memory", "frame_bytes", "host_engines", "reserve_memory", "state_on_host",
+    "MemoryEstimate", "check_memory", "estimate_memory", "frame_bytes", "host_engines", "reserve_memory",
+    "state_on_host",
     "HOST_FRAMES_PER_REQUEST", "HOST_FRAMES_PER_BATCH", "HOST_BATCH_RETAINED_BYTES",
     "HOST_FRAMES_PER_LARGE_BATCH", "DEVICE_FRAMES_PER_REQUEST", "REQUEST_BASE_BYTES",
     "RESULT_COPIES", "LATENT_RATIO", "INPUT_BYTES_PER_PIXEL", "MAX_REQUEST_MEMORY_SHARE", "host_batch_cost",

@@ -31,7 +31,8 @@ from .load import RETRY_AFTER_MIN_S
 from .memory import MemoryBudget, MemoryReservation
 
 __all__ = [
-    "MemoryEstimate", "estimate_memory", "frame_bytes", "host_engines", "reserve_memory", "state_on_host",
+    "MemoryEstimate", "check_memory", "estimate_memory", "frame_bytes", "host_engines", "reserve_memory",
+    "state_on_host",
     "HOST_FRAMES_PER_REQUEST", "HOST_FRAMES_PER_BATCH", "HOST_BATCH_RETAINED_BYTES",
     "HOST_FRAMES_PER_LARGE_BATCH", "DEVICE_FRAMES_PER_REQUEST", "REQUEST_BASE_BYTES",
     "RESULT_COPIES", "LATENT_RATIO", "INPUT_BYTES_PER_PIXEL", "MAX_REQUEST_MEMORY_SHARE", "host_batch_cost",
@@ -308,7 +309,7 @@ def _mib(n: int) -> str:
     return f"{n / (1 << 20):.1f} MiB"
 
 
-def reserve_memory(
+def check_memory(
     budget: MemoryBudget,
     model: StepModel,
     params: Mapping[str, Any],
@@ -316,21 +317,13 @@ def reserve_memory(
     engine: Any = None,
     request_id: str,
     retry_after_s: Callable[[], float] | None = None,
-) -> MemoryReservation:
-    """Reserve a request's expected memory (:func:`estimate_memory`) in the server's ``budget``.
+) -> MemoryEstimate:
+    """:func:`reserve_memory`'s checks without the reservation; the estimate.
 
-    Call after :func:`check_params`; release the reservation when the
-    request ends (the consumer does: ``stream_request(memory=...)``), or at
-    once if it never reaches the engine. ``engine`` tells where requests
-    compute (:func:`state_on_host`) and its ``max_batch_size`` (None: on
-    the host, batches of any size).
-
-    Raises MessageError ``limit_exceeded`` (field: the param the estimate
-    comes from) when the estimate alone is over
-    :data:`MAX_REQUEST_MEMORY_SHARE` of ``max_memory_bytes``, and ServerBusyError
-    (``retry_after_s()``, else the minimum) when it does not fit beside
-    what the server holds now: queued messages, retained results and the
-    reservations of running requests.
+    For a door that would do work for the request first (decode its input
+    images: ``params`` may then hold anything with the image's ``size`` in
+    their place): a request refused for memory costs no decode. Raises as
+    :func:`reserve_memory` does.
     """
     on_host = state_on_host(engine) if engine is not None else True
     # Unknown: any number of requests of one batch key may step together.
@@ -360,6 +353,36 @@ def reserve_memory(
             retry_after_s=retry,
             request_id=request_id,
         )
+    return est
+
+
+def reserve_memory(
+    budget: MemoryBudget,
+    model: StepModel,
+    params: Mapping[str, Any],
+    *,
+    engine: Any = None,
+    request_id: str,
+    retry_after_s: Callable[[], float] | None = None,
+) -> MemoryReservation:
+    """Reserve a request's expected memory (:func:`estimate_memory`) in the server's ``budget``.
+
+    Call after :func:`check_params`; release the reservation when the
+    request ends (the consumer does: ``stream_request(memory=...)``), or at
+    once if it never reaches the engine. ``engine`` tells where requests
+    compute (:func:`state_on_host`) and its ``max_batch_size`` (None: on
+    the host, batches of any size).
+
+    Raises MessageError ``limit_exceeded`` (field: the param the estimate
+    comes from) when the estimate alone is over
+    :data:`MAX_REQUEST_MEMORY_SHARE` of ``max_memory_bytes``, and ServerBusyError
+    (``retry_after_s()``, else the minimum) when it does not fit beside
+    what the server holds now: queued messages, retained results and the
+    reservations of running requests.
+    """
+    est = check_memory(
+        budget, model, params, engine=engine, request_id=request_id, retry_after_s=retry_after_s
+    )
     return budget.reserve(
         est.own,
         est.shared,

@@ -31,12 +31,20 @@ from ..models.inputs import ImageHeader, decode_image, read_data_url
 from .limits import ServerLimits
 
 __all__ = [
-    "IMAGE_PARAM_NAMES", "PendingImage", "check_images", "decode_images", "image_params", "with_images",
+    "IMAGE_PARAM_NAMES", "PendingImage", "Sized", "check_images", "decode_images", "image_params",
+    "with_images",
 ]
 
 #: Params with these names (declared as strings) are input images; a model
 #: may list its own in an ``image_params`` attribute instead.
 IMAGE_PARAM_NAMES: Final = frozenset({"image", "mask_image", "control_image"})
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class Sized:
+    """An image not decoded yet, as the memory estimate sees it: its ``size`` (width, height)."""
+
+    size: tuple[int, int]
 
 
 @dataclasses.dataclass(frozen=True, slots=True)

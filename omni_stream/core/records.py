@@ -23,6 +23,7 @@ from typing import Any
 import anyio
 
 from .. import protocol
+from ..ids import is_valid_id
 from .memory import MemoryBudget
 from .outbox import Outbox
 
@@ -393,12 +394,13 @@ class RequestRegistry:
         self.prune()
         record = self._records.get(request_id)
         if record is None or not self.visible(record, conn_id, principal=principal):
+            # (Over HTTP the id is whatever a path held: echoed clipped, carried only if it is one.)
             raise protocol.MessageError(
                 "not_found",
-                f"no request with id {request_id!r} visible to this connection "
+                f"no request with id {protocol.clip(request_id)!r} visible to this connection "
                 "(unknown, ended and not retained, or not yours)",
                 field="id",
-                request_id=request_id,
+                request_id=request_id if is_valid_id(request_id) else None,
             )
         return record
 

@@ -28,7 +28,7 @@ import logging
 import time
 import uuid
 from collections import Counter
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Mapping, Sequence
 from typing import TYPE_CHECKING, Any, Final
 
 from .. import protocol
@@ -36,7 +36,7 @@ from ..engine.like import RendersFrames, missing_stream_members, server_stream_k
 from ..errors import EngineError, OmniStreamError, ParamsError
 from ..model import StepModel
 from ..preview import PreviewSpec, RenderRequest
-from . import admission
+from . import admission, inputs
 from .gate import Gate
 from .limits import ServerLimits
 from .memory import MemoryBudget, MemoryReservation
@@ -330,16 +330,27 @@ class Rules:
             self._start(admitted, stream)
         return record
 
-    def precheck(self, client: Client, msg: protocol.ClientMessage) -> None:
+    def precheck(
+        self, client: Client, msg: protocol.ClientMessage, images: Sequence[inputs.PendingImage] = ()
+    ) -> None:
         """The admission rules that cost nothing to check: the server's state, the engine's
-        health, the id, the principal's count, the load.
+        health, the id, the principal's count, the load, and the memory the request would
+        hold with ``images`` at the sizes their headers say.
 
         A door calls it before work it would do for a ``generate`` (decoding
         its images): refusing an overloaded server's work must cost less than
         the work. Raises MessageError as :meth:`generate` would.
         """
-        if isinstance(msg, protocol.Generate):
-            self._admit_cheap(client, msg, msg.id or uuid.uuid4().hex)
+        if not isinstance(msg, protocol.Generate):
+            return
+        request_id = msg.id or uuid.uuid4().hex
+        load = self._admit_cheap(client, msg, request_id)
+        if images and isinstance(msg.params, Mapping):
+            sized = {image.name: inputs.Sized((image.header.width, image.header.height)) for image in images}
+            admission.check_memory(
+                self.memory, self.model, {**msg.params, **sized}, engine=self.engine, request_id=request_id,
+                retry_after_s=lambda: self.retry_after(load),
+            )
 
     def _admit_cheap(self, client: Client, msg: protocol.Generate, request_id: str) -> admission.Load:
         """:meth:`precheck`'s rules; the load they measured."""

@@ -43,6 +43,7 @@ from typing import Any, TypeAlias
 
 import torch
 
+from ..device.heap import trim_heap
 from ..errors import ParamsError
 from ..model import StepModel
 from ..params import Param, positive_int
@@ -491,7 +492,10 @@ class Mixture(StepModel):
         """
         if keep_bytes < 0:
             raise ValueError(f"keep_bytes must be >= 0, got {keep_bytes}")
-        return self._banks.trim(keep_bytes)
+        freed = self._banks.trim(keep_bytes)
+        if freed:
+            trim_heap()  # what glibc keeps of freed banks, back to the system
+        return freed
 
     def needs_prepare(self, params: Mapping[str, Any]) -> bool:
         """Whether the request's bank is to be built (model.py, Preparing); cheap, thread-safe."""
@@ -508,6 +512,9 @@ class Mixture(StepModel):
         if device.type == "cuda":
             # Built on this thread's stream; the producer uses it on its own.
             torch.cuda.synchronize(device)
+        # The build's temporaries are freed; give what glibc keeps of them back
+        # (tens of MiB the server's memory bound cannot see).
+        trim_heap()
 
     def start(self, params: Mapping[str, Any], device: torch.device) -> _State:
         """Draw the initial noise for one request; raises ParamsError for bad params."""

@@ -217,6 +217,20 @@ class FrontDoor:
             "Vary": "Origin",
         }
 
+    def refuse_declared_body(self, request: Request) -> Response | None:
+        """413 at once for a body declaring more than ``max_message_bytes``: nothing read or paced."""
+        declared = request.headers.get("content-length", "")
+        limit = self.service.limits.max_message_bytes
+        if not declared.isdigit() or int(declared) <= limit:
+            return None
+        self._refused("limit_exceeded", request)
+        return responses.error_response(
+            413,
+            "limit_exceeded",
+            f"the body is over {limit} bytes (max_message_bytes, OMNI_STREAM_MAX_MESSAGE_BYTES)",
+            extra={"Connection": "close"},
+        )
+
     def _refused(self, reason: str, conn: HTTPConnection) -> None:
         if conn.scope["type"] == "websocket":
             self.rules.metrics.handshakes_refused.labels(reason).inc()
@@ -354,7 +368,7 @@ def app_for(door: FrontDoor) -> OmniStreamApp:
 
         async def endpoint(request: Request) -> Response:
             principal = door.http_principal(request)
-            refused = door.refuse_client(principal, request)
+            refused = door.refuse_client(principal, request) or door.refuse_declared_body(request)
             if refused is not None:
                 return refused
             client = rules.connect(principal, "http")
@@ -466,6 +480,9 @@ class OmniStreamApp(Starlette):
 
     def __init__(self, door: FrontDoor, **options: Any) -> None:
         super().__init__(lifespan=self.lifespan, **options)
+        # Every unknown path is a 404 (docs/http.md), never Starlette's 307 to
+        # the path without its trailing slash.
+        self.router.redirect_slashes = False
         self.door = door
         self.state.omni_stream = door
         self._bounded = BoundedSend(super().__call__, timeout_s=door.service.limits.send_timeout_s)

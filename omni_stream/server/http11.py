@@ -59,13 +59,20 @@ logger = logging.getLogger("omni_stream.server")
 HEADER_TIMEOUT_S: Final = 10.0
 #: Bytes of chunked framing a body may carry beyond its data, plus 1/8 of
 #: its size: a body in chunks of 100 bytes or more (7 bytes of framing
-#: each) always fits; one in chunks of a few bytes does not.
-FRAMING_ALLOWANCE: Final = 16 << 10
+#: each) always fits, and so does any body of a few KiB however chunked;
+#: one of a megabyte in chunks of a few bytes does not. With 1-byte chunks
+#: (5 bytes of framing each) it trips after about 5 KiB of wire, some 800
+#: parser events: a few ms of the event loop (16 KiB let it take 38 ms).
+FRAMING_ALLOWANCE: Final = 4 << 10
 #: Seconds a refused connection is read and dropped before it is closed (see _refuse).
 LINGER_S: Final = 10.0
 #: A body is parsed this much at a time, its framing checked in between:
-#: a slice of one-byte chunks is about 2,700 parser events (a few ms).
-_SLICE_BYTES: Final = 16 << 10
+#: a slice of one-byte chunks is about 700 parser events (about 3 ms).
+_SLICE_BYTES: Final = 4 << 10
+#: Bytes a refused connection may still send, read and dropped, before it is
+#: closed without waiting for it (an abusive client may send for as long as
+#: it likes: reading all of it would cost the loop what the refusal saved).
+LINGER_BYTES: Final = 256 << 10
 
 
 class DeadlineH11Protocol(H11Protocol):
@@ -85,6 +92,7 @@ class DeadlineH11Protocol(H11Protocol):
     _body_wire = 0
     _body_decoded = 0
     _lingering = False
+    _linger_left = LINGER_BYTES
 
     def connection_made(self, transport: asyncio.Transport) -> None:  # type: ignore[override]
         super().connection_made(transport)
@@ -97,7 +105,12 @@ class DeadlineH11Protocol(H11Protocol):
 
     def data_received(self, data: bytes) -> None:
         if self._lingering:
-            return  # refused: what the client still sends is read and dropped (see _refuse)
+            # Refused: what the client still sends is read and dropped (see
+            # _refuse), up to LINGER_BYTES.
+            self._linger_left -= len(data)
+            if self._linger_left < 0:
+                self.transport.close()
+            return
         # Parsed a slice at a time, a body's framing counted between slices,
         # so a body of tiny chunks is refused after a bounded amount of
         # parsing, not after all of what one read brought (up to 256 KiB).
@@ -224,6 +237,18 @@ class DeadlineH11Protocol(H11Protocol):
             self.transport.close()
             return
         super().eof_received()
+
+    def send_400_response(self, msg: str) -> None:
+        # uvicorn answers bytes that are not HTTP itself and closes; an app
+        # still running for that request (answering before it read the body)
+        # must not send after it: it is told its client is gone, as _refuse
+        # does, instead of h11 raising in it ("Exception in ASGI application").
+        cycle = self.cycle
+        if cycle is not None and not cycle.response_complete:
+            cycle.response_started = cycle.response_complete = True
+            cycle.disconnected = True
+            cycle.message_event.set()
+        super().send_400_response(msg)
 
 
 def _json_str(text: str) -> str:

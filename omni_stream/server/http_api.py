@@ -33,6 +33,7 @@ from ..core.outbox import Outbox
 from ..core.records import RequestRecord
 from ..core.rules import Client
 from ..errors import ServerBusyError
+from ..ids import is_valid_id
 from . import responses
 from .events import EventStream, parse_last_event_id
 
@@ -137,7 +138,8 @@ class HttpApi:
             if key in reply:
                 body[key] = reply[key]
         if request_id is not None:
-            body["id"] = request_id
+            # A path's id is anything a client typed: echoed only as far as the protocol echoes.
+            body["id"] = request_id if is_valid_id(request_id) else protocol.clip(request_id)
         extra = {}
         if "retry_after_s" in reply:
             extra["Retry-After"] = str(max(1, math.ceil(float(reply["retry_after_s"]))))

@@ -264,7 +264,9 @@ class Service:
         pending = inputs.check_images(self.model, msg.params, self.limits, request_id=msg.id)
         if not pending:
             return msg
-        self.rules.precheck(client, msg)
+        # Refused for its state, load or memory (the images at their header's
+        # sizes): then without a decode.
+        self.rules.precheck(client, msg, pending)
         decoded = await anyio.to_thread.run_sync(
             lambda: inputs.decode_images(pending, request_id=msg.id), limiter=self._decode_limiter
         )

@@ -207,6 +207,20 @@ async def test_an_image_bomb_is_refused_from_its_header_and_a_fit_image_is_decod
         assert record is None or record.ended
 
 
+@pytest.mark.asyncio
+async def test_an_image_the_server_has_no_memory_for_is_refused_before_it_is_decoded() -> None:
+    # Finding 7 and the doors benchmark: a 1024x1024 input (a PNG of a few KB)
+    # reserved 0.25 MiB; now it counts at its decoded size, from its header,
+    # and a request refused for it costs no decode.
+    Img2Img.decodes = 0
+    async with running(Img2Img(), max_memory_bytes=64 << 20) as server, connect(server.url) as ws:
+        await send(ws, type="generate", id="big", params={**FAST, "image": png_url(1024)})
+        err = await until(ws, lambda m: m.get("id") == "big")
+        assert (err["code"], err["field"]) == ("limit_exceeded", "image") and "MiB" in err["message"]
+        assert Img2Img.decodes == 0
+        assert server.service.memory.reserved == 0
+
+
 # -- results without a picture ----------------------------------------------------------
 
 
@@ -238,6 +252,49 @@ async def test_a_final_frame_of_nan_fails_its_request_and_its_previews_are_skipp
     assert all(p["step"] < 2 for p in previews)  # only frames with a picture (latest-wins may skip step 1)
     skipped = [r for r in caplog.records if "skipping previews of non-finite frames" in r.getMessage()]
     assert len(skipped) == 1
+
+
+# -- odd paths and bodies -----------------------------------------------------------------
+
+
+@pytest.mark.asyncio
+async def test_a_path_is_a_404_never_a_redirect_and_an_odd_id_is_echoed_clipped() -> None:
+    async with running() as server, http(server) as client:
+        for method, path in [("GET", "/v1/generations/"), ("DELETE", "/v1/generations/%2F"), ("GET", "/models/")]:
+            reply = await client.request(method, path)
+            assert reply.status_code in (404, 405) and reply.status_code != 307, (method, path)
+        reply = await client.get("/v1/generations/" + "x" * 5000)
+        assert (reply.status_code, reply.json()["error"]) == (404, "not_found")
+        assert len(reply.content) < 1000 and len(reply.json()["id"]) < 100
+
+
+@pytest.mark.asyncio
+async def test_a_body_declared_over_the_bound_is_refused_before_anything_is_read_or_paced() -> None:
+    async with running(max_message_bytes=1000, max_messages_per_s=1) as server:
+        reply = await raw_http(
+            server,
+            b"POST /v1/generations HTTP/1.1\r\nHost: 127.0.0.1\r\nContent-Length: 2000000\r\n\r\n{",
+        )
+        assert reply.startswith(b"HTTP/1.1 413") and b"max_message_bytes" in reply
+        # Nothing was paced: the principal's one message a second is unspent.
+        assert server.service.rules.rates.take("address:127.0.0.1", 1, server.service.rules.clock()) == 0.0
+
+
+@pytest.mark.asyncio
+async def test_a_request_refused_at_the_door_with_a_broken_body_logs_no_traceback(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    # The fuzz: a chunked POST from a foreign Origin whose chunk framing is
+    # broken. uvicorn answers 400 itself; the app's 403 must not be sent after it.
+    async with running() as server:
+        reply = await raw_http(
+            server,
+            b"POST /v1/generations HTTP/1.1\r\nHost: 127.0.0.1\r\nOrigin: http://evil.example\r\n"
+            b"Transfer-Encoding: chunked\r\n\r\nzz\r\nnot a chunk\r\n",
+        )
+        assert reply.startswith(b"HTTP/1.1 4")
+        await anyio.sleep(0.2)
+    assert not [r for r in caplog.records if r.levelno >= logging.ERROR], [r.getMessage() for r in caplog.records]
 
 
 # -- ids ----------------------------------------------------------------------------
