@@ -153,6 +153,12 @@ async def _sample(
             # Generations started over HTTP are detached: every one of them
             # counts against max_retained (64 by default) while it runs.
             server.setdefault("max_retained", clients + 8)
+            # Over HTTP a client is its address (core/principal.py): the 100
+            # clients here share 127.0.0.1, where in production they are 100
+            # addresses. Give the one address the room of 100 principals.
+            server.setdefault("max_requests_per_principal", clients + 8)
+            server.setdefault("max_connections_per_principal", clients + 8)
+            server.setdefault("max_messages_per_s", 100.0 * clients)
         async with Server(
             model, host="127.0.0.1", port=0, device="cpu", max_connections=clients + 8, **server
         ) as srv:
