@@ -16,6 +16,7 @@ from typing import Any, TypeVar
 
 import anyio
 import anyio.to_thread
+import numpy as np
 import torch
 
 from ..errors import ParamsError
@@ -136,12 +137,27 @@ def check_finite(frame: Frame | torch.Tensor) -> None:
     """Raise NonFiniteFrameError when ``frame``'s values are not all finite (floating frames only).
 
     A model that diverged (a NaN in its latents) would otherwise be drawn as
-    black or garbage and reported as done. One pass over the frame: call it
-    where the frame is rendered, in a worker thread.
+    black or garbage and reported as done. One pass over the frame, in
+    numpy (single-threaded, on the host copy): a torch op here would start
+    an OpenMP team in the preview thread beside the producer's, and every
+    parallel region of both would pay for it (device/openmp.py: the server's
+    CPU a frame doubled). Call it where the frame is rendered, in a worker
+    thread.
     """
     data = frame.data if isinstance(frame, Frame) else frame
-    if data.is_floating_point() and data.numel() and not bool(torch.isfinite(data).all()):
-        bad = int((~torch.isfinite(data)).sum())
+    if not data.is_floating_point() or not data.numel():
+        return
+    host = data.detach()
+    if host.device.type != "cpu":
+        host = host.cpu()
+    if host.dtype == torch.bfloat16:
+        # numpy has no bfloat16: NaN and infinities are the all-ones exponent.
+        bits = host.contiguous().view(torch.int16).numpy()
+        bad = int(np.count_nonzero((bits & 0x7F80) == 0x7F80))
+    else:
+        finite = np.isfinite(host.numpy())
+        bad = int(finite.size - np.count_nonzero(finite))
+    if bad:
         raise NonFiniteFrameError(f"{bad} of its {data.numel()} values are NaN or infinite")
 
 

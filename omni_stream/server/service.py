@@ -37,6 +37,7 @@ from ..core import inputs
 from ..core.limits import ServerLimits
 from ..core.rules import NOT_STARTED, Admitted, Client, Rules
 from ..core.tokens import Tokens
+from ..device.heap import trim_heap
 from ..errors import EngineDeadError, LifecycleError, OmniStreamError, ServerFailedError
 from ..lifecycle import Lifecycle
 from ..preview import Previewer
@@ -104,6 +105,7 @@ class Service:
         self._stay_dead = stay_dead
         self._on_fatal = on_fatal
         self.fd_warning = FdWarning()
+        self._trimming = False
 
     # -- what the doors read --------------------------------------------------------
 
@@ -359,12 +361,24 @@ class Service:
             try:
                 self.rules.consumer_done(record, message)
                 _log_request_done(record, message, model=self.model.name)
+                if not self.registry.running() and not self._trimming and self._tg is not None:
+                    self._trimming = True
+                    self._tg.start_soon(self._trim_heap, name="omni_stream heap trim")
             except Exception as exc:  # noqa: BLE001 - die() logs it, with its traceback
                 # The server's own books are wrong now (a record that never
                 # ends holds shutdown and its client): die loudly.
                 error = ServerFailedError(f"finishing request {record.id} failed: {exc!r}")
                 error.__cause__ = exc
                 self.die(error)
+
+    async def _trim_heap(self) -> None:
+        # Idle: give back what glibc keeps of the frames and temporaries the
+        # requests freed (hundreds of MiB after large frames, held for good
+        # otherwise, where no bound sees them). A walk of the heap: in a thread.
+        try:
+            await anyio.to_thread.run_sync(trim_heap, abandon_on_cancel=True)
+        finally:
+            self._trimming = False
 
     # -- dying loudly, and the watchers --------------------------------------------
 
