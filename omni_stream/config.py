@@ -5,7 +5,7 @@ never frozen at import, so a malformed value cannot break ``import`` and a
 test can set it with ``monkeypatch.setenv`` without reloading anything.
 Each variable is listed in ``docs/configuration.md``. The server's limits
 (``OMNI_STREAM_MAX_*`` and the like) are named beside the limits they set,
-in ``omni_stream/server/limits.py``, and read through the functions here.
+in ``omni_stream/core/limits.py``, and read through the functions here.
 :func:`run` is the one place that picks the event loop.
 
 Why the step timeout is long and never raises: the engine we learn from

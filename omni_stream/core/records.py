@@ -8,7 +8,7 @@ message, which is what ``attach`` replays. The :class:`RequestRegistry`
 holds the records, answers who may see which, and forgets ended requests:
 at once for a request that was not detached, after ``retention_s`` for one
 that was (and the oldest ended first when ``max_retained`` is reached, or
-when the server's :class:`~omni_stream.server.outbox.MemoryBudget` needs the
+when the server's :class:`~omni_stream.core.memory.MemoryBudget` needs the
 bytes). What a record keeps for replay counts against that budget until the
 record is forgotten.
 """

@@ -19,9 +19,10 @@ fields, its wire form and its parser:
     client.py           the client's policy: an ``error`` code -> the exception a caller sees
     inbox.py            one request's inbox on the client, a pure state machine
 
-The server's rules (admission, ownership, attach, retention) are
-``omni_stream.server.service`` and ``.records``; the I/O layers (the
-server's front doors, the client's connection) are thin pumps around these.
+The server's rules (admission, ownership, attach, retention, every
+per-client bound) are ``omni_stream.core`` (``rules.py``, sans-I/O like
+this package); the I/O layers (the server's doors, the client's
+connection) are thin pumps around these.
 Importing this package loads neither the server nor the engine.
 """
 

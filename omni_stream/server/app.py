@@ -4,14 +4,16 @@ One port serves everything :func:`~omni_stream.server.asgi.create_app`
 routes: the page, ``/health``, ``/metrics``, ``/models``, the websocket
 ``/ws`` and the HTTP API ``/v1/generations`` with its event streams.
 uvicorn runs the HTTP and websocket protocols (websockets' sans-I/O core
-for ``/ws``); the :class:`~omni_stream.server.service.Service` holds the
-requests and their rules, one consumer task per request, in one task group.
+for ``/ws``, our bounds on HTTP/1.1: http11.py); the rules of every door
+are :class:`~omni_stream.core.rules.Rules`, run by the
+:class:`~omni_stream.server.service.Service` (one consumer task per
+request, in one task group).
 
 Who waits on whom: the engine never waits on the server ("latest" replaces
 unread frames); a consumer waits only on its own preview renders; a
-client's writer (websocket or event stream) waits on its own socket,
-bounded by ``send_timeout_s``. Nothing waits on a slow client except that
-client's writer.
+client's writer (websocket, event stream, an HTTP answer) waits on its own
+socket, bounded by ``send_timeout_s``. Nothing waits on a slow client
+except that client's writer.
 """
 
 from __future__ import annotations

@@ -21,7 +21,7 @@ final frame fails its request (``step_failed``, saying so) rather than
 ending ``done`` with a garbage result. The check runs where the frame is
 rendered, in a preview thread.
 
-Memory: the request's :class:`~omni_stream.server.outbox.MemoryReservation`
+Memory: the request's :class:`~omni_stream.core.memory.MemoryReservation`
 (made at admission, ``admission.reserve_memory``) counts what it holds
 outside the outboxes against ``max_memory_bytes``. Each frame's size is
 checked against the estimate (the reservation grows when frames are
