@@ -107,12 +107,6 @@ class FrontDoor:
         #: Open websocket connections, by client id (shutdown closes them with 1001).
         self.websockets: dict[str, ClientConnection] = {}
 
-    @property
-    def token(self) -> str | None:
-        """Compatibility: the first configured token's name, None on an open server."""
-        names = self.service.tokens.names
-        return names[0] if names else None
-
     @contextlib.asynccontextmanager
     async def running(self) -> AsyncIterator[FrontDoor]:
         """Run the service for the duration of the block (the host app's lifespan, when mounted).
