@@ -190,6 +190,22 @@ def http_event_stream(rng: random.Random, conn: HttpFuzzConn) -> Call:
     return call
 
 
+def framing_over(data: int, chunk: int) -> int:
+    """How far a body of ``data`` bytes in ``chunk``-byte chunks is over the server's framing allowance.
+
+    omni_stream/server/http11.py: refused (413) once the framing parsed is
+    over FRAMING_ALLOWANCE plus 1/8 of the data; a chunk costs its size in
+    hex and two CRLFs. Negative: under it. The server counts from the slice
+    after the request's head (its first 1 KiB or so is not counted), so
+    within a slice of the allowance either answer may come.
+    """
+    from omni_stream.server.http11 import FRAMING_ALLOWANCE
+
+    chunks = -(-data // chunk)
+    framing = chunks * (len(f"{chunk:x}") + 4) + 5
+    return framing - (FRAMING_ALLOWANCE + data // 8)
+
+
 def http_chunked(rng: random.Random, conn: HttpFuzzConn) -> Call:
     if rng.random() < 0.1:
         # A body whose framing outweighs its data: refused after a bounded parse.
@@ -197,9 +213,16 @@ def http_chunked(rng: random.Random, conn: HttpFuzzConn) -> Call:
     chunk = rng.choice((1, 3, 7, 100, 4096))
     if rng.random() < 0.5:
         body, fail_at = _generate(rng, conn)
-        return _post(body, LOADED, mode="chunked", chunk=chunk, starts=True, fail_at=fail_at)
-    call = rng.choice((http_malformed_json, http_wrong_types, http_unknown_keys))(rng, conn)
-    call.mode, call.chunk = "chunked", chunk
+        call = _post(body, LOADED, mode="chunked", chunk=chunk, starts=True, fail_at=fail_at)
+    else:
+        call = rng.choice((http_malformed_json, http_wrong_types, http_unknown_keys))(rng, conn)
+        call.mode, call.chunk = "chunked", chunk
+    over = framing_over(len(call.body or b""), chunk)
+    if over > 2048:
+        # A few bytes a chunk: refused for its framing before it is read whole (nothing starts).
+        call.allowed, call.starts = frozenset({413}), False
+    elif over > -2048:
+        call.allowed = call.allowed | {413}  # near the allowance: either answer
     return call
 
 

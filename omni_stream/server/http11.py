@@ -65,16 +65,24 @@ HEADER_TIMEOUT_S: Final = 10.0
 #: parser events at ~7 us each: under 2 ms of the event loop (16 KiB let it
 #: take 38 ms).
 FRAMING_ALLOWANCE: Final = 1 << 10
-#: Seconds a refused connection is read and dropped before it is closed (see _refuse).
+#: Seconds a refused connection is read and dropped before it is closed (see _linger),
+#: at most, and the pause in what it sends that ends that sooner.
 LINGER_S: Final = 10.0
+LINGER_IDLE_S: Final = 0.1
+#: A refused connection lingers only if it had sent this much of its body (see _linger).
+LINGER_MIN_BYTES: Final = 16 << 10
 #: A chunked body (and a request's head) is parsed this much at a time, its
 #: framing checked in between: a slice of one-byte chunks is about 170
 #: parser events (about 1 ms). A body with a Content-Length has no framing
 #: to outweigh it and is parsed as it comes.
 _SLICE_BYTES: Final = 1 << 10
-#: Bytes a refused connection may still send, read and dropped, before it is
-#: closed without waiting for it (an abusive client may send for as long as
-#: it likes: reading all of it would cost the loop what the refusal saved).
+#: Bytes a refused connection may still send, beyond ``max_message_bytes``,
+#: read and dropped before it is closed without waiting for it: a client
+#: refused for a body it is sending (413 for its declared size, 429 for one
+#: connection too many) reads the answer once its send is done, and a close
+#: before then would reset the connection under it; an abusive client may
+#: send for as long as it likes, and reading all of it would cost the loop
+#: what the refusal saved.
 LINGER_BYTES: Final = 256 << 10
 
 
@@ -96,7 +104,8 @@ class DeadlineH11Protocol(H11Protocol):
     _body_decoded = 0
     _chunked = False
     _lingering = False
-    _linger_left = LINGER_BYTES
+    _linger_left = -1
+    _linger_idle: asyncio.TimerHandle | None = None
 
     def connection_made(self, transport: asyncio.Transport) -> None:  # type: ignore[override]
         super().connection_made(transport)
@@ -105,19 +114,24 @@ class DeadlineH11Protocol(H11Protocol):
     def connection_lost(self, exc: Exception | None) -> None:
         self._disarm_header_timer()
         self._disarm_body_timer()
+        if self._linger_idle is not None:
+            self._linger_idle.cancel()
         super().connection_lost(exc)
 
     def data_received(self, data: bytes) -> None:
         if self._lingering:
             # Refused: what the client still sends is read and dropped (see
-            # _refuse), up to LINGER_BYTES.
+            # _linger), up to the byte budget, while it keeps coming.
             self._linger_left -= len(data)
             if self._linger_left < 0:
                 self.transport.close()
+            else:
+                self._arm_linger_idle()
             return
         cycle = self.cycle
         if cycle is not None and cycle is self._body_cycle and cycle.more_body and not self._chunked:
-            super().data_received(data)  # a Content-Length body: no framing to count
+            self._body_wire += len(data)  # (no framing to count: a Content-Length body)
+            super().data_received(data)
             return
         # Parsed a slice at a time, a body's framing counted between slices,
         # so a body of tiny chunks is refused after a bounded amount of
@@ -164,6 +178,11 @@ class DeadlineH11Protocol(H11Protocol):
         if cycle is not None and cycle is not self._body_cycle and self.transport.get_protocol() is self:
             # A new request: its body's clock and count start now (headers are in).
             self._body_cycle = cycle
+            # Its answer's close goes through _close_after_answer.
+            # (A stand-in with the transport's every other member: uvicorn types it as the transport.)
+            cycle.transport = _AnswerTransport(  # type: ignore[assignment]
+                self.transport, lambda: self._close_after_answer(cycle)
+            )
             self._body_wire = self._body_decoded = 0
             self._chunked = any(
                 name == b"transfer-encoding" and b"chunked" in value.lower() for name, value in self.headers
@@ -211,9 +230,10 @@ class DeadlineH11Protocol(H11Protocol):
             "body_timeout",
             f"the request's body did not arrive within {self.body_timeout_s:g} s of its headers "
             "(body_timeout_s, OMNI_STREAM_BODY_TIMEOUT)",
+            sending=False,  # it stalled: nothing to linger for
         )
 
-    def _refuse(self, status: int, code: str, message: str) -> None:
+    def _refuse(self, status: int, code: str, message: str, *, sending: bool = True) -> None:
         """Answer ``status`` if no answer has started, then drop the connection; the app sees a disconnect."""
         cycle = self.cycle
         self._disarm_body_timer()
@@ -231,15 +251,46 @@ class DeadlineH11Protocol(H11Protocol):
             cycle.disconnected = True
             cycle.message_event.set()
         logger.info("dropping an HTTP connection: %s", message)
-        # A lingering close (as the websocket's, ws_protocol.py): the client
-        # is usually still sending; closing at once would answer its data
-        # with a reset, which can discard our answer before it reads it.
-        # So: the answer, FIN, then read and drop until it closes, or LINGER_S.
+        self._linger(sending=sending)
+
+    def _linger(self, *, sending: bool = False) -> None:
+        # A lingering close (as the websocket's, ws_protocol.py): a client
+        # still sending its body would have its data answered with a reset
+        # if we closed at once, which can discard our answer before it reads
+        # it. So, for one that is sending (``sending``: refused mid-body for
+        # what it sends) or has been (LINGER_MIN_BYTES of its body in): the
+        # answer, FIN, then read and drop while data keeps coming (a
+        # pause of LINGER_IDLE_S ends it), up to max_message_bytes +
+        # LINGER_BYTES, and LINGER_S at most. One that sent little (a stalled
+        # or slow body, a refusal at its head) is closed at once: lingering
+        # connections must not pile up and hold descriptors (300 stalled
+        # POSTs once used up a server's 256).
+        if self._lingering:
+            return
+        if not sending and self._body_wire < LINGER_MIN_BYTES:
+            self.transport.close()
+            return
         self._lingering = True
+        self._linger_left = self.max_body_bytes + LINGER_BYTES
         self.flow.resume_reading()
-        if self.transport.can_write_eof():
-            self.transport.write_eof()
-            self.loop.call_later(LINGER_S, self.transport.close)
+        transport = self.transport
+        if transport.can_write_eof() and not transport.is_closing():
+            transport.write_eof()
+            self.loop.call_later(LINGER_S, transport.close)
+            self._arm_linger_idle()
+        else:
+            transport.close()
+
+    def _arm_linger_idle(self) -> None:
+        if self._linger_idle is not None:
+            self._linger_idle.cancel()
+        self._linger_idle = self.loop.call_later(LINGER_IDLE_S, self.transport.close)
+
+    def _close_after_answer(self, cycle: Any) -> None:
+        """uvicorn closes a connection after its answer (``Connection: close``): if that request's
+        body is still arriving (the app answered before reading it: a refusal), linger instead."""
+        if cycle is self.cycle and cycle.more_body and not self.transport.is_closing():
+            self._linger()
         else:
             self.transport.close()
 
@@ -260,6 +311,22 @@ class DeadlineH11Protocol(H11Protocol):
             cycle.disconnected = True
             cycle.message_event.set()
         super().send_400_response(msg)
+
+
+class _AnswerTransport:
+    """The transport as one request cycle sees it: its ``close`` asks the protocol first."""
+
+    __slots__ = ("_close", "_transport")
+
+    def __init__(self, transport: Any, close: Any) -> None:
+        self._transport = transport
+        self._close = close
+
+    def close(self) -> None:
+        self._close()
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._transport, name)
 
 
 def _json_str(text: str) -> str:

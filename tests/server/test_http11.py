@@ -175,3 +175,21 @@ def test_the_protocol_is_made_for_a_servers_limits() -> None:
     made = http11.h11_protocol(max_body_bytes=123, body_timeout_s=4.5)
     assert issubclass(made, http11.DeadlineH11Protocol)
     assert (made.max_body_bytes, made.body_timeout_s) == (123, 4.5)
+
+
+@pytest.mark.asyncio
+async def test_a_refusal_before_the_body_is_read_reaches_a_client_still_sending_it() -> None:
+    # The HTTP fuzz: a body declared over max_message_bytes is refused (413)
+    # before it is read, and the connection closed; closed at once, the
+    # client's body still arriving answered with a reset that could discard
+    # the 413 before the client read it. Now the server reads and drops it
+    # first (a lingering close), up to max_message_bytes + LINGER_BYTES.
+    async with running(max_message_bytes=256 << 10) as server:
+        for _ in range(5):
+            reader, writer = await open_raw(server, rcvbuf=4096)
+            body = b"{" + b" " * (300 << 10)
+            writer.write(
+                b"POST /v1/generations HTTP/1.1\r\nHost: 127.0.0.1\r\nContent-Length: %d\r\n\r\n" % len(body)
+            )
+            status, _, answer = parse(await send_then_read(writer, reader, body))
+            assert (status, json.loads(answer)["error"]) == (413, "limit_exceeded")
