@@ -33,6 +33,17 @@ The variants, interleaved (A B ... B A), ``3 * ctx.reps`` samples each
     producer, each step's latents emitted from its step callback; read only,
     and read + rendered like ``native_previews``.
 
+``bare_sampler`` / ``native_sampler_previews``
+    a request with ``sampler`` :data:`SAMPLER` (DPM++ 2M Karras, a scheduler
+    of its own built per request) against ``pipe()`` after ``pipe.scheduler =
+    DPMSolverMultistepScheduler.from_config(..., use_karras_sigmas=True)``.
+``lora_same`` / ``lora_switch`` (with peft)
+    two requests at once on one engine (one at a time on the producer, so
+    their steps alternate), on a copy of the pipeline with one random LoRA
+    (rank 4 on the UNet's attention) loaded: both with the LoRA at 0.8, or
+    one with it and one without, which puts a ``set_adapters`` /
+    ``disable_lora`` before every step.
+
 Then, after ``bare_1t`` again (two samples each, one when the first is
 over 4x slower), ``bare_default``: the same call with torch's default
 threads (information: what the thread setting alone is worth on this
@@ -42,19 +53,24 @@ arrangement): the TAESD decode of 64x64 latents to a 512 px image, and the
 pipeline's own VAE decode of its 8x8 latents (the final frame's decode).
 
 Figures: ``native_previews / bare_1t`` (target <= 1.10), ``callback_stream
-/ bare_1t`` (target <= 1.05), the TAESD preview run against the run
+/ bare_1t`` (target <= 1.05), ``native_sampler_previews / bare_sampler``
+(target <= 1.10), ``lora_switch / lora_same`` and the ms of one switch
+(information), the TAESD preview run against the run
 without (information on a CPU; ``gpu_bench.py`` has the GPU figure), and
 the decodes in milliseconds. Needs ``diffusers``.
 """
 
 from __future__ import annotations
 
+import copy
+import tempfile
 import time
 import warnings
 from collections.abc import Awaitable, Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
+import anyio
 import torch
 
 import omni_stream as om
@@ -77,6 +93,8 @@ NATIVE_TARGET = Target("<=", 1.10)
 CALLBACK_TARGET = Target("<=", 1.05)
 #: The Engine's producer threads, and the baseline's: one torch thread on both sides.
 THREADS = 1
+#: The non-default sampler measured against pipe() with the same scheduler.
+SAMPLER = "dpmpp_2m_karras"
 
 
 @dataclass(frozen=True)
@@ -192,6 +210,38 @@ def _embeddings(sizes: Sizes) -> tuple[torch.Tensor, torch.Tensor]:
     )
 
 
+def _lora_model(sizes: Sizes, embeddings: Any) -> tuple[Any, str, list[float]]:
+    """A native model on a copy of the pipeline with one random LoRA ("ink") loaded; the error
+    text instead where peft is missing; and the ms of each of 20 switches on and off."""
+    try:
+        from diffusers import StableDiffusionPipeline, UNet2DConditionModel
+        from diffusers.utils import convert_state_dict_to_diffusers
+        from peft import LoraConfig
+        from peft.utils import get_peft_model_state_dict
+    except ImportError as exc:
+        return None, f"{type(exc).__name__}: {exc}", []
+    from omni_stream.models.diffusers import Diffusers
+
+    pipe = build_pipe(sizes)  # the same weights, its own modules: the others run without peft's layers
+    torch.manual_seed(9)
+    unet = UNet2DConditionModel.from_config(pipe.unet.config)
+    unet.add_adapter(LoraConfig(r=4, lora_alpha=4, init_lora_weights=False,
+                                target_modules=["to_q", "to_k", "to_v", "to_out.0"]))
+    folder = tempfile.mkdtemp(prefix="omni-lora-")
+    StableDiffusionPipeline.save_lora_weights(
+        folder, unet_lora_layers=convert_state_dict_to_diffusers(get_peft_model_state_dict(unet))
+    )
+    model = Diffusers(pipe, encode_prompt=lambda prompt, negative: embeddings)
+    model.load_loras({"ink": folder})
+    bank = model._loras
+    switch_ms = []
+    for i in range(20):
+        t0 = time.perf_counter()
+        bank.activate((("ink", 0.8),) if i % 2 == 0 else ())
+        switch_ms.append((time.perf_counter() - t0) * 1e3)
+    return model, "", switch_ms
+
+
 def _decode_ms(decode: Callable[[], Any], reps: int, *, warm: bool = True) -> list[float]:
     """Milliseconds of each of ``reps`` calls, after one untimed call if ``warm``."""
     with torch.no_grad():
@@ -267,8 +317,8 @@ async def run(ctx: Context) -> list[Figure]:
         f"{sizes.steps} Euler steps with guidance, {THREADS} torch thread"
     )
 
-    def bare_call() -> torch.Tensor:
-        return pipe(
+    def bare_call(on: Any = pipe) -> torch.Tensor:
+        return on(
             prompt_embeds=emb,
             negative_prompt_embeds=neg,
             num_inference_steps=sizes.steps,
@@ -282,12 +332,12 @@ async def run(ctx: Context) -> list[Figure]:
     #: Process CPU seconds of each timed sample (every thread: producer, loop, previews).
     cpu_s: dict[str, list[float]] = {}
 
-    def bare(threads: int | None, key: str) -> Callable[[], Awaitable[float]]:
+    def bare(threads: int | None, key: str, on: Any = pipe) -> Callable[[], Awaitable[float]]:
         async def sample() -> float:
             reset_main_thread()
             with torch_threads(threads), torch.no_grad():
                 c0, t0 = time.process_time(), time.perf_counter()
-                image = bare_call()
+                image = bare_call(on)
                 elapsed = time.perf_counter() - t0
                 cpu_s.setdefault(key, []).append(time.process_time() - c0)
             outputs[key] = image * 2.0 - 1.0  # the engine's range
@@ -336,8 +386,42 @@ async def run(ctx: Context) -> list[Figure]:
 
         return sample
 
+    def pair(
+        model: Any, first: Mapping[str, Any], second: Mapping[str, Any], key: str
+    ) -> Callable[[], Awaitable[float]]:
+        """Two requests at once on one engine: their steps alternate on the producer."""
+
+        async def drain(eng: om.Engine, run_params: Mapping[str, Any]) -> None:
+            async with eng.stream(run_params, policy="all") as stream:
+                async for _ in stream:
+                    pass
+
+        async def sample() -> float:
+            reset_main_thread()
+            async with om.Engine(model, device="cpu", torch_threads=THREADS) as eng:
+                await eng.generate(dict(first, steps=1, output="latent"), policy="all")
+                c0, t0 = time.process_time(), time.perf_counter()
+                async with anyio.create_task_group() as tg:
+                    tg.start_soon(drain, eng, first)
+                    tg.start_soon(drain, eng, second)
+                elapsed = time.perf_counter() - t0
+                cpu_s.setdefault(key, []).append(time.process_time() - c0)
+                return elapsed
+
+        return sample
+
+    # The sampler: its own scheduler per request, against pipe() switched to it.
+    from omni_stream.models.diffusers import samplers as sampler_table
+
+    entry = next(s for s in sampler_table.NOISE if s.name == SAMPLER)
+    switched = copy.copy(pipe)
+    switched.scheduler = sampler_table.build(entry, pipe.scheduler.config)
+    sampler_params = dict(params, sampler=SAMPLER)
+
     variants: dict[str, Callable[[], Awaitable[float]]] = {
         "bare_1t": bare(THREADS, "bare_1t"),
+        "bare_sampler": bare(THREADS, "bare_sampler", switched),
+        "native_sampler_previews": engine(native, sampler_params, "native_sampler_previews", render=True),
         "native_previews": engine(native, params, "native_previews", render=True),
         "native_stream": engine(native, params, "native_stream", render=False),
         "native_taesd": engine(native_taesd, params, "native_taesd", render=True, preview_every=1),
@@ -345,6 +429,13 @@ async def run(ctx: Context) -> list[Figure]:
     if callback is not None:
         variants["callback_stream"] = engine(callback, callback_params, "callback_stream", render=False)
         variants["callback_previews"] = engine(callback, callback_params, "callback_previews", render=True)
+    lora_model, lora_error, switch_ms = _lora_model(sizes, embeddings)
+    if lora_model is not None:
+        with_lora = dict(params, loras=[{"name": "ink", "scale": 0.8}])
+        variants["lora_same"] = pair(lora_model, with_lora, dict(with_lora, seed=1), "lora_same")
+        variants["lora_switch"] = pair(lora_model, with_lora, dict(params, seed=1), "lora_switch")
+    else:
+        ctx.log(f"LoRA switching not measured: {lora_error}")
 
     # Untimed: every code path once (first calls allocate, import, build caches).
     reset_main_thread()
@@ -388,7 +479,14 @@ async def run(ctx: Context) -> list[Figure]:
     out_px = side * 8  # taesd upsamples 8x
 
     # The engine gives pipe()'s image (native: the same operations; callback: pipe() itself).
-    diffs = {k: float((v - outputs["bare_1t"]).abs().max()) for k, v in outputs.items() if k != "bare_1t"}
+    diffs = {
+        k: float((v - outputs["bare_1t"]).abs().max())
+        for k, v in outputs.items()
+        if k not in ("bare_1t", "bare_sampler", "native_sampler_previews")
+    }
+    diffs["native_sampler_previews_vs_bare_sampler"] = float(
+        (outputs["native_sampler_previews"] - outputs["bare_sampler"]).abs().max()
+    )
     # A step of pipe() (the final VAE decode taken out).
     step_ms = (med["bare_1t"] - median(vae_ms) / 1e3) / total * 1e3
     taesd_in_stream_ms = median(decode_s.get("native_taesd", [])) * 1e3
@@ -410,6 +508,9 @@ async def run(ctx: Context) -> list[Figure]:
         "taesd_decode_pipeline_latents_ms_samples": taesd_small_ms,
         "vae_decode_ms_samples": vae_ms,
         "callback_error": callback_error,
+        "sampler": SAMPLER,
+        "lora_error": lora_error,
+        "lora_switch_ms_samples": switch_ms,
     }
 
     def paired_text(a: str, b: str) -> str:
@@ -450,6 +551,39 @@ async def run(ctx: Context) -> list[Figure]:
             details=details,
         ),
     ]
+    figures.append(
+        Figure(
+            name="diffusers_stream.native_sampler_previews_vs_pipe",
+            value=med["native_sampler_previews"] / med["bare_sampler"],
+            target=NATIVE_TARGET,
+            baseline={"bare_sampler": med["bare_sampler"]},
+            engine={"native_sampler_previews": med["native_sampler_previews"]},
+            limits=(
+                f"sampler {SAMPLER!r} per request (a deep copy of a scheduler built once) against "
+                f"pipe() with that scheduler, JPEG previews of every step; "
+                f"{paired_text('native_sampler_previews', 'bare_sampler')}; largest difference in "
+                f"the result {diffs['native_sampler_previews_vs_bare_sampler']:.3g}"
+            ),
+            details=details,
+        )
+    )
+    if lora_model is not None:
+        figures.append(
+            Figure(
+                name="diffusers_stream.lora_switch_vs_same",
+                value=med["lora_switch"] / med["lora_same"],
+                target=None,
+                baseline={"lora_same": med["lora_same"]},
+                engine={"lora_switch": med["lora_switch"], "switch_ms": median(switch_ms)},
+                limits=(
+                    f"two requests whose steps alternate, one LoRA (rank 4) on or off at every step "
+                    f"against both with it: one set_adapters / disable_lora takes "
+                    f"{median(switch_ms):.2f} ms ({min(switch_ms):.2f}-{max(switch_ms):.2f}) on this "
+                    f"UNet; {paired_text('lora_switch', 'lora_same')}"
+                ),
+                details=details,
+            )
+        )
     if callback is not None:
         figures += [
             Figure(

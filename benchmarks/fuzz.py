@@ -646,7 +646,7 @@ async def _run(messages: int, seed: int, connections: int, max_key_bytes: int, h
                server_profile: str | None, rate: float,
                server_limits: dict[str, Any] | None = None, doors: str = "both",
                http_connections: int | None = None) -> dict[str, Any]:
-    from .fuzz_http import HTTP_CATEGORIES
+    from .fuzz_http import HTTP_CATEGORIES, STALL_SLACK_S
     from .stress_common import ChildError, HonestProcess, JsonChild, ServerProcess, health
 
     violations: list[str] = []
@@ -681,7 +681,7 @@ async def _run(messages: int, seed: int, connections: int, max_key_bytes: int, h
             mine = [c for k, c in enumerate(conns) if k % workers == w]
             await kid.send(url=server.url, seed=seed, conns=mine, max_key_bytes=max_key_bytes,
                            timeline=timeline, categories=ws_categories, http_categories=http_categories,
-                           stall_s=float(limits.get("body_timeout_s", 30.0)) + 5.0,
+                           stall_s=float(limits.get("body_timeout_s", 30.0)) + STALL_SLACK_S,
                            interval=total / rate if rate > 0 else 0.0)
             await kid.expect("ready", timeout=60)
             return kid

@@ -341,6 +341,10 @@ def _events(text: str) -> list[tuple[str, dict[str, Any] | None]]:
     return out
 
 
+#: What ``stall_s`` adds to the server's body_timeout_s (a stalled body's 408 comes within it).
+STALL_SLACK_S = 5.0
+
+
 class HttpFuzzConn:
     """One fuzzing HTTP client (see the module docstring); counts into a fuzz ``Tally``."""
 
@@ -354,8 +358,9 @@ class HttpFuzzConn:
         self.interval = interval
         self.categories = categories or list(HTTP_CATEGORIES)
         self.max_key_bytes = tally.max_key_bytes
-        #: How long a stalled body waits for its 408 (the server's body_timeout_s, plus slack).
+        #: How long a stalled body waits for its 408 (the server's body_timeout_s, plus STALL_SLACK_S).
         self.stall_s = stall_s
+        self.body_timeout_s = max(0.0, stall_s - STALL_SLACK_S)
         self.count = 0
         #: Accepted requests: id -> (fail_at, accepted at); ended ones leave it.
         self.pending: dict[str, tuple[int | None, float]] = {}
@@ -380,6 +385,7 @@ class HttpFuzzConn:
         """Send ``call``, read its answer (a stream to its end); None (a violation counted) when none came."""
         conn = self.conn
         host = conn.host if call.host is None else call.host
+        started = asyncio.get_running_loop().time()
         try:
             if call.raw is not None:
                 await conn.send(call.raw, method=call.method)
@@ -414,7 +420,13 @@ class HttpFuzzConn:
         except h11.RemoteProtocolError as exc:
             self._viol(f"a malformed answer to {what}: {exc}")
         except (ConnectionError, OSError) as exc:
-            self._viol(f"the connection failed during {what}: {type(exc).__name__}: {exc}")
+            late = asyncio.get_running_loop().time() - started >= self.body_timeout_s
+            if call.mode == "slow" and late:
+                # Its body took longer than the server's body_timeout_s (a
+                # loaded machine): dropped with 408 as documented, not a fault.
+                self.tally.replies["http 408 (a slow body past its deadline)"] += 1
+            else:
+                self._viol(f"the connection failed during {what}: {type(exc).__name__}: {exc}")
         conn.close()
         return None
 

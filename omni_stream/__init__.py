@@ -35,7 +35,7 @@ from .errors import (
 )
 from .frame import Frame, StepTimings
 from .model import GeneratorModel, StepModel, from_generator
-from .params import Param
+from .params import Param, seed_param
 
 __version__ = "0.1.0"
 
@@ -71,6 +71,7 @@ __all__ = [
     "EngineStalledError",
     "EngineClosedError",
     "LifecycleError",
+    "seed_param",
 ]
 
 

@@ -20,7 +20,7 @@ import re
 import subprocess
 import sys
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 from typing import Any, NoReturn, TextIO
 
@@ -174,6 +174,44 @@ def _non_negative_int(text: str) -> int:
     return value
 
 
+def _seed(text: str) -> int:
+    wrong = argparse.ArgumentTypeError(f"expected an integer >= 0, or -1 for a random one, got {text!r}")
+    try:
+        value = int(text)
+    except ValueError:
+        raise wrong from None
+    if value < -1:
+        raise wrong
+    return value
+
+
+def _lora(text: str) -> tuple[str, str]:
+    name, sep, path = text.partition("=")
+    if not sep or not name.strip() or not path:
+        raise argparse.ArgumentTypeError(f"expected NAME=PATH (a LoRA file or folder), got {text!r}")
+    return name.strip(), path
+
+
+def _loras(args: argparse.Namespace) -> dict[str, str]:
+    """``{name: path}`` from --lora NAME=PATH and --lora-dir DIR; _UsageError for a clash or a bad folder."""
+    from .models.diffusers.loras import lora_dir
+
+    sources: list[tuple[str, dict[str, str]]] = []
+    for folder in args.lora_dir or ():
+        try:
+            sources.append((f"--lora-dir {folder}", lora_dir(folder)))
+        except ValueError as exc:
+            raise _UsageError(f"--lora-dir: {exc}") from None
+    sources += [(f"--lora {name}=...", {name: path}) for name, path in args.lora or ()]
+    found: dict[str, str] = {}
+    for source, loras in sources:
+        for name, path in loras.items():
+            if name in found:
+                raise _UsageError(f"{source}: a LoRA named {name!r} is given twice")
+            found[name] = path
+    return found
+
+
 def _port(text: str) -> int:
     try:
         value = int(text)
@@ -287,6 +325,8 @@ class ProgressBar:
 def _model_params(model: StepModel, args: argparse.Namespace) -> dict[str, Any]:
     """The request's params from the flags and ``-p``; two that set one param differently: usage error."""
     declared = [p.name for p in model.params]
+    if hasattr(model, "lora_names"):
+        declared.append("loras")  # a list of {name, scale}: no Param kind, checked by the model
     params: dict[str, Any] = {}
     set_by: dict[str, str] = {}  # param -> the flag that set it, for a conflict's message
 
@@ -373,8 +413,10 @@ def _decoder_mismatch(decoder: str, exc: ParamsError) -> ParamsError:
     )
 
 
-def _load_model(spec: str, preview_vae: str | None = None) -> StepModel:
-    """The model named by ``spec``, with the tiny preview autoencoder if one is given."""
+def _load_model(
+    spec: str, preview_vae: str | None = None, loras: Mapping[str, str] | None = None
+) -> StepModel:
+    """The model named by ``spec``, with the tiny preview autoencoder and the LoRAs if given."""
     from .config import PREVIEW_VAE_ENV, preview_vae as env_preview_vae
     from .models.registry import load_model
 
@@ -397,6 +439,14 @@ def _load_model(spec: str, preview_vae: str | None = None) -> StepModel:
             use(vae)
         except (ImportError, ValueError, OSError) as exc:
             raise _UsageError(f"{flag} {vae!r}: {_describe_error(exc)}") from exc
+    if loras:
+        load = getattr(model, "load_loras", None)
+        if load is None:
+            raise _UsageError(f"--lora: model {spec!r} takes no LoRAs; they work with diffusers:... models")
+        try:
+            load(loras)
+        except (ImportError, ValueError, OSError) as exc:
+            raise _UsageError(f"--lora: {_describe_error(exc)}") from exc
     return model
 
 
@@ -419,7 +469,7 @@ def _cmd_generate(args: argparse.Namespace) -> int:
             raise _UsageError(f"--previews: {_describe_error(exc)}") from None
     # Which model was loaded and how it runs (a pipeline's native or callback mode).
     args.log.show_info("omni_stream.models")
-    model = _load_model(args.model, args.preview_vae)
+    model = _load_model(args.model, args.preview_vae, _loras(args))
     params = _model_params(model, args)
     # Checked here for an early error; the engine gets the params as given
     # (validating a validated dict twice is not always the same: size vs
@@ -452,6 +502,9 @@ def _cmd_generate(args: argparse.Namespace) -> int:
         except ValueError as exc:
             raise _UsageError(f"-o {str(output)!r}: {exc}") from None
         note = f"-> {saved} ({_picture_size(final)})"
+        if isinstance(checked.get("seed"), int):
+            # Drawn when none was given: the one to pass again for the same picture.
+            note += f", seed {checked['seed']}"
         if sink is not None:
             sink.close()
             note += f", {sink.written} previews -> {sink.path}"
@@ -570,8 +623,10 @@ def _cmd_serve(args: argparse.Namespace) -> int:
     token: Any = (args.token[0] if len(args.token) == 1 else list(args.token)) if args.token else env_token()
     from .engine.group import names_group
 
+    loras = _loras(args)  # a bad folder or a name twice: said before anything loads
+
     def load() -> Any:
-        return _load_model(args.model, args.preview_vae)
+        return _load_model(args.model, args.preview_vae, loras)
 
     model: Any
     if args.ray:
@@ -674,7 +729,7 @@ def build_parser() -> argparse.ArgumentParser:
                      help="the prompt (for models with a 'prompt' param)")
     gen.add_argument("--steps", type=_positive_int, help="denoising steps")
     gen.add_argument("--size", type=_positive_int, metavar="PX", help="image side in pixels")
-    gen.add_argument("--seed", type=_non_negative_int, help="random seed")
+    gen.add_argument("--seed", type=_seed, help="random seed; -1 or none: a random one, said at the end")
     gen.add_argument("--sampler", metavar="NAME", help="sampler name")
     gen.add_argument("-p", "--param", type=_key_value, action="append", metavar="KEY=JSON",
                      help="any other model param, e.g. -p 'shape=[3,64,64]' (repeatable)")
@@ -684,6 +739,11 @@ def build_parser() -> argparse.ArgumentParser:
                      help="preview decoder: auto (the model's, else by the frame's shape), "
                      "rgb, sd15, sdxl, sd3, flux")
     gen.add_argument("--preview-vae", metavar="PATH|ID", default=None, help=_PREVIEW_VAE_HELP)
+    gen.add_argument("--lora", type=_lora, action="append", metavar="NAME=PATH",
+                     help="load a LoRA (a .safetensors file or a folder) that requests name in "
+                     "params.loras; repeatable; diffusers models")
+    gen.add_argument("--lora-dir", action="append", metavar="DIR",
+                     help="load every LoRA in DIR (.safetensors files, each named by its stem)")
     gen.add_argument("--previews", metavar="OUT.gif|.webp|.mp4|DIR",
                      help="write previews: an animated GIF or WebP, an MP4 (the video extra), "
                      "or a folder of numbered PNGs (a path without a suffix)")
@@ -702,6 +762,11 @@ def build_parser() -> argparse.ArgumentParser:
     )
     srv.add_argument("--model", default="mixture", metavar="SPEC", help=_MODEL_HELP)
     srv.add_argument("--preview-vae", metavar="PATH|ID", default=None, help=_PREVIEW_VAE_HELP)
+    srv.add_argument("--lora", type=_lora, action="append", metavar="NAME=PATH",
+                     help="load a LoRA (a .safetensors file or a folder) that requests name in "
+                     "params.loras; repeatable; diffusers models")
+    srv.add_argument("--lora-dir", action="append", metavar="DIR",
+                     help="load every LoRA in DIR (.safetensors files, each named by its stem)")
     srv.add_argument("--host", default="127.0.0.1", help="address to listen on")
     srv.add_argument("--port", type=_port, default=8765, help="port to listen on; 0 picks a free one")
     srv.add_argument("--token", action="append", metavar="[NAME=]SECRET",

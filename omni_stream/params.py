@@ -10,15 +10,37 @@ the browser page's form.
 from __future__ import annotations
 
 import math
+import secrets
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
 from .errors import ParamsError
 
-__all__ = ["Param", "validate", "describe", "positive_int", "square_size"]
+__all__ = [
+    "RANDOM",
+    "SEED_MAX",
+    "Param",
+    "describe",
+    "drawn",
+    "pin_drawn",
+    "positive_int",
+    "seed_param",
+    "square_size",
+    "validate",
+]
 
 _KINDS = ("int", "float", "str", "bool", "shape")
+
+#: The value of a ``random`` param that asks for a fresh draw (A1111's "random seed").
+RANDOM = -1
+#: The largest seed a request may name (a torch generator takes 64 bits; the
+#: sign bit is left alone so every seed is a non-negative int64).
+SEED_MAX = 2**63 - 1
+# Drawn seeds are 32-bit: short enough to read, type back and hold exactly in
+# a JavaScript number (the page), and 4 billion of them are plenty to tell
+# requests apart. A named seed may still be any value up to SEED_MAX.
+_DRAWN_BITS = 32
 
 
 def positive_int(
@@ -54,7 +76,10 @@ class Param:
     ``kind`` is one of ``int``, ``float``, ``str``, ``bool`` or ``shape`` (a
     list of positive ints). ``default`` of ``None`` means optional with no
     value. ``minimum``/``maximum`` bound numbers (and each entry of a shape);
-    ``choices`` restricts strings.
+    ``choices`` restricts strings. A ``random`` int param (a seed) takes
+    :data:`RANDOM` (-1), null or nothing as "draw one": :func:`validate`
+    puts a fresh value in ``[0, 2**32)`` in its place, so the checked
+    params always say which value was used.
     """
 
     name: str
@@ -65,14 +90,19 @@ class Param:
     maximum: float | None = None
     choices: tuple[str, ...] | None = None
     max_len: int | None = None
+    random: bool = False
 
     def __post_init__(self) -> None:
         if self.kind not in _KINDS:
             raise ValueError(f"Param {self.name!r}: kind must be one of {_KINDS}")
+        if self.random and self.kind != "int":
+            raise ValueError(f"Param {self.name!r}: only an int param can be random")
 
     def check(self, value: Any, *, model: str) -> Any:
         """Return ``value`` converted to this param's kind, or raise ParamsError."""
         where = f"{model} param {self.name!r}"
+        if self.random and (value is None or (type(value) in (int, float) and value == RANDOM)):
+            return secrets.randbits(_DRAWN_BITS)
         if value is None:
             if self.default is None:
                 return None
@@ -171,6 +201,32 @@ def validate(
     return out
 
 
+def drawn(specs: Sequence[Param], checked: Mapping[str, Any]) -> dict[str, Any]:
+    """The values :func:`validate` drew for ``specs``' random params (a seed), by name."""
+    return {p.name: checked[p.name] for p in specs if p.random and p.name in checked}
+
+
+def pin_drawn(specs: Sequence[Param], params: Any, checked: Mapping[str, Any]) -> Any:
+    """``params`` (a caller's, unchecked) with the values ``checked`` drew put in.
+
+    What a request's params are when they are checked once more further on
+    (the engine behind the server, a Ray replica): the same seed, not a
+    second draw. ``params`` that are not a mapping are returned unchanged
+    for the next check to refuse.
+    """
+    if params is not None and not isinstance(params, Mapping):
+        return params
+    return {**(params or {}), **drawn(specs, checked)}
+
+
+def seed_param(help: str = "random seed") -> Param:
+    """The ``seed`` every model declares: 0 to 2**63 - 1, or -1 (the default) for a random one."""
+    return Param(
+        "seed", "int", RANDOM, f"{help}; -1 (the default) draws one per request, reported back",
+        minimum=0, maximum=SEED_MAX, random=True,
+    )
+
+
 def square_size(out: dict[str, Any], given: Mapping[str, Any] | None, *, model: str) -> None:
     """Resolve a checked ``size`` (both sides at once) into ``out``'s ``height`` and ``width``.
 
@@ -202,7 +258,11 @@ def describe(specs: Sequence[Param]) -> list[dict[str, Any]]:
     rows = []
     for p in specs:
         row: dict[str, Any] = {"name": p.name, "kind": p.kind, "default": p.default, "help": p.help}
-        if p.minimum is not None:
+        if p.random:
+            # -1 is a value the caller may send (and the page's field shows).
+            row["random"] = True
+            row["minimum"] = RANDOM
+        elif p.minimum is not None:
             row["minimum"] = p.minimum
         if p.maximum is not None:
             row["maximum"] = p.maximum

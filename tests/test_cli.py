@@ -236,6 +236,23 @@ def test_generate_synthetic_final_image_is_the_decoded_final_frame(capsys, tmp_p
     np.testing.assert_array_equal(np.asarray(Image.open(out).convert("RGB")), want)
 
 
+def test_generate_without_a_seed_says_the_drawn_one_and_the_png_records_it(capsys, tmp_path):
+    import re
+
+    code, _, err = run(capsys, "generate", "--model", "synthetic", "--steps", "2",
+                       "-p", "shape=[3,24,40]", "-o", str(tmp_path / "a.png"))
+    assert code == 0, err
+    found = re.search(r", seed (\d+)", err)
+    assert found, err
+    seed = int(found.group(1))
+    assert f"Seed: {seed}" in Image.open(tmp_path / "a.png").info["parameters"]
+    # That seed gives the same picture again.
+    code, _, err = run(capsys, "generate", "--model", "synthetic", "--steps", "2", "--seed", str(seed),
+                       "-p", "shape=[3,24,40]", "-o", str(tmp_path / "b.png"))
+    assert code == 0, err
+    np.testing.assert_array_equal(np.asarray(Image.open(tmp_path / "a.png")), np.asarray(Image.open(tmp_path / "b.png")))
+
+
 def test_generate_previews_folder_every_n(capsys, tmp_path):
     folder = tmp_path / "previews"
     code, _, err = run(

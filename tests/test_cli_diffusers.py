@@ -66,6 +66,72 @@ def test_generate_writes_the_pipelines_image_at_full_size(saved, capsys, tmp_pat
     assert gif.n_frames == 2 and gif.size == (32, 32)
 
 
+def test_generate_takes_a_sampler_by_its_a1111_name(saved, capsys, tmp_path):
+    # The issue: `generate ... --sampler euler_a` answered "takes no 'sampler' param".
+    import copy
+
+    from diffusers import EulerAncestralDiscreteScheduler
+
+    root, _ = saved
+    out = tmp_path / "cat.png"
+    code = cli.main([
+        "generate", "a red cat", "--model", f"diffusers:{root / 'sd'}", "--size", "32",
+        "--steps", "3", "--seed", "4", "--sampler", "euler_a", "-o", str(out),
+    ])
+    _, err = capsys.readouterr()
+    assert code == 0, err
+    # The reference is the pipeline as the CLI loads it: a config read from disk carries no
+    # `_use_default_values`, so from_config keeps every saved value (timestep_spacing too).
+    from diffusers import StableDiffusionPipeline
+
+    loaded = StableDiffusionPipeline.from_pretrained(root / "sd")
+    loaded.set_progress_bar_config(disable=True)
+    switched = copy.copy(loaded)
+    switched.scheduler = EulerAncestralDiscreteScheduler.from_config(loaded.scheduler.config)
+    with one_torch_thread():
+        expected = switched(prompt="a red cat", num_inference_steps=3, height=32, width=32,
+                            generator=torch.Generator().manual_seed(4), output_type="pil").images[0]
+    assert Image.open(out).convert("RGB").tobytes() == expected.tobytes()
+    assert "Sampler: euler_a" in Image.open(out).text["parameters"]
+    code = cli.main(["generate", "x", "--model", f"diffusers:{root / 'sd'}", "--sampler", "dpm_fast",
+                     "-o", str(tmp_path / "no.png")])
+    _, err = capsys.readouterr()
+    assert code == 2 and "'sampler'" in err and "dpmpp_2m_karras" in err, err
+
+
+def test_generate_loads_a_lora_that_the_request_names(saved, capsys, tmp_path):
+    pytest.importorskip("peft")
+    from .models.test_diffusers_loras import make_lora
+
+    root, _ = saved
+    lora = make_lora(tmp_path / "ink", 7)
+    out = tmp_path / "ink.png"
+    code = cli.main([
+        "generate", "a red cat", "--model", f"diffusers:{root / 'sd'}", "--size", "32", "--steps", "2",
+        "--seed", "4", "--lora", f"ink={lora}", "-p", 'loras=[{"name": "ink", "scale": 0.5}]', "-o", str(out),
+    ])
+    _, err = capsys.readouterr()
+    assert code == 0, err
+    from diffusers import StableDiffusionPipeline
+
+    loaded = StableDiffusionPipeline.from_pretrained(root / "sd")
+    loaded.set_progress_bar_config(disable=True)
+    loaded.load_lora_weights(str(lora), adapter_name="ink")
+    loaded.set_adapters(["ink"], adapter_weights=[0.5])
+    with one_torch_thread():
+        expected = loaded(prompt="a red cat", num_inference_steps=2, height=32, width=32,
+                          generator=torch.Generator().manual_seed(4), output_type="pil").images[0]
+    assert Image.open(out).convert("RGB").tobytes() == expected.tobytes()
+    # A LoRA the request names but the command did not load; a built-in model with --lora.
+    code = cli.main(["generate", "x", "--model", f"diffusers:{root / 'sd'}", "-p", 'loras=[{"name": "ink"}]',
+                     "-o", str(tmp_path / "no.png")])
+    _, err = capsys.readouterr()
+    assert code == 2 and "serve --lora NAME=PATH" in err, err
+    code = cli.main(["generate", "x", "--lora", f"ink={lora}", "-o", str(tmp_path / "no.png")])
+    _, err = capsys.readouterr()
+    assert code == 2 and "takes no LoRAs" in err, err
+
+
 def test_models_names_the_pipeline_and_its_mode(saved, capsys):
     root, _ = saved
     code = cli.main(["models", f"diffusers:{root / 'sd'}", "--json"])
@@ -73,7 +139,9 @@ def test_models_names_the_pipeline_and_its_mode(saved, capsys):
     assert code == 0, err
     (row,) = json.loads(out)
     assert row["description"] == "StableDiffusionPipeline, native mode"
-    assert {"prompt", "steps", "height", "width", "seed"} <= {p["name"] for p in row["params"]}
+    assert {"prompt", "steps", "height", "width", "seed", "sampler"} <= {p["name"] for p in row["params"]}
+    (sampler,) = [p for p in row["params"] if p["name"] == "sampler"]
+    assert {"default", "euler", "euler_a", "dpmpp_2m_karras", "ddim", "unipc"} <= set(sampler["choices"])
 
 
 def test_generate_in_callback_mode_takes_size_and_output_latent(saved, capsys, tmp_path, monkeypatch):

@@ -354,6 +354,27 @@ async def test_generate_yields_progress_and_frames_in_order_final_last(tmp_path)
 
 
 @pytest.mark.asyncio
+async def test_a_drawn_seed_is_reported_in_accepted_and_on_attach_and_reproduces_the_result() -> None:
+    async with running() as server, omc.connect(server.url) as client:
+        stream = client.generate(dict(SMALL, steps=3), detach=True, preview={"format": "raw"})
+        first = [f async for f in stream]
+        seed = stream.seed
+        assert isinstance(seed, int) and 0 <= seed < 2**32
+        # The engine ran with the seed the server reported: naming it gives the same result.
+        again = await client.generate(dict(SMALL, steps=3, seed=seed), preview={"format": "raw"}).result()
+        assert again.data == first[-1].data
+        other = await client.generate(dict(SMALL, steps=3, seed=seed + 1), preview={"format": "raw"}).result()
+        assert other.data != first[-1].data
+        # Attach replays `accepted` with the same seed.
+        watch = client.attach(stream.id)
+        [f async for f in watch]
+        assert watch.seed == seed
+        named = client.generate(dict(SMALL, steps=1, seed=12), preview={"format": "raw"})
+        [f async for f in named]
+        assert named.seed == 12
+
+
+@pytest.mark.asyncio
 async def test_errors_and_cancellation_leave_the_client_block_unwrapped() -> None:
     async with running(Slow(0.02)) as server:
         # The body's error comes out as itself, not inside an ExceptionGroup.

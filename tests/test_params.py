@@ -1,10 +1,13 @@
-"""Param bounds as the error messages print them."""
+"""Declared params: bounds as the error messages print them, random seeds."""
 
 from __future__ import annotations
+
+from typing import Any
 
 import pytest
 
 import omni_stream as om
+from omni_stream.errors import ParamsError
 from omni_stream.models import Synthetic
 from omni_stream.params import Param
 
@@ -61,3 +64,42 @@ def test_square_size_with_a_different_side_names_both():
 def test_a_default_size_never_overrides_a_side_the_caller_gave():
     assert _sides({"height": 64}, {"size": 256}) == {"height": 64, "width": 768, "size": 256}
     assert _sides({}, {"size": 256})["width"] == 256
+
+
+# ---- random params (a seed) -----------------------------------------------------------
+
+
+@pytest.mark.parametrize("given", [{}, {"seed": -1}, {"seed": None}, {"seed": -1.0}])
+def test_a_seed_left_out_or_minus_one_is_drawn_per_call(given: dict[str, Any]) -> None:
+    specs = (om.params.seed_param(),)
+    draws = {om.params.validate(specs, given, model="m")["seed"] for _ in range(8)}
+    assert all(isinstance(d, int) and 0 <= d < 2**32 for d in draws)
+    assert len(draws) > 1  # 8 draws of 32 bits all equal: about 2**-224
+
+
+@pytest.mark.parametrize("bad", [-2, 2**63, 1.5, "7", True])
+def test_a_seed_outside_its_range_names_the_field(bad: Any) -> None:
+    with pytest.raises(ParamsError) as info:
+        om.params.validate((om.params.seed_param(),), {"seed": bad}, model="m")
+    assert info.value.field == "seed"
+
+
+def test_a_named_seed_is_kept_and_the_description_admits_minus_one() -> None:
+    specs = (om.params.seed_param(),)
+    assert om.params.validate(specs, {"seed": 0}, model="m")["seed"] == 0
+    (row,) = om.params.describe(specs)
+    assert (row["default"], row["minimum"], row["maximum"], row["random"]) == (-1, -1, 2**63 - 1, True)
+
+
+def test_pin_drawn_puts_the_drawn_seed_into_the_callers_params() -> None:
+    specs = (om.params.Param("steps", "int", 3), om.params.seed_param())
+    checked = om.params.validate(specs, {"steps": 2}, model="m")
+    pinned = om.params.pin_drawn(specs, {"steps": 2}, checked)
+    assert pinned == {"steps": 2, "seed": checked["seed"]}
+    assert om.params.validate(specs, pinned, model="m") == checked  # a second check draws nothing
+    assert om.params.pin_drawn(specs, "not a mapping", checked) == "not a mapping"
+
+
+def test_only_an_int_param_can_be_random() -> None:
+    with pytest.raises(ValueError, match="only an int param"):
+        om.params.Param("x", "float", 0.0, random=True)

@@ -84,6 +84,13 @@ class RequestStream(Generic[T]):
         return None if a is None else a.total
 
     @property
+    def seed(self) -> int | None:
+        """The seed the request runs with (from ``accepted``; drawn by the server when none
+        was given), or None before it or for a model without one."""
+        a = self._inbox.accepted
+        return None if a is None else a.seed
+
+    @property
     def preview_settings(self) -> dict[str, Any] | None:
         """The effective preview settings from ``accepted``, or None before it."""
         a = self._inbox.accepted

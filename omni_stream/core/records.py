@@ -59,6 +59,7 @@ class RequestRecord:
         priority: int = 0,
         principal: str | None = None,
         cross_priority: int = 0,
+        seed: int | None = None,
     ) -> None:
         self.id = request_id
         self.owner = owner
@@ -71,6 +72,8 @@ class RequestRecord:
         self.priority = priority
         #: The part of ``priority`` that ranks against other principals' requests.
         self.cross_priority = cross_priority
+        #: The seed it runs with (drawn at admission when it named none), None without one.
+        self.seed = seed
         self.cancel_reason: str | None = None
         self.ended_at: float | None = None
         self.outcome: str | None = None  # "done" | "cancelled" | "error" once ended
@@ -115,6 +118,7 @@ class RequestRecord:
                 attached=attached,
                 preview=self.preview,
                 output=self.output,
+                seed=self.seed,
             )
         )
 

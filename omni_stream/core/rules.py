@@ -35,6 +35,7 @@ from .. import protocol
 from ..engine.like import RendersFrames, missing_stream_members, server_stream_keywords
 from ..errors import EngineError, OmniStreamError, ParamsError
 from ..model import StepModel
+from ..params import pin_drawn
 from ..preview import PreviewSpec, RenderRequest
 from . import admission, inputs
 from .gate import Gate
@@ -101,6 +102,12 @@ class Admitted:
     #: The priority it carries against other principals' requests (its own,
     #: capped by its principal's grant: Principal.cross_priority).
     cross_priority: int
+
+
+def _seed_of(checked: Mapping[str, Any]) -> int | None:
+    """The seed a request runs with, where its model has an int one."""
+    seed = checked.get("seed")
+    return seed if isinstance(seed, int) and not isinstance(seed, bool) else None
 
 
 class Rules:
@@ -420,8 +427,12 @@ class Rules:
             created_at=self.clock(),
             priority=msg.priority,
             cross_priority=cross,
+            seed=_seed_of(checked),
         )
-        return Admitted(record, msg.params, spec, output, memory, cross)
+        # The engine checks the params again: it must run with the seed drawn
+        # here (the one `accepted` reports), not draw a second.
+        params = pin_drawn(self.model.params, msg.params, checked)
+        return Admitted(record, params, spec, output, memory, cross)
 
     def _open_stream(self, admitted: Admitted) -> FrameStreamLike:
         """Submit an admitted request to the engine; its stream.

@@ -46,7 +46,7 @@ import torch
 from ..device.heap import trim_heap
 from ..errors import ParamsError
 from ..model import StepModel
-from ..params import Param, positive_int
+from ..params import Param, positive_int, seed_param
 from . import images, samplers
 
 __all__ = ["Mixture"]
@@ -402,7 +402,7 @@ class Mixture(StepModel):
     params = (
         Param("prompt", "str", "", "words naming images, e.g. 'red circle', 'stripes'; "
               "empty for all of them", max_len=200),
-        Param("seed", "int", 0, "random seed", minimum=0, maximum=2**63 - 1),
+        seed_param(),
         Param("steps", "int", 30, "sampling steps (frames)", minimum=1, maximum=10_000),
         Param("size", "int", DEFAULT_SIZE, "image width and height in pixels", minimum=32, maximum=2048),
         Param("sampler", "str", "ddim", "ddim, euler_a (Euler ancestral) or dpmpp_2m",

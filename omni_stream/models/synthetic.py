@@ -28,7 +28,7 @@ import torch
 
 from ..errors import ParamsError
 from ..model import StepModel
-from ..params import Param
+from ..params import Param, seed_param
 
 __all__ = ["MAX_ELEMENTS", "MAX_HANG_S", "MAX_WORK", "Synthetic", "SyntheticFault"]
 
@@ -71,7 +71,7 @@ class Synthetic(StepModel):
               f"frame shape (at most {MAX_ELEMENTS} values in all)", minimum=1, maximum=4096, max_len=5),
         Param("work", "int", 1, "rounds of a 128x128 matmul per step (~0.05-0.2 ms each)",
               minimum=0, maximum=MAX_WORK),
-        Param("seed", "int", 0, "random seed", minimum=0, maximum=2**63 - 1),
+        seed_param(),
         Param("fail_at", "int", None, "this step raises SyntheticFault", minimum=1),
         Param("hang_at", "int", None, "this step blocks for hang_s seconds", minimum=1),
         Param("hang_s", "float", MAX_HANG_S, "how long hang_at blocks", minimum=0.0, maximum=MAX_HANG_S),

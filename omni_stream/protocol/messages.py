@@ -91,10 +91,11 @@ def accepted(
     attached: bool,
     preview: Mapping[str, Any],
     output: Mapping[str, Any] | None = None,
+    seed: int | None = None,
 ) -> dict[str, Any]:
     """``accepted`` (:meth:`Accepted.build`): a generate started, or an attach succeeded."""
     return Accepted.build(
-        request_id, total=total, detach=detach, attached=attached, preview=preview, output=output
+        request_id, total=total, detach=detach, attached=attached, preview=preview, output=output, seed=seed
     ).to_dict()
 
 

@@ -75,6 +75,8 @@ class Accepted(_ServerMessage):
     """``accepted``: a generate started, or an attach succeeded; the effective settings.
 
     ``output`` is None from a server that did not say (the wire omits it).
+    ``seed`` is the seed the request runs with (drawn by the server when the
+    request named none, or -1), None for a model without one.
     """
 
     TYPE: ClassVar[str] = "accepted"
@@ -85,6 +87,7 @@ class Accepted(_ServerMessage):
     attached: bool
     preview: dict[str, Any]
     output: dict[str, Any] | None = None
+    seed: int | None = None
 
     @classmethod
     def build(
@@ -96,10 +99,11 @@ class Accepted(_ServerMessage):
         attached: bool,
         preview: Mapping[str, Any],
         output: Mapping[str, Any] | None = None,
+        seed: int | None = None,
     ) -> Accepted:
         """``accepted`` as the server sends it (the settings copied)."""
         copied = None if output is None else dict(output)
-        return cls(request_id, total, detach, attached, dict(preview), copied)
+        return cls(request_id, total, detach, attached, dict(preview), copied, seed)
 
     def to_dict(self) -> dict[str, Any]:
         message = {
@@ -112,6 +116,8 @@ class Accepted(_ServerMessage):
         }
         if self.output is not None:
             message["output"] = dict(self.output)
+        if self.seed is not None:
+            message["seed"] = self.seed
         return message
 
     @classmethod
@@ -126,6 +132,7 @@ class Accepted(_ServerMessage):
             require(obj, "attached", "bool", where),
             require(obj, "preview", "object", where),
             optional(obj, "output", "object", where),
+            optional(obj, "seed", "int", where),
         )
 
 

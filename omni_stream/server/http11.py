@@ -69,8 +69,13 @@ FRAMING_ALLOWANCE: Final = 1 << 10
 #: at most, and the pause in what it sends that ends that sooner.
 LINGER_S: Final = 10.0
 LINGER_IDLE_S: Final = 0.1
-#: A refused connection lingers only if it had sent this much of its body (see _linger).
+#: A refused connection lingers only if it had sent this much of its body, or
+#: declared a body of at most this much (see _linger).
 LINGER_MIN_BYTES: Final = 16 << 10
+#: The pause that ends the lingering of a small declared body: a client
+#: sending a few KiB slowly (a phone, a proxy) may pause this long between
+#: writes, and is answered only once it has written all.
+LINGER_SMALL_IDLE_S: Final = 1.0
 #: A chunked body (and a request's head) is parsed this much at a time, its
 #: framing checked in between: a slice of one-byte chunks is about 170
 #: parser events (about 1 ms). A body with a Content-Length has no framing
@@ -106,6 +111,8 @@ class DeadlineH11Protocol(H11Protocol):
     _lingering = False
     _linger_left = -1
     _linger_idle: asyncio.TimerHandle | None = None
+    _linger_idle_s = LINGER_IDLE_S
+    _declared: int | None = None  # the request's Content-Length, None when chunked or absent
 
     def connection_made(self, transport: asyncio.Transport) -> None:  # type: ignore[override]
         super().connection_made(transport)
@@ -187,6 +194,8 @@ class DeadlineH11Protocol(H11Protocol):
             self._chunked = any(
                 name == b"transfer-encoding" and b"chunked" in value.lower() for name, value in self.headers
             )
+            lengths = [value for name, value in self.headers if name == b"content-length"]
+            self._declared = int(lengths[0]) if len(lengths) == 1 and lengths[0].isdigit() else None
             self._disarm_body_timer()
             if cycle.more_body:
                 self._body_timer = self.loop.call_later(self.body_timeout_s, self._body_too_slow)
@@ -230,10 +239,12 @@ class DeadlineH11Protocol(H11Protocol):
             "body_timeout",
             f"the request's body did not arrive within {self.body_timeout_s:g} s of its headers "
             "(body_timeout_s, OMNI_STREAM_BODY_TIMEOUT)",
-            sending=False,  # it stalled: nothing to linger for
+            stalled=True,  # nothing to linger for
         )
 
-    def _refuse(self, status: int, code: str, message: str, *, sending: bool = True) -> None:
+    def _refuse(
+        self, status: int, code: str, message: str, *, sending: bool = True, stalled: bool = False
+    ) -> None:
         """Answer ``status`` if no answer has started, then drop the connection; the app sees a disconnect."""
         cycle = self.cycle
         self._disarm_body_timer()
@@ -251,9 +262,9 @@ class DeadlineH11Protocol(H11Protocol):
             cycle.disconnected = True
             cycle.message_event.set()
         logger.info("dropping an HTTP connection: %s", message)
-        self._linger(sending=sending)
+        self._linger(sending=sending, stalled=stalled)
 
-    def _linger(self, *, sending: bool = False) -> None:
+    def _linger(self, *, sending: bool = False, stalled: bool = False) -> None:
         # A lingering close (as the websocket's, ws_protocol.py): a client
         # still sending its body would have its data answered with a reset
         # if we closed at once, which can discard our answer before it reads
@@ -261,15 +272,19 @@ class DeadlineH11Protocol(H11Protocol):
         # what it sends) or has been (LINGER_MIN_BYTES of its body in): the
         # answer, FIN, then read and drop while data keeps coming (a
         # pause of LINGER_IDLE_S ends it), up to max_message_bytes +
-        # LINGER_BYTES, and LINGER_S at most. One that sent little (a stalled
-        # or slow body, a refusal at its head) is closed at once: lingering
-        # connections must not pile up and hold descriptors (300 stalled
-        # POSTs once used up a server's 256).
+        # LINGER_BYTES, and LINGER_S at most. A small declared body still
+        # coming (a refusal at its head of a slow client's few KiB) lingers
+        # too, with pauses of up to LINGER_SMALL_IDLE_S: it would otherwise
+        # never read its answer. One that stalled, or declared much and sent
+        # little, is closed at once: lingering connections must not pile up
+        # and hold descriptors (300 stalled POSTs once used up a server's 256).
         if self._lingering:
             return
-        if not sending and self._body_wire < LINGER_MIN_BYTES:
+        small = self._declared is not None and self._declared <= LINGER_MIN_BYTES
+        if stalled or (not sending and not small and self._body_wire < LINGER_MIN_BYTES):
             self.transport.close()
             return
+        self._linger_idle_s = LINGER_SMALL_IDLE_S if small and not sending else LINGER_IDLE_S
         self._lingering = True
         self._linger_left = self.max_body_bytes + LINGER_BYTES
         self.flow.resume_reading()
@@ -284,7 +299,7 @@ class DeadlineH11Protocol(H11Protocol):
     def _arm_linger_idle(self) -> None:
         if self._linger_idle is not None:
             self._linger_idle.cancel()
-        self._linger_idle = self.loop.call_later(LINGER_IDLE_S, self.transport.close)
+        self._linger_idle = self.loop.call_later(self._linger_idle_s, self.transport.close)
 
     def _close_after_answer(self, cycle: Any) -> None:
         """uvicorn closes a connection after its answer (``Connection: close``): if that request's

@@ -104,6 +104,7 @@ def status_payload(
         "eta_s": record.latest_eta_s if status in ("queued", "running") else None,
         "queue_position": positions.get(record.id),
         "priority": record.priority,
+        "seed": record.seed,
         "error": None,
     }
     terminal = record.terminal_message()

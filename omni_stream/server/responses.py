@@ -111,6 +111,8 @@ def models_payload(model: Any, default_preview: PreviewSpec, limits: ServerLimit
         "name": model.name,
         "description": model.describe(),
         "params": describe(model.params),
+        # The LoRAs a request may name in params.loras (serve --lora).
+        "loras": list(getattr(model, "lora_names", ())),
         "preview": {
             "formats": list(FORMATS),
             "decoders": list(DECODERS),

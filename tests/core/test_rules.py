@@ -58,11 +58,13 @@ class StandIn:
         self.model = Synthetic()
         self.max_batch_size = 8
         self.submitted: dict[str, int] = {}  # request id -> the priority it was given
+        self.params: dict[str, Any] = {}  # request id -> the params it was given
         self.cancelled: list[str] = []
 
     def stream(self, params: Any, *, request_id: str, policy: str = "all", preview_every: int | None = None,
                priority: int = 0) -> Stream:
         self.submitted[request_id] = priority
+        self.params[request_id] = params
         return Stream(request_id, params)
 
     def cancel(self, request_id: str) -> bool:
@@ -269,3 +271,28 @@ def test_nothing_is_admitted_before_the_shell_started() -> None:
     reply = generate(rules, connect(rules, ANN), "early")
     assert reply["code"] == "engine_unavailable" and "lifespan" in reply["message"]
     assert engine.submitted == {}
+
+
+# ---- seeds ----------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("given", [{}, {"seed": -1}, {"seed": None}])
+def test_a_request_without_a_seed_runs_with_the_one_accepted_reports(given: dict[str, Any]) -> None:
+    rules, engine, _ = make_rules()
+    client = connect(rules, ANN)
+    accepted = generate(rules, client, "s1", params={**SMALL, **given})
+    seed = accepted["seed"]
+    assert isinstance(seed, int) and 0 <= seed < 2**32
+    # The engine checks the params again: it must get the drawn seed, not draw its own.
+    assert engine.params["s1"]["seed"] == seed
+    record = rules.registry.get("s1")
+    assert record is not None and record.seed == seed  # what HTTP status and attach report
+    # Each request draws its own.
+    seeds = {generate(rules, client, f"s{i}", params={**SMALL, **given})["seed"] for i in range(2, 6)}
+    assert len(seeds | {seed}) > 1
+
+
+def test_a_named_seed_is_kept_and_reported() -> None:
+    rules, engine, _ = make_rules()
+    accepted = generate(rules, connect(rules, ANN), "s1", params={**SMALL, "seed": 2**63 - 1})
+    assert accepted["seed"] == 2**63 - 1 and engine.params["s1"]["seed"] == 2**63 - 1

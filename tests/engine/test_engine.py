@@ -115,6 +115,22 @@ async def test_generate_returns_the_final_frame(device_kind):
 
 
 @pytest.mark.asyncio
+async def test_a_request_without_a_seed_gets_one_drawn_and_that_seed_reproduces_it():
+    model = Synthetic()
+    async with om.Engine(model, device="cpu") as engine:
+        drawn = engine.stream(params(steps=3))
+        finals = [f async for f in drawn]
+        seed = drawn.params["seed"]
+        again = await engine.generate(params(steps=3, seed=seed))
+        other = engine.stream(params(steps=3, seed=-1))
+        [f async for f in other]
+    assert isinstance(seed, int) and 0 <= seed < 2**32
+    assert torch.equal(finals[-1].data, again.data)
+    assert torch.equal(again.data, model.expected_frames(params(steps=3, seed=seed))[-1])
+    assert other.params["seed"] != seed  # another draw (equal once in 2**32)
+
+
+@pytest.mark.asyncio
 async def test_latest_policy_replaces_intermediate_frames_but_never_the_final():
     model = Synthetic()
     async with om.Engine(model, device="cpu") as engine:

@@ -77,9 +77,10 @@ def test_a_good_request_comes_back_checked_with_its_defaults():
     checked = check_request(
         Synthetic(), params(steps=5), request_id="r", timeout=2, preview_every=3, priority=-10
     )
+    seed = checked.params["seed"]  # none given: drawn (tests/test_params.py)
     assert checked == CheckedRequest(
         request_id="r",
-        params=Synthetic().validate(params(steps=5)) | {"output": "image"},
+        params=Synthetic().validate(params(steps=5, seed=seed)) | {"output": "image"},
         total=5,
         policy="all",
         timeout=2.0,

@@ -161,6 +161,20 @@ async def test_every_step_is_streamed_bit_exact_final_last(app: str, sim: str, c
     assert stream.replica is not None and stream.params["shape"] == (3, 16, 16)
 
 
+
+@ASYNCIO
+async def test_a_seed_drawn_at_the_front_door_is_the_one_the_replica_runs(sim: str) -> None:
+    params = {**SMALL, "steps": 3}
+    async with RemoteEngine(sim) as engine:
+        stream = engine.stream(params, request_id="drawn")
+        frames = [f async for f in stream]
+    seed = stream.params["seed"]
+    assert 0 <= seed < 2**32
+    # A second draw on the replica would make other frames.
+    want = Synthetic().expected_frames({**params, "seed": seed})[-1]
+    assert bool(frames[-1].data.eq(want).all())
+
+
 @ASYNCIO
 async def test_the_front_door_has_the_models_card_not_the_model(sim: str) -> None:
     async with RemoteEngine(sim) as engine:

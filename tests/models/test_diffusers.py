@@ -377,7 +377,7 @@ def test_batched_steps_match_solo_runs_closely():
     model = Diffusers(sde_dpm_pipe(), encode_prompt=fixed_embeddings, max_batch_size=4)
     unguided = dict(REQUEST_B, height=16, guidance_scale=1.0)
     pa, pb = model.validate(REQUEST_A), model.validate(unguided)
-    assert model.batch_key(pa) == model.batch_key(pb) == (16, 16)
+    assert model.batch_key(pa) == model.batch_key(pb) == (16, 16, "default", ())
     assert Diffusers(sde_dpm_pipe(), encode_prompt=fixed_embeddings).batch_key(pa) is None
     solo_a, solo_b = run(model, REQUEST_A), run(model, unguided)
 
@@ -459,7 +459,7 @@ def test_params_are_declared_and_checked():
     model = Diffusers(sd_pipe(), encode_prompt=fixed_embeddings)
     names = [p.name for p in model.params]
     assert names == ["prompt", "negative_prompt", "steps", "guidance_scale", "guidance_rescale",
-                     "seed", "height", "width", "size", "eta"]  # eta: DDIM takes it
+                     "seed", "height", "width", "size", "sampler", "eta"]  # eta: DDIM takes it
     params = model.validate({})
     assert (params["height"], params["width"], params["steps"]) == (16, 16, 50)
     with pytest.raises(om.ParamsError) as err:
@@ -471,8 +471,12 @@ def test_params_are_declared_and_checked():
     with pytest.raises(om.ParamsError) as err:
         model.validate({"guidance_scale": "high"})
     assert err.value.field == "guidance_scale"
+    # eta is declared for the samplers that take it (ddim): not for Euler, the pipeline's own here.
     euler = Diffusers(sd_pipe(EulerDiscreteScheduler(**SCHEDULE)), encode_prompt=fixed_embeddings)
-    assert "eta" not in [p.name for p in euler.params]
+    assert euler.validate({"sampler": "ddim", "eta": 0.3})["eta"] == 0.3
+    with pytest.raises(om.ParamsError) as err:
+        euler.validate({"eta": 0.3})
+    assert err.value.field == "eta" and "ddim" in err.value.message
 
 
 def test_steps_the_scheduler_rejects_are_a_params_error():

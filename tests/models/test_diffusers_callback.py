@@ -94,10 +94,13 @@ def tiny_vae() -> AutoencoderKL:
 
 @pytest.fixture(scope="module")
 def text_encoder(tmp_path_factory):
-    """A CLIP tokenizer from a vocabulary written here (letters, no merges) and a tiny encoder."""
+    return make_text_encoder(tmp_path_factory.mktemp("clip"))
+
+
+def make_text_encoder(folder):
+    """A CLIP tokenizer from a vocabulary written in ``folder`` (letters, no merges) and a tiny encoder."""
     from transformers import CLIPTextConfig, CLIPTextModel, CLIPTokenizer
 
-    folder = tmp_path_factory.mktemp("clip")
     vocab = {"<|startoftext|>": 0, "<|endoftext|>": 1}
     for c in "abcdefghijklmnopqrstuvwxyz":
         vocab[c] = len(vocab)
@@ -561,7 +564,7 @@ def test_ltx_video_latents_are_unpacked_to_frames():
 def test_params_come_from_the_pipelines_signature(text_encoder):
     img2img = Diffusers(img2img_pipe(text_encoder), mode="callback")
     assert [p.name for p in img2img.params] == [
-        "prompt", "negative_prompt", "steps", "guidance_scale", "seed", "strength", "image"]
+        "prompt", "negative_prompt", "steps", "guidance_scale", "seed", "sampler", "strength", "image"]
     params = img2img.validate({"image": picture()})
     # StableDiffusionImg2ImgPipeline.__call__'s own defaults.
     assert (params["steps"], params["guidance_scale"], params["strength"]) == (50, 7.5, 0.8)
@@ -570,7 +573,9 @@ def test_params_come_from_the_pipelines_signature(text_encoder):
     # prompt_embeds fixed in call_kwargs replace the prompt params.
     wan = Diffusers(wan_pipe(), mode="callback", call_kwargs=wan_embeddings())
     assert [p.name for p in wan.params] == [
-        "steps", "guidance_scale", "seed", "height", "width", "size", "num_frames"]
+        "steps", "guidance_scale", "seed", "sampler", "height", "width", "size", "num_frames"]
+    # Wan's UniPC runs flow sigmas: it is offered the flow-matching samplers.
+    assert "euler" in wan.sampler_names and "ddim" not in wan.sampler_names
     params = wan.validate({})
     assert (params["height"], params["width"], params["num_frames"]) == (480, 832, 81)
     assert wan.validate({"size": 32})["height"] == wan.validate({"size": 32})["width"] == 32

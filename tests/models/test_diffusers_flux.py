@@ -312,8 +312,8 @@ def test_batched_steps_match_solo_runs_closely():
     model = Diffusers(flux_pipe(), encode_prompt=fixed_embeddings, max_batch_size=4)
     same_size = dict(REQUEST_B, height=16)
     pa, pb = model.validate(REQUEST_A), model.validate(same_size)
-    assert model.batch_key(pa) == model.batch_key(pb) == (16, 16)
-    assert model.batch_key(model.validate(REQUEST_B)) == (24, 16)
+    assert model.batch_key(pa) == model.batch_key(pb) == (16, 16, "default", ())
+    assert model.batch_key(model.validate(REQUEST_B)) == (24, 16, "default", ())
     assert Diffusers(flux_pipe(), encode_prompt=fixed_embeddings).batch_key(pa) is None
     solo_a, solo_b = run(model, REQUEST_A)[0], run(model, same_size)[0]
 
@@ -422,7 +422,7 @@ def test_diffusers_picks_this_adapter():
 def test_params_are_declared_and_checked():
     model = Diffusers(flux_pipe(), encode_prompt=fixed_embeddings)
     assert [p.name for p in model.params] == [
-        "prompt", "steps", "guidance_scale", "seed", "height", "width", "size"
+        "prompt", "steps", "guidance_scale", "seed", "height", "width", "size", "sampler"
     ]
     params = model.validate({})
     # The pipeline's defaults: 28 steps, guidance 3.5, 128 latents * vae scale.

@@ -303,7 +303,7 @@ def test_batched_steps_match_solo_runs_closely():
     model = Diffusers(sd3_pipe(), encode_prompt=fixed_embeddings, max_batch_size=4)
     unguided = dict(REQUEST_B, height=16, guidance_scale=1.0)
     pa, pb = model.validate(REQUEST_A), model.validate(unguided)
-    assert model.batch_key(pa) == model.batch_key(pb) == (16, 16)
+    assert model.batch_key(pa) == model.batch_key(pb) == (16, 16, "default", ())
     assert Diffusers(sd3_pipe(), encode_prompt=fixed_embeddings).batch_key(pa) is None
     solo_a, solo_b = run(model, REQUEST_A)[0], run(model, unguided)[0]
 
@@ -411,7 +411,7 @@ def test_diffusers_picks_this_adapter():
 def test_params_are_declared_and_checked():
     model = Diffusers(sd3_pipe(), encode_prompt=fixed_embeddings)
     assert [p.name for p in model.params] == [
-        "prompt", "negative_prompt", "steps", "guidance_scale", "seed", "height", "width", "size"
+        "prompt", "negative_prompt", "steps", "guidance_scale", "seed", "height", "width", "size", "sampler"
     ]
     params = model.validate({})
     # The pipeline's defaults: 28 steps, guidance 7, sample_size * vae scale.

@@ -56,7 +56,9 @@ async def test_generate_streams_progress_previews_and_result() -> None:
             "video": "strip",
         },
         "output": {"format": "png", "quality": None},
+        "seed": accepted["seed"],  # none given: drawn (the seed tests: tests/core/test_rules.py)
     }
+    assert isinstance(accepted["seed"], int)
     # The result is a PNG that says how it was made, whatever the previews are.
     final = msgs[-2]
     assert (final["format"], final["width"], final["height"], final["mime"]) == ("png", 16, 16, "image/png")

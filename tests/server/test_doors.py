@@ -15,6 +15,7 @@ import json
 import logging
 import struct
 import zlib
+import time
 from typing import Any
 
 import anyio
@@ -234,6 +235,9 @@ class Diverges(Synthetic):
         self.nan_from = nan_from
 
     def step(self, states: Any) -> list[torch.Tensor]:
+        # 20 ms a step: the server's consumer (latest-wins) takes some of the
+        # NaN frames before the final one even on a loaded machine.
+        time.sleep(0.02)
         frames = super().step(states)
         return [f.fill_(float("nan")) if s.step >= self.nan_from else f for f, s in zip(frames, states, strict=True)]
 
@@ -244,7 +248,7 @@ async def test_a_final_frame_of_nan_fails_its_request_and_its_previews_are_skipp
 ) -> None:
     caplog.set_level(logging.WARNING, logger="omni_stream.server")
     async with running(Diverges(nan_from=2)) as server, connect(server.url) as ws:
-        await send(ws, type="generate", id="nan", params={**SMALL, "steps": 5}, preview={"format": "raw"})
+        await send(ws, type="generate", id="nan", params={**SMALL, "steps": 10}, preview={"format": "raw"})
         messages = await until_end(ws, "nan")
     end = messages[-1]
     assert (end["type"], end["code"]) == ("error", "step_failed") and "non-finite" in end["message"]

@@ -193,3 +193,35 @@ async def test_a_refusal_before_the_body_is_read_reaches_a_client_still_sending_
             )
             status, _, answer = parse(await send_then_read(writer, reader, body))
             assert (status, json.loads(answer)["error"]) == (413, "limit_exceeded")
+
+
+@pytest.mark.asyncio
+async def test_a_refusal_at_its_head_reaches_a_slow_client_of_a_small_body() -> None:
+    # A slow client (a few KiB in pieces with pauses) refused before its body
+    # is read, with Connection: close (503: one connection too many), wrote
+    # on after the server had closed at once, and got a reset instead of the
+    # answer (the HTTP fuzz's http_slow, under load). Now a small declared
+    # body lingers, with pauses of up to LINGER_SMALL_IDLE_S.
+    async with running(max_connections=1) as server:
+        held_reader, held = await open_raw(server)
+        held.write(b"POST /v1/generations HTTP/1.1\r\nHost: 127.0.0.1\r\nContent-Length: 200\r\n\r\n{")
+        await held.drain()
+        await wait_for(lambda: len(server.service.rules.clients) == 1, what="the first call to be open")
+        reader, writer = await open_raw(server)
+        body = b'{"params": {"steps": 1, "pad": "' + b"x" * 3000 + b'"}}'
+        writer.write(
+            b"POST /v1/generations HTTP/1.1\r\nHost: 127.0.0.1\r\nContent-Type: application/json\r\n"
+            b"Content-Length: %d\r\n\r\n" % len(body) + body[:100]
+        )
+        await writer.drain()
+        with anyio.fail_after(30):
+            for piece in (body[100:1000], body[1000:2000], body[2000:]):
+                await asyncio.sleep(0.3)  # the server answered meanwhile
+                writer.write(piece)
+                await writer.drain()
+            reply = await reader.read()
+        writer.close()
+        status, headers, answer = parse(reply)
+        assert (status, json.loads(answer)["error"]) == (503, "too_many_connections")
+        assert headers["connection"] == "close"
+        held.transport.abort()

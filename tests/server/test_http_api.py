@@ -97,6 +97,22 @@ async def test_post_then_events_then_output() -> None:
         status = (await client.get(body["urls"]["self"])).json()
         assert (status["status"], status["step"], status["total"]) == ("done", 4, 4)
         assert status["queue_position"] is None and status["error"] is None
+        assert status["seed"] == 3 == events[0]["data"]["seed"]
+
+
+@pytest.mark.asyncio
+async def test_a_drawn_seed_is_in_the_answer_the_status_and_accepted() -> None:
+    async with running() as server, http(server) as client:
+        reply = await client.post("/v1/generations", json={"params": {**SMALL, "steps": 2}})
+        body = reply.json()
+        seed = body["seed"]
+        assert isinstance(seed, int) and 0 <= seed < 2**32, body
+        events = await all_events(client, body["urls"]["events"])
+        assert events[0]["event"] == "accepted" and events[0]["data"]["seed"] == seed
+        first = await client.get(body["urls"]["output"])
+        again = await client.post("/v1/generations", json={"params": {**SMALL, "steps": 2, "seed": seed}})
+        await all_events(client, again.json()["urls"]["events"])
+        assert (await client.get(again.json()["urls"]["output"])).content == first.content
 
 
 @pytest.mark.asyncio

@@ -593,6 +593,23 @@ async def test_gallery_lists_results_newest_first_and_survives_a_reload(chromium
 @needs_chromium
 @pytest.mark.browser
 @pytest.mark.asyncio
+async def test_a_seed_left_at_minus_one_is_drawn_by_the_server_and_the_gallery_names_it(chromium: str) -> None:
+    async with open_tab(chromium) as tab, running(Recording(0.01), token=TOKEN) as server:
+        await tab.open(f"{server.http_url}/?token={TOKEN}")
+        await tab.wait_for("window.omniStream.state === 'ready' && window.omniStream.connected")
+        assert await tab.evaluate("document.querySelector('[data-param=seed]').value") == "-1"
+        await _fill_form(tab, dict(PARAMS, steps=3, seed=-1), "jpeg")
+        request_id = await _render(tab)
+        drawn = server.model.seen[-1]["seed"]
+        assert 0 <= drawn < 2**32
+        (entry,) = await tab.gallery()
+        assert entry["id"] == request_id and entry["seed"] == str(drawn)
+        assert f"seed {drawn}" in entry["text"]
+
+
+@needs_chromium
+@pytest.mark.browser
+@pytest.mark.asyncio
 async def test_seed_button_picks_a_seed_in_range_that_the_server_receives(chromium: str) -> None:
     async with open_tab(chromium) as tab, running(NarrowSeed(0.01), token=TOKEN) as server:
         await tab.open(f"{server.http_url}/?token={TOKEN}")

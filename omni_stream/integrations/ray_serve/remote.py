@@ -59,6 +59,7 @@ from ...errors import (
 )
 from ...frame import Frame
 from ...lifecycle import Lifecycle
+from ...params import pin_drawn
 from ...preview.remote import RenderRequest
 from .card import ModelCard
 from .report import ReplicaReport, ReplicaView, sum_statistics, summarize, view
@@ -308,7 +309,9 @@ class RemoteEngine:
         )
         handle = self._stream_handle
         assert handle is not None  # connected: _check_open passed
-        response = handle.stream.remote(None if params is None else dict(params), submit)
+        # The replica checks the params again: with the seed drawn here (the
+        # one stream.params reports), not a second draw.
+        response = handle.stream.remote(pin_drawn(self.model.params, params, checked.params), submit)
         # options(stream=True): Serve returns a generator (typed as either).
         assert isinstance(response, DeploymentResponseGenerator), type(response)
         stream = RemoteStream(

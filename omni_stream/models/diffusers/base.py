@@ -5,9 +5,10 @@ Two ways to stream a diffusers pipeline:
 native
     The adapter rebuilds the pipeline's denoise loop from its components, one
     iteration per engine ``step``: requests batch across each other and give
-    bit for bit the latents of ``pipe(...)`` (one torch thread). UNet
-    pipelines (SD 1.x/2.x, SDXL: :mod:`.unet`), SD3/SD3.5 (:mod:`.sd3`) and
-    Flux (:mod:`.flux`).
+    bit for bit the latents of ``pipe(...)`` (one torch thread). The loop is
+    :mod:`.native`'s; the adapters hold what their pipelines do their own
+    way: UNet pipelines (SD 1.x/2.x, SDXL: :mod:`.unet`), SD3/SD3.5
+    (:mod:`.sd3`) and Flux (:mod:`.flux`), the last two on :mod:`.flow`.
 callback
     Any other ``DiffusionPipeline`` whose ``__call__`` takes
     ``callback_on_step_end`` (:mod:`.callback`): ``pipe(...)`` itself runs on

@@ -14,11 +14,12 @@ Params: declared from ``pipe.__call__``'s signature, for the arguments it
 takes (``prompt``, ``negative_prompt``, ``steps`` for
 ``num_inference_steps``, ``guidance_scale``, ``true_cfg_scale``, ``seed``
 for a CPU generator, ``height``/``width`` and ``size`` for both,
-``num_frames``, ``strength``, ``image``), with the pipeline's own defaults
+``num_frames``, ``strength``, the input images ``image``, ``mask_image`` and
+``control_image``, ``sampler`` for its scheduler, ``loras``), with the pipeline's own defaults
 where its signature gives literals. Sizes are not checked against the
 pipeline's multiples: its own ``check_inputs`` raises (failing the request)
-or rounds, as it does for ``pipe(...)``. ``image`` is a PNG/JPEG data URL or file path (a PIL image from
-Python), decoded by ``validate`` (see :mod:`.inputs`).
+or rounds, as it does for ``pipe(...)``. Each input image is a PNG/JPEG data URL or file path (a PIL
+image from Python), decoded by ``validate`` (see :mod:`.inputs`).
 
 Frames: each step's frame is the ``latents`` tensor the callback sees after
 that step (the noisy latent, not an x0 estimate: callbacks get no more),
@@ -62,10 +63,12 @@ import torch
 
 from ...errors import ParamsError
 from ...model import Emit
-from ...params import Param, positive_int, square_size
+from ...params import Param, positive_int, seed_param, square_size
 from ..inputs import MAX_IMAGE_BYTES, MAX_IMAGE_PIXELS, load_image
+from . import samplers
 from .base import Diffusers, takes_step_callback
-from .loop import same_device, timestep_count
+from .loop import same_device, signature_params, timestep_count
+from .loras import LoraBank, LoraSet, check_loras, split_loras
 
 __all__ = ["CallbackDiffusers"]
 
@@ -83,6 +86,13 @@ _RESERVED = frozenset({
     "generator", "num_images_per_prompt", "num_videos_per_prompt",
 })
 
+#: The input images a pipeline's ``__call__`` may take, and what each is.
+_IMAGE_ARGS: dict[str, str] = {
+    "image": "input image (img2img, inpaint; a ControlNet pipeline's control image)",
+    "mask_image": "inpaint mask, white where to paint",
+    "control_image": "ControlNet conditioning image (img2img and inpaint ControlNet pipelines)",
+}
+
 # Pipelines that cannot run without an input image although their signature
 # defaults ``image`` to None (the ones taking ``strength`` are caught too).
 _NEEDS_IMAGE = re.compile(
@@ -96,6 +106,8 @@ class _State:
     total: int
     output: str  # "image" or "latent"
     unpack: Callable[[torch.Tensor], torch.Tensor] | None  # packed [1, seq, ch] -> [1, C, (T,) h, w]
+    sampler: str = samplers.DEFAULT
+    loras: LoraSet = ()
 
 
 class CallbackDiffusers(Diffusers):
@@ -178,6 +190,8 @@ class CallbackDiffusers(Diffusers):
         self._max_image_bytes = max_image_bytes
         self._image_paths = bool(image_paths)
         self._template = getattr(pipe, "scheduler", None)
+        self._samplers = self._offer_samplers()
+        self._loras = LoraBank(pipe)
         self._video = "num_frames" in named
         #: Whether the output is a video ``[T, 3, H, W]`` (the server picks output formats by it):
         #: the video pipelines are the ones taking ``num_frames``.
@@ -187,14 +201,71 @@ class CallbackDiffusers(Diffusers):
         self._args: dict[str, str] = {}
         self.params = self._declare(defaults)
         declared = {p.name for p in self.params}
-        self._image_required = "image" in declared and (
-            signature["image"].default is inspect.Parameter.empty
-            or "strength" in named
-            or bool(_NEEDS_IMAGE.search(kind))
-        )
+        #: The input-image params it declares (``image``, ``mask_image``,
+        #: ``control_image``): core/inputs.py checks their headers, validate decodes them.
+        self.image_params = tuple(n for n in _IMAGE_ARGS if n in declared)
+        # Which of them a request must give: the pipeline cannot run without them
+        # although its signature may default them to None.
+        self._required_images = {
+            name for name in self.image_params
+            if signature[name].default is inspect.Parameter.empty
+            or (name == "image" and ("strength" in named or bool(_NEEDS_IMAGE.search(kind))))
+            or (name == "mask_image" and "Inpaint" in kind)
+            or (name == "control_image" and "ControlNet" in kind)
+        }
         self._unpack_kind = _unpack_kind(pipe)
         self.preview_decoder: str | None = _preview_decoder(pipe)
-        self._counts: dict[tuple[int, float | None], int] = {}
+        self._counts: dict[tuple[int, float | None, str], int] = {}
+
+    @property
+    def lora_names(self) -> tuple[str, ...]:
+        """The LoRAs a request may name in ``loras`` (loaded with :meth:`load_loras`)."""
+        return self._loras.names
+
+    def load_loras(self, loras: Mapping[str, Any]) -> None:
+        """Load ``{name: path}`` LoRAs into the pipeline (``load_lora_weights``, through peft).
+
+        Before the engine starts. Raises ValueError naming the LoRA that
+        fails, ImportError without peft.
+        """
+        self._loras.load(loras)
+
+    @property
+    def sampler_names(self) -> tuple[str, ...]:
+        """The names ``sampler`` takes (empty for a pipeline without a scheduler)."""
+        return (samplers.DEFAULT, *self._samplers) if self._samplers is not None else ()
+
+    def _offer_samplers(self) -> dict[str, samplers.Sampler] | None:
+        """The table entries that can stand in for the pipeline's scheduler; None without one.
+
+        The pipeline's ``__call__`` runs the loop, so only what it hands its
+        scheduler can be checked: a flow-matching pipeline (Flux, SD3,
+        Qwen-Image, Wan) passes ``sigmas`` and ``mu`` where its scheduler takes
+        them, so a sampler must take those too; each is also set up and
+        stepped through a few steps.
+        """
+        template = self._template
+        if template is None or not all(hasattr(template, a) for a in ("set_timesteps", "config", "step")):
+            return None
+        config = template.config
+        flow = (
+            type(template).__name__.startswith("FlowMatch")
+            or config.get("prediction_type", None) == "flow_prediction"
+            or bool(config.get("use_flow_sigmas", False))
+        )
+        needed = signature_params(template.set_timesteps) & {"sigmas", "mu"} if flow else frozenset()
+
+        def works(sampler: samplers.Sampler) -> bool:
+            try:
+                if not needed <= signature_params(samplers.build(sampler, config).set_timesteps):
+                    return False
+                timestep_count(lambda n: self._throwaway_scheduler(n, sampler), 4, self.name)
+            except Exception:  # noqa: BLE001 - whatever the class raises, it is not offered
+                return False
+            return True
+
+        table = samplers.FLOW if flow else samplers.NOISE
+        return {s.name: s for s in samplers.offered(table, works)}
 
     # -- declarations and checks (event loop) --------------------------------
 
@@ -236,8 +307,12 @@ class CallbackDiffusers(Diffusers):
                       "true classifier-free guidance scale (with a negative prompt)",
                       minimum=0.0, maximum=100.0), "true_cfg_scale")
         if "generator" in self._signature:
-            add(Param("seed", "int", 0, "seed of the request's CPU generator",
-                      minimum=0, maximum=2**63 - 1), "generator")
+            add(seed_param("seed of the request's CPU generator"), "generator")
+        if self._samplers is not None and "scheduler" not in self._fixed:
+            # Not a pipeline argument: run() puts the request's scheduler on the pipeline.
+            add(Param("sampler", "str", samplers.DEFAULT,
+                      f"the scheduler: default is the pipeline's own ({type(self._template).__name__}); "
+                      "the others by their AUTOMATIC1111 / ComfyUI names", choices=self.sampler_names), "")
         sides = [s for s in ("height", "width") if takes(s)]
         for side in sides:
             add(Param(side, "int", self._literal(side, (int,)), f"{side} in pixels",
@@ -252,10 +327,12 @@ class CallbackDiffusers(Diffusers):
             add(Param("strength", "float", self._literal("strength", (int, float)),
                       "how far from the input image: 1 starts from pure noise",
                       minimum=0.0, maximum=1.0), "strength")
-        if takes("image"):
-            add(Param("image", "str", None,
-                      "input image: a data:image/png;base64 or data:image/jpeg;base64 URL"
-                      + (", or a PNG/JPEG file path" if self._image_paths else "")), "image")
+        where = "a data:image/png;base64 or data:image/jpeg;base64 URL" + (
+            ", or a PNG/JPEG file path" if self._image_paths else ""
+        )
+        for name, what in _IMAGE_ARGS.items():
+            if takes(name):
+                add(Param(name, "str", None, f"{what}: {where}"), name)
         if defaults:
             by_name = {p.name: i for i, p in enumerate(params)}
             unknown = sorted(set(defaults) - set(by_name))
@@ -274,32 +351,35 @@ class CallbackDiffusers(Diffusers):
         return tuple(params)
 
     def validate(self, params: Mapping[str, Any] | None) -> dict[str, Any]:
-        """Checked params with defaults filled in, ``image`` decoded to an RGB PIL image.
+        """Checked params with defaults filled in, each input image decoded to an RGB PIL image.
 
         Raises ParamsError naming the field: a bad value, ``size`` given with
-        a different ``height``/``width``, a missing or bad ``image``, or steps (and
-        strength) that leave no step to run.
+        a different ``height``/``width``, a missing or bad input image, bad
+        ``loras``, or steps (and strength) that leave no step to run.
         """
-        image: Any = None
-        if "image" in self._args and isinstance(params, Mapping):
-            # Param kinds have no image: take it out, check it here.
+        images: dict[str, Any] = {}
+        if self.image_params and isinstance(params, Mapping):
+            # Param kinds have no image: take them out, check them here.
             params = dict(params)
-            image = params.pop("image", None)
+            images = {name: params.pop(name, None) for name in self.image_params}
+        params, loras = split_loras(params)
         out = super().validate(params)
+        out["loras"] = check_loras(loras, self.lora_names, model=self.name)
         if "size" in self._args:
             square_size(out, params, model=self.name)
-        if "image" in self._args:
+        for name in self.image_params:
+            image = images.get(name)
             if image is None:
-                image = out["image"]  # a default from defaults=
-            if image is None and self._image_required:
+                image = out[name]  # a default from defaults=
+            if image is None and name in self._required_images:
                 raise ParamsError(
-                    f"{self.name} param 'image' is required: {type(self._pipe).__name__} starts from "
-                    "an input image (a data:image/png;base64 URL"
+                    f"{self.name} param {name!r} is required: {type(self._pipe).__name__} needs "
+                    f"its {_IMAGE_ARGS[name]} (a data:image/png;base64 URL"
                     + (" or a file path)" if self._image_paths else ")"),
-                    field="image",
+                    field=name,
                 )
-            out["image"] = None if image is None else load_image(
-                image, field="image", max_pixels=self._max_image_pixels,
+            out[name] = None if image is None else load_image(
+                image, field=name, max_pixels=self._max_image_pixels,
                 max_bytes=self._max_image_bytes, allow_paths=self._image_paths,
             )
         self.total_steps(out)
@@ -327,22 +407,24 @@ class CallbackDiffusers(Diffusers):
         if template is not self._template:
             self._template = template
             self._counts.clear()
-        key = (steps, strength)
+        sampler = str(params.get("sampler") or samplers.DEFAULT)
+        key = (steps, strength, sampler)
         count = self._counts.get(key)
         if count is None:
-            count = self._count(steps, strength)
+            count = self._count(steps, strength, sampler)
             if len(self._counts) > 4096:  # strengths are floats: keep the cache bounded
                 self._counts.clear()
             self._counts[key] = count
         return count
 
-    def _count(self, steps: int, strength: float | None) -> int:
-        scheduler = self._throwaway_scheduler(steps)
+    def _count(self, steps: int, strength: float | None, sampler: str = samplers.DEFAULT) -> int:
+        entry = self._sampler(sampler)
+        scheduler = self._throwaway_scheduler(steps, entry)
         count = steps
         if scheduler is not None:
             # Also runs a throwaway through every step: a count set_timesteps
             # takes may still fail inside the pipeline's loop (loop.timestep_count).
-            count = timestep_count(self._throwaway_scheduler, steps, self.name)
+            count = timestep_count(lambda n: self._throwaway_scheduler(n, entry), steps, self.name)
         if strength is not None:
             count = self._strength_count(scheduler, steps, strength)
             if count < 1:
@@ -358,13 +440,23 @@ class CallbackDiffusers(Diffusers):
             )
         return count
 
-    def _throwaway_scheduler(self, steps: int) -> Any | None:
-        # A copy of the pipeline's scheduler, on the CPU: the pipeline's own is
-        # the running request's, mutated by its call on the producer thread.
+    def _sampler(self, name: str) -> samplers.Sampler | None:
+        """The table entry of sampler ``name``; None for ``default`` (the pipeline's own)."""
+        if name == samplers.DEFAULT or not self._samplers:
+            return None
+        return self._samplers[name]
+
+    def _throwaway_scheduler(self, steps: int, sampler: samplers.Sampler | None = None) -> Any | None:
+        # A copy of the pipeline's scheduler (or of the request's sampler's),
+        # on the CPU: the pipeline's own is the running request's, mutated by
+        # its call on the producer thread.
         template = self._template
         if template is None or not hasattr(template, "set_timesteps") or not hasattr(template, "config"):
             return None
-        scheduler = type(template).from_config(template.config)
+        if sampler is not None:
+            scheduler = samplers.build(sampler, template.config)
+        else:
+            scheduler = type(template).from_config(template.config)
         kwargs: dict[str, Any] = {}
         if getattr(scheduler.config, "use_dynamic_shifting", False) and "mu" in inspect.signature(
             scheduler.set_timesteps
@@ -431,7 +523,8 @@ class CallbackDiffusers(Diffusers):
             kwargs[arg] = value
         output = params.get("output", "image")
         return _State(kwargs=kwargs, total=self.total_steps(params), output=output,
-                      unpack=self._unpacker(kwargs))
+                      unpack=self._unpacker(kwargs), sampler=str(params.get("sampler") or samplers.DEFAULT),
+                      loras=tuple(params.get("loras", ())))
 
     def step(self, states: Sequence[Any]) -> Sequence[torch.Tensor]:
         """Never called: the engine calls :meth:`run`. Raises RuntimeError."""
@@ -464,6 +557,13 @@ class CallbackDiffusers(Diffusers):
                 last = self._frame(state, tensors["latents"])
             return tensors
 
+        self._loras.activate(state.loras)
+        entry = self._sampler(state.sampler)
+        own = getattr(pipe, "scheduler", None)
+        if entry is not None and own is not None:
+            # This request's scheduler on the pipeline for its call; the
+            # pipeline's own back after it (one call at a time: it is ours).
+            pipe.scheduler = samplers.build(entry, own.config)
         try:
             with torch.no_grad():
                 out = pipe(
@@ -476,6 +576,9 @@ class CallbackDiffusers(Diffusers):
         except BaseException:
             _reset_after_abort(pipe)
             raise
+        finally:
+            if entry is not None:
+                pipe.scheduler = own
         if fired != state.total:
             raise RuntimeError(
                 f"{type(pipe).__name__} ran {fired} steps, total_steps predicted {state.total}"

@@ -1,8 +1,8 @@
-"""What the native loops share: state snapshots, conditioning checks, flow-matching helpers.
+"""The plain functions the native loops are built from: checks, state snapshots, batching.
 
-The UNet (:mod:`.unet`), SD3 (:mod:`.sd3`) and Flux (:mod:`.flux`)
-adapters rebuild diffusers' loops from the same pieces; they live here so
-that each adapter module holds only its own pipeline's loop.
+:mod:`.native` (the loop itself) and the adapters on it, :mod:`.unet`,
+:mod:`.flow`, :mod:`.sd3` and :mod:`.flux`, call these; none of them holds
+a request or a pipeline, so each can be read and tested alone.
 """
 
 from __future__ import annotations
@@ -16,8 +16,12 @@ import torch
 
 from ...errors import ParamsError
 from ...params import Param, positive_int
-from .base import PromptEmbeddings, vae_image
+from .base import PromptEmbeddings
 
+#: The longest prompt (and negative prompt) a native loop takes, in characters.
+MAX_PROMPT_CHARS = 10_000
+#: The largest image side a native loop takes, in pixels (a pipeline may take less).
+MAX_SIDE = 8192
 
 @dataclass(slots=True)
 class Saved:
@@ -70,14 +74,18 @@ def vae_scale_factor(pipe: Any) -> int:
     return 2 ** (len(vae.config.block_out_channels) - 1) if vae is not None else 8
 
 
-def check_pipeline_encoder(pipe: Any, needs: Sequence[str]) -> None:
-    """Raise ParamsError unless ``pipe`` can encode prompts itself (``needs`` names its parts)."""
+def check_pipeline_encoder(pipe: Any, needs: Sequence[str], pooled: bool) -> None:
+    """Raise ParamsError unless ``pipe`` can encode prompts itself (``needs`` names its parts).
+
+    ``pooled`` says whether the replacement the error asks for must return
+    pooled embeddings too.
+    """
     missing = [n for n in needs if getattr(pipe, n, None) is None]
     if missing or not callable(getattr(pipe, "encode_prompt", None)):
         raise ParamsError(
             f"{type(pipe).__name__} has no {' / '.join(missing) or 'encode_prompt'}; pass "
-            "encode_prompt=, a callable (prompt, negative_prompt) -> PromptEmbeddings "
-            "with pooled_prompt_embeds",
+            "encode_prompt=, a callable (prompt, negative_prompt) -> PromptEmbeddings"
+            + (" with pooled_prompt_embeds" if pooled else ""),
             field="encode_prompt",
         )
 
@@ -93,57 +101,71 @@ def checked_embeddings(emb: Any) -> PromptEmbeddings:
 
 
 def text_conditioning(
-    emb: PromptEmbeddings, guided: bool, width: int, pooled_width: int, family: str
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """``(embeds [rows, seq, width], pooled [rows, pooled_width])``, negative row first when guided.
+    emb: PromptEmbeddings,
+    guided: bool,
+    *,
+    width: int,
+    width_name: str,
+    family: str,
+    pooled: bool,
+    pooled_width: int | None = None,
+) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """``(embeds [rows, seq, width], pooled [rows, dim] or None)``, the negative row first when guided.
 
-    Raises ParamsError for missing, misshapen or mismatched embeddings.
+    ``width_name`` names where ``width`` comes from (``"the UNet's
+    cross_attention_dim"``), for the error; ``pooled`` says whether
+    ``family`` needs pooled embeddings, ``pooled_width`` their width where
+    it is checked here. Raises ParamsError for missing, misshapen or
+    mismatched embeddings.
     """
     positive = batch_of_one(emb.prompt_embeds, "prompt_embeds", 3)
     if positive.shape[-1] != width:
         raise ParamsError(
-            f"prompt_embeds has width {positive.shape[-1]}, the transformer's joint_attention_dim "
-            f"is {width}",
+            f"prompt_embeds has width {positive.shape[-1]}, {width_name} is {width}",
             field="prompt_embeds",
         )
-    if emb.pooled_prompt_embeds is None:
-        raise ParamsError(
-            f"{family} needs pooled_prompt_embeds; encode_prompt returned none",
-            field="pooled_prompt_embeds",
-        )
-    pooled = batch_of_one(emb.pooled_prompt_embeds, "pooled_prompt_embeds", 2)
-    if pooled.shape[-1] != pooled_width:
-        raise ParamsError(
-            f"pooled_prompt_embeds has width {pooled.shape[-1]}, the transformer's "
-            f"pooled_projection_dim is {pooled_width}",
-            field="pooled_prompt_embeds",
-        )
+    positive_pooled = None
+    if pooled:
+        if emb.pooled_prompt_embeds is None:
+            raise ParamsError(
+                f"{family} needs pooled_prompt_embeds; encode_prompt returned none",
+                field="pooled_prompt_embeds",
+            )
+        positive_pooled = batch_of_one(emb.pooled_prompt_embeds, "pooled_prompt_embeds", 2)
+        if pooled_width is not None and positive_pooled.shape[-1] != pooled_width:
+            raise ParamsError(
+                f"pooled_prompt_embeds has width {positive_pooled.shape[-1]}, the transformer's "
+                f"pooled_projection_dim is {pooled_width}",
+                field="pooled_prompt_embeds",
+            )
     if not guided:
-        return positive, pooled
-    if emb.negative_prompt_embeds is None or emb.negative_pooled_prompt_embeds is None:
-        raise ParamsError(
-            "encode_prompt returned no negative_prompt_embeds / negative_pooled_prompt_embeds, "
-            "which guidance_scale > 1 needs",
-            field="negative_prompt_embeds",
-        )
-    negative = batch_of_one(emb.negative_prompt_embeds, "negative_prompt_embeds", 3)
-    if negative.shape != positive.shape:
-        raise ParamsError(
-            f"negative_prompt_embeds {tuple(negative.shape)} and prompt_embeds "
-            f"{tuple(positive.shape)} must have the same shape",
-            field="negative_prompt_embeds",
-        )
-    negative_pooled = batch_of_one(
-        emb.negative_pooled_prompt_embeds, "negative_pooled_prompt_embeds", 2
-    )
-    if negative_pooled.shape != pooled.shape:
-        raise ParamsError(
-            f"negative_pooled_prompt_embeds {tuple(negative_pooled.shape)} and "
-            f"pooled_prompt_embeds {tuple(pooled.shape)} must have the same shape",
-            field="negative_pooled_prompt_embeds",
-        )
+        return positive, positive_pooled
+    negative = _negative(emb.negative_prompt_embeds, positive, "negative_prompt_embeds", family)
     # The pipelines' row order: negative, then positive.
-    return torch.cat([negative, positive]), torch.cat([negative_pooled, pooled])
+    embeds = torch.cat([negative, positive])
+    if positive_pooled is None:
+        return embeds, None
+    negative_pooled = _negative(
+        emb.negative_pooled_prompt_embeds, positive_pooled, "negative_pooled_prompt_embeds", family
+    )
+    return embeds, torch.cat([negative_pooled, positive_pooled])
+
+
+def _negative(value: Any, positive: torch.Tensor, field: str, family: str) -> torch.Tensor:
+    if value is None:
+        raise ParamsError(
+            f"{family} with guidance_scale > 1 needs {field}; encode_prompt returned none",
+            field=field,
+        )
+    negative = batch_of_one(value, field, positive.dim())
+    if negative.shape != positive.shape:
+        like = field.removeprefix("negative_")
+        raise ParamsError(
+            f"{field} {tuple(negative.shape)} and {like} {tuple(positive.shape)} "
+            "must have the same shape",
+            field=field,
+        )
+    return negative
 
 
 def with_defaults(
@@ -293,27 +315,8 @@ def step_atomically(
         raise
 
 
-def flow_x0(scheduler: Any, sample: torch.Tensor, velocity: torch.Tensor) -> torch.Tensor | None:
-    """The clean-latent estimate of the step just taken, ``x_t - sigma_t * v``, or None.
-
-    Only for flow-matching Euler schedulers, where that step's sigma is
-    ``sigmas[step_index - 1]`` once ``step`` has advanced the index (the x0
-    its stochastic sampling computes too).
-    """
-    from diffusers import FlowMatchEulerDiscreteScheduler
-
-    if not isinstance(scheduler, FlowMatchEulerDiscreteScheduler) or scheduler.config.invert_sigmas:
-        return None
-    index = scheduler.step_index
-    if index is None or index < 1:
-        return None
-    sigma: torch.Tensor = scheduler.sigmas[index - 1]
-    x0 = sample.float() - sigma.to(sample.device) * velocity.float()
-    return x0.to(sample.dtype)
-
-
-def shifted_vae_decode(pipe: Any, latents: torch.Tensor) -> torch.Tensor:
-    """SD3/Flux VAE decode of ``[C, h, w]`` latents: ``vae.decode(x / scaling + shift)`` as ``vae_image``.
+def vae_latents(pipe: Any, latents: torch.Tensor) -> tuple[Any, torch.Tensor]:
+    """``(pipe.vae, latents as [C, h, w])`` for a decode; a leading batch of one is dropped.
 
     Raises ParamsError without a VAE or for latents of the wrong shape.
     """
@@ -328,14 +331,7 @@ def shifted_vae_decode(pipe: Any, latents: torch.Tensor) -> torch.Tensor:
             f"decode needs latents [{channels}, h, w], got {tuple(latents.shape)}",
             field="latents",
         )
-    param = next(vae.parameters())
-    shift = vae.config.shift_factor or 0.0
-    with torch.no_grad():
-        # The pipelines' order: rescale in the latents' dtype, then hand the
-        # VAE its own device and dtype.
-        x = latents[None].to(param.device) / vae.config.scaling_factor + shift
-        image = vae.decode(x.to(param.dtype), return_dict=False)[0]
-    return vae_image(image)
+    return vae, latents
 
 
 def batch_of_one(value: Any, field: str, ndim: int) -> torch.Tensor:

@@ -1,0 +1,556 @@
+"""The native denoise loop, once: what every native adapter does the same way.
+
+``pipe(...)`` runs its whole denoise loop in one call, so the engine cannot
+drive it. A native adapter rebuilds that loop from the pipeline's
+components, one denoiser evaluation per engine ``step``. The loop has the
+same shape for every pipeline, and :class:`NativeDiffusers` holds it:
+
+- the params (prompt, steps, guidance, seed, size) and their checks;
+- a request's own scheduler (``from_config`` of the pipeline's) and CPU
+  generator, its noise, its :class:`NativeState`;
+- one ``step`` over several requests: denoiser calls grouped by shape, each
+  row at its own timestep, guidance, ``scheduler.step``, the frame, all
+  undone if anything raises (:func:`.loop.step_atomically`);
+- ``close``, ``load``, ``batch_key`` and the VAE decodes.
+
+Why each request owns its scheduler: a diffusers pipeline is not safe to
+share between concurrent requests (diffusers #1606, Qwen-Image #236),
+because its scheduler keeps per-run state (timesteps, step index, earlier
+model outputs of multistep solvers). Every request gets its own scheduler,
+its own latents and its own CPU generator; the denoiser, VAE and text
+encoders are only ever read.
+
+An adapter (:mod:`.unet`, :mod:`.sd3`, :mod:`.flux`) keeps only what its
+pipeline does differently, in the hooks marked "the adapter's" below: how
+its denoiser and scheduler are checked, how prompts are encoded, how the
+noise becomes latents, how the denoiser is called and guidance applied,
+which frame a step shows, how latents are decoded.
+"""
+
+from __future__ import annotations
+
+import abc
+from collections.abc import Hashable, Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import Any, Generic, TypeVar
+
+import torch
+
+from ...errors import ParamsError
+from ...params import Param, seed_param, square_size
+from . import samplers
+from .base import INSTALL_HINT, Diffusers, EncodePrompt, PromptEmbeddings
+from .loop import (
+    MAX_PROMPT_CHARS,
+    MAX_SIDE,
+    check_batch_size,
+    check_mode,
+    check_multiple,
+    check_pipeline_encoder,
+    checked_embeddings,
+    same_device,
+    scheduler_template,
+    signature_params,
+    size_param,
+    step_atomically,
+    timestep_count,
+    vae_scale_factor,
+    with_defaults,
+)
+from .loras import LoraBank, LoraSet, check_loras, split_loras
+
+__all__ = ["NativeDiffusers", "NativeState", "TextConditioning"]
+
+
+@dataclass(kw_only=True)
+class TextConditioning:
+    """A request's text conditioning, rows ready for the denoiser; adapters add their own."""
+
+    embeds: torch.Tensor  # [rows, seq, dim]; rows = 2 (negative, positive) with guidance, else 1
+    pooled: torch.Tensor | None = None  # [rows, dim] where the pipeline takes pooled embeddings
+
+
+CondT = TypeVar("CondT", bound=TextConditioning)
+
+
+@dataclass(kw_only=True)
+class NativeState(Generic[CondT]):
+    """One request in a native loop; ``latents`` and ``cond`` are None once it is closed."""
+
+    params: Mapping[str, Any]
+    total: int  # frames the request gives: len(scheduler.timesteps)
+    scheduler: Any  # this request's own; never shared
+    generator: torch.Generator  # this request's own; drew the noise, feeds stochastic sampling
+    latents: torch.Tensor | None  # [1, ...] in the denoiser's layout
+    cond: CondT | None
+    guided: bool  # classifier-free guidance: two rows (negative, positive) per call
+    step_kwargs: dict[str, Any] = field(default_factory=dict)
+    done: int = 0  # steps completed
+
+    @property
+    def rows(self) -> int:
+        return 2 if self.guided else 1
+
+    @property
+    def conditioning(self) -> CondT:
+        if self.cond is None:
+            raise RuntimeError("a closed request has no conditioning")
+        return self.cond
+
+    def model_input(self) -> torch.Tensor:
+        """The latents once per row: twice (negative, positive) with guidance."""
+        if self.latents is None:
+            raise RuntimeError("a closed request has no latents")
+        return torch.cat([self.latents] * 2) if self.guided else self.latents
+
+
+class NativeDiffusers(Diffusers, Generic[CondT]):
+    """A diffusers pipeline whose denoise loop is rebuilt here, one denoiser evaluation per engine step.
+
+    ``NativeDiffusers(pipe, *, mode="native", encode_prompt=None,
+    scheduler=None, defaults=None, max_batch_size=1, name=None)``: ``mode``
+    is "auto" or "native" (what :class:`Diffusers` passes on);
+    ``encode_prompt`` turns a prompt into :class:`PromptEmbeddings` (the
+    pipeline's own encoder when omitted); ``scheduler`` replaces the
+    pipeline's (only its class and config are read); ``defaults`` overrides
+    param defaults; ``max_batch_size`` above 1 lets the engine run several
+    requests in one denoiser call (see :meth:`batch_key`).
+    """
+
+    name = "diffusers"
+    mode = "native"
+
+    # -- what an adapter declares ------------------------------------------------
+
+    #: ``steps``' default: the pipeline's ``num_inference_steps``.
+    default_steps: int = 50
+    #: ``guidance_scale``'s default: the pipeline's.
+    default_guidance: float = 7.5
+    #: Whether the pipeline takes a negative prompt.
+    takes_negative_prompt: bool = True
+    #: Whether a request's scheduler starts at index 0 (``set_begin_index``)
+    #: rather than looking its first timestep up by value.
+    starts_at_first_timestep: bool = True
+    #: The pipeline's components its own ``encode_prompt`` needs.
+    encoder_parts: tuple[str, ...] = ("tokenizer", "text_encoder")
+    #: Whether the denoiser takes pooled text embeddings.
+    needs_pooled: bool = False
+    #: The samplers a request may name (those of them this diffusers has and
+    #: that run this loop are offered; samplers.py).
+    sampler_table: tuple[samplers.Sampler, ...] = samplers.NOISE
+
+    def __init__(
+        self,
+        pipe: Any,
+        *,
+        mode: str = "native",
+        encode_prompt: EncodePrompt | None = None,
+        scheduler: Any | None = None,
+        defaults: Mapping[str, Any] | None = None,
+        max_batch_size: int = 1,
+        name: str | None = None,
+    ) -> None:
+        """Wrap ``pipe``; the options are the class docstring's.
+
+        Raises ImportError without diffusers; ParamsError for a pipeline this
+        adapter cannot drive, a scheduler that cannot run its loop, a missing
+        prompt encoder, or bad ``defaults``.
+        """
+        try:
+            # diffusers' own helpers, so the loop does what the pipeline does.
+            from diffusers.utils.torch_utils import randn_tensor
+
+            self._import_helpers()
+        except ImportError as exc:
+            raise ImportError(INSTALL_HINT) from exc
+        self._randn_tensor = randn_tensor
+        check_mode(mode)
+        check_batch_size(max_batch_size)
+        self._pipe = pipe
+        self._denoiser = self._checked_denoiser(pipe)
+        template = scheduler_template(pipe, scheduler)
+        self._scheduler_cls = type(template)
+        self._scheduler_config = template.config
+        self._step_params = signature_params(template.step)
+        self._vae_scale = vae_scale_factor(pipe)
+        # Set by _configure: the latent channels, the multiple sides must be,
+        # the largest side, the pipeline's default (height, width).
+        self._channels = 0
+        self._multiple = 8
+        self._max_side = MAX_SIDE
+        self._default_size = (0, 0)
+        self._configure(template)
+        self._samplers = {s.name: s for s in samplers.offered(self.sampler_table, self._runs_loop)}
+        self._loras = LoraBank(pipe)
+        if encode_prompt is not None and not callable(encode_prompt):
+            raise ParamsError(
+                f"encode_prompt must be callable, got {type(encode_prompt).__name__}",
+                field="encode_prompt",
+            )
+        if encode_prompt is None:
+            check_pipeline_encoder(pipe, self.encoder_parts, self.needs_pooled)
+        self._encode_prompt = encode_prompt
+        self.max_batch_size = max_batch_size
+        self.name = name or "diffusers"
+        self.params = with_defaults(self._declare(), defaults, self.name)
+        self._timestep_counts: dict[tuple[str, int], int] = {}
+
+    @property
+    def lora_names(self) -> tuple[str, ...]:
+        """The LoRAs a request may name in ``loras`` (loaded with :meth:`load_loras`)."""
+        return self._loras.names
+
+    def load_loras(self, loras: Mapping[str, Any]) -> None:
+        """Load ``{name: path}`` LoRAs (diffusers' ``load_lora_weights``, through peft).
+
+        Before the engine starts: it runs on the caller's thread. Raises
+        ValueError naming the LoRA that fails, ImportError without peft.
+        """
+        self._loras.load(loras)
+
+    @property
+    def sampler_names(self) -> tuple[str, ...]:
+        """The names ``sampler`` takes: ``default`` (the pipeline's own scheduler), then the offered ones."""
+        return (samplers.DEFAULT, *self._samplers)
+
+    def _runs_loop(self, sampler: samplers.Sampler) -> bool:
+        """Whether ``sampler``'s scheduler takes this loop's timesteps and steps through them."""
+        height, width = self._default_size
+        try:
+            # A dry run of a few steps (timestep_count steps through them all).
+            timestep_count(
+                lambda n: self._scheduler(n, None, height, width, sampler.name, offer=sampler), 4, self.name
+            )
+        except Exception:  # noqa: BLE001 - whatever the class raises, it is not offered
+            return False
+        return True
+
+    # -- declarations and checks (event loop) --------------------------------
+
+    def _declare(self) -> list[Param]:
+        multiple, largest = self._multiple, self._max_side
+        height, width = self._default_size
+        params = [Param("prompt", "str", "", "text prompt", max_len=MAX_PROMPT_CHARS)]
+        if self.takes_negative_prompt:
+            params.append(Param("negative_prompt", "str", "", "what to steer away from (with guidance)",
+                                max_len=MAX_PROMPT_CHARS))
+        return [
+            *params,
+            Param("steps", "int", self.default_steps, "denoise steps (num_inference_steps)",
+                  minimum=1, maximum=1000),
+            *self._guidance_params(),
+            seed_param("seed of the request's CPU generator"),
+            Param("height", "int", height, f"image height in pixels, a multiple of {multiple}",
+                  minimum=multiple, maximum=largest),
+            Param("width", "int", width, f"image width in pixels, a multiple of {multiple}",
+                  minimum=multiple, maximum=largest),
+            size_param(multiple, largest),
+            Param("sampler", "str", samplers.DEFAULT,
+                  f"the scheduler: default is the pipeline's own ({self._scheduler_cls.__name__}); "
+                  "the others by their AUTOMATIC1111 / ComfyUI names", choices=self.sampler_names),
+            *self._sampler_params(),
+        ]
+
+    def validate(self, params: Mapping[str, Any] | None) -> dict[str, Any]:
+        """Checked params with defaults filled in; raises ParamsError naming the field."""
+        params, loras = split_loras(params)
+        out = super().validate(params)
+        out["loras"] = check_loras(loras, self.lora_names, model=self.name)
+        square_size(out, params, model=self.name)
+        # Some pipelines only warn and round down; a request gets the size it asked for.
+        check_multiple(out, self._multiple, self.name)
+        self._timestep_count(out["steps"], out["sampler"])
+        return out
+
+    def total_steps(self, params: Mapping[str, Any]) -> int:
+        """One frame per denoiser evaluation: ``len(scheduler.timesteps)`` for ``steps``.
+
+        That is ``steps`` for most schedulers, but not all (PNDM: steps + 1;
+        Heun and DPM2: 2 * steps - 1). Raises ParamsError when the scheduler
+        rejects ``steps``.
+        """
+        return self._timestep_count(int(params["steps"]), params.get("sampler", samplers.DEFAULT))
+
+    def _timestep_count(self, steps: int, sampler: str) -> int:
+        count = self._timestep_counts.get((sampler, steps))
+        if count is None:
+            # A throwaway scheduler on the CPU, cached per sampler and step
+            # count, so the event loop pays it once per distinct pair; the size
+            # (mu, where the pipeline shifts by it) moves the timesteps, never
+            # their number.
+            height, width = self._default_size
+            count = timestep_count(
+                lambda n: self._scheduler(n, None, height, width, sampler), steps, self.name
+            )
+            self._timestep_counts[(sampler, steps)] = count
+        return count
+
+    def _scheduler(
+        self,
+        steps: int,
+        device: torch.device | None,
+        height: int,
+        width: int,
+        sampler: str = samplers.DEFAULT,
+        *,
+        offer: samplers.Sampler | None = None,
+    ) -> Any:
+        """A fresh scheduler for ``sampler`` set as a request's loop starts it (the step count checks
+        run it too). ``offer``: a table entry not offered yet (its trial run)."""
+        if sampler == samplers.DEFAULT:
+            scheduler = self._scheduler_cls.from_config(self._scheduler_config)
+        else:
+            scheduler = samplers.build(offer or self._samplers[sampler], self._scheduler_config)
+        self._set_timesteps(scheduler, steps, device, height, width)
+        if self.starts_at_first_timestep and hasattr(scheduler, "set_begin_index"):
+            # Text-to-image always starts at the first timestep; without this
+            # the index is looked up by value, which is wrong for repeated
+            # timesteps.
+            scheduler.set_begin_index(0)
+        return scheduler
+
+    def batch_key(self, params: Mapping[str, Any]) -> Hashable | None:
+        """``(height, width, sampler)`` when batching is on (``max_batch_size > 1``), else None.
+
+        Batched requests share denoiser calls, each row at its own timestep
+        and guidance. A batched call can round differently from a solo one
+        (kernels are chosen per batch size), so batched results match solo
+        ones closely, not bit for bit; hence batching is opt-in.
+        """
+        if self.max_batch_size == 1:
+            return None
+        # Requests on different samplers, or with other LoRAs, are never
+        # batched together: one batch, one kind of step, one set of weights.
+        return (params["height"], params["width"], params.get("sampler", samplers.DEFAULT),
+                params.get("loras", ()))
+
+    # -- producer thread -------------------------------------------------------
+
+    def load(self, device: torch.device) -> None:
+        """Move the pipeline's modules to ``device`` unless the denoiser is there already."""
+        if not same_device(next(self._denoiser.parameters()).device, device):
+            self._pipe.to(device)
+
+    def start(self, params: Mapping[str, Any], device: torch.device) -> NativeState[CondT]:
+        """Encode the prompt, make this request's scheduler, generator and noise.
+
+        Raises ParamsError when the prompt embeddings do not fit the denoiser.
+        """
+        height, width = int(params["height"]), int(params["width"])
+        with torch.no_grad():
+            dtype = self._denoiser.dtype
+            guided = self._guided(params)
+            # A LoRA may adapt the text encoders too: its weights are on before the prompt is encoded.
+            self._loras.activate(_loras_of(params))
+            cond = self._conditioning(params, device, dtype, guided)
+            # Only the noise draws from the generator, so the order of the two
+            # lines below changes nothing (SD draws after set_timesteps, SD3
+            # and Flux before).
+            scheduler = self._scheduler(
+                int(params["steps"]), device, height, width, params.get("sampler", samplers.DEFAULT)
+            )
+            generator = torch.Generator(device="cpu").manual_seed(int(params["seed"]))
+            shape = (1, self._channels, *self._latent_size(height, width))
+            noise = self._randn_tensor(shape, generator=generator, device=device, dtype=dtype)
+            latents = self._initial_latents(noise, scheduler, height, width)
+        return NativeState(
+            params=params,
+            total=len(scheduler.timesteps),
+            scheduler=scheduler,
+            generator=generator,
+            latents=latents,
+            cond=cond,
+            guided=guided,
+            step_kwargs=self._step_kwargs(params, generator, signature_params(scheduler.step)),
+        )
+
+    def _step_kwargs(
+        self, params: Mapping[str, Any], generator: torch.Generator, takes: frozenset[str]
+    ) -> dict[str, Any]:
+        """What ``scheduler.step`` gets besides the model output (``takes``: its parameters)."""
+        kwargs: dict[str, Any] = {}
+        if "generator" in takes:
+            # Only stochastic sampling draws here; the pipeline would use the
+            # global RNG, a request its own generator.
+            kwargs["generator"] = generator
+        return kwargs
+
+    def step(self, states: Sequence[NativeState[CondT]]) -> list[torch.Tensor]:
+        """Run one denoise step for each state; one frame ``[C, h, w]`` each.
+
+        Raises RuntimeError for a closed or finished state. If anything
+        raises, every state (its scheduler and generator too) is left as it
+        was, so the engine can retry each request alone.
+        """
+        return step_atomically(states, self.name, self._step)
+
+    def _step(self, states: Sequence[NativeState[CondT]]) -> list[torch.Tensor]:
+        timesteps = [s.scheduler.timesteps[s.done] for s in states]
+        preds = self._predict(states, timesteps)
+        # Nothing below writes to a state until every scheduler has stepped:
+        # a raise leaves only scheduler/generator changes, which step() undoes.
+        results = []
+        for s, t, pred in zip(states, timesteps, preds, strict=True):
+            latents = s.latents
+            assert latents is not None
+            pred = self._guide(s, pred)
+            output = s.scheduler.step(pred, t, latents, **s.step_kwargs, return_dict=True)
+            prev = output.prev_sample
+            # Intermediate frames show the clean-sample estimate, so previews
+            # show the picture forming (diffusers #3579); the last, the result.
+            x0 = None if s.done + 1 == s.total else self._x0(s, output, latents, pred)
+            results.append((prev, self._frame(s, prev if x0 is None else x0)))
+        frames = []
+        for s, (prev, frame) in zip(states, results, strict=True):
+            s.latents = prev
+            s.done += 1
+            frames.append(frame)
+        return frames
+
+    def _predict(
+        self, states: Sequence[NativeState[CondT]], timesteps: Sequence[torch.Tensor]
+    ) -> list[torch.Tensor]:
+        # One denoiser call per group of states whose inputs have one shape
+        # (always one group with the pipeline's own encoder and a batch key).
+        # Each row carries its own timestep, so requests at different steps
+        # share a call.
+        groups: dict[tuple[LoraSet, Hashable], list[int]] = {}
+        for i, s in enumerate(states):
+            groups.setdefault((_loras_of(s.params), self._group_key(s)), []).append(i)
+        preds: list[torch.Tensor | None] = [None] * len(states)
+        for (loras, _), members in groups.items():
+            self._loras.activate(loras)  # one set_adapters, only when it changes
+            out = self._denoise([states[i] for i in members], [timesteps[i] for i in members])
+            offset = 0
+            for i in members:
+                rows = states[i].rows
+                preds[i] = out[offset : offset + rows]
+                offset += rows
+        assert all(p is not None for p in preds)
+        return preds  # type: ignore[return-value]
+
+    def _group_key(self, s: NativeState[CondT]) -> Hashable:
+        assert s.latents is not None
+        return (tuple(s.conditioning.embeds.shape[1:]), tuple(s.latents.shape[1:]))
+
+    def _guide(self, s: NativeState[CondT], pred: torch.Tensor) -> torch.Tensor:
+        """Classifier-free guidance of a guided request's two rows; ``pred`` as it is otherwise."""
+        if not s.guided:
+            return pred
+        uncond, text = pred.chunk(2)
+        return uncond + float(s.params["guidance_scale"]) * (text - uncond)
+
+    def _frame(self, s: NativeState[CondT], latents: torch.Tensor) -> torch.Tensor:
+        """The frame ``[C, h, w]`` a step hands out for ``latents`` ``[1, C, h, w]``."""
+        return latents[0]
+
+    def close(self, state: NativeState[CondT]) -> None:
+        """Drop the request's tensors; a later ``step`` on it raises."""
+        state.latents = None
+        state.cond = None
+        state.scheduler = None
+        state.step_kwargs = {}
+
+    # -- prompts ----------------------------------------------------------------
+
+    def _encode(self, params: Mapping[str, Any], device: torch.device, guided: bool) -> PromptEmbeddings:
+        prompt, negative_prompt = params["prompt"], params.get("negative_prompt", "")
+        if self._encode_prompt is not None:
+            return checked_embeddings(self._encode_prompt(prompt, negative_prompt))
+        return self._pipeline_encode(prompt, negative_prompt, device, guided)
+
+    # -- decoding ---------------------------------------------------------------
+
+    def decode(self, state: NativeState[CondT], frame: torch.Tensor) -> torch.Tensor:
+        """The request's image ``[3, H, W]`` in [-1, 1]: the final latent through the VAE.
+
+        Runs on the producer's device; the engine calls this for ``output:
+        "image"`` (see ``StepModel.decode``). Raises ParamsError without a VAE.
+        """
+        return self._vae_decode(frame)
+
+    def decode_latents(self, latents: torch.Tensor) -> torch.Tensor:
+        """Decode one frame's latents with the VAE: float32 RGB ``[3, H, W]`` in ``[-1, 1]``, on the CPU.
+
+        For the frames a request returned with ``output: "latent"``. Runs the
+        full VAE on the calling thread: call it once the engine is done, not
+        beside a running engine on a small CPU box, where its torch threads
+        would fight the producer's. Raises ParamsError without a VAE or for
+        latents of the wrong shape.
+        """
+        return self._vae_decode(latents).cpu()
+
+    # -- the adapter's: what its pipeline does its own way ------------------------
+
+    def _import_helpers(self) -> None:
+        """Bind the pipeline module's own helpers; raises ImportError without them."""
+
+    @abc.abstractmethod
+    def _checked_denoiser(self, pipe: Any) -> Any:
+        """``pipe``'s denoiser; raises ParamsError when it is not one this loop can drive."""
+
+    @abc.abstractmethod
+    def _configure(self, template: Any) -> None:
+        """Read what the loop needs from the denoiser and ``template`` (the scheduler); ParamsError."""
+
+    def _guidance_params(self) -> list[Param]:
+        """The params that set guidance: classifier-free guidance's scale, unless the pipeline differs."""
+        return [Param("guidance_scale", "float", self.default_guidance,
+                      "classifier-free guidance; 1 or less turns it off", minimum=0.0, maximum=100.0)]
+
+    def _sampler_params(self) -> list[Param]:
+        """Params the scheduler takes (``eta``), declared last."""
+        return []
+
+    def _set_timesteps(
+        self, scheduler: Any, steps: int, device: torch.device | None, height: int, width: int
+    ) -> None:
+        """Set ``scheduler``'s timesteps for ``steps`` the way the pipeline's ``__call__`` does."""
+        scheduler.set_timesteps(steps, device=device)
+
+    def _guided(self, params: Mapping[str, Any]) -> bool:
+        """Whether the request runs classifier-free guidance (two rows per denoiser call)."""
+        return float(params["guidance_scale"]) > 1.0
+
+    @abc.abstractmethod
+    def _pipeline_encode(
+        self, prompt: str, negative_prompt: str, device: torch.device, guided: bool
+    ) -> PromptEmbeddings:
+        """The pipeline's own ``encode_prompt``, as :class:`PromptEmbeddings`."""
+
+    @abc.abstractmethod
+    def _conditioning(
+        self, params: Mapping[str, Any], device: torch.device, dtype: torch.dtype, guided: bool
+    ) -> CondT:
+        """The request's conditioning on ``device``; ParamsError when it does not fit the denoiser."""
+
+    def _latent_size(self, height: int, width: int) -> tuple[int, int]:
+        """The noise's ``(h, w)`` for an image of ``height`` x ``width`` pixels."""
+        return (height // self._vae_scale, width // self._vae_scale)
+
+    def _initial_latents(
+        self, noise: torch.Tensor, scheduler: Any, height: int, width: int
+    ) -> torch.Tensor:
+        """The first latents from the noise ``[1, C, h, w]``, in the denoiser's layout."""
+        return noise
+
+    @abc.abstractmethod
+    def _denoise(
+        self, group: Sequence[NativeState[CondT]], timesteps: Sequence[torch.Tensor]
+    ) -> torch.Tensor:
+        """One denoiser call on ``group``'s rows, in order; its prediction, ``rows`` rows a state."""
+
+    def _x0(
+        self, s: NativeState[CondT], output: Any, latents: torch.Tensor, pred: torch.Tensor
+    ) -> torch.Tensor | None:
+        """The clean-sample estimate of the step ``output`` just took from ``latents``, or None."""
+        return None
+
+    @abc.abstractmethod
+    def _vae_decode(self, latents: torch.Tensor) -> torch.Tensor:
+        """``latents`` ``[C, h, w]`` through the pipeline's VAE: ``[3, H, W]`` in [-1, 1]; ParamsError."""
+
+
+def _loras_of(params: Mapping[str, Any]) -> LoraSet:
+    loras: LoraSet = params.get("loras", ())
+    return loras

@@ -1,0 +1,147 @@
+"""Samplers by the names users know, mapped to diffusers schedulers (pure lookups, no loop).
+
+AUTOMATIC1111 and ComfyUI name a sampler (``euler_a``, ``dpmpp_2m_karras``);
+diffusers names a scheduler class and its options. :data:`NOISE` is the
+table for models that predict noise (or v): SD 1.x/2.x, SDXL;
+:data:`FLOW` the one for flow-matching models (SD3, Flux). A model offers
+the entries of its table that this diffusers has and that run its loop
+(:func:`offered`), plus ``default``: the scheduler the pipeline came with,
+as configured.
+
+A request's scheduler is ``Class.from_config(pipe.scheduler.config,
+**options)``, the way the diffusers documentation switches schedulers, so a
+request with sampler X equals ``pipe(...)`` after ``pipe.scheduler =
+Class.from_config(pipe.scheduler.config, **options)``. The options set
+every choice a sampler's name makes (Karras sigmas on or off, the solver's
+algorithm), so nothing the pipeline's own config says about them leaks
+into another sampler.
+"""
+
+from __future__ import annotations
+
+import copy
+import inspect
+import json
+import threading
+from collections import OrderedDict
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from typing import Any, Final
+
+__all__ = ["DEFAULT", "FLOW", "NOISE", "Sampler", "build", "offered", "sampler_names"]
+
+#: The pipeline's own scheduler, as it was loaded (its class and config unchanged).
+DEFAULT: Final = "default"
+
+
+@dataclass(frozen=True, slots=True)
+class Sampler:
+    """One name: the diffusers scheduler class and the options that make it that sampler."""
+
+    name: str
+    scheduler: str
+    options: dict[str, Any] = field(default_factory=dict)
+    #: Python packages it needs beyond diffusers (LMS computes its coefficients with scipy).
+    needs: tuple[str, ...] = ()
+
+
+def _karras(
+    name: str, scheduler: str, options: dict[str, Any] | None = None, needs: tuple[str, ...] = ()
+) -> tuple[Sampler, Sampler]:
+    """A sampler and its ``_karras`` twin (Karras et al.'s noise levels)."""
+    options = options or {}
+    return (
+        Sampler(name, scheduler, {**options, "use_karras_sigmas": False}, needs),
+        Sampler(f"{name}_karras", scheduler, {**options, "use_karras_sigmas": True}, needs),
+    )
+
+
+_DPMPP: dict[str, Any] = {"algorithm_type": "dpmsolver++", "solver_order": 2}
+_DPMPP_SDE: dict[str, Any] = {"algorithm_type": "sde-dpmsolver++", "solver_order": 2}
+
+#: Noise- and v-prediction models (UNet pipelines), A1111's names first.
+NOISE: Final[tuple[Sampler, ...]] = (
+    *_karras("euler", "EulerDiscreteScheduler"),
+    Sampler("euler_a", "EulerAncestralDiscreteScheduler"),
+    *_karras("heun", "HeunDiscreteScheduler"),
+    *_karras("dpm_2", "KDPM2DiscreteScheduler"),
+    *_karras("dpm_2_a", "KDPM2AncestralDiscreteScheduler"),
+    *_karras("lms", "LMSDiscreteScheduler", needs=("scipy",)),  # its coefficients: scipy.integrate
+    *_karras("dpmpp_2m", "DPMSolverMultistepScheduler", _DPMPP),
+    *_karras("dpmpp_2m_sde", "DPMSolverMultistepScheduler", _DPMPP_SDE),
+    *_karras("dpmpp_sde", "DPMSolverSDEScheduler", needs=("torchsde",)),  # torchsde's Brownian tree
+    Sampler("ddim", "DDIMScheduler"),
+    Sampler("ddpm", "DDPMScheduler"),
+    Sampler("pndm", "PNDMScheduler"),
+    *_karras("unipc", "UniPCMultistepScheduler"),
+    *_karras("deis", "DEISMultistepScheduler"),
+    Sampler("lcm", "LCMScheduler"),
+    Sampler("tcd", "TCDScheduler"),
+)
+
+#: Flow-matching models (SD3, Flux).
+FLOW: Final[tuple[Sampler, ...]] = (
+    *_karras("euler", "FlowMatchEulerDiscreteScheduler"),
+    Sampler("heun", "FlowMatchHeunDiscreteScheduler"),
+    Sampler("lcm", "FlowMatchLCMScheduler"),
+)
+
+
+def sampler_names(table: Sequence[Sampler]) -> tuple[str, ...]:
+    return tuple(s.name for s in table)
+
+
+def scheduler_class(sampler: Sampler) -> Any:
+    """The diffusers class of ``sampler``, or None where this diffusers or an extra lacks it."""
+    import importlib
+
+    import diffusers
+
+    for package in sampler.needs:
+        try:
+            importlib.import_module(package)
+        except ImportError:
+            return None
+    cls = getattr(diffusers, sampler.scheduler, None)
+    return cls if isinstance(cls, type) else None
+
+
+# Built schedulers, never set: a request gets a deep copy. Some classes
+# compute tables in __init__ (KDPM2: ~130 ms on a CPU), which each request
+# would otherwise pay on the producer; a copy of an unused one is the same
+# object a fresh from_config makes (set_timesteps then sets it up as a
+# pipeline's __call__ does). Bounded: a few models' samplers.
+_PROTOTYPES: OrderedDict[tuple[str, str], Any] = OrderedDict()
+_PROTOTYPES_MAX = 128
+_lock = threading.Lock()  # the event loop (step counts) and the producer (start) both build
+
+
+def build(sampler: Sampler, config: Any) -> Any:
+    """A fresh scheduler for ``sampler`` from a pipeline scheduler's ``config``.
+
+    Options the class does not take are left out (``use_karras_sigmas=False``
+    asks nothing of a class without Karras sigmas); one it needs and lacks
+    is a bug in the table. Raises LookupError where the class is missing.
+    """
+    key = (sampler.name, json.dumps(dict(config), sort_keys=True, default=repr))
+    with _lock:
+        prototype = _PROTOTYPES.get(key)
+        if prototype is not None:
+            _PROTOTYPES.move_to_end(key)
+    if prototype is None:
+        cls = scheduler_class(sampler)
+        if cls is None:
+            raise LookupError(f"sampler {sampler.name!r} needs {sampler.scheduler}, which is not available")
+        takes = inspect.signature(cls.__init__).parameters
+        options = {k: v for k, v in sampler.options.items() if k in takes or v is not False}
+        prototype = cls.from_config(config, **options)
+        with _lock:
+            _PROTOTYPES[key] = prototype
+            while len(_PROTOTYPES) > _PROTOTYPES_MAX:
+                _PROTOTYPES.popitem(last=False)
+    return copy.deepcopy(prototype)
+
+
+def offered(table: Sequence[Sampler], works: Callable[[Sampler], bool]) -> tuple[Sampler, ...]:
+    """The entries of ``table`` this diffusers has and ``works`` accepts (a dry run of the model's loop)."""
+    return tuple(s for s in table if scheduler_class(s) is not None and works(s))
