@@ -12,6 +12,7 @@ runs it; ``docs/performance.md`` explains each figure. The figures, by name:
 ``fanout``     100 websocket clients through the server, against a ComfyUI-style publish loop
 ``memory``     RSS after 1,000 requests against after 100, and a reader that never reads
 ``diffusers_stream``  a random SD pipeline streamed (native, callback, TAESD previews) against ``pipe()``
+``diffusers_batching``  4 and 16 concurrent requests on that pipeline, batched, unbatched, one at a time
 """
 
 from __future__ import annotations
@@ -32,4 +33,5 @@ FIGURES: dict[str, str] = {
     "fanout": "benchmarks.fanout",
     "memory": "benchmarks.memory",
     "diffusers_stream": "benchmarks.diffusers_stream",
+    "diffusers_batching": "benchmarks.diffusers_batching",
 }

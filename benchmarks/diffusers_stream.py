@@ -38,8 +38,8 @@ The variants, interleaved (A B ... B A), ``3 * ctx.reps`` samples each
     of its own built per request) against ``pipe()`` after ``pipe.scheduler =
     DPMSolverMultistepScheduler.from_config(..., use_karras_sigmas=True)``.
 ``lora_same`` / ``lora_switch`` (with peft)
-    two requests at once on one engine (one at a time on the producer, so
-    their steps alternate), on a copy of the pipeline with one random LoRA
+    two requests at once on one engine, unbatched (one at a time on the
+    producer, so their steps alternate), on a copy of the pipeline with one random LoRA
     (rank 4 on the UNet's attention) loaded: both with the LoRA at 0.8, or
     one with it and one without, which puts a ``set_adapters`` /
     ``disable_lora`` before every step.
@@ -231,7 +231,9 @@ def _lora_model(sizes: Sizes, embeddings: Any) -> tuple[Any, str, list[float]]:
     StableDiffusionPipeline.save_lora_weights(
         folder, unet_lora_layers=convert_state_dict_to_diffusers(get_peft_model_state_dict(unet))
     )
-    model = Diffusers(pipe, encode_prompt=lambda prompt, negative: embeddings)
+    # batch=False: both variants make one UNet call per request and step (two
+    # requests with the same LoRAs would otherwise share calls, the others not).
+    model = Diffusers(pipe, encode_prompt=lambda prompt, negative: embeddings, batch=False)
     model.load_loras({"ink": folder})
     bank = model._loras
     switch_ms = []

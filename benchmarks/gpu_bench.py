@@ -26,7 +26,10 @@ side by side in one run, baseline and engine interleaved:
   sizes) decoding every step on the GPU (``use_preview_vae``,
   ``preview_every=1``) and once without (latent previews): on / off, target
   <= 1.03. Beside them, ``pipe(..., output_type="pt")`` itself, and the
-  TAESD and VAE decodes alone in milliseconds.
+  TAESD and VAE decodes alone in milliseconds. For ``sd15`` also
+  ``batched4_vs_unbatched``: four requests at once through the engine,
+  batched (the default: one UNet call a step) against ``batch=False`` (one
+  call per request), throughput ratio and the largest latent difference.
 
 ``--dry-run`` runs the diffusers rows on the CPU with toy sizes (no CUDA
 needed): a check that the code runs, not a measurement.
@@ -410,6 +413,49 @@ def bench_diffusers_case(case: dict, device: torch.device, reps: int) -> list[di
     ]
 
 
+def bench_batching(case: dict, device: torch.device, reps: int, count: int = 4) -> dict:
+    """``count`` requests at once through the engine, batched (the default) against ``batch=False``."""
+    from omni_stream.models.diffusers import Diffusers, PromptEmbeddings
+
+    name, pipe, params = case["name"], case["pipe"], case["params"]
+    embeddings = PromptEmbeddings(**case["embeddings"])
+    models = {
+        "batched": Diffusers(pipe, encode_prompt=lambda prompt, negative: embeddings),
+        "unbatched": Diffusers(pipe, encode_prompt=lambda prompt, negative: embeddings, batch=False),
+    }
+    samples: dict[str, list[float]] = {k: [] for k in models}
+    finals: dict[str, list[torch.Tensor]] = {}
+
+    async def together(engine) -> list[torch.Tensor]:
+        out: list[torch.Tensor] = [torch.empty(0)] * count
+
+        async def one(i: int) -> None:
+            out[i] = (await engine.generate(dict(params, seed=i, output="latent"))).data
+
+        await asyncio.gather(*(one(i) for i in range(count)))
+        return out
+
+    async def measure() -> None:
+        for rep in range(reps):
+            for key in (["batched", "unbatched"] if rep % 2 == 0 else ["unbatched", "batched"]):
+                async with om.Engine(models[key], device=str(device)) as engine:
+                    await engine.generate(dict(params, steps=2, output="latent"))  # untimed
+                    _sync(device)
+                    t0 = time.perf_counter()
+                    finals[key] = await together(engine)
+                    samples[key].append(time.perf_counter() - t0)
+            print(f"  {name} x{count} rep {rep + 1}/{reps}: "
+                  + ", ".join(f"{k}={v[-1]:.3f}s" for k, v in samples.items()), flush=True)
+
+    asyncio.run(measure())
+    med = {k: statistics.median(v) for k, v in samples.items()}
+    diff = max(float((a.float() - b.float()).abs().max())
+               for a, b in zip(finals["batched"], finals["unbatched"], strict=True))
+    return {"figure": f"diffusers_{name}_batched{count}_vs_unbatched", "value": med["unbatched"] / med["batched"],
+            "target": "-", **{f"{k}_s": v for k, v in med.items()}, "max_abs_latent_diff": diff,
+            "max_batch_size": models["batched"].max_batch_size, "samples_s": samples}
+
+
 def bench_diffusers(args, device: torch.device, rows: list[dict]) -> str:
     """Append the diffusers rows to ``rows`` (written to ``--json`` as each model ends).
 
@@ -445,7 +491,10 @@ def _bench_diffusers(args, device: torch.device, rows: list[dict]) -> str:
         case = build()
         print(f"  {name}: built {case['sizes']} in {time.perf_counter() - t0:.1f} s", flush=True)
         rows += bench_diffusers_case(case, device, reps)
-        _print_rows(rows[-2:])
+        if name == "sd15":
+            # Batching across requests, on by default: 4 at once, one UNet call a step or four.
+            rows.append(bench_batching(case, device, 1 if dry else 3))
+        _print_rows(rows[-3:] if name == "sd15" else rows[-2:])
         if args.json:
             args.json.write_text(json.dumps({"meta": _meta(device), "figures": rows}, indent=2))
         del case

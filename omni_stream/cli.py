@@ -414,9 +414,15 @@ def _decoder_mismatch(decoder: str, exc: ParamsError) -> ParamsError:
 
 
 def _load_model(
-    spec: str, preview_vae: str | None = None, loras: Mapping[str, str] | None = None
+    spec: str,
+    preview_vae: str | None = None,
+    loras: Mapping[str, str] | None = None,
+    *,
+    no_batch: bool = False,
 ) -> StepModel:
-    """The model named by ``spec``, with the tiny preview autoencoder and the LoRAs if given."""
+    """The model named by ``spec``, with the tiny preview autoencoder and the LoRAs if given;
+    ``no_batch``: one request per model call (a diffusers pipeline's results then equal
+    ``pipe()``'s bit for bit whatever else runs)."""
     from .config import PREVIEW_VAE_ENV, preview_vae as env_preview_vae
     from .models.registry import load_model
 
@@ -447,6 +453,8 @@ def _load_model(
             load(loras)
         except (ImportError, ValueError, OSError) as exc:
             raise _UsageError(f"--lora: {_describe_error(exc)}") from exc
+    if no_batch:
+        model.max_batch_size = 1  # the engine reads it when it starts
     return model
 
 
@@ -626,7 +634,7 @@ def _cmd_serve(args: argparse.Namespace) -> int:
     loras = _loras(args)  # a bad folder or a name twice: said before anything loads
 
     def load() -> Any:
-        return _load_model(args.model, args.preview_vae, loras)
+        return _load_model(args.model, args.preview_vae, loras, no_batch=args.no_batch)
 
     model: Any
     if args.ray:
@@ -767,6 +775,9 @@ def build_parser() -> argparse.ArgumentParser:
                      "params.loras; repeatable; diffusers models")
     srv.add_argument("--lora-dir", action="append", metavar="DIR",
                      help="load every LoRA in DIR (.safetensors files, each named by its stem)")
+    srv.add_argument("--no-batch", action="store_true",
+                     help="run each request alone: no batching across requests (a diffusers model's "
+                     "results then equal pipe()'s bit for bit whatever else runs)")
     srv.add_argument("--host", default="127.0.0.1", help="address to listen on")
     srv.add_argument("--port", type=_port, default=8765, help="port to listen on; 0 picks a free one")
     srv.add_argument("--token", action="append", metavar="[NAME=]SECRET",

@@ -78,6 +78,7 @@ def test_gpu_bench_diffusers_rows_run_on_the_cpu_at_toy_sizes(tmp_path, capsys):
     assert [r["figure"] for r in rows] == [
         "diffusers_sd15_taesd_on_vs_off",
         "diffusers_sd15_stream_vs_pipe",
+        "diffusers_sd15_batched4_vs_unbatched",
         "diffusers_flux_taesd_on_vs_off",
         "diffusers_flux_stream_vs_pipe",
     ]

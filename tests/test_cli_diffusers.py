@@ -177,13 +177,16 @@ def test_serve_says_which_mode_the_pipeline_runs_in_before_it_listens(saved, cap
     seen: list[str] = []
 
     async def serve(**kwargs):
-        seen.append(kwargs["model"].mode)
+        seen.append((kwargs["model"].mode, kwargs["model"].max_batch_size))
 
     module.serve = serve  # type: ignore[attr-defined]
     monkeypatch.setitem(sys.modules, "omni_stream.server", module)
     code = cli.main(["serve", "--model", f"diffusers:{root / 'sd'}"])
     _, err = capsys.readouterr()
     assert code == 0, err
-    assert seen == ["native"]
+    assert seen == [("native", 8)]  # batching across requests: on by default
+    assert cli.main(["serve", "--model", f"diffusers:{root / 'sd'}", "--no-batch"]) == 0
+    assert seen[-1] == ("native", 1)
+    capsys.readouterr()
     assert _load_lines(err) == [f"omni-stream: info: model diffusers:{root / 'sd'}: "
                                 "StableDiffusionPipeline, native mode"]

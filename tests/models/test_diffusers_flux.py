@@ -27,6 +27,7 @@ from diffusers import (  # noqa: E402
 
 import omni_stream as om  # noqa: E402
 from omni_stream.models.diffusers import Diffusers, PromptEmbeddings  # noqa: E402
+from omni_stream.models.diffusers.native import DEFAULT_MAX_BATCH  # noqa: E402
 from omni_stream.models.diffusers.flux import FluxDiffusers  # noqa: E402
 
 from .conftest import check_size_param  # noqa: E402
@@ -314,7 +315,9 @@ def test_batched_steps_match_solo_runs_closely():
     pa, pb = model.validate(REQUEST_A), model.validate(same_size)
     assert model.batch_key(pa) == model.batch_key(pb) == (16, 16, "default", ())
     assert model.batch_key(model.validate(REQUEST_B)) == (24, 16, "default", ())
-    assert Diffusers(flux_pipe(), encode_prompt=fixed_embeddings).batch_key(pa) is None
+    # Batching is on by default (DEFAULT_MAX_BATCH); batch=False runs each request alone.
+    assert Diffusers(flux_pipe(), encode_prompt=fixed_embeddings).max_batch_size == DEFAULT_MAX_BATCH
+    assert Diffusers(flux_pipe(), encode_prompt=fixed_embeddings, batch=False).batch_key(pa) is None
     solo_a, solo_b = run(model, REQUEST_A)[0], run(model, same_size)[0]
 
     rows = []

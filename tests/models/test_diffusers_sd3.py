@@ -27,6 +27,7 @@ from diffusers import (  # noqa: E402
 
 import omni_stream as om  # noqa: E402
 from omni_stream.models.diffusers import Diffusers, PromptEmbeddings  # noqa: E402
+from omni_stream.models.diffusers.native import DEFAULT_MAX_BATCH  # noqa: E402
 from omni_stream.models.diffusers.sd3 import SD3Diffusers  # noqa: E402
 
 from .conftest import check_size_param  # noqa: E402
@@ -304,7 +305,9 @@ def test_batched_steps_match_solo_runs_closely():
     unguided = dict(REQUEST_B, height=16, guidance_scale=1.0)
     pa, pb = model.validate(REQUEST_A), model.validate(unguided)
     assert model.batch_key(pa) == model.batch_key(pb) == (16, 16, "default", ())
-    assert Diffusers(sd3_pipe(), encode_prompt=fixed_embeddings).batch_key(pa) is None
+    # Batching is on by default (DEFAULT_MAX_BATCH); batch=False runs each request alone.
+    assert Diffusers(sd3_pipe(), encode_prompt=fixed_embeddings).max_batch_size == DEFAULT_MAX_BATCH
+    assert Diffusers(sd3_pipe(), encode_prompt=fixed_embeddings, batch=False).batch_key(pa) is None
     solo_a, solo_b = run(model, REQUEST_A)[0], run(model, unguided)[0]
 
     rows = []

@@ -103,3 +103,41 @@ async def _diffusers_result() -> None:
     saved = json.loads(image.text["omni_stream"])
     assert (saved["prompt"], saved["steps"], saved["seed"], saved["model"]) == ("a cat", 2, 3, "diffusers")
     assert image.text["parameters"].startswith("a cat\n")
+
+
+@pytest.mark.asyncio
+async def test_a_diffusers_server_lists_samplers_and_loras_and_runs_what_a_request_names(tmp_path) -> None:
+    # Issue #20 over the real server: /models lists the samplers (the sampler param's choices)
+    # and the loaded LoRAs; a request names both; a LoRA the server did not load is a 422
+    # naming the entry; a drawn seed comes back and reproduces the picture.
+    pytest.importorskip("diffusers")
+    pytest.importorskip("peft")
+    import httpx
+
+    from omni_stream.models.diffusers import Diffusers
+
+    from ..models.test_diffusers import fixed_embeddings, sd_pipe
+    from ..models.test_diffusers_loras import make_lora
+
+    model = Diffusers(sd_pipe(), encode_prompt=fixed_embeddings)
+    model.load_loras({"ink": make_lora(tmp_path / "ink", 7)})
+    params = {"prompt": "a cat", "steps": 2, "height": 16, "width": 16, "sampler": "euler_a",
+              "loras": [{"name": "ink", "scale": 0.5}]}
+    with one_torch_thread():
+        async with running(model) as server, httpx.AsyncClient(base_url=server.http_url, timeout=60) as http:
+            card = (await http.get("/models")).json()
+            assert card["loras"] == ["ink"]
+            (sampler,) = [p for p in card["params"] if p["name"] == "sampler"]
+            assert {"default", "euler_a", "dpmpp_2m_karras"} <= set(sampler["choices"])
+            refused = await http.post("/v1/generations", json={"params": {**params, "loras": [{"name": "oil"}]}})
+            assert refused.status_code == 422
+            assert (refused.json()["error"], refused.json()["field"]) == ("bad_params", "loras[0].name")
+            first = await http.post("/v1/generations?wait=true", json={"params": params})
+            assert first.status_code == 200, first.text
+            made = json.loads(Image.open(io.BytesIO(first.content)).text["omni_stream"])
+            assert made["sampler"] == "euler_a" and isinstance(made["seed"], int)
+            again = await http.post("/v1/generations?wait=true", json={"params": {**params, "seed": made["seed"]}})
+            assert again.content == first.content
+            plain = await http.post("/v1/generations?wait=true", json={"params": {**params, "seed": made["seed"],
+                                                                                 "loras": []}})
+            assert plain.content != first.content  # the LoRA was applied

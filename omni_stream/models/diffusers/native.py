@@ -59,7 +59,11 @@ from .loop import (
 )
 from .loras import LoraBank, LoraSet, check_loras, split_loras
 
-__all__ = ["NativeDiffusers", "NativeState", "TextConditioning"]
+__all__ = ["DEFAULT_MAX_BATCH", "NativeDiffusers", "NativeState", "TextConditioning"]
+
+#: Requests one denoiser call may carry by default: batching across requests
+#: is on for the native loops (each request's rows at its own timestep).
+DEFAULT_MAX_BATCH = 8
 
 
 @dataclass(kw_only=True)
@@ -108,13 +112,16 @@ class NativeDiffusers(Diffusers, Generic[CondT]):
     """A diffusers pipeline whose denoise loop is rebuilt here, one denoiser evaluation per engine step.
 
     ``NativeDiffusers(pipe, *, mode="native", encode_prompt=None,
-    scheduler=None, defaults=None, max_batch_size=1, name=None)``: ``mode``
-    is "auto" or "native" (what :class:`Diffusers` passes on);
-    ``encode_prompt`` turns a prompt into :class:`PromptEmbeddings` (the
-    pipeline's own encoder when omitted); ``scheduler`` replaces the
-    pipeline's (only its class and config are read); ``defaults`` overrides
-    param defaults; ``max_batch_size`` above 1 lets the engine run several
-    requests in one denoiser call (see :meth:`batch_key`).
+    scheduler=None, defaults=None, max_batch_size=None, batch=True,
+    name=None)``: ``mode`` is "auto" or "native" (what :class:`Diffusers`
+    passes on); ``encode_prompt`` turns a prompt into
+    :class:`PromptEmbeddings` (the pipeline's own encoder when omitted);
+    ``scheduler`` replaces the pipeline's (only its class and config are
+    read); ``defaults`` overrides param defaults. Batching is on: the
+    engine runs up to ``max_batch_size`` (default
+    :data:`DEFAULT_MAX_BATCH`) requests in one denoiser call (see
+    :meth:`batch_key`); ``batch=False`` (or ``max_batch_size=1``) runs each
+    alone, for results equal to ``pipe()``'s bit for bit whatever runs beside.
     """
 
     name = "diffusers"
@@ -147,7 +154,8 @@ class NativeDiffusers(Diffusers, Generic[CondT]):
         encode_prompt: EncodePrompt | None = None,
         scheduler: Any | None = None,
         defaults: Mapping[str, Any] | None = None,
-        max_batch_size: int = 1,
+        max_batch_size: int | None = None,
+        batch: bool = True,
         name: str | None = None,
     ) -> None:
         """Wrap ``pipe``; the options are the class docstring's.
@@ -165,6 +173,13 @@ class NativeDiffusers(Diffusers, Generic[CondT]):
             raise ImportError(INSTALL_HINT) from exc
         self._randn_tensor = randn_tensor
         check_mode(mode)
+        if max_batch_size is None:
+            max_batch_size = DEFAULT_MAX_BATCH if batch else 1
+        elif not batch and max_batch_size != 1:
+            raise ParamsError(
+                f"batch=False runs one request per call; max_batch_size={max_batch_size!r} asks for more",
+                field="max_batch_size",
+            )
         check_batch_size(max_batch_size)
         self._pipe = pipe
         self._denoiser = self._checked_denoiser(pipe)
@@ -314,8 +329,9 @@ class NativeDiffusers(Diffusers, Generic[CondT]):
 
         Batched requests share denoiser calls, each row at its own timestep
         and guidance. A batched call can round differently from a solo one
-        (kernels are chosen per batch size), so batched results match solo
-        ones closely, not bit for bit; hence batching is opt-in.
+        (kernels are chosen per batch size), so a request batched with
+        others matches its solo run closely, not bit for bit (alone it is
+        bit for bit); ``batch=False`` gives up the sharing for exactness.
         """
         if self.max_batch_size == 1:
             return None
