@@ -12,7 +12,7 @@ from __future__ import annotations
 import math
 import secrets
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any
 
 from .errors import ParamsError
@@ -23,6 +23,7 @@ __all__ = [
     "Param",
     "describe",
     "drawn",
+    "finite_number",
     "pin_drawn",
     "positive_int",
     "seed_param",
@@ -41,6 +42,14 @@ SEED_MAX = 2**63 - 1
 # a JavaScript number (the page), and 4 billion of them are plenty to tell
 # requests apart. A named seed may still be any value up to SEED_MAX.
 _DRAWN_BITS = 32
+
+
+def finite_number(value: float) -> bool:
+    """Whether ``value`` is a number a float holds (an int of 400 digits is not: OverflowError)."""
+    try:
+        return math.isfinite(value)
+    except OverflowError:
+        return False
 
 
 def positive_int(
@@ -121,8 +130,8 @@ class Param:
         if self.kind == "float":
             if isinstance(value, bool) or not isinstance(value, (int, float)):
                 raise ParamsError(f"{where} must be a number, got {value!r}", field=self.name)
-            if not math.isfinite(value):
-                raise ParamsError(f"{where} must be finite, got {value!r}", field=self.name)
+            if not finite_number(value):
+                raise ParamsError(f"{where} must be a finite number, got {value!r:.40}", field=self.name)
             return self._bounded(float(value), where)
         if self.kind == "str":
             if not isinstance(value, str):
@@ -154,6 +163,16 @@ class Param:
                 )
             dims.append(self._bounded(dim, where))
         return tuple(dims)
+
+    def with_default(self, value: Any, *, model: str) -> Param:
+        """This param with ``value`` (checked) as its default; ParamsError naming it when bad.
+
+        A random param keeps "draw one" (:data:`RANDOM`) for ``-1`` or None:
+        checking would draw a seed and make it every request's default.
+        """
+        if self.random and (value is None or (type(value) in (int, float) and value == RANDOM)):
+            return replace(self, default=RANDOM)
+        return replace(self, default=self.check(value, model=model))
 
     def _bounded(self, value: float, where: str) -> Any:
         if self.minimum is not None and value < self.minimum:

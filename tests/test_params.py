@@ -103,3 +103,10 @@ def test_pin_drawn_puts_the_drawn_seed_into_the_callers_params() -> None:
 def test_only_an_int_param_can_be_random() -> None:
     with pytest.raises(ValueError, match="only an int param"):
         om.params.Param("x", "float", 0.0, random=True)
+
+
+def test_a_number_too_large_for_a_float_is_a_params_error_not_a_crash() -> None:
+    # math.isfinite(10**400) raises OverflowError: the server answered `internal`.
+    with pytest.raises(ParamsError) as info:
+        om.params.validate((om.params.Param("g", "float", 1.0),), {"g": 10**400}, model="m")
+    assert info.value.field == "g" and "finite number" in info.value.message

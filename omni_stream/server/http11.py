@@ -74,8 +74,10 @@ LINGER_IDLE_S: Final = 0.1
 LINGER_MIN_BYTES: Final = 16 << 10
 #: The pause that ends the lingering of a small declared body: a client
 #: sending a few KiB slowly (a phone, a proxy) may pause this long between
-#: writes, and is answered only once it has written all.
+#: writes, and is answered only once it has written all. It lingers for
+#: LINGER_SMALL_S at most, and only for the bytes it declared.
 LINGER_SMALL_IDLE_S: Final = 1.0
+LINGER_SMALL_S: Final = 3.0
 #: A chunked body (and a request's head) is parsed this much at a time, its
 #: framing checked in between: a slice of one-byte chunks is about 170
 #: parser events (about 1 ms). A body with a Content-Length has no framing
@@ -112,6 +114,7 @@ class DeadlineH11Protocol(H11Protocol):
     _linger_left = -1
     _linger_idle: asyncio.TimerHandle | None = None
     _linger_idle_s = LINGER_IDLE_S
+    _linger_exact = False  # lingering for the rest of a small declared body only
     _declared: int | None = None  # the request's Content-Length, None when chunked or absent
 
     def connection_made(self, transport: asyncio.Transport) -> None:  # type: ignore[override]
@@ -130,7 +133,11 @@ class DeadlineH11Protocol(H11Protocol):
             # Refused: what the client still sends is read and dropped (see
             # _linger), up to the byte budget, while it keeps coming.
             self._linger_left -= len(data)
-            if self._linger_left < 0:
+            if self._linger_left <= 0 and self._linger_exact:
+                # All it declared is in (or more: not a body any more): its
+                # answer was sent before, so this close resets nothing.
+                self.transport.close()
+            elif self._linger_left < 0:
                 self.transport.close()
             else:
                 self._arm_linger_idle()
@@ -284,14 +291,22 @@ class DeadlineH11Protocol(H11Protocol):
         if stalled or (not sending and not small and self._body_wire < LINGER_MIN_BYTES):
             self.transport.close()
             return
-        self._linger_idle_s = LINGER_SMALL_IDLE_S if small and not sending else LINGER_IDLE_S
+        slow_small = small and not sending
+        self._linger_idle_s = LINGER_SMALL_IDLE_S if slow_small else LINGER_IDLE_S
         self._lingering = True
-        self._linger_left = self.max_body_bytes + LINGER_BYTES
+        if slow_small:
+            # Only what it declared, and only for a few seconds: a trickle of
+            # a few bytes must not hold a descriptor past the answer for long.
+            assert self._declared is not None
+            self._linger_left = max(0, self._declared - self._body_wire)
+            self._linger_exact = True
+        else:
+            self._linger_left = self.max_body_bytes + LINGER_BYTES
         self.flow.resume_reading()
         transport = self.transport
         if transport.can_write_eof() and not transport.is_closing():
             transport.write_eof()
-            self.loop.call_later(LINGER_S, transport.close)
+            self.loop.call_later(LINGER_SMALL_S if slow_small else LINGER_S, transport.close)
             self._arm_linger_idle()
         else:
             transport.close()

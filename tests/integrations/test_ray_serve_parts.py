@@ -87,6 +87,31 @@ def test_card_step_counts_come_from_the_model() -> None:
     assert card.total_steps({"steps": 500}) == 500
 
 
+def test_card_of_a_diffusers_model_counts_each_samplers_steps_and_checks_loras(tmp_path: Any) -> None:
+    # A request naming Heun runs 2 * steps - 1 UNet evaluations on the replica: the front
+    # door's count (accepted.total, the gate's cost, max_steps) must say so; and the LoRAs
+    # the replica loaded are accepted at the door, others refused naming the entry.
+    pytest.importorskip("diffusers")
+    pytest.importorskip("peft")
+    from omni_stream.models.diffusers import Diffusers
+
+    from ..models.test_diffusers import fixed_embeddings, sd_pipe
+    from ..models.test_diffusers_loras import make_lora
+
+    model = Diffusers(sd_pipe(), encode_prompt=fixed_embeddings)
+    model.load_loras({"ink": make_lora(tmp_path / "ink", 7)})
+    card = pickle.loads(pickle.dumps(ModelCard.of(model)))
+    for sampler, steps in (("heun", 7), ("dpm_2_karras", 12), ("pndm", 9), ("euler", 9), ("default", 9)):
+        params = {"steps": steps, "sampler": sampler}
+        assert card.total_steps(card.validate(params)) == model.total_steps(model.validate(params)), sampler
+    assert card.lora_names == ("ink",)
+    assert card.validate({"loras": [{"name": "ink", "scale": 0.5}]})["loras"] == (("ink", 0.5),)
+    with pytest.raises(om.ParamsError) as info:
+        card.validate({"loras": [{"name": "oil"}]})
+    assert info.value.field == "loras[0].name"
+    assert not hasattr(ModelCard.of(Synthetic()), "lora_names")
+
+
 def test_card_without_steps_uses_the_default_count() -> None:
     model = om.from_generator(lambda p: iter([torch.zeros(1)] * 4), total=4, name="four")
     card = ModelCard.of(model)

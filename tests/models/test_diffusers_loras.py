@@ -170,3 +170,31 @@ def test_a_callback_mode_request_runs_the_pipeline_with_its_loras(loras: dict[st
     plain = cb.run_direct(model, dict(cb.IMG2IMG, image=cb.data_url(image)), output="latent").frames[-1]
     pipe.disable_lora()
     assert torch.equal(plain, cb.img2img_reference(pipe, cb.IMG2IMG, image, "latent")[0].images[0])
+
+
+def test_a_switch_that_fails_half_way_leaves_the_next_request_its_own_set(
+    loras: dict[str, Path], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # enable_lora() ran, set_adapters() raised: the bank still believed "none" was on, and
+    # the next request without LoRAs skipped disable_lora() and ran with the LoRA on.
+    model = model_with(loras)
+    plain = sd.reference(sd.sd_pipe(), RAW)[0]
+    assert torch.equal(sd.run(model, RAW)[-1], plain)
+
+    def broken(*args: Any, **kwargs: Any) -> None:
+        raise RuntimeError("set_adapters failed")
+
+    monkeypatch.setattr(model._pipe, "set_adapters", broken)
+    with pytest.raises(RuntimeError, match="set_adapters failed"):
+        sd.run(model, dict(RAW, loras=[{"name": "ink", "scale": 1.0}]))
+    monkeypatch.undo()
+    assert torch.equal(sd.run(model, RAW)[-1], plain)
+
+
+def test_a_default_seed_of_minus_one_stays_random() -> None:
+    # defaults={"seed": -1} once drew one seed at construction and gave it to every request.
+    model = Diffusers(sd.sd_pipe(), encode_prompt=sd.fixed_embeddings, defaults={"seed": -1, "steps": 3})
+    seeds = {model.validate({})["seed"] for _ in range(4)}
+    assert len(seeds) > 1 and next(p for p in model.params if p.name == "seed").default == -1
+    fixed = Diffusers(sd.sd_pipe(), encode_prompt=sd.fixed_embeddings, defaults={"seed": 7})
+    assert fixed.validate({})["seed"] == 7

@@ -191,3 +191,25 @@ def test_a_callback_mode_request_that_fails_still_gives_the_pipeline_its_schedul
     with pytest.raises(RequestStopped):
         cb.run_direct(model, raw, emit=cb.Recorder(stop_after=1))
     assert pipe.scheduler is own
+
+
+def test_a_request_counted_while_another_runs_its_sampler_is_counted_with_its_own(text_encoder: Any) -> None:
+    # While run() has a Heun request's scheduler on the pipeline, a default request checked
+    # on the event loop was counted with Heun (2 * steps - 1) and then failed when it ran
+    # (the review of issue #20's first part).
+    model = Diffusers(cb.img2img_pipe(text_encoder), mode="callback")
+    plain = dict(cb.IMG2IMG, image=cb.data_url(cb.picture()), steps=10, strength=1.0)
+    idle = model.total_steps(model.validate(plain))
+    seen: list[int] = []
+
+    def emit(frame: torch.Tensor, *, decoded: bool = False) -> None:
+        if not seen:
+            seen.append(model.total_steps(model.validate(plain)))  # what the event loop does meanwhile
+
+    params = model.validate(dict(plain, sampler="heun"))
+    params["output"] = "latent"
+    state = model.start(params, sd.CPU)
+    model.run(state, emit)
+    model.close(state)
+    assert seen == [idle] == [10]
+    assert state.total == 19  # the Heun request's own count

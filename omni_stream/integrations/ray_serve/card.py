@@ -16,6 +16,9 @@ real model, and what it refuses reaches the reader as the replica's
 ParamsError on the first ``__anext__``. ``total_steps`` reads a table the
 replica filled in from the real model (schedulers whose step count differs
 from ``steps``: PNDM gives steps + 1, Heun 2 * steps - 1), else ``steps``;
+for a request naming another ``sampler`` than the default, the rule
+``a * steps + b`` the replica found for that sampler (checked at three
+counts);
 the replica's figure, sent ahead of the first frame, is the one a
 RemoteStream reports once it has it. A card never computes: ``start`` and
 ``step`` raise.
@@ -33,6 +36,7 @@ import torch
 
 from ...errors import ParamsError
 from ...model import StepModel
+from ...models.diffusers.loras import check_loras, split_loras
 from ...params import Param
 
 __all__ = ["ModelCard"]
@@ -41,6 +45,8 @@ logger = logging.getLogger("omni_stream.ray_serve")
 
 #: How long a replica spends filling in the step-count table, at most.
 _TOTALS_BUDGET_S = 0.5
+#: How long a replica spends finding the samplers' step rules, at most.
+_RULES_BUDGET_S = 2.0
 #: The largest ``steps`` value the table covers.
 _TOTALS_MAX_STEPS = 250
 
@@ -63,6 +69,10 @@ class _Facts:
     default_total: int | None = None
     #: Whether the replica's model decodes previews with a tiny autoencoder.
     has_preview_vae: bool = False
+    #: sampler -> (a, b): its total_steps is a * steps + b (other samplers than the default).
+    sampler_rules: dict[str, tuple[int, int]] = field(default_factory=dict)
+    #: The LoRAs a request may name (None: the model takes no ``loras``).
+    lora_names: tuple[str, ...] | None = None
 
 
 class ModelCard(StepModel):
@@ -81,6 +91,8 @@ class ModelCard(StepModel):
         self.preview_vae: bool | None = True if facts.has_preview_vae else None
         if facts.dtype is not None:
             self.dtype = facts.dtype
+        if facts.lora_names is not None:
+            self.lora_names = facts.lora_names
 
     @classmethod
     def of(cls, model: StepModel) -> ModelCard:
@@ -99,6 +111,8 @@ class ModelCard(StepModel):
             totals=_step_counts(model, params),
             default_total=_default_total(model, params),
             has_preview_vae=getattr(model, "preview_vae", None) is not None,
+            sampler_rules=_sampler_rules(model, params),
+            lora_names=tuple(model.lora_names) if hasattr(model, "lora_names") else None,
         )
         return cls(facts)
 
@@ -113,14 +127,26 @@ class ModelCard(StepModel):
     def describe(self) -> str:
         return self._facts.description
 
+    def validate(self, params: Mapping[str, Any] | None) -> dict[str, Any]:
+        """The declared params' checks; ``loras`` against the replica's loaded names, where it takes them."""
+        if self._facts.lora_names is None:
+            return super().validate(params)
+        params, loras = split_loras(params)
+        out = super().validate(params)
+        out["loras"] = check_loras(loras, self._facts.lora_names, model=self.name)
+        return out
+
     def total_steps(self, params: Mapping[str, Any]) -> int:
-        """The replica model's step count for ``params``: its table, else ``steps``.
+        """The replica model's step count for ``params``: its table (its sampler's rule), else ``steps``.
 
         Raises ParamsError when the model has no ``steps`` param and its
         default count is unknown.
         """
         steps = params.get("steps") if isinstance(params, Mapping) else None
         if isinstance(steps, int) and not isinstance(steps, bool):
+            rule = self._facts.sampler_rules.get(str(params.get("sampler")))
+            if rule is not None:
+                return rule[0] * steps + rule[1]
             return self._facts.totals.get(steps, steps)
         if self._facts.default_total is not None:
             return self._facts.default_total
@@ -164,6 +190,33 @@ def _step_counts(model: StepModel, params: Sequence[Param]) -> dict[int, int]:
         if isinstance(total, int) and total != steps:
             out[steps] = total
     return out
+
+
+def _sampler_rules(model: StepModel, params: Sequence[Param]) -> dict[str, tuple[int, int]]:
+    """For each non-default ``sampler`` choice whose count is not ``steps``: ``(a, b)`` with
+    total_steps = a * steps + b at steps 4, 8 and 12 (Heun and DPM2: (2, -1); PNDM with its
+    Runge-Kutta warm-up: (1, 9)). Small counts: each is a dry run of the scheduler."""
+    spec = next((p for p in params if p.name == "sampler" and p.choices), None)
+    if spec is None or not any(p.name == "steps" for p in params):
+        return {}
+    base = _defaults(params)
+    rules: dict[str, tuple[int, int]] = {}
+    deadline = time.monotonic() + _RULES_BUDGET_S
+    for name in spec.choices or ():
+        if name == spec.default:
+            continue
+        if time.monotonic() > deadline:
+            logger.info("%s: sampler step rules stopped before %r (time budget)", model.name, name)
+            break
+        try:
+            counts = [model.total_steps({**base, "sampler": name, "steps": n}) for n in (4, 8, 12)]
+        except Exception:  # noqa: BLE001 - the replica says so per request
+            continue
+        a = (counts[1] - counts[0]) // 4
+        b = counts[0] - 4 * a
+        if counts[2] == 12 * a + b and (a, b) != (1, 0):
+            rules[name] = (a, b)
+    return rules
 
 
 def _default_total(model: StepModel, params: Sequence[Param]) -> int | None:

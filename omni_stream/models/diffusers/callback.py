@@ -54,9 +54,10 @@ from __future__ import annotations
 import inspect
 import logging
 import re
+import threading
 import types
 from collections.abc import Callable, Hashable, Mapping, Sequence
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -67,7 +68,7 @@ from ...params import Param, positive_int, seed_param, square_size
 from ..inputs import MAX_IMAGE_BYTES, MAX_IMAGE_PIXELS, load_image
 from . import samplers
 from .base import Diffusers, takes_step_callback
-from .loop import same_device, signature_params, timestep_count
+from .loop import same_device, signature_params, timestep_count, with_defaults
 from .loras import LoraBank, LoraSet, check_loras, split_loras
 
 __all__ = ["CallbackDiffusers"]
@@ -191,6 +192,9 @@ class CallbackDiffusers(Diffusers):
         self._image_paths = bool(image_paths)
         self._template = getattr(pipe, "scheduler", None)
         self._samplers = self._offer_samplers()
+        #: (the scheduler run() put on the pipeline for a request's sampler, the pipeline's own).
+        self._lent: tuple[Any, Any] | None = None
+        self._swap = threading.Lock()
         self._loras = LoraBank(pipe)
         self._video = "num_frames" in named
         #: Whether the output is a video ``[T, 3, H, W]`` (the server picks output formats by it):
@@ -210,8 +214,9 @@ class CallbackDiffusers(Diffusers):
             name for name in self.image_params
             if signature[name].default is inspect.Parameter.empty
             or (name == "image" and ("strength" in named or bool(_NEEDS_IMAGE.search(kind))))
-            or (name == "mask_image" and "Inpaint" in kind)
-            or (name == "control_image" and "ControlNet" in kind)
+            # Flux's Fill and Control pipelines take them too (defaulting them to None).
+            or (name == "mask_image" and ("Inpaint" in kind or "Fill" in kind))
+            or (name == "control_image" and "Control" in kind)
         }
         self._unpack_kind = _unpack_kind(pipe)
         self.preview_decoder: str | None = _preview_decoder(pipe)
@@ -333,22 +338,7 @@ class CallbackDiffusers(Diffusers):
         for name, what in _IMAGE_ARGS.items():
             if takes(name):
                 add(Param(name, "str", None, f"{what}: {where}"), name)
-        if defaults:
-            by_name = {p.name: i for i, p in enumerate(params)}
-            unknown = sorted(set(defaults) - set(by_name))
-            if unknown:
-                raise ParamsError(
-                    f"defaults: unknown param(s) {unknown}; known: {sorted(by_name)}",
-                    field="defaults",
-                )
-            for key, value in defaults.items():
-                spec = params[by_name[key]]
-                try:
-                    checked = spec.check(value, model=self.name)
-                except ParamsError as exc:
-                    raise ParamsError(f"defaults: {exc}", field="defaults") from None
-                params[by_name[key]] = replace(spec, default=checked)
-        return tuple(params)
+        return with_defaults(params, defaults, self.name)
 
     def validate(self, params: Mapping[str, Any] | None) -> dict[str, Any]:
         """Checked params with defaults filled in, each input image decoded to an RGB PIL image.
@@ -402,8 +392,13 @@ class CallbackDiffusers(Diffusers):
         strength = self._value(params, "strength", "strength")
         strength = None if strength is None else float(strength)
         # The pipeline's scheduler as it is now: a user may swap it (say, to
-        # Heun, which fires the callback twice a step) after wrapping.
-        template = getattr(self._pipe, "scheduler", None)
+        # Heun, which fires the callback twice a step) after wrapping. Not
+        # while run() has a request's sampler on it: that one is the running
+        # request's, and the pipeline's own is what run() puts back.
+        with self._swap:
+            template, lent = getattr(self._pipe, "scheduler", None), self._lent
+        if lent is not None and template is lent[0]:
+            template = lent[1]
         if template is not self._template:
             self._template = template
             self._counts.clear()
@@ -563,7 +558,10 @@ class CallbackDiffusers(Diffusers):
         if entry is not None and own is not None:
             # This request's scheduler on the pipeline for its call; the
             # pipeline's own back after it (one call at a time: it is ours).
-            pipe.scheduler = samplers.build(entry, own.config)
+            lent = samplers.build(entry, own.config)
+            with self._swap:  # total_steps, on the event loop meanwhile, reads both
+                self._lent = (lent, own)
+                pipe.scheduler = lent
         try:
             with torch.no_grad():
                 out = pipe(
@@ -577,8 +575,10 @@ class CallbackDiffusers(Diffusers):
             _reset_after_abort(pipe)
             raise
         finally:
-            if entry is not None:
-                pipe.scheduler = own
+            if entry is not None and own is not None:
+                with self._swap:
+                    pipe.scheduler = own
+                    self._lent = None
         if fired != state.total:
             raise RuntimeError(
                 f"{type(pipe).__name__} ran {fired} steps, total_steps predicted {state.total}"

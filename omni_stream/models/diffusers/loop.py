@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import inspect
 from collections.abc import Callable, Mapping, Sequence
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -181,12 +181,10 @@ def with_defaults(
                 field="defaults",
             )
         for key, value in defaults.items():
-            spec = params[by_name[key]]
             try:
-                checked = spec.check(value, model=model)
+                params[by_name[key]] = params[by_name[key]].with_default(value, model=model)
             except ParamsError as exc:
                 raise ParamsError(f"defaults: {exc}", field="defaults") from None
-            params[by_name[key]] = replace(spec, default=checked)
     return tuple(params)
 
 

@@ -23,13 +23,13 @@ and ``step`` run); ``check_loras`` runs on the event loop.
 
 from __future__ import annotations
 
-import math
 import os
 from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any, Final
 
 from ...errors import ParamsError
+from ...params import finite_number
 
 __all__ = [
     "LORA_FILE_SUFFIXES",
@@ -86,7 +86,7 @@ def check_loras(value: Any, known: Sequence[str], *, model: str) -> LoraSet:
                 field=f"{field}.name",
             )
         scale = entry.get("scale", 1.0)
-        if isinstance(scale, bool) or not isinstance(scale, (int, float)) or not math.isfinite(scale):
+        if isinstance(scale, bool) or not isinstance(scale, (int, float)) or not finite_number(scale):
             raise ParamsError(f"{where}: entry {i}'s scale must be a number, got {scale!r:.80}",
                               field=f"{field}.scale")
         if not -MAX_SCALE <= scale <= MAX_SCALE:
@@ -174,6 +174,10 @@ class LoraBank:
         """Put ``loras`` on the pipeline (none: every adapter off), unless it is on already."""
         if not self._names or loras == self._active:
             return
+        # Not known until the switch is done: one that raises half way (adapters
+        # enabled, weights not set) must not leave the next request thinking
+        # its set is on.
+        self._active = None
         if loras:
             self._pipe.enable_lora()
             names, weights = [name for name, _ in loras], [scale for _, scale in loras]

@@ -123,7 +123,11 @@ def build(sampler: Sampler, config: Any) -> Any:
     asks nothing of a class without Karras sigmas); one it needs and lacks
     is a bug in the table. Raises LookupError where the class is missing.
     """
-    key = (sampler.name, json.dumps(dict(config), sort_keys=True, default=repr))
+    # The class and options too: the two tables reuse names (euler, heun, lcm).
+    key = (
+        f"{sampler.scheduler}:{json.dumps(sampler.options, sort_keys=True)}",
+        json.dumps(dict(config), sort_keys=True, default=repr),
+    )
     with _lock:
         prototype = _PROTOTYPES.get(key)
         if prototype is not None:
