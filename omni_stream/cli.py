@@ -192,6 +192,15 @@ def _lora(text: str) -> tuple[str, str]:
     return name.strip(), path
 
 
+def _add_lora_args(parser: argparse.ArgumentParser) -> None:
+    """``--lora`` and ``--lora-dir``, the same on ``generate`` and ``serve``."""
+    parser.add_argument("--lora", type=_lora, action="append", metavar="NAME=PATH",
+                        help="load a LoRA (a .safetensors file or a folder) that requests name in "
+                        "params.loras; repeatable; diffusers models")
+    parser.add_argument("--lora-dir", action="append", metavar="DIR",
+                        help="load every LoRA in DIR (.safetensors files, each named by its stem)")
+
+
 def _loras(args: argparse.Namespace) -> dict[str, str]:
     """``{name: path}`` from --lora NAME=PATH and --lora-dir DIR; _UsageError for a clash or a bad folder."""
     from .models.diffusers.loras import lora_dir
@@ -747,11 +756,7 @@ def build_parser() -> argparse.ArgumentParser:
                      help="preview decoder: auto (the model's, else by the frame's shape), "
                      "rgb, sd15, sdxl, sd3, flux")
     gen.add_argument("--preview-vae", metavar="PATH|ID", default=None, help=_PREVIEW_VAE_HELP)
-    gen.add_argument("--lora", type=_lora, action="append", metavar="NAME=PATH",
-                     help="load a LoRA (a .safetensors file or a folder) that requests name in "
-                     "params.loras; repeatable; diffusers models")
-    gen.add_argument("--lora-dir", action="append", metavar="DIR",
-                     help="load every LoRA in DIR (.safetensors files, each named by its stem)")
+    _add_lora_args(gen)
     gen.add_argument("--previews", metavar="OUT.gif|.webp|.mp4|DIR",
                      help="write previews: an animated GIF or WebP, an MP4 (the video extra), "
                      "or a folder of numbered PNGs (a path without a suffix)")
@@ -770,11 +775,7 @@ def build_parser() -> argparse.ArgumentParser:
     )
     srv.add_argument("--model", default="mixture", metavar="SPEC", help=_MODEL_HELP)
     srv.add_argument("--preview-vae", metavar="PATH|ID", default=None, help=_PREVIEW_VAE_HELP)
-    srv.add_argument("--lora", type=_lora, action="append", metavar="NAME=PATH",
-                     help="load a LoRA (a .safetensors file or a folder) that requests name in "
-                     "params.loras; repeatable; diffusers models")
-    srv.add_argument("--lora-dir", action="append", metavar="DIR",
-                     help="load every LoRA in DIR (.safetensors files, each named by its stem)")
+    _add_lora_args(srv)
     srv.add_argument("--no-batch", action="store_true",
                      help="run each request alone: no batching across requests (a diffusers model's "
                      "results then equal pipe()'s bit for bit whatever else runs)")

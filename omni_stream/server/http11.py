@@ -133,11 +133,9 @@ class DeadlineH11Protocol(H11Protocol):
             # Refused: what the client still sends is read and dropped (see
             # _linger), up to the byte budget, while it keeps coming.
             self._linger_left -= len(data)
-            if self._linger_left <= 0 and self._linger_exact:
-                # All it declared is in (or more: not a body any more): its
-                # answer was sent before, so this close resets nothing.
-                self.transport.close()
-            elif self._linger_left < 0:
+            # Over the budget; or, for a small declared body, all of it in (its
+            # answer was sent before, so this close resets nothing).
+            if self._linger_left < 0 or (self._linger_exact and self._linger_left == 0):
                 self.transport.close()
             else:
                 self._arm_linger_idle()

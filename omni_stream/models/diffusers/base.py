@@ -25,7 +25,7 @@ from __future__ import annotations
 
 import importlib
 import inspect
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import Any
 
@@ -33,6 +33,7 @@ import torch
 
 from ...errors import ParamsError
 from ...model import StepModel
+from .loras import LoraBank
 
 __all__ = ["Diffusers", "PromptEmbeddings", "EncodePrompt", "MODES", "INSTALL_HINT", "adapter_for"]
 
@@ -122,6 +123,19 @@ class Diffusers(StepModel):
     name = "diffusers"
     #: "native" or "callback": how this adapter streams its pipeline.
     mode: str = "native"
+    #: The LoRAs loaded into the pipeline; each adapter makes its own in __init__.
+    _loras: LoraBank
+
+    @property
+    def lora_names(self) -> tuple[str, ...]:
+        """The LoRAs a request may name in ``loras`` (loaded with :meth:`load_loras`)."""
+        return self._loras.names
+
+    def load_loras(self, loras: Mapping[str, Any]) -> None:
+        """Load ``{name: path}`` LoRAs into the pipeline (diffusers' ``load_lora_weights``,
+        through peft), before the engine starts: on the caller's thread. Raises ValueError
+        naming the LoRA that fails, ImportError without peft."""
+        self._loras.load(loras)
 
     def __new__(cls, pipe: Any = None, *args: Any, mode: str = "auto", **kwargs: Any) -> Diffusers:
         if cls is Diffusers:

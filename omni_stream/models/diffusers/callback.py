@@ -223,19 +223,6 @@ class CallbackDiffusers(Diffusers):
         self._counts: dict[tuple[int, float | None, str], int] = {}
 
     @property
-    def lora_names(self) -> tuple[str, ...]:
-        """The LoRAs a request may name in ``loras`` (loaded with :meth:`load_loras`)."""
-        return self._loras.names
-
-    def load_loras(self, loras: Mapping[str, Any]) -> None:
-        """Load ``{name: path}`` LoRAs into the pipeline (``load_lora_weights``, through peft).
-
-        Before the engine starts. Raises ValueError naming the LoRA that
-        fails, ImportError without peft.
-        """
-        self._loras.load(loras)
-
-    @property
     def sampler_names(self) -> tuple[str, ...]:
         """The names ``sampler`` takes (empty for a pipeline without a scheduler)."""
         return (samplers.DEFAULT, *self._samplers) if self._samplers is not None else ()

@@ -211,19 +211,6 @@ class NativeDiffusers(Diffusers, Generic[CondT]):
         self._timestep_counts: dict[tuple[str, int], int] = {}
 
     @property
-    def lora_names(self) -> tuple[str, ...]:
-        """The LoRAs a request may name in ``loras`` (loaded with :meth:`load_loras`)."""
-        return self._loras.names
-
-    def load_loras(self, loras: Mapping[str, Any]) -> None:
-        """Load ``{name: path}`` LoRAs (diffusers' ``load_lora_weights``, through peft).
-
-        Before the engine starts: it runs on the caller's thread. Raises
-        ValueError naming the LoRA that fails, ImportError without peft.
-        """
-        self._loras.load(loras)
-
-    @property
     def sampler_names(self) -> tuple[str, ...]:
         """The names ``sampler`` takes: ``default`` (the pipeline's own scheduler), then the offered ones."""
         return (samplers.DEFAULT, *self._samplers)

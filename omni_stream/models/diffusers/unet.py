@@ -95,10 +95,21 @@ class UNetDiffusers(NativeDiffusers[_UNetConditioning]):
 
     # -- construction -------------------------------------------------------------
 
+    #: The samplers whose step takes ``eta`` (set with the params, at construction).
+    _eta_takers: tuple[str, ...] = ()
+
     def _import_helpers(self) -> None:
+        from diffusers import (
+            DPMSolverMultistepScheduler,
+            DPMSolverSinglestepScheduler,
+            UniPCMultistepScheduler,
+        )
         from diffusers.pipelines.stable_diffusion.pipeline_stable_diffusion import rescale_noise_cfg
 
         self._rescale_noise_cfg = rescale_noise_cfg
+        # For _keeps_x0, asked on the per-step path: imported once, here.
+        self._dpm_solvers = (DPMSolverMultistepScheduler, DPMSolverSinglestepScheduler)
+        self._unipc = UniPCMultistepScheduler
 
     def _checked_denoiser(self, pipe: Any) -> Any:
         unet = getattr(pipe, "unet", None)
@@ -152,7 +163,8 @@ class UNetDiffusers(NativeDiffusers[_UNetConditioning]):
         ]
 
     def _sampler_params(self) -> list[Param]:
-        takers = self._eta_samplers()
+        # Once, at construction (validate reads it for every request that gives eta).
+        self._eta_takers = takers = self._eta_samplers()
         if not takers:
             return []
         return [Param("eta", "float", 0.0, f"DDIM eta: 0 is deterministic, 1 is DDPM-like "
@@ -170,9 +182,9 @@ class UNetDiffusers(NativeDiffusers[_UNetConditioning]):
     def validate(self, params: Mapping[str, Any] | None) -> dict[str, Any]:
         """Checked params; ``eta`` other than 0 only with a sampler that takes it (ParamsError)."""
         out = super().validate(params)
-        if out.get("eta") and out["sampler"] not in self._eta_samplers():
+        if out.get("eta") and out["sampler"] not in self._eta_takers:
             raise ParamsError(
-                f"{self.name} param 'eta' applies to sampler {' or '.join(self._eta_samplers())}, "
+                f"{self.name} param 'eta' applies to sampler {' or '.join(self._eta_takers)}, "
                 f"not {out['sampler']!r}; leave it out or 0",
                 field="eta",
             )
@@ -292,11 +304,22 @@ class UNetDiffusers(NativeDiffusers[_UNetConditioning]):
             value = getattr(output, attr, None)
             if isinstance(value, torch.Tensor):
                 return value.to(dtype=prev.dtype)
-        if _keeps_x0(s.scheduler):
+        if self._keeps_x0(s.scheduler):
             outputs = getattr(s.scheduler, "model_outputs", None)
             if outputs and isinstance(outputs[-1], torch.Tensor) and outputs[-1].shape == prev.shape:
                 return outputs[-1].to(dtype=prev.dtype)
         return None
+
+    def _keeps_x0(self, scheduler: Any) -> bool:
+        """Whether ``scheduler`` (a request's own: samplers differ) keeps its step's x0 as its
+        newest model output. DPM-Solver++ and UniPC (predict_x0) convert the model output to x0
+        and keep it for their multistep update, but their step output omits it."""
+        config: Any = scheduler.config
+        if isinstance(scheduler, self._dpm_solvers):
+            return config.algorithm_type in ("dpmsolver++", "sde-dpmsolver++")
+        if isinstance(scheduler, self._unipc):
+            return bool(config.predict_x0)
+        return False
 
     # -- decoding ---------------------------------------------------------------
 
@@ -334,26 +357,6 @@ def _vae_run(vae: Any, latents: torch.Tensor) -> torch.Tensor:
             x = x / vae.config.scaling_factor
         image = vae.decode(x, return_dict=False)[0]
     return vae_image(image)
-
-
-def _keeps_x0(scheduler: Any) -> bool:
-    """Whether ``scheduler`` keeps its step's x0 as its newest model output.
-
-    DPM-Solver++ and UniPC (predict_x0) convert the model output to x0 and
-    keep it for their multistep update, but their step output omits it.
-    """
-    from diffusers import (
-        DPMSolverMultistepScheduler,
-        DPMSolverSinglestepScheduler,
-        UniPCMultistepScheduler,
-    )
-
-    config: Any = scheduler.config
-    if isinstance(scheduler, (DPMSolverMultistepScheduler, DPMSolverSinglestepScheduler)):
-        return config.algorithm_type in ("dpmsolver++", "sde-dpmsolver++")
-    if isinstance(scheduler, UniPCMultistepScheduler):
-        return bool(config.predict_x0)
-    return False
 
 
 def _guidance_embedding(w: torch.Tensor, dim: int, dtype: torch.dtype = torch.float32) -> torch.Tensor:
