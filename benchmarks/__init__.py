@@ -13,6 +13,7 @@ runs it; ``docs/performance.md`` explains each figure. The figures, by name:
 ``memory``     RSS after 1,000 requests against after 100, and a reader that never reads
 ``diffusers_stream``  a random SD pipeline streamed (native, callback, TAESD previews) against ``pipe()``
 ``diffusers_batching``  4 and 16 concurrent requests on that pipeline, batched, unbatched, one at a time
+``diffusers_models``  switching between two models under max_loaded=1; num_images=4 against 4 requests
 """
 
 from __future__ import annotations
@@ -34,4 +35,5 @@ FIGURES: dict[str, str] = {
     "memory": "benchmarks.memory",
     "diffusers_stream": "benchmarks.diffusers_stream",
     "diffusers_batching": "benchmarks.diffusers_batching",
+    "diffusers_models": "benchmarks.diffusers_models",
 }

@@ -29,7 +29,10 @@ side by side in one run, baseline and engine interleaved:
   TAESD and VAE decodes alone in milliseconds. For ``sd15`` also
   ``batched4_vs_unbatched``: four requests at once through the engine,
   batched (the default: one UNet call a step) against ``batch=False`` (one
-  call per request), throughput ratio and the largest latent difference.
+  call per request), throughput ratio and the largest latent difference;
+  and ``model_switch``: two copies of it behind a ``ModelRouter`` with
+  ``max_loaded=1``, the load (``pipe.to(device)``) and unload seconds and a
+  request with a switch against one without.
 
 ``--dry-run`` runs the diffusers rows on the CPU with toy sizes (no CUDA
 needed): a check that the code runs, not a measurement.
@@ -456,6 +459,48 @@ def bench_batching(case: dict, device: torch.device, reps: int, count: int = 4) 
             "max_batch_size": models["batched"].max_batch_size, "samples_s": samples}
 
 
+def bench_model_switch(case: dict, device: torch.device, reps: int) -> dict:
+    """Two copies of the pipeline behind a ModelRouter with max_loaded=1: a request on the
+    other model waits for this one's unload (``pipe.to("cpu")``) and that one's load
+    (``pipe.to(device)``, a new engine). Seconds of each, and a request's time with a switch
+    against without."""
+    import copy
+
+    from omni_stream.engine.router import ModelRouter
+    from omni_stream.models.diffusers import Diffusers, PromptEmbeddings
+
+    name, pipe, params = case["name"], case["pipe"], case["params"]
+    embeddings = PromptEmbeddings(**case["embeddings"])
+    other = copy.deepcopy(pipe).to("cpu")  # starts unloaded, as a second checkpoint would
+    models = {"a": Diffusers(pipe, encode_prompt=lambda p, n: embeddings),
+              "b": Diffusers(other, encode_prompt=lambda p, n: embeddings)}
+    samples: dict[str, list[float]] = {"stay": [], "switch": []}
+    loads: list[dict] = []
+
+    async def measure() -> None:
+        async with ModelRouter(models, max_loaded=1, device=str(device)) as router:
+            await router.generate(dict(params, steps=2, output="latent"), model="a")  # untimed
+            for rep in range(reps):
+                for key, model in (("stay", "a"), ("switch", "b"), ("switch", "a")):
+                    _sync(device)
+                    t0 = time.perf_counter()
+                    await router.generate(dict(params, output="latent"), model=model)
+                    _sync(device)
+                    samples[key].append(time.perf_counter() - t0)
+                loads.append(router.load_times())
+                print(f"  {name} model switch rep {rep + 1}/{reps}: "
+                      + ", ".join(f"{k}={v[-1]:.3f}s" for k, v in samples.items()), flush=True)
+
+    asyncio.run(measure())
+    med = {k: statistics.median(v) for k, v in samples.items()}
+    load_s = statistics.median(t[m][0] for t in loads for m in ("a", "b") if t[m][0] > 0)
+    unload_s = statistics.median(t[m][1] for t in loads for m in ("a", "b") if t[m][1] > 0)
+    del models, other
+    return {"figure": f"diffusers_{name}_model_switch", "value": med["switch"] / med["stay"], "target": "-",
+            "stay_s": med["stay"], "switch_s": med["switch"], "load_s": load_s, "unload_s": unload_s,
+            "samples_s": samples}
+
+
 def bench_diffusers(args, device: torch.device, rows: list[dict]) -> str:
     """Append the diffusers rows to ``rows`` (written to ``--json`` as each model ends).
 
@@ -494,7 +539,9 @@ def _bench_diffusers(args, device: torch.device, rows: list[dict]) -> str:
         if name == "sd15":
             # Batching across requests, on by default: 4 at once, one UNet call a step or four.
             rows.append(bench_batching(case, device, 1 if dry else 3))
-        _print_rows(rows[-3:] if name == "sd15" else rows[-2:])
+            # Several models, one on the device at a time: what a switch costs.
+            rows.append(bench_model_switch(case, device, 1 if dry else 2))
+        _print_rows(rows[-4:] if name == "sd15" else rows[-2:])
         if args.json:
             args.json.write_text(json.dumps({"meta": _meta(device), "figures": rows}, indent=2))
         del case

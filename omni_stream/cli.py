@@ -59,6 +59,7 @@ _PARAM_FLAGS = (
     ("size", "--size"),
     ("seed", "--seed"),
     ("sampler", "--sampler"),
+    ("num_images", "--num-images"),
 )
 
 
@@ -428,10 +429,12 @@ def _load_model(
     loras: Mapping[str, str] | None = None,
     *,
     no_batch: bool = False,
+    max_images: int | None = None,
 ) -> StepModel:
     """The model named by ``spec``, with the tiny preview autoencoder and the LoRAs if given;
     ``no_batch``: one request per model call (a diffusers pipeline's results then equal
-    ``pipe()``'s bit for bit whatever else runs)."""
+    ``pipe()``'s bit for bit whatever else runs); ``max_images``: the most images a request
+    may ask for (``num_images``)."""
     from .config import PREVIEW_VAE_ENV, preview_vae as env_preview_vae
     from .models.registry import load_model
 
@@ -464,6 +467,15 @@ def _load_model(
             raise _UsageError(f"--lora: {_describe_error(exc)}") from exc
     if no_batch:
         model.max_batch_size = 1  # the engine reads it when it starts
+    if max_images is not None:
+        limit = getattr(model, "set_max_images", None)
+        if limit is None:
+            raise _UsageError(f"--max-images: model {spec!r} makes one image a request; "
+                              "diffusers:... image models make several")
+        try:
+            limit(max_images)
+        except ParamsError as exc:
+            raise _UsageError(f"--max-images: {exc}") from None
     return model
 
 
@@ -486,7 +498,9 @@ def _cmd_generate(args: argparse.Namespace) -> int:
             raise _UsageError(f"--previews: {_describe_error(exc)}") from None
     # Which model was loaded and how it runs (a pipeline's native or callback mode).
     args.log.show_info("omni_stream.models")
-    model = _load_model(args.model, args.preview_vae, _loras(args))
+    # A request here is the whole run: whatever count it asks for is allowed.
+    wanted = args.num_images if args.num_images is not None and args.num_images > 4 else None
+    model = _load_model(args.model, args.preview_vae, _loras(args), max_images=wanted)
     params = _model_params(model, args)
     # Checked here for an early error; the engine gets the params as given
     # (validating a validated dict twice is not always the same: size vs
@@ -512,13 +526,22 @@ def _cmd_generate(args: argparse.Namespace) -> int:
             )
         )
         try:
-            # The result at full size; a PNG says how it was made.
-            saved = final.save(output, params={"model": args.model, **checked}, decoder=decoder)
+            # The result at full size; a PNG says how it was made. Several
+            # images (--num-images): one file each, out.png -> out-0.png, ...
+            meta = {"model": args.model, **checked}
+            parts = final.split()
+            paths = [output] if len(parts) == 1 else [
+                output.with_name(f"{output.stem}-{i}{output.suffix}") for i in range(len(parts))
+            ]
+            saved = [
+                part.save(path, params=meta, decoder=decoder) for part, path in zip(parts, paths, strict=True)
+            ]
         except ParamsError as exc:
             raise _decoder_mismatch(decoder, exc) from None
         except ValueError as exc:
             raise _UsageError(f"-o {str(output)!r}: {exc}") from None
-        note = f"-> {saved} ({_picture_size(final)})"
+        where = str(saved[0]) if len(saved) == 1 else f"{saved[0]} ... {saved[-1].name}"
+        note = f"-> {where} ({_picture_size(parts[0])}{f', {len(saved)} images' if len(saved) > 1 else ''})"
         if isinstance(checked.get("seed"), int):
             # Drawn when none was given: the one to pass again for the same picture.
             note += f", seed {checked['seed']}"
@@ -574,7 +597,8 @@ def _cmd_models(args: argparse.Namespace) -> int:
     from .models.registry import BUILTIN_MODELS
     from .params import describe
 
-    names = args.names or list(BUILTIN_MODELS)
+    given = [_named_spec(n) for n in args.names or list(BUILTIN_MODELS)]
+    names = [spec for _, spec in given]
     unknown = [n for n in names if n not in BUILTIN_MODELS and ":" not in n]
     if unknown:
         raise _UsageError(
@@ -582,19 +606,24 @@ def _cmd_models(args: argparse.Namespace) -> int:
             f"built-in: {', '.join(BUILTIN_MODELS)}, or diffusers:ID|PATH, or module:attr"
         )
     default = next(iter(BUILTIN_MODELS))
+    named = any(served is not None for served, _ in given)
     rows: list[dict[str, Any]] = []
     # Each model is made only when listed: a missing optional dependency of
     # one must not hide the others.
-    for name in names:
+    for served, name in given:
         try:
             model = BUILTIN_MODELS[name]() if name in BUILTIN_MODELS else _load_model(name)
         except Exception as exc:  # noqa: BLE001 - reported, and the listing goes on
-            rows.append({"name": name, "default": name == default, "error": _describe_error(exc)})
+            first = (served, name) == given[0] if named else name == default
+            rows.append({"name": served or name, "default": first, "error": _describe_error(exc)})
             continue
         rows.append(
             {
-                "name": name,
-                "default": name == default,
+                # NAME=SPEC: the name a request's `model` takes on `serve --model NAME=SPEC`.
+                "name": served or name,
+                "spec": name,
+                # With NAME=SPEC, as serve takes them: the first is the default.
+                "default": (served, name) == given[0] if named else name == default,
                 "description": model.describe(),
                 "preview_decoder": _preview_default(model),
                 "params": describe(model.params),
@@ -619,6 +648,34 @@ def _cmd_models(args: argparse.Namespace) -> int:
 # -- serve ---------------------------------------------------------------------
 
 
+def _named_spec(text: str) -> tuple[str | None, str]:
+    """``NAME=SPEC`` as (NAME, SPEC); a plain SPEC as (None, SPEC). A spec may hold ``=``
+    itself (a path): only a left part that is a model name (no ``:`` or ``/``) names it."""
+    from .ids import MODEL_NAME
+
+    name, sep, spec = text.partition("=")
+    if sep and MODEL_NAME.fullmatch(name):
+        return name, spec
+    return None, text
+
+
+def _served_specs(given: list[str]) -> list[tuple[str, str]]:
+    """Each ``--model`` as (name, spec); one plain SPEC is named after the model it makes."""
+    named = [_named_spec(text) for text in given]
+    if len(named) == 1 and named[0][0] is None:
+        return [("", named[0][1])]
+    out: dict[str, str] = {}
+    for (name, spec), text in zip(named, given, strict=True):
+        if name is None:
+            raise _UsageError(f"--model {text!r}: with several --model, give each a name: NAME=SPEC")
+        if not spec:
+            raise _UsageError(f"--model {text!r}: no SPEC after {name}=")
+        if name in out:
+            raise _UsageError(f"--model: the name {name!r} is given twice")
+        out[name] = spec
+    return list(out.items())
+
+
 def _door_options(args: argparse.Namespace) -> dict[str, Any]:
     """The server's door options the command line gave (the rest come from the environment)."""
     out: dict[str, Any] = {}
@@ -641,12 +698,45 @@ def _cmd_serve(args: argparse.Namespace) -> int:
     from .engine.group import names_group
 
     loras = _loras(args)  # a bad folder or a name twice: said before anything loads
+    specs = _served_specs(args.model or ["mixture"])
+    if args.max_loaded is not None and not specs[0][0]:
+        raise _UsageError("--max-loaded bounds the models loaded at once: give them as --model NAME=SPEC")
 
-    def load() -> Any:
-        return _load_model(args.model, args.preview_vae, loras, no_batch=args.no_batch)
+    def load(spec: str = specs[0][1]) -> Any:
+        return _load_model(spec, args.preview_vae, loras, no_batch=args.no_batch,
+                           max_images=args.max_images)
 
     model: Any
-    if args.ray:
+    if specs[0][0] and args.ray:  # named, over Ray: each replica serves them, routed by model
+        if names_group(args.device):
+            raise _UsageError(
+                "--ray runs one engine per model on each replica: give one --device (auto: the replica's GPU)"
+            )
+        try:
+            from .integrations.ray_serve import deploy
+        except ImportError as exc:
+            _error(f"--ray needs Ray Serve: pip install 'omni-stream[ray]' ({exc})")
+            return 2
+        # Each replica builds every model with its factory; --max-loaded bounds
+        # those on its device (loaded on demand, Serve routing by model).
+        model = deploy(
+            {name: functools.partial(load, spec) for name, spec in specs},
+            max_models_per_replica=args.max_loaded, replicas=args.replicas, num_gpus=args.num_gpus,
+            address=args.ray_address, engine_kwargs={"device": args.device},
+        )
+    elif specs[0][0]:  # named: a request's `model` picks one
+        if names_group(args.device):
+            raise _UsageError(
+                "several --model run one engine each on one device, in this process: "
+                "not with a --device list (yet)"
+            )
+        from .engine.router import ModelRouter
+
+        # Every model is built now (host memory; its params known); --max-loaded
+        # bounds those on the device at once, loading the others on demand.
+        model = ModelRouter({name: load(spec) for name, spec in specs}, max_loaded=args.max_loaded,
+                            device=args.device)
+    elif args.ray:
         if names_group(args.device):
             raise _UsageError(
                 "--ray runs one engine per replica: give one --device (auto: the replica's GPU)"
@@ -748,6 +838,8 @@ def build_parser() -> argparse.ArgumentParser:
     gen.add_argument("--size", type=_positive_int, metavar="PX", help="image side in pixels")
     gen.add_argument("--seed", type=_seed, help="random seed; -1 or none: a random one, said at the end")
     gen.add_argument("--sampler", metavar="NAME", help="sampler name")
+    gen.add_argument("--num-images", type=_positive_int, metavar="N",
+                     help="images from the prompt (diffusers models): written as OUT-0.png, OUT-1.png, ...")
     gen.add_argument("-p", "--param", type=_key_value, action="append", metavar="KEY=JSON",
                      help="any other model param, e.g. -p 'shape=[3,64,64]' (repeatable)")
     gen.add_argument("--model", default="mixture", metavar="SPEC", help=_MODEL_HELP)
@@ -773,9 +865,18 @@ def build_parser() -> argparse.ArgumentParser:
     srv = sub.add_parser(
         "serve", help="serve the page, the HTTP API, event streams and the websocket on one port", **helpful
     )
-    srv.add_argument("--model", default="mixture", metavar="SPEC", help=_MODEL_HELP)
+    srv.add_argument("--model", action="append", metavar="[NAME=]SPEC",
+                     help=_MODEL_HELP + "; repeat as NAME=SPEC to serve several, a request's "
+                     "'model' naming one (default: the first; default SPEC: mixture)")
+    srv.add_argument("--max-loaded", type=_positive_int, metavar="N", default=None,
+                     help="with several --model: at most N on the device at once, the others loaded "
+                     "when a request needs them (least recently used unloaded); default: all, at start; "
+                     "with --ray, per replica")
     srv.add_argument("--preview-vae", metavar="PATH|ID", default=None, help=_PREVIEW_VAE_HELP)
     _add_lora_args(srv)
+    srv.add_argument("--max-images", type=_positive_int, metavar="N", default=None,
+                     help="the most images one request may ask for with num_images (diffusers models; "
+                     "default 4)")
     srv.add_argument("--no-batch", action="store_true",
                      help="run each request alone: no batching across requests (a diffusers model's "
                      "results then equal pipe()'s bit for bit whatever else runs)")

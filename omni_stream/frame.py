@@ -59,6 +59,11 @@ class Frame:
     the step's preview, or the request's result in its output format, and
     None for a step not previewed; ``data`` is then an empty tensor, since
     the pixels never crossed.
+
+    ``image_count`` is how many images the frame holds (a request's
+    ``num_images``): more than one stacks them along a leading dimension
+    (``[n, C, h, w]`` latents, ``[n, 3, H, W]`` pixels), and :meth:`split`
+    gives one frame per image. :meth:`image` shows them as one grid.
     """
 
     request_id: str
@@ -68,6 +73,7 @@ class Frame:
     timings: StepTimings = field(default_factory=lambda: StepTimings(0.0, 0.0, 0.0))
     decoded: bool = False
     encoded: EncodedImage | None = None
+    image_count: int = 1
 
     @property
     def final(self) -> bool:
@@ -76,10 +82,24 @@ class Frame:
     def __repr__(self) -> str:
         shape = "x".join(str(s) for s in self.data.shape)
         encoded = f", encoded={self.encoded!r}" if self.encoded is not None else ""
+        images = f", image_count={self.image_count}" if self.image_count != 1 else ""
         return (
             f"Frame(request_id={self.request_id!r}, step={self.step}/{self.total}, "
-            f"data={shape} {self.data.dtype}{', decoded' if self.decoded else ''}{encoded})"
+            f"data={shape} {self.data.dtype}{', decoded' if self.decoded else ''}{images}{encoded})"
         )
+
+    def split(self) -> list[Frame]:
+        """One frame per image, in order (views of ``data``, which the caller owns anyway).
+
+        A frame of one image gives ``[self]``. The frames share this one's
+        step and timings; ``encoded`` is not carried (it pictures them all).
+        """
+        if self.image_count == 1:
+            return [self]
+        return [
+            Frame(self.request_id, self.step, self.total, self.data[i], self.timings, self.decoded)
+            for i in range(self.image_count)
+        ]
 
     # The methods below import omni_stream.preview when called: the engine
     # imports this module, and should not load Pillow to do so.
@@ -87,10 +107,11 @@ class Frame:
     @property
     def is_video(self) -> bool:
         """True when ``data`` is a video: ``[C, T, h, w]`` latents or ``[T, 3, H, W]``
-        pixels (4-D, or 5-D with a leading batch of 1, first dimension not 1)."""
+        pixels (4-D, or 5-D with a leading batch of 1, first dimension not 1);
+        never for a frame of several images."""
         from .preview.decode import is_video
 
-        return is_video(self.data)
+        return self.image_count == 1 and is_video(self.data)
 
     def image(
         self, *, decoder: str | Callable[[torch.Tensor], Any] | None = "auto"
@@ -101,7 +122,8 @@ class Frame:
         ``decoder`` (default ``"auto"``; pass
         ``omni_stream.preview.default_decoder(model)`` for the model's own).
         A video frame is its frames side by side, left to right: the strip
-        its previews show by default (:meth:`images` gives the frames).
+        its previews show by default (:meth:`images` gives the frames); a
+        frame of several images is a grid of them.
         Raises ParamsError (a ValueError) when the frame does not fit
         ``decoder``.
         """
@@ -112,7 +134,8 @@ class Frame:
     def images(
         self, *, decoder: str | Callable[[torch.Tensor], Any] | None = "auto"
     ) -> list[Image.Image]:
-        """This frame's images, one per video frame (one for an image frame).
+        """This frame's images: one per video frame, one per image of a
+        several-image frame, else one.
 
         Raises ParamsError when the frame does not fit ``decoder``.
         """
@@ -139,7 +162,8 @@ class Frame:
         Raises ValueError for an unknown suffix or one for the other kind
         (naming the known ones), ImportError for ``.mp4`` without PyAV,
         ParamsError for a bad ``quality``/``fps`` or a frame that does not
-        fit ``decoder``.
+        fit ``decoder``. A frame of several images is saved as its grid
+        (:meth:`split` for a file each).
         """
         from .preview.save import save_frame
 

@@ -194,6 +194,14 @@ class StepModel(abc.ABC):
     def load(self, device: torch.device) -> None:  # noqa: B027 - an optional hook: doing nothing is the default
         """Called once on the producer thread before the first ``start``."""
 
+    def unload(self) -> None:  # noqa: B027 - an optional hook: doing nothing is the default
+        """Free the device memory ``load`` took (a worker thread, after the model's engine closed).
+
+        A :class:`~omni_stream.engine.router.ModelRouter` calls it when it
+        unloads the model to load another (``max_loaded``); the next ``load``
+        brings it back. The default keeps everything where it is.
+        """
+
     @abc.abstractmethod
     def start(self, params: Mapping[str, Any], device: torch.device) -> Any:
         """Create one request's state (latents, RNG, ...) on ``device``."""

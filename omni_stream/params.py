@@ -18,12 +18,14 @@ from typing import Any
 from .errors import ParamsError
 
 __all__ = [
+    "MAX_IMAGES",
     "RANDOM",
     "SEED_MAX",
     "Param",
     "describe",
     "drawn",
     "finite_number",
+    "images_param",
     "pin_drawn",
     "positive_int",
     "seed_param",
@@ -243,6 +245,24 @@ def seed_param(help: str = "random seed") -> Param:
     return Param(
         "seed", "int", RANDOM, f"{help}; -1 (the default) draws one per request, reported back",
         minimum=0, maximum=SEED_MAX, random=True,
+    )
+
+
+#: The most images any model lets one request ask for (``num_images``).
+MAX_IMAGES = 64
+
+
+def images_param(maximum: int) -> Param:
+    """``num_images``: how many images one request makes from its prompt, 1 to ``maximum``.
+
+    A model that declares it hands out frames holding that many images
+    along a leading dimension (``Frame.image_count``); the engine reads the
+    param to know.
+    """
+    return Param(
+        "num_images", "int", 1,
+        f"images from one prompt, 1 to {maximum} (num_images_per_prompt; one seed, one noise draw)",
+        minimum=1, maximum=maximum,
     )
 
 

@@ -67,6 +67,18 @@ def test_quick_diffusers_stream_produces_finite_figures():
     assert diffs["native_previews"] < 1e-4, diffs
 
 
+def test_quick_diffusers_models_produces_finite_figures():
+    pytest.importorskip("diffusers")
+    figures, errors = run_suite(
+        ["diffusers_models"], quick=True, loop="asyncio", reps=1, isolate=False, verbose=False
+    )
+    assert errors == {}
+    _check(figures, "diffusers_models")
+    assert {f.name for f in figures} == {"diffusers_models.switch", "diffusers_models.num_images_4"}
+    switch = next(f for f in figures if f.name == "diffusers_models.switch")
+    assert switch.engine["load_s"] > 0 and switch.engine["unload_s"] > 0
+
+
 def test_gpu_bench_diffusers_rows_run_on_the_cpu_at_toy_sizes(tmp_path, capsys):
     # The GPU figures only run on a CUDA machine; --dry-run checks their code here.
     pytest.importorskip("diffusers")
@@ -79,6 +91,7 @@ def test_gpu_bench_diffusers_rows_run_on_the_cpu_at_toy_sizes(tmp_path, capsys):
         "diffusers_sd15_taesd_on_vs_off",
         "diffusers_sd15_stream_vs_pipe",
         "diffusers_sd15_batched4_vs_unbatched",
+        "diffusers_sd15_model_switch",
         "diffusers_flux_taesd_on_vs_off",
         "diffusers_flux_stream_vs_pipe",
     ]

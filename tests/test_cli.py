@@ -536,3 +536,34 @@ def test_bench_runs_python_dash_m_benchmarks_with_the_rest_of_the_arguments(
     code, _, _ = run(capsys, "bench", "--quick", "-k", "copy", "--help")
     assert code == 3  # the suite's own exit status
     assert json.loads((tmp_path / "args.json").read_text()) == ["--quick", "-k", "copy", "--help"]
+
+
+def test_serve_several_named_models_makes_a_router_and_bad_specs_are_usage_errors(capsys, fake_server):
+    from omni_stream.engine.router import ModelRouter
+
+    _, calls = fake_server
+    code, _, err = run(capsys, "serve", "--model", "a=synthetic", "--model", "b=synthetic", "--max-loaded", "1")
+    assert code == 0, err
+    (call,) = calls
+    router = call["model"]
+    assert isinstance(router, ModelRouter) and list(router.models) == ["a", "b"] and router.max_loaded == 1
+    for argv, words in [
+        (("--model", "a=synthetic", "--model", "synthetic"), "give each a name"),
+        (("--model", "a=synthetic", "--model", "a=synthetic"), "given twice"),
+        (("--model", "synthetic", "--max-loaded", "2"), "--max-loaded"),
+        (("--model", "a=", "--model", "b=synthetic"), "no SPEC"),
+        (("--model", "a=synthetic", "--model", "b=synthetic", "--ray", "--device", "cpu,cpu"), "one --device"),
+    ]:
+        code, _, err = run(capsys, "serve", *argv)
+        assert code == 2, argv
+        assert_one_line_error(err, words)
+    assert len(calls) == 1
+
+
+def test_models_lists_named_specs_under_their_serve_names(capsys):
+    code, out, err = run(capsys, "models", "fast=synthetic", "mixture", "--json")
+    assert code == 0, err
+    rows = json.loads(out)
+    assert [(r["name"], r["spec"], r["default"]) for r in rows] == [
+        ("fast", "synthetic", True), ("mixture", "mixture", False)
+    ]

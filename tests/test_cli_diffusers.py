@@ -66,6 +66,30 @@ def test_generate_writes_the_pipelines_image_at_full_size(saved, capsys, tmp_pat
     assert gif.n_frames == 2 and gif.size == (32, 32)
 
 
+def test_generate_num_images_writes_one_file_per_image(saved, capsys, tmp_path):
+    # Issue #20: --num-images N is num_images_per_prompt; out.png becomes out-0.png ... out-{N-1}.png,
+    # and the previews (here decoded by the tiny autoencoder) are grids of the N images.
+    root, pipe = saved
+    out, previews = tmp_path / "cat.png", tmp_path / "steps"
+    code = cli.main([
+        "generate", "a red cat", "--model", f"diffusers:{root / 'sd'}", "--size", "32", "--steps", "2",
+        "--seed", "4", "--num-images", "5", "-o", str(out), "--previews", str(previews),
+        "--preview-vae", str(root / "taesd"),
+    ])
+    _, err = capsys.readouterr()
+    assert code == 0, err
+    assert "cat-0.png ... cat-4.png (32x32, 5 images)" in err, err
+    assert not out.exists()
+    expected = pipe(prompt="a red cat", num_inference_steps=2, height=32, width=32, num_images_per_prompt=5,
+                    generator=torch.Generator().manual_seed(4), output_type="pil").images
+    for i, image in enumerate(expected):
+        got = Image.open(tmp_path / f"cat-{i}.png")
+        assert got.convert("RGB").tobytes() == image.tobytes()
+        assert json.loads(got.text["omni_stream"])["num_images"] == 5
+    (grid,) = sorted(previews.iterdir())
+    assert Image.open(grid).size == (96, 64)  # 5 images of 32 px: 3 columns, 2 rows
+
+
 def test_generate_takes_a_sampler_by_its_a1111_name(saved, capsys, tmp_path):
     # The issue: `generate ... --sampler euler_a` answered "takes no 'sampler' param".
     import copy

@@ -3,6 +3,7 @@ against the real server (om.models.Synthetic, tiny frames) and a scripted fake s
 
 from __future__ import annotations
 
+import dataclasses
 import io
 import json
 import math
@@ -241,6 +242,10 @@ async def test_inbox_without_progress_only_records_the_latest() -> None:
         ([_preview(1)], ProtocolError, "before 'accepted'"),
         ([_accepted(), _accepted()], ProtocolError, "second 'accepted'"),
         ([_accepted(), _preview(4), wire.Done(RID, 5, 1.0)], ProtocolError, "without a final"),
+        # A request of three images ended after two of its results.
+        ([_accepted(), dataclasses.replace(_preview(5, final=True), index=0, images=3),
+          dataclasses.replace(_preview(5, final=True), index=1, images=3), wire.Done(RID, 5, 1.0)],
+         ProtocolError, "after 2 of the request's 3 results"),
         ([wire.ErrorMessage("bad_params", "steps must be >= 1", RID, "steps")], ParamsRejectedError,
          "steps"),
         ([wire.ErrorMessage("duplicate_id", "in use", RID, None)], RequestRejectedError, "in use"),
@@ -258,6 +263,22 @@ async def test_inbox_outcomes(events: list[Any], error: type[Exception], match: 
     assert info.value.request_id == RID  # type: ignore[attr-defined]
     # The outcome is raised once; the stream is then simply over.
     assert await _drain(inbox) == []
+
+
+@pytest.mark.asyncio
+async def test_inbox_keeps_every_result_of_several_images_and_a_loading_note() -> None:
+    inbox = Inbox(RID, want_progress=False, max_buffered=2)
+    inbox.feed(_accepted())
+    inbox.feed(wire.Loading(RID, "sd"))
+    assert inbox.loading == wire.Loading(RID, "sd")
+    inbox.feed(Progress(RID, 5, 5, 0.0))
+    assert inbox.loading is None
+    finals = [dataclasses.replace(_preview(5, final=True), index=i, images=3) for i in range(3)]
+    for final in finals:
+        inbox.feed(final)
+    inbox.feed(wire.Done(RID, 5, 0.5))
+    # max_buffered=2, but results are never dropped.
+    assert await _drain(inbox) == finals
 
 
 @pytest.mark.asyncio

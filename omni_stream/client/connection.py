@@ -232,6 +232,7 @@ class Client:
         detach: bool = ...,
         priority: int | None = ...,
         progress: Literal[False] = ...,
+        model: str | None = ...,
     ) -> RequestStream[PreviewFrame]: ...
 
     @overload
@@ -245,6 +246,7 @@ class Client:
         detach: bool = ...,
         priority: int | None = ...,
         progress: Literal[True],
+        model: str | None = ...,
     ) -> RequestStream[PreviewFrame | Progress]: ...
 
     def generate(
@@ -257,6 +259,7 @@ class Client:
         detach: bool = False,
         priority: int | None = None,
         progress: bool = False,
+        model: str | None = None,
     ) -> RequestStream[Any]:
         """Start a request (on first iteration) and stream its previews, the final one last.
 
@@ -268,15 +271,16 @@ class Client:
         detached request from another connection). ``detach``: the request
         survives this connection and leaving the iteration early.
         ``priority``: -10 to 10, higher first (None: the server's 0).
-        ``progress``: also yield :class:`Progress` items. Raises ParamsError
-        for a malformed id or priority, params or preview that are not JSON
+        ``progress``: also yield :class:`Progress` items. ``model``: which of
+        a server's models runs it (None: its first; ``/models`` lists them).
+        Raises ParamsError for a malformed id, priority or model name, params or preview that are not JSON
         objects, or values JSON cannot carry (NaN, infinities, other types).
         Iterating a request the server is too busy for raises BusyError
         (its ``retry_after_s`` says when to try again).
         """
         request_id = uuid.uuid4().hex if id is None else id
         message = Generate.build(
-            request_id, params, preview, detach=detach, output=output, priority=priority
+            request_id, params, preview, detach=detach, output=output, priority=priority, model=model
         )
         if not isinstance(progress, bool):
             raise ParamsError(f"progress must be a bool, got {progress!r}", field="progress")

@@ -135,15 +135,21 @@ class RequestStream(Generic[T]):
         return item  # type: ignore[return-value]
 
     async def result(self) -> PreviewFrame:
-        """Iterate to the end and return the final preview (the result); raises as iteration does."""
-        final: PreviewFrame | None = None
+        """Iterate to the end and return the final preview (the result; the first image's for
+        a request of several, see :meth:`results`); raises as iteration does."""
+        return (await self.results())[0]
+
+    async def results(self) -> list[PreviewFrame]:
+        """Iterate to the end and return the results: one final preview per image
+        (``num_images``), in index order; raises as iteration does."""
+        finals: list[PreviewFrame] = []
         async with self:
             async for item in self:
                 if isinstance(item, PreviewFrame) and item.final:
-                    final = item
-        if final is None:  # pragma: no cover - Inbox refuses 'done' without a final
+                    finals.append(item)
+        if not finals:  # pragma: no cover - Inbox refuses 'done' without a final
             raise ProtocolError("request ended without a final preview", request_id=self.id)
-        return final
+        return sorted(finals, key=lambda f: f.index)
 
     async def __aenter__(self) -> RequestStream[T]:
         if self._state == "new":

@@ -146,8 +146,9 @@ def frame_bytes(model: StepModel, params: Mapping[str, Any]) -> tuple[int, str] 
 
     A ``shape`` param is the frame's shape (values of the model's ``dtype``,
     float32 when it has none); else ``size`` / ``width`` / ``height`` give
-    an RGB image in float32 (times ``num_frames`` for a video), the size of
-    a decoded result. The largest such reading wins.
+    an RGB image in float32 (times ``num_frames`` for a video, times
+    ``num_images`` for a request of several images), the size of a decoded
+    result. The largest such reading wins.
     """
     values = _param_values(model, params)
     dtype = getattr(model, "dtype", None)
@@ -177,7 +178,8 @@ def frame_bytes(model: StepModel, params: Mapping[str, Any]) -> tuple[int, str] 
     # width must not hide a larger size, so each side is the larger reading.
     size = side("size") or 0
     width, height = max(side("width") or 0, size), max(side("height") or 0, size)
-    frames = side("num_frames") or 1
+    # A video's frames and a request's images both stack whole pictures.
+    frames = (side("num_frames") or 1) * (side("num_images") or 1)
     if width and height:
         field = "size" if size and size >= max(side("width") or 0, side("height") or 0) else next(
             (n for n in _SIDES if side(n)), "size"

@@ -60,6 +60,7 @@ class RequestRecord:
         principal: str | None = None,
         cross_priority: int = 0,
         seed: int | None = None,
+        model: str | None = None,
     ) -> None:
         self.id = request_id
         self.owner = owner
@@ -74,6 +75,10 @@ class RequestRecord:
         self.cross_priority = cross_priority
         #: The seed it runs with (drawn at admission when it named none), None without one.
         self.seed = seed
+        #: The model that runs it, on a server of several (None on a server of one).
+        self.model = model
+        #: It waits for its model to load (no frame yet).
+        self.loading = False
         self.cancel_reason: str | None = None
         self.ended_at: float | None = None
         self.outcome: str | None = None  # "done" | "cancelled" | "error" once ended
@@ -88,8 +93,8 @@ class RequestRecord:
         self.latest_eta_s: float | None = None
         self._ended_event: anyio.Event | None = None
         self._latest_progress: str | None = None
-        self._latest_preview: bytes | None = None
-        self._latest_preview_final = False
+        self._latest_preview: bytes | None = None  # the newest intermediate preview
+        self._results: list[bytes] = []  # the final frames: one per image, in order
         self._terminal: tuple[str, str] | None = None  # (serialized message, kind)
         self._watchers: dict[str, Outbox] = {}
         # (watcher, kind) -> the held_since its outbox had when last looked at.
@@ -119,6 +124,7 @@ class RequestRecord:
                 preview=self.preview,
                 output=self.output,
                 seed=self.seed,
+                model=self.model,
             )
         )
 
@@ -132,12 +138,12 @@ class RequestRecord:
         outbox.put(self.accepted_message(attached=attached), "accepted")
         if self._latest_progress is not None:
             outbox.put(self._latest_progress, "progress", latest_key=(self.id, "progress"))
-        if self._latest_preview is not None:
-            pin = (self.id, "progress")
-            if self._latest_preview_final:
-                outbox.put(self._latest_preview, "preview", pin_key=pin)
-            else:
-                outbox.put(self._latest_preview, "preview", latest_key=(self.id, "preview"), pin_key=pin)
+        pin = (self.id, "progress")
+        if self._results:
+            for result in self._results:
+                outbox.put(result, "preview", pin_key=pin)
+        elif self._latest_preview is not None:
+            outbox.put(self._latest_preview, "preview", latest_key=(self.id, "preview"), pin_key=pin)
         if self._terminal is not None:
             text, kind = self._terminal
             outbox.put(text, kind)
@@ -149,8 +155,19 @@ class RequestRecord:
         for kind in ("progress", "preview"):
             self._held_seen.pop((conn_id, kind), None)
 
+    def publish_loading(self, model: str) -> None:
+        """Say the request waits for ``model`` to load: a ``loading`` to every watcher, in the
+        place of its progress (the first ``progress`` replaces it)."""
+        self.loading = True
+        text = protocol.dumps(protocol.loading(self.id, model=model))
+        self._latest_progress = text
+        self._recount()
+        for outbox in self._watchers.values():
+            outbox.put(text, "loading", latest_key=(self.id, "progress"))
+
     def publish_progress(self, step: int, message: Mapping[str, Any]) -> None:
         """Send a ``progress`` to every watcher, latest wins."""
+        self.loading = False
         text = protocol.dumps(message)
         self.latest_step = step
         self.frames_taken += 1
@@ -201,9 +218,13 @@ class RequestRecord:
         return takes
 
     def publish_preview(self, frame: bytes, *, final: bool) -> None:
-        """Send a packed preview frame to every watcher; a final one is must-deliver."""
-        self._latest_preview = frame
-        self._latest_preview_final = final
+        """Send a packed preview frame to every watcher; a final one (a result: one per
+        image of the request) is must-deliver, and kept for replay in order."""
+        if final:
+            self._results.append(frame)
+            self._latest_preview = None  # stale next to the result
+        else:
+            self._latest_preview = frame
         self.previews_sent += 1
         self._recount()
         # The pin keeps this step's progress (if still unsent) ahead of it.
@@ -248,21 +269,29 @@ class RequestRecord:
         return None if self._terminal is None else json.loads(self._terminal[0])
 
     def latest_preview(self) -> tuple[protocol.PreviewHeader, memoryview] | None:
-        """The newest preview sent (the result, once done), split; None before the first."""
-        if self._latest_preview is None:
+        """The newest preview sent (the first result, once there is one), split; None before the first."""
+        latest = self._results[0] if self._results else self._latest_preview
+        if latest is None:
             return None
-        return protocol.unpack_preview(self._latest_preview)
+        return protocol.unpack_preview(latest)
 
-    def result(self) -> tuple[protocol.PreviewHeader, memoryview] | None:
-        """The result (the final frame in its output format) once the request is done, else None."""
-        if self.outcome != "done" or not self._latest_preview_final or self._latest_preview is None:
+    @property
+    def result_count(self) -> int:
+        """How many results the request has (one per image) once done, else 0."""
+        return len(self._results) if self.outcome == "done" else 0
+
+    def result(self, index: int = 0) -> tuple[protocol.PreviewHeader, memoryview] | None:
+        """Result ``index`` (a final frame in its output format; one per image) once the request
+        is done, else None (None too for an index it does not have)."""
+        if not 0 <= index < self.result_count:
             return None
-        return protocol.unpack_preview(self._latest_preview)
+        return protocol.unpack_preview(self._results[index])
 
     def retained_bytes(self) -> int:
         """Bytes this record holds for replay."""
         return (
             len(self._latest_preview or b"")
+            + sum(len(r) for r in self._results)
             + len(self._latest_progress or "")
             + len(self._terminal[0] if self._terminal else "")
         )
@@ -279,6 +308,7 @@ class RequestRecord:
         self._budget = None
         self._latest_progress = None
         self._latest_preview = None
+        self._results = []
 
     def _recount(self) -> None:
         if self._budget is None:

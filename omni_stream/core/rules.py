@@ -98,6 +98,8 @@ class Admitted:
     params: Any
     spec: PreviewSpec
     output: admission.OutputSpec
+    #: The served model that runs it (one of Rules.models).
+    model: str
     memory: MemoryReservation
     #: The priority it carries against other principals' requests (its own,
     #: capped by its principal's grant: Principal.cross_priority).
@@ -130,16 +132,30 @@ class Rules:
         #: The keywords besides request_id that engine.stream takes, read once here.
         self.stream_keywords = server_stream_keywords(engine)
         self.engine = engine
-        self.model: StepModel = engine.model
+        #: The models served, by name, the default first: a router's (engine/router.py),
+        #: else the engine's one model under its own name.
+        served = getattr(engine, "models", None)
+        self.models: dict[str, StepModel] = (
+            dict(served) if isinstance(served, Mapping) and served else {engine.model.name: engine.model}
+        )
+        #: The default model (a request that names none runs on it).
+        self.model: StepModel = next(iter(self.models.values()))
         self.limits = limits
         self.tokens = tokens if tokens is not None else Tokens()
         self.clock = clock
-        self.default_decoder = admission.default_decoder(self.model)
-        self.default_preview = admission.cap_preview(PreviewSpec(decoder=self.default_decoder), limits)
+        # Each model's default preview decoder and settings, worked out once.
+        self._decoders = {name: admission.default_decoder(m) for name, m in self.models.items()}
+        self._previews = {
+            name: admission.cap_preview(PreviewSpec(decoder=decoder), limits)
+            for name, decoder in self._decoders.items()
+        }
+        self.default_decoder = next(iter(self._decoders.values()))
+        self.default_preview = next(iter(self._previews.values()))
         # Bytes held for clients, queued and retained, reserved by running
-        # requests and held by the model's caches: max_memory_bytes (memory.py).
+        # requests and held by the models' caches: max_memory_bytes (memory.py).
         self.memory = MemoryBudget(limits.max_memory_bytes)
-        self.memory.watch_model(self.model)
+        for model in self.models.values():
+            self.memory.watch_model(model)
         self.registry = RequestRegistry(
             retention_s=limits.retention_s, max_retained=limits.max_retained, budget=self.memory,
             clock=clock,
@@ -337,6 +353,28 @@ class Rules:
             self._start(admitted, stream)
         return record
 
+    @property
+    def preview_defaults(self) -> Mapping[str, PreviewSpec]:
+        """Each model's default preview settings, by model name."""
+        return self._previews
+
+    def model_for(self, name: str | None, *, request_id: str | None = None) -> tuple[str, StepModel]:
+        """The served model a request naming ``name`` runs on (None: the first), and its name.
+
+        Raises MessageError ``bad_params`` (field ``model``) naming the models.
+        """
+        if name is None:
+            return next(iter(self.models.items()))
+        model = self.models.get(name)
+        if model is None:
+            raise protocol.MessageError(
+                "bad_params",
+                f"model {protocol.clip(name)!r} is not served here; the models are {', '.join(self.models)}",
+                field="model",
+                request_id=request_id,
+            )
+        return name, model
+
     def precheck(
         self, client: Client, msg: protocol.ClientMessage, images: Sequence[inputs.PendingImage] = ()
     ) -> None:
@@ -352,10 +390,11 @@ class Rules:
             return
         request_id = msg.id or uuid.uuid4().hex
         load = self._admit_cheap(client, msg, request_id)
+        _, model = self.model_for(msg.model, request_id=request_id)
         if images and isinstance(msg.params, Mapping):
             sized = {image.name: inputs.Sized((image.header.width, image.header.height)) for image in images}
             admission.check_memory(
-                self.memory, self.model, {**msg.params, **sized}, engine=self.engine, request_id=request_id,
+                self.memory, model, {**msg.params, **sized}, engine=self.engine, request_id=request_id,
                 retry_after_s=lambda: self.retry_after(load),
             )
 
@@ -403,16 +442,17 @@ class Rules:
         request_id = msg.id or uuid.uuid4().hex
         principal = client.principal
         load = self._admit_cheap(client, msg, request_id)
+        name, model = self.model_for(msg.model, request_id=request_id)
         spec = admission.preview_spec(
-            msg.preview, default=self.default_preview, decoder=self.default_decoder,
-            limits=self.limits, request_id=request_id, model=self.model,
+            msg.preview, default=self._previews[name], decoder=self._decoders[name],
+            limits=self.limits, request_id=request_id, model=model,
         )
         output = admission.output_spec(
-            msg.output, video=bool(getattr(self.model, "produces_video", False)), request_id=request_id
+            msg.output, video=bool(getattr(model, "produces_video", False)), request_id=request_id
         )
-        total, checked = admission.check_params(self.model, msg.params, self.limits, request_id=request_id)
+        total, checked = admission.check_params(model, msg.params, self.limits, request_id=request_id)
         memory = admission.reserve_memory(
-            self.memory, self.model, checked, engine=self.engine, request_id=request_id,
+            self.memory, model, checked, engine=self.engine, request_id=request_id,
             retry_after_s=lambda: self.retry_after(load),
         )
         cross = principal.cross_priority(msg.priority)
@@ -428,11 +468,12 @@ class Rules:
             priority=msg.priority,
             cross_priority=cross,
             seed=_seed_of(checked),
+            model=name if len(self.models) > 1 else None,
         )
         # The engine checks the params again: it must run with the seed drawn
         # here (the one `accepted` reports), not draw a second.
-        params = pin_drawn(self.model.params, msg.params, checked)
-        return Admitted(record, params, spec, output, memory, cross)
+        params = pin_drawn(model.params, msg.params, checked)
+        return Admitted(record, params, spec, output, name, memory, cross)
 
     def _open_stream(self, admitted: Admitted) -> FrameStreamLike:
         """Submit an admitted request to the engine; its stream.
@@ -450,6 +491,8 @@ class Rules:
                 # scheduler ranks every request it holds by priority).
                 "priority": admitted.cross_priority,
                 "render": self._render_request(spec, output),
+                # Only to an engine of several models (engine/router.py).
+                "model": admitted.model if len(self.models) > 1 else None,
             }
             # Only what the engine takes (an engine of one's own may take less).
             options = {k: v for k, v in wanted.items() if k in self.stream_keywords and v is not None}
@@ -589,7 +632,7 @@ class Rules:
             held=load.held,
             step_s=self.metrics.recent_step_s,
             batch_size=self.metrics.recent_batch_size,
-            whole_requests=bool(getattr(self.model, "runs_whole_requests", False)),
+            whole_requests=any(getattr(m, "runs_whole_requests", False) for m in self.models.values()),
         )
 
     def queue_positions(self) -> dict[str, int]:

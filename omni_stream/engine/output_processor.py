@@ -146,6 +146,7 @@ class OutputProcessor:
             data=t.data,
             timings=StepTimings(t.queued_s, t.compute_s, t.copy_s, t.batch_size, t.decode_s),
             decoded=t.decoded,
+            image_count=r.images,
         )
         replaced = r.delivery.put(frame)
         self.frames_delivered += 1

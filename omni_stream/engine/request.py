@@ -37,7 +37,7 @@ class Request:
     """See the module docstring for which side owns which field."""
 
     __slots__ = (
-        "id", "params", "total", "batch_key", "policy", "timeout", "preview_every", "arrival",
+        "id", "params", "total", "images", "batch_key", "policy", "timeout", "preview_every", "arrival",
         "priority", "arrival_round", "submitted_at", "delivery",
         # (lock)
         "status", "issued", "delivered", "consumed", "last_scheduled", "ready_at",
@@ -64,6 +64,9 @@ class Request:
         self.id = request_id
         self.params = params
         self.total = total
+        # How many images each frame holds: a model that makes several per
+        # request declares them as its num_images param (Frame.image_count).
+        self.images = _images(params)
         self.batch_key = batch_key
         self.policy = policy
         self.timeout = timeout
@@ -112,3 +115,8 @@ class Request:
             return False
         # "latest" never waits for its reader: newer frames replace older ones.
         return self.policy == "latest" or self.unconsumed < queue_size
+
+
+def _images(params: Mapping[str, Any]) -> int:
+    n = params.get("num_images", 1)
+    return n if isinstance(n, int) and not isinstance(n, bool) and n > 1 else 1

@@ -39,6 +39,7 @@ from .encode import (
     encode,
     encode_animation,
     fit_size,
+    image_grid,
     video_strip,
 )
 from .remote import RenderRequest, render_frame
@@ -94,6 +95,7 @@ __all__ = [
     "EncodedImage",
     "encode",
     "encode_animation",
+    "image_grid",
     "video_strip",
     "check_options",
     "check_fps",

@@ -48,6 +48,7 @@ __all__ = [
     "EncodedImage",
     "encode",
     "encode_animation",
+    "image_grid",
     "video_strip",
     "check_options",
     "fit_size",
@@ -250,6 +251,27 @@ def video_strip(frames: Any, max_size: int | None = None) -> np.ndarray:
         size = (max(1, math.floor(width * scale)), max(1, round(height * scale)))
         frames = [_shrink(f, size) for f in frames]
     return np.ascontiguousarray(np.concatenate(frames, axis=1))
+
+
+def image_grid(images: Any) -> np.ndarray:
+    """Several images in one picture: uint8 ``[rows * H, cols * W, 3]``.
+
+    The preview of a request for several images (``num_images``): as many
+    columns as the smallest square holding them takes, filled row by row,
+    left to right; a cell left over is black. Images of one request share
+    a size; a smaller one sits in its cell's top-left corner. Raises
+    ParamsError (field ``frames`` or ``rgb``) for bad input.
+    """
+    images = _check_frames(images)
+    cols = math.ceil(math.sqrt(len(images)))
+    rows = math.ceil(len(images) / cols)
+    height = max(i.shape[0] for i in images)
+    width = max(i.shape[1] for i in images)
+    grid = np.zeros((rows * height, cols * width, 3), dtype=np.uint8)
+    for k, rgb in enumerate(images):
+        top, left = (k // cols) * height, (k % cols) * width
+        grid[top : top + rgb.shape[0], left : left + rgb.shape[1]] = rgb
+    return grid
 
 
 def encode_animation(

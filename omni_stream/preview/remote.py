@@ -93,11 +93,17 @@ async def render_frame(
     format (``params`` in its metadata, as the server writes them); a step
     due for a preview (``should_preview`` with ``spec.every``) its preview;
     any other step carries no image (its progress is all a server sends).
+    A final frame of several images crosses as it is (pixels).
     ``spec`` is ``request.spec()``, built once per request. Runs in one of
     ``previewer``'s threads; raises what the encoders raise (ParamsError
     for a frame that does not fit the decoder).
     """
     image: EncodedImage | None = None
+    if frame.final and frame.image_count > 1:
+        # Several images (num_images): each is a result of its own, which
+        # one encoded image cannot carry; they cross as pixels and the
+        # server encodes each.
+        return frame
     if frame.final:
         encode = functools.partial(
             encode_output,

@@ -29,6 +29,7 @@ from .encode import (
     check_options,
     encode,
     encode_animation,
+    image_grid,
     video_strip,
 )
 
@@ -176,13 +177,17 @@ def render_sync(frame: Frame | torch.Tensor, spec: PreviewSpec, *, finite: bool 
     """
     if finite:
         check_finite(frame)
+    # A name goes through the per-frame path; a callable is the resolved,
+    # result-checked wrapper.
+    decoder = spec.decoder if isinstance(spec.decoder, str) else spec.decode
+    if isinstance(frame, Frame) and frame.image_count > 1:
+        # Several images (num_images): one preview, a grid of them all.
+        rgbs = [_decode(f.data, f.decoded, decoder, first_only=True)[0][0] for f in frame.split()]
+        return encode(image_grid(rgbs), format=spec.format, quality=spec.quality, max_size=spec.max_size)
     if isinstance(frame, Frame):
         data, decoded = frame.data, frame.decoded
     else:
         data, decoded = frame, None
-    # A name goes through the per-frame path; a callable is the resolved,
-    # result-checked wrapper.
-    decoder = spec.decoder if isinstance(spec.decoder, str) else spec.decode
     images, video = _decode(data, decoded, decoder, first_only=spec.video == "first")
     if not video or spec.video == "first":
         rgb = images[0]

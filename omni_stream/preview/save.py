@@ -32,7 +32,7 @@ from PIL.PngImagePlugin import PngInfo
 
 from ..errors import ParamsError
 from ..frame import Frame
-from .decode import _decode, is_video
+from .decode import _decode
 from .encode import (
     _RESAMPLE,
     DEFAULT_FPS,
@@ -41,6 +41,7 @@ from .encode import (
     _check_frames,
     _check_rgb,
     check_fps,
+    image_grid,
     video_strip,
 )
 
@@ -428,15 +429,26 @@ def save_video(
 _DecoderSpec = str | Callable[[torch.Tensor], Any] | None
 
 
+def decode_frame(frame: Frame, decoder: _DecoderSpec = "auto") -> tuple[list[np.ndarray], bool]:
+    """A frame's RGB arrays and whether they are a video's frames; one per image of a
+    several-image frame (``Frame.image_count``), each decoded on its own."""
+    if frame.image_count == 1:
+        return _decode(frame.data, frame.decoded, decoder)
+    return [_decode(f.data, f.decoded, decoder, first_only=True)[0][0] for f in frame.split()], False
+
+
 def frame_pictures(frame: Frame, decoder: _DecoderSpec = "auto") -> list[Image.Image]:
-    """``Frame.images``: the frame's images, one per video frame (see there)."""
-    images, _ = _decode(frame.data, frame.decoded, decoder)
+    """``Frame.images``: the frame's images, one per video frame or image (see there)."""
+    images, _ = decode_frame(frame, decoder)
     return [Image.fromarray(rgb) for rgb in images]
 
 
 def frame_picture(frame: Frame, decoder: _DecoderSpec = "auto") -> Image.Image:
-    """``Frame.image``: the frame as one image; a video's frames side by side (see there)."""
-    images, video = _decode(frame.data, frame.decoded, decoder)
+    """``Frame.image``: the frame as one image; a video's frames side by side, several
+    images as a grid (see there)."""
+    images, video = decode_frame(frame, decoder)
+    if frame.image_count > 1:
+        return Image.fromarray(image_grid(images))
     if video:
         # The strip, as a video previews by default (PreviewSpec.video):
         # full size, no shrinking.
@@ -461,8 +473,10 @@ def save_frame(
     # video model asked for one frame (num_frames=1) makes, saved where its
     # videos go.
     still_as_video = suffix in VIDEO_SUFFIXES and suffix not in IMAGE_SUFFIXES
-    _suffix_format(path, video=is_video(frame.data) or still_as_video)
-    images, video = _decode(frame.data, frame.decoded, decoder)
+    _suffix_format(path, video=frame.is_video or still_as_video)
+    images, video = decode_frame(frame, decoder)
+    if frame.image_count > 1:
+        images = [image_grid(images)]
     if video or still_as_video:
         return save_video(images, path, fps=fps, quality=quality)
     if fps is not None:
@@ -490,6 +504,12 @@ def encode_output(
     without PyAV.
     """
     if isinstance(frame, Frame):
+        if frame.image_count > 1:
+            raise ParamsError(
+                f"a frame of {frame.images} images has one output per image: encode each of "
+                "frame.split()",
+                field="frame",
+            )
         images, video = _decode(frame.data, frame.decoded, decoder)
     else:
         images, video = _decode(frame, None, decoder)

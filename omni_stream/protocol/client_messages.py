@@ -26,7 +26,7 @@ from dataclasses import dataclass
 from typing import Any, ClassVar, Final, TypeVar
 
 from ..errors import MessageError, ParamsError
-from ..ids import id_problem, is_valid_id
+from ..ids import id_problem, is_valid_id, model_name_problem
 from .codec import clip, decode_json, dumps, type_name
 from .codes import MAX_PRIORITY, MIN_PRIORITY
 
@@ -108,7 +108,7 @@ class Generate(_ClientMessage):
 
     TYPE: ClassVar[str] = "generate"
     REQUIRED: ClassVar[frozenset[str]] = frozenset({"params"})
-    OPTIONAL: ClassVar[frozenset[str]] = frozenset({"id", "preview", "detach", "output", "priority"})
+    OPTIONAL: ClassVar[frozenset[str]] = frozenset({"id", "preview", "detach", "output", "priority", "model"})
 
     id: str | None
     params: dict[str, Any]
@@ -116,6 +116,8 @@ class Generate(_ClientMessage):
     detach: bool
     output: dict[str, Any] | None = None
     priority: int = 0
+    #: The served model to run on (a server of several; None: its first).
+    model: str | None = None
 
     @classmethod
     def build(
@@ -127,6 +129,7 @@ class Generate(_ClientMessage):
         detach: bool = False,
         output: Mapping[str, Any] | None = None,
         priority: int | None = None,
+        model: str | None = None,
     ) -> Generate:
         """A ``generate`` as the client sends it (``params`` None: ``{}``).
 
@@ -134,9 +137,12 @@ class Generate(_ClientMessage):
         id, ``detach`` for a non-bool, ``priority`` for one that is not an
         int from MIN_PRIORITY to MAX_PRIORITY, and ``params``, ``preview``
         or ``output`` for a value that is not a mapping or holds what JSON
-        cannot carry (NaN, infinities, other types).
+        cannot carry (NaN, infinities, other types), ``model`` for a name
+        outside omni_stream/ids.py's rule.
         """
         check_request_id(request_id)
+        if model is not None and (problem := model_name_problem(model)) is not None:
+            raise ParamsError(problem, field="model")
         if not isinstance(detach, bool):
             raise ParamsError(f"detach must be a bool, got {detach!r:.40}", field="detach")
         if priority is not None and not _is_priority(priority):
@@ -151,6 +157,7 @@ class Generate(_ClientMessage):
             detach=detach,
             output=None if output is None else _json_object(output, "output"),
             priority=0 if priority is None else priority,
+            model=model,
         )
 
     def to_dict(self) -> dict[str, Any]:
@@ -165,6 +172,8 @@ class Generate(_ClientMessage):
             message["output"] = self.output
         if self.priority != 0:
             message["priority"] = self.priority
+        if self.model is not None:
+            message["model"] = self.model
         return message
 
     @classmethod
@@ -193,8 +202,12 @@ class Generate(_ClientMessage):
                 "priority",
                 f"priority must be an integer from {MIN_PRIORITY} to {MAX_PRIORITY}, got {shown}",
             )
+        model = obj.get("model")
+        if model is not None and (problem := model_name_problem(model)) is not None:
+            raise bad("model", problem)
         return cls(
-            id=request_id, params=params, preview=preview, detach=detach, output=output, priority=priority
+            id=request_id, params=params, preview=preview, detach=detach, output=output, priority=priority,
+            model=model,
         )
 
 

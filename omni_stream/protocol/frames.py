@@ -2,6 +2,7 @@
 
     4 bytes  big-endian unsigned length N of the header
     N bytes  UTF-8 JSON object: id, step, total, final, format, width, height, mime
+             (and index, images on each result of a request for several images)
     rest     the image: a complete file in ``format``, or for raw width * height * 3 RGB bytes
 
 The server lays a frame out with :func:`pack_preview` (or
@@ -64,10 +65,15 @@ class PreviewHeader:
     width: int
     height: int
     mime: str
+    #: A request for several images (``num_images``) has one final frame per
+    #: image: ``index`` (0-based) of ``images``. Previews (a grid) and single
+    #: results keep the defaults, which the wire leaves out.
+    index: int = 0
+    images: int = 1
 
     def to_dict(self) -> dict[str, Any]:
         """The header as a JSON object, in wire order."""
-        return {
+        out: dict[str, Any] = {
             "id": self.id,
             "step": self.step,
             "total": self.total,
@@ -77,6 +83,10 @@ class PreviewHeader:
             "height": self.height,
             "mime": self.mime,
         }
+        if self.images != 1:
+            out["index"] = self.index
+            out["images"] = self.images
+        return out
 
     @classmethod
     def from_dict(cls, obj: Mapping[str, Any]) -> PreviewHeader:
@@ -100,7 +110,16 @@ class PreviewHeader:
         mime = require(obj, "mime", "str", where)
         if mime != FORMATS[fmt]:
             raise ProtocolError(f"preview mime {mime!r:.60} does not match format {fmt!r}")
-        return cls(request_id, step, total, final, fmt, width, height, mime)
+        index, images = 0, 1
+        if "images" in obj or "index" in obj:
+            index = require(obj, "index", "int", where)
+            images = require(obj, "images", "int", where)
+            if not final or images < 1 or not 0 <= index < images:
+                raise ProtocolError(
+                    f"preview index {index} of {images} images is not a result's "
+                    "(final, 0 <= index < images)"
+                )
+        return cls(request_id, step, total, final, fmt, width, height, mime, index, images)
 
 
 @dataclass(frozen=True, slots=True)
@@ -120,6 +139,9 @@ class PreviewFrame:
     width: int
     height: int
     data: bytes = field(repr=False)
+    #: Which of a request's several results this is (``num_images``): index of images.
+    index: int = 0
+    images: int = 1
 
     @property
     def mime(self) -> str:
@@ -129,7 +151,8 @@ class PreviewFrame:
     def header(self) -> PreviewHeader:
         """The frame's header (its MIME type the format's)."""
         return PreviewHeader(
-            self.id, self.step, self.total, self.final, self.format, self.width, self.height, self.mime
+            self.id, self.step, self.total, self.final, self.format, self.width, self.height, self.mime,
+            self.index, self.images,
         )
 
     @classmethod
@@ -137,7 +160,7 @@ class PreviewFrame:
         """The frame of ``header`` and its image bytes (unchecked: :func:`parse_preview_frame` checks)."""
         return cls(
             header.id, header.step, header.total, header.final, header.format, header.width,
-            header.height, data,
+            header.height, data, header.index, header.images,
         )
 
     def pack(self) -> bytes:
@@ -233,7 +256,7 @@ def unpack_preview(frame: bytes | bytearray | memoryview) -> tuple[PreviewHeader
     """Split a frame the server packed itself into its header and a view of the image bytes.
 
     Raises ValueError when the frame is truncated or its header is not the
-    JSON object of exactly :class:`PreviewHeader`'s fields. Nothing else is
+    JSON object of :class:`PreviewHeader`'s fields. Nothing else is
     checked: a client reads frames with :func:`parse_preview_frame`.
     """
     head, image = _split(frame, ValueError)

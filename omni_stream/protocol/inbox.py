@@ -17,7 +17,7 @@ from ..errors import ClientError, ProtocolError, RemoteCancelledError
 from .client import Event, server_error
 from .codes import REJECTION_CODES
 from .frames import PreviewFrame
-from .server_messages import Accepted, Cancelled, Done, ErrorMessage, Progress
+from .server_messages import Accepted, Cancelled, Done, ErrorMessage, Loading, Progress
 
 __all__ = ["Inbox"]
 
@@ -35,7 +35,11 @@ class Inbox:
         self.accepted: Accepted | None = None
         self.done: Done | None = None
         self.last_progress: Progress | None = None
+        #: The model it waited to load, while it did (None once frames come).
+        self.loading: Loading | None = None
         self.final_seen = False
+        self.finals = 0  # results arrived: one per image
+        self.final_images = 1  # how many results the request has (their headers say)
         self.dropped = 0
         self.finished = False  # an outcome arrived (or the connection ended)
         self.outcome: ClientError | None = None  # None with finished: done
@@ -62,18 +66,30 @@ class Inbox:
                     f"server sent {type(event).__name__} before 'accepted'", request_id=self.id
                 )
             )
+        elif isinstance(event, Loading):
+            self.loading = event
         elif isinstance(event, Progress):
+            self.loading = None
             self.last_progress = event
             if self.want_progress:
                 self._push(event)
         elif isinstance(event, PreviewFrame):
-            self.final_seen = self.final_seen or event.final
+            if event.final:
+                self.final_seen = True
+                self.finals += 1
+                self.final_images = event.images
             self._push(event)
         elif isinstance(event, Done):
             if not self.final_seen:
                 self.fail(
                     ProtocolError("server sent 'done' without a final preview", request_id=self.id)
                 )
+                return
+            if self.finals != self.final_images:
+                self.fail(ProtocolError(
+                    f"server sent 'done' after {self.finals} of the request's {self.final_images} results",
+                    request_id=self.id,
+                ))
                 return
             self.done = event
             self._finish(None)

@@ -42,7 +42,7 @@ from .codes import (
     REQUEST_ENDING_CODES,
 )
 from .frames import PreviewHeader, pack_preview, unpack_preview
-from .server_messages import Accepted, Cancelled, Done, ErrorMessage, Progress
+from .server_messages import Accepted, Cancelled, Done, ErrorMessage, Loading, Progress
 
 # MessageError is defined in errors.py with every other error; re-exported here,
 # where the wire's rules raise it.
@@ -75,6 +75,7 @@ __all__ = [
     "done",
     "dumps",
     "error",
+    "loading",
     "pack_preview",
     "parse_client_message",
     "parse_client_object",
@@ -92,11 +93,18 @@ def accepted(
     preview: Mapping[str, Any],
     output: Mapping[str, Any] | None = None,
     seed: int | None = None,
+    model: str | None = None,
 ) -> dict[str, Any]:
     """``accepted`` (:meth:`Accepted.build`): a generate started, or an attach succeeded."""
     return Accepted.build(
-        request_id, total=total, detach=detach, attached=attached, preview=preview, output=output, seed=seed
+        request_id, total=total, detach=detach, attached=attached, preview=preview, output=output, seed=seed,
+        model=model,
     ).to_dict()
+
+
+def loading(request_id: str, *, model: str) -> dict[str, Any]:
+    """``loading`` (:meth:`Loading.build`): the request waits for its model to load."""
+    return Loading.build(request_id, model=model).to_dict()
 
 
 def progress(request_id: str, *, step: int, total: int, eta_s: float) -> dict[str, Any]:

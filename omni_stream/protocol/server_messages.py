@@ -1,6 +1,6 @@
 """The server's text messages, one class each: the server builds them, the client parses them (pure).
 
-Each of :class:`Accepted`, :class:`Progress`, :class:`Done`,
+Each of :class:`Accepted`, :class:`Loading`, :class:`Progress`, :class:`Done`,
 :class:`Cancelled` and :class:`ErrorMessage` is one frozen record of what
 goes on the wire, with
 
@@ -34,6 +34,7 @@ __all__ = [
     "Cancelled",
     "Done",
     "ErrorMessage",
+    "Loading",
     "Progress",
     "ServerMessage",
     "parse_server_message",
@@ -88,6 +89,8 @@ class Accepted(_ServerMessage):
     preview: dict[str, Any]
     output: dict[str, Any] | None = None
     seed: int | None = None
+    #: The model that runs it, from a server of several (None from one of one).
+    model: str | None = None
 
     @classmethod
     def build(
@@ -100,10 +103,11 @@ class Accepted(_ServerMessage):
         preview: Mapping[str, Any],
         output: Mapping[str, Any] | None = None,
         seed: int | None = None,
+        model: str | None = None,
     ) -> Accepted:
         """``accepted`` as the server sends it (the settings copied)."""
         copied = None if output is None else dict(output)
-        return cls(request_id, total, detach, attached, dict(preview), copied, seed)
+        return cls(request_id, total, detach, attached, dict(preview), copied, seed, model)
 
     def to_dict(self) -> dict[str, Any]:
         message = {
@@ -118,6 +122,8 @@ class Accepted(_ServerMessage):
             message["output"] = dict(self.output)
         if self.seed is not None:
             message["seed"] = self.seed
+        if self.model is not None:
+            message["model"] = self.model
         return message
 
     @classmethod
@@ -133,7 +139,30 @@ class Accepted(_ServerMessage):
             require(obj, "preview", "object", where),
             optional(obj, "output", "object", where),
             optional(obj, "seed", "int", where),
+            optional(obj, "model", "str", where),
         )
+
+
+@dataclass(frozen=True, slots=True)
+class Loading(_ServerMessage):
+    """``loading``: the request waits for its model to load (a server of several models that
+    keeps only some on the device); its first ``progress`` comes once it has."""
+
+    TYPE: ClassVar[str] = "loading"
+
+    id: str
+    model: str
+
+    @classmethod
+    def build(cls, request_id: str, *, model: str) -> Loading:
+        return cls(request_id, model)
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"type": self.TYPE, "id": self.id, "model": self.model}
+
+    @classmethod
+    def _read(cls, obj: Mapping[str, Any], where: str) -> Loading:
+        return cls(require_id(obj, where), require(obj, "model", "str", where))
 
 
 @dataclass(frozen=True, slots=True)
@@ -279,13 +308,17 @@ class ErrorMessage(_ServerMessage):
         )
 
 
-ServerMessage = Accepted | Progress | Done | Cancelled | ErrorMessage
+ServerMessage = Accepted | Loading | Progress | Done | Cancelled | ErrorMessage
 
 #: Every server text message class by its ``type``.
 SERVER_MESSAGES: Final[
-    Mapping[str, type[Accepted] | type[Progress] | type[Done] | type[Cancelled] | type[ErrorMessage]]
+    Mapping[
+        str,
+        type[Accepted] | type[Loading] | type[Progress] | type[Done] | type[Cancelled] | type[ErrorMessage],
+    ]
 ] = {
     Accepted.TYPE: Accepted,
+    Loading.TYPE: Loading,
     Progress.TYPE: Progress,
     Done.TYPE: Done,
     Cancelled.TYPE: Cancelled,

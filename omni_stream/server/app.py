@@ -228,7 +228,9 @@ class Server:
             raise
         self._stack = stack
         self._port = sockets[0].getsockname()[1]
-        logger.info("omni_stream server listening on %s (model %s)", self.http_url, self.model.name)
+        names = list(self._service.rules.models)
+        logger.info("omni_stream server listening on %s (model%s %s)", self.http_url,
+                    "s" if len(names) > 1 else "", ", ".join(names))
         bound = {str(sock.getsockname()[0]) for sock in sockets}
         exposed = sorted(h for h in bound if not security.is_loopback(h))
         if exposed and not self._service.tokens:

@@ -43,7 +43,7 @@ from __future__ import annotations
 
 import contextlib
 import logging
-from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
+from collections.abc import AsyncIterator, Awaitable, Callable, Mapping, Sequence
 from contextlib import AbstractAsyncContextManager
 from typing import Any
 
@@ -310,6 +310,12 @@ def build_front_door(
     if looks_like_engine(engine_or_model):
         # The Service checks it has what a server needs (a TypeError naming what is missing).
         engine, owns = engine_or_model, False
+    elif isinstance(engine_or_model, Mapping):
+        # {name: model}: several models, each its own engine on ``device``, all
+        # loaded at start (a ModelRouter of one's own sets max_loaded).
+        from ..engine.router import ModelRouter
+
+        engine, owns = ModelRouter(dict(engine_or_model), device=device), True
     elif isinstance(engine_or_model, StepModel) or callable(engine_or_model):
         # A model (or a factory: one model per device of a group) the server
         # runs on ``device``: "cuda:0,cuda:1" or "all" makes an EngineGroup.
@@ -390,8 +396,13 @@ def app_for(door: FrontDoor) -> OmniStreamApp:
         return responses.respond(200, rules.metrics.render(), CONTENT_TYPE)
 
     async def models(request: Request) -> Response:
+        loaded = getattr(service.engine, "loaded", None)
         return responses.json_response(
-            200, responses.models_payload(service.model, rules.default_preview, service.limits)
+            200,
+            responses.catalog_payload(
+                rules.models, rules.preview_defaults, service.limits,
+                loaded=None if loaded is None else tuple(loaded),
+            ),
         )
 
     async def preflight(request: Request) -> Response:

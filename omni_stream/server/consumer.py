@@ -235,7 +235,9 @@ async def _publish(
     return None
 
 
-def _publish_image(record: RequestRecord, frame: Frame, image: EncodedImage, *, final: bool) -> None:
+def _publish_image(
+    record: RequestRecord, frame: Frame, image: EncodedImage, *, final: bool, index: int = 0, images: int = 1
+) -> None:
     header = protocol.PreviewHeader(
         id=record.id,
         step=frame.step,
@@ -245,6 +247,8 @@ def _publish_image(record: RequestRecord, frame: Frame, image: EncodedImage, *, 
         width=image.width,
         height=image.height,
         mime=image.mime,
+        index=index,
+        images=images,
     )
     # Encoded once, shared by every watcher (and kept for attach replays).
     record.publish_preview(protocol.pack_preview(header, image.data), final=final)
@@ -274,7 +278,7 @@ async def _publish_result(
         encode = functools.partial(
             _encode_finite, frame, output.format, output.quality, params, decoder=decoder
         )
-        image = await previewer.run_sync(encode)
+        encoded = await previewer.run_sync(encode)
     except NonFiniteFrameError as exc:
         raise _NonFiniteResult() from exc
     except Exception as exc:
@@ -284,13 +288,16 @@ async def _publish_result(
         # The engine is done with the request and the frame is encoded: from
         # here on what it holds is its result, counted where it is queued.
         memory.release()
-    _publish_image(record, frame, image, final=True)
+    # One result per image (num_images), each its own final frame, in order.
+    for index, image in enumerate(encoded):
+        _publish_image(record, frame, image, final=True, index=index, images=len(encoded))
 
 
-def _encode_finite(frame: Frame, *args: Any, **kwargs: Any) -> EncodedImage:
-    # In the preview thread: the check is one pass over the frame.
+def _encode_finite(frame: Frame, *args: Any, **kwargs: Any) -> list[EncodedImage]:
+    # In the preview thread: the check is one pass over the frame; then each
+    # image (one, or num_images of them) is encoded on its own.
     check_finite(frame)
-    return encode_output(frame, *args, **kwargs)
+    return [encode_output(part, *args, **kwargs) for part in frame.split()]
 
 
 def _progress(record: RequestRecord, frame: Frame, metrics: ServerMetrics) -> None:

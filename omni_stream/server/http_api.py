@@ -69,7 +69,7 @@ _CANCELLED_BY = {
 }
 
 #: The body's keys: the websocket's ``generate`` fields (``detach`` is implied).
-_BODY_KEYS = frozenset({"id", "params", "preview", "output", "priority"})
+_BODY_KEYS = frozenset({"id", "params", "preview", "output", "priority", "model"})
 
 
 class _BodyRefused(Exception):
@@ -88,6 +88,8 @@ def _status_name(record: RequestRecord, positions: dict[str, int]) -> str:
         return "cancelled"
     if record.outcome is not None:
         return "failed"
+    if record.loading:
+        return "loading"  # its model is being loaded onto the device
     return "queued" if record.id in positions else "running"
 
 
@@ -105,6 +107,9 @@ def status_payload(
         "queue_position": positions.get(record.id),
         "priority": record.priority,
         "seed": record.seed,
+        "model": record.model,
+        # Results once done: one per image (num_images), each at output?index=i.
+        "images": record.result_count,
         "error": None,
     }
     terminal = record.terminal_message()
@@ -299,7 +304,26 @@ class HttpApi:
         return self._output_response(request, record)
 
     def _output_response(self, request: Request, record: RequestRecord) -> Response:
-        result = record.result()
+        raw_index = request.query_params.get("index")
+        index = 0
+        if raw_index is not None:
+            if not raw_index.isdigit() or len(raw_index) > 4:
+                return responses.error_response(
+                    400, "invalid_field",
+                    f"index must be an image's number, 0 or more; got {protocol.clip(raw_index)!r}",
+                    field="index", id=record.id,
+                )
+            index = int(raw_index)
+        count = record.result_count
+        if count > 1 and raw_index is None:
+            return self._results_listing(request, record)
+        if count and index >= count:
+            return responses.error_response(
+                404, "not_found",
+                f"request {record.id} has {count} image(s): index {index} is not one of them",
+                field="index", id=record.id,
+            )
+        result = record.result(index)
         if result is None:
             payload = status_payload(record, self._positions())
             terminal = record.terminal_message()
@@ -334,17 +358,33 @@ class HttpApi:
             )
         header, image = result
         ext = {"jpeg": "jpg"}.get(header.format, header.format)
+        name = record.id if count == 1 else f"{record.id}-{index}"
         return responses.BufferResponse(
             image,
             status_code=200,
             media_type=header.mime,
             headers={
-                "Content-Disposition": f'inline; filename="{record.id}.{ext}"',
+                "Content-Disposition": f'inline; filename="{name}.{ext}"',
                 "X-Omni-Stream-Width": str(header.width),
                 "X-Omni-Stream-Height": str(header.height),
+                "X-Omni-Stream-Images": str(count),
             },
             budget=self._service.memory,
         )
+
+    def _results_listing(self, request: Request, record: RequestRecord) -> Response:
+        """A request of several images: its results as a JSON array, each one's URL and size."""
+        output = self._urls(request, record.id)["output"]
+        items = []
+        for index in range(record.result_count):
+            found = record.result(index)
+            assert found is not None  # index < result_count
+            header, image = found
+            items.append({
+                "index": index, "url": f"{output}?index={index}", "format": header.format,
+                "mime": header.mime, "width": header.width, "height": header.height, "bytes": len(image),
+            })
+        return responses.json_response(200, {"id": record.id, "seed": record.seed, "images": items})
 
     async def preview(self, request: Request, client: Client) -> Response:
         """``GET /v1/generations/{id}/preview``: the newest preview image; 404 before the first."""
@@ -380,7 +420,7 @@ class HttpApi:
         positions = self._positions()
         principal = client.principal
         records = list(self._service.registry)
-        order = {"running": 0, "queued": 1, "done": 2, "failed": 2, "cancelled": 2}
+        order = {"running": 0, "loading": 1, "queued": 1, "done": 2, "failed": 2, "cancelled": 2}
 
         def key(record: RequestRecord) -> tuple[int, int, float]:
             status = _status_name(record, positions)

@@ -35,6 +35,7 @@ __all__ = [
     "error_response",
     "json_response",
     "method_not_allowed",
+    "catalog_payload",
     "models_payload",
     "page_response",
     "preview_wire",
@@ -127,6 +128,26 @@ def models_payload(model: Any, default_preview: PreviewSpec, limits: ServerLimit
             "max_message_bytes": limits.max_message_bytes,
         },
     }
+
+
+def catalog_payload(
+    models: Mapping[str, Any],
+    previews: Mapping[str, PreviewSpec],
+    limits: ServerLimits,
+    *,
+    loaded: tuple[str, ...] | None = None,
+) -> dict[str, Any]:
+    """The ``/models`` body: the default model's card (:func:`models_payload`) as it always
+    was, and ``models``: every served model's, under the name a request's ``model`` takes,
+    with ``loaded`` (None where every model always is), the default first."""
+    cards = []
+    for name, model in models.items():
+        card = models_payload(model, previews[name], limits)
+        del card["limits"]  # the server's, once, at the top
+        on_device = None if loaded is None else name in loaded
+        cards.append({**card, "name": name, "model": model.name, "loaded": on_device})
+    first = next(iter(models))
+    return {**models_payload(models[first], previews[first], limits), "default": first, "models": cards}
 
 
 def _output_payload(video: bool) -> dict[str, Any]:

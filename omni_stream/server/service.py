@@ -263,7 +263,8 @@ class Service:
         """
         if not isinstance(msg, protocol.Generate):
             return msg
-        pending = inputs.check_images(self.model, msg.params, self.limits, request_id=msg.id)
+        _, model = self.rules.model_for(msg.model, request_id=msg.id)
+        pending = inputs.check_images(model, msg.params, self.limits, request_id=msg.id)
         if not pending:
             return msg
         # Refused for its state, load or memory (the images at their header's
@@ -337,13 +338,17 @@ class Service:
     async def _consume(self, admitted: Admitted, stream: FrameStreamLike) -> None:
         record = admitted.record
         message: dict[str, Any] | None = None
+        if getattr(stream, "loading", False):
+            # Its model is not on the device yet (engine/router.py): its first
+            # frame waits for the load; say so until it comes.
+            record.publish_loading(admitted.model)
         try:
             message = await stream_request(
                 record,
                 stream,
                 admitted.spec,
                 output=admitted.output,
-                params={"model": self.model.name, **stream.params},
+                params={"model": admitted.model, **stream.params},
                 previewer=self.previewer,
                 metrics=self.metrics,
                 memory=admitted.memory,
@@ -360,7 +365,7 @@ class Service:
                 message = protocol.cancelled(record.id, reason="shutdown")
             try:
                 self.rules.consumer_done(record, message)
-                _log_request_done(record, message, model=self.model.name)
+                _log_request_done(record, message, model=admitted.model)
                 if not self.registry.running() and not self._trimming and self._tg is not None:
                     self._trimming = True
                     self._tg.start_soon(self._trim_heap, name="omni_stream heap trim")

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import json
 
 import pytest
@@ -83,6 +84,45 @@ def test_attach_after_end_replays_result() -> None:
     got = drain(box)
     assert kinds(got) == ["accepted", "progress", "fina", "done"]
     assert not rec.watchers  # nothing more will come
+
+
+def test_a_request_of_several_images_replays_every_result_in_order_and_serves_each() -> None:
+    # num_images: one final frame per image; an attach after the end gets them all, in
+    # order; result(i) is image i; the last preview is not kept beside them.
+    rec = record()
+    progress(rec, 3)
+    rec.publish_preview(b"grid", final=False)
+    header = protocol.PreviewHeader("r", 3, 3, True, "png", 1, 1, "image/png")
+    finals = [
+        protocol.pack_preview(dataclasses.replace(header, index=i, images=3), b"img%d" % i) for i in range(3)
+    ]
+    for frame in finals:
+        rec.publish_preview(frame, final=True)
+    assert rec.result_count == 0  # not done yet
+    rec.finish(protocol.done("r", total=3, elapsed_s=1.0), now=1.0)
+    box = Outbox(max_pending=8)
+    rec.watch("c9", box, attached=True)
+    got = drain(box)
+    assert got[2:5] == finals and kinds(got)[-1] == "done"
+    assert rec.result_count == 3
+    assert [bytes(rec.result(i)[1]) for i in range(3)] == [b"img0", b"img1", b"img2"]  # type: ignore[index]
+    assert rec.result(3) is None and rec.result(-1) is None
+    assert rec.retained_bytes() >= sum(len(f) for f in finals)
+    assert b"grid" not in b"".join(m for m in got if isinstance(m, bytes))
+
+
+def test_loading_takes_the_place_of_progress_until_the_first_one() -> None:
+    rec = record()
+    box = Outbox(max_pending=8)
+    rec.watch("c1", box, attached=False)
+    rec.publish_loading("sd")
+    assert rec.loading
+    late = Outbox(max_pending=8)
+    rec.watch("c2", late, attached=True)
+    assert json.loads(drain(late)[1]) == {"type": "loading", "id": "r", "model": "sd"}
+    progress(rec, 1)
+    assert not rec.loading
+    assert kinds(drain(box)) == ["accepted", "progress"]  # the unsent loading was replaced
 
 
 def test_finish_is_idempotent_and_stops_fan_out() -> None:

@@ -564,7 +564,8 @@ def test_ltx_video_latents_are_unpacked_to_frames():
 def test_params_come_from_the_pipelines_signature(text_encoder):
     img2img = Diffusers(img2img_pipe(text_encoder), mode="callback")
     assert [p.name for p in img2img.params] == [
-        "prompt", "negative_prompt", "steps", "guidance_scale", "seed", "sampler", "strength", "image"]
+        "prompt", "negative_prompt", "steps", "guidance_scale", "seed", "num_images", "sampler", "strength",
+        "image"]
     params = img2img.validate({"image": picture()})
     # StableDiffusionImg2ImgPipeline.__call__'s own defaults.
     assert (params["steps"], params["guidance_scale"], params["strength"]) == (50, 7.5, 0.8)

@@ -152,3 +152,34 @@ def test_a_frame_saves_only_under_a_suffix_that_fits(tmp_path: Any) -> None:
     video = PreviewFrame("r", 1, 1, True, "mp4", 6, 8, b"\x00\x00\x00\x18ftypisom")
     with pytest.raises(ValueError, match="MP4"):
         video.image()
+
+
+
+def test_a_result_of_several_images_carries_its_index_and_count() -> None:
+    header = PreviewHeader("r-1", 5, 5, True, "png", 6, 8, "image/png", index=2, images=3)
+    assert header.to_dict()["index"] == 2 and header.to_dict()["images"] == 3
+    frame = parse_preview_frame(pack_preview(header, _png()))
+    assert (frame.index, frame.images, frame.header) == (2, 3, header)
+    # A single result's header carries neither (the wire as before).
+    single = PreviewHeader("r-1", 5, 5, True, "png", 6, 8, "image/png")
+    assert "index" not in single.to_dict() and "images" not in single.to_dict()
+    assert unpack_preview(pack_preview(header, b"x"))[0] == header
+
+
+@pytest.mark.parametrize(
+    "extra",
+    [{"index": 3, "images": 3}, {"index": -1, "images": 2}, {"index": 0, "images": 0}, {"index": 0},
+     {"images": 2}, {"index": "0", "images": 2}],
+)
+def test_a_bad_image_index_is_refused(extra: dict[str, Any]) -> None:
+    head = {"id": "r-1", "step": 5, "total": 5, "final": True, "format": "png", "width": 6, "height": 8,
+            "mime": "image/png", **extra}
+    with pytest.raises(ProtocolError):
+        parse_preview_frame(_frame(head, _png()))
+
+
+def test_an_index_on_a_preview_that_is_not_a_result_is_refused() -> None:
+    head = {"id": "r-1", "step": 2, "total": 5, "final": False, "format": "png", "width": 6, "height": 8,
+            "mime": "image/png", "index": 0, "images": 2}
+    with pytest.raises(ProtocolError, match="not a result"):
+        parse_preview_frame(_frame(head, _png()))

@@ -15,6 +15,7 @@ from omni_stream.protocol.server_messages import (
     Cancelled,
     Done,
     ErrorMessage,
+    Loading,
     Progress,
     ServerMessage,
     parse_server_message,
@@ -39,6 +40,12 @@ PREVIEW = {"every": 1, "format": "jpeg", "max_size": 512, "quality": 85, "decode
             Accepted.build("r-1", total=30, detach=False, attached=True, preview={"every": 2}),
             '{"type":"accepted","id":"r-1","total":30,"detach":false,"attached":true,"preview":{"every":2}}',
         ),
+        (
+            Accepted.build("r-1", total=3, detach=False, attached=False, preview={}, seed=7, model="sd"),
+            '{"type":"accepted","id":"r-1","total":3,"detach":false,"attached":false,"preview":{},'
+            '"seed":7,"model":"sd"}',
+        ),
+        (Loading.build("r-1", model="sd"), '{"type":"loading","id":"r-1","model":"sd"}'),
         (
             Progress.build("r-1", step=12, total=30, eta_s=1.23456),
             '{"type":"progress","id":"r-1","step":12,"total":30,"eta_s":1.235}',
@@ -66,7 +73,7 @@ PREVIEW = {"every": 1, "format": "jpeg", "max_size": 512, "quality": 85, "decode
             '{"type":"error","code":"bad_params","message":"caf\\u00e9 \\u4e2d","field":"prompt"}',
         ),
     ],
-    ids=["accepted", "accepted-no-output", "progress", "done", "cancelled", "error-busy", "error-field",
+    ids=["accepted", "accepted-no-output", "accepted-model", "loading", "progress", "done", "cancelled", "error-busy", "error-field",
          "error-non-ascii"],
 )
 def test_the_wire_bytes_are_pinned(message: ServerMessage, text: str) -> None:
@@ -82,6 +89,8 @@ def test_the_wire_bytes_are_pinned(message: ServerMessage, text: str) -> None:
     [
         Accepted.build("r", total=3, detach=True, attached=False, preview=PREVIEW, output={"format": "png"}),
         Accepted.build("r", total=1, detach=False, attached=True, preview={}),
+        Accepted.build("r", total=1, detach=False, attached=False, preview={}, model="mix"),
+        Loading.build("r", model="mix"),
         Progress.build("r", step=2, total=3, eta_s=0.5),
         Progress.build("r", step=3, total=3, eta_s=0),
         Done.build("r", total=3, elapsed_s=2),
@@ -99,7 +108,7 @@ def test_what_the_server_builds_the_client_parses_back_equal(message: ServerMess
 
 def test_every_type_is_registered_under_its_own_name() -> None:
     assert {name: cls.TYPE for name, cls in SERVER_MESSAGES.items()} == {
-        name: name for name in ("accepted", "progress", "done", "cancelled", "error")
+        name: name for name in ("accepted", "loading", "progress", "done", "cancelled", "error")
     }
 
 

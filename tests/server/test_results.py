@@ -141,3 +141,63 @@ async def test_a_diffusers_server_lists_samplers_and_loras_and_runs_what_a_reque
             plain = await http.post("/v1/generations?wait=true", json={"params": {**params, "seed": made["seed"],
                                                                                  "loras": []}})
             assert plain.content != first.content  # the LoRA was applied
+
+
+@pytest.mark.asyncio
+async def test_several_images_are_several_results_on_every_door() -> None:
+    # Issue #20's num_images over the real server: the websocket sends one final frame per
+    # image (index of images) after a grid preview; the Python client's results() gives them
+    # in order; HTTP lists them as a JSON array and serves each at output?index=i; each
+    # equals pipe(num_images_per_prompt=n)'s image.
+    pytest.importorskip("diffusers")
+    import httpx
+
+    from omni_stream import client as omc
+    from omni_stream.models.diffusers import Diffusers
+
+    from ..models.test_diffusers import fixed_embeddings, sd_pipe
+
+    pipe = sd_pipe()
+    model = Diffusers(pipe, encode_prompt=fixed_embeddings)
+    params = {"prompt": "a cat", "steps": 2, "seed": 3, "height": 16, "width": 24, "num_images": 3}
+    emb = fixed_embeddings("a cat", "")
+    with one_torch_thread():
+        expected = pipe(
+            prompt_embeds=emb.prompt_embeds, negative_prompt_embeds=emb.negative_prompt_embeds,
+            num_inference_steps=2, height=16, width=24, generator=torch.Generator().manual_seed(3),
+            num_images_per_prompt=3, output_type="pil",
+        ).images
+        async with running(model) as server:
+            async with connect(server.url) as ws:
+                await send(ws, type="generate", id="three", params=params)
+                msgs = await until_end(ws, "three", timeout=60)
+            async with omc.connect(server.url) as client:
+                finals = await client.generate(params).results()
+            async with httpx.AsyncClient(base_url=server.http_url, timeout=60) as http:
+                listing = await http.post("/v1/generations?wait=true", json={"params": params})
+                status = (await http.get(f"/v1/generations/{listing.json()['id']}")).json()
+                second = await http.get(listing.json()["images"][1]["url"])
+                missing = await http.get(listing.json()["images"][1]["url"].replace("index=1", "index=3"))
+                bad = await http.get(listing.json()["images"][1]["url"].replace("index=1", "index=x"))
+    assert msgs[-1]["type"] == "done"
+    previews = [m for m in msgs if m["type"] == "preview"]
+    grid, *results = previews
+    # 3 latents of 12x8 (drawn at latent size): a 2x2 grid.
+    assert not grid["final"] and (grid["width"], grid["height"]) == (24, 16)
+    assert "index" not in grid
+    assert [(r["final"], r["index"], r["images"]) for r in results] == [(True, i, 3) for i in range(3)]
+    for result, image in zip(results, expected, strict=True):
+        got = Image.open(io.BytesIO(result["image"]))
+        assert got.convert("RGB").tobytes() == image.tobytes()
+    assert [(f.index, f.images) for f in finals] == [(0, 3), (1, 3), (2, 3)]
+    assert [f.data for f in finals] == [r["image"] for r in results]
+    assert listing.status_code == 200, listing.text
+    body = listing.json()
+    assert [(i["index"], i["width"], i["height"], i["format"]) for i in body["images"]] == [
+        (i, 24, 16, "png") for i in range(3)
+    ]
+    assert status["images"] == 3 and status["seed"] == 3
+    assert second.status_code == 200 and second.content == results[1]["image"]
+    assert second.headers["x-omni-stream-images"] == "3"
+    assert missing.status_code == 404 and missing.json()["field"] == "index"
+    assert bad.status_code == 400 and bad.json()["field"] == "index"

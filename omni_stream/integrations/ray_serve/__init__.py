@@ -6,6 +6,13 @@
 ...     async for frame in engine.stream({"prompt": "a red cat", "steps": 4}):
 ...         print(frame.step, frame.total)
 
+Several models, each replica holding at most one on its device, requests
+routed to a replica that holds theirs (Ray Serve's model multiplexing):
+
+>>> engine = deploy({"turbo": "diffusers:stabilityai/sd-turbo", "mix": "mixture"},  # doctest: +SKIP
+...                 max_models_per_replica=1, replicas=4, num_gpus=1)
+>>> engine.stream({"prompt": "a red cat"}, model="turbo")                      # doctest: +SKIP
+
 The modules, one job each::
 
     deploy.py     deploy / undeploy / build_app / app_builder: the Serve application
@@ -13,7 +20,7 @@ The modules, one job each::
     remote.py     RemoteEngine: the front door's EngineLike over a DeploymentHandle
     stream.py     RemoteStream: one request's frames, acknowledged, cancelled, errors translated
     board.py      ReplicaBoard: the deployment actor relaying acknowledgements and reports
-    wire.py       what crosses Ray per request: Submit, Header, WireFrame, WireError (pure)
+    wire.py       what crosses Ray: Description, and per request Submit, Header, WireFrame, WireError (pure)
     report.py     replica reports, and health / statistics made of them (pure)
     card.py       ModelCard: the model's metadata, the front door's stand-in for it (pure)
     translate.py  Ray's errors to this project's, at one boundary
@@ -36,7 +43,7 @@ except ImportError as exc:  # pragma: no cover - exercised without the extra
 from .card import ModelCard
 from .deploy import DEPLOYMENT, app_builder, build_app, deploy, undeploy
 from .remote import DEFAULT_WINDOW, RemoteEngine, connect_ray
-from .replica import BOARD, EngineReplica, ModelSource, ReplicaSettings
+from .replica import BOARD, EngineReplica, ModelSource, ModelSources, ReplicaSettings
 from .report import ReplicaReport, ReplicaView
 from .stream import RemoteStream
 
@@ -47,6 +54,7 @@ __all__ = [
     "EngineReplica",
     "ModelCard",
     "ModelSource",
+    "ModelSources",
     "RemoteEngine",
     "RemoteStream",
     "ReplicaReport",

@@ -5,6 +5,14 @@
 ``serve deploy`` / ``serve run`` config files and KubeRay's ``RayService``
 (``import_path: omni_stream.integrations.ray_serve:app_builder``, the
 keyword arguments of ``build_app`` under ``args``).
+
+Several models: ``model={"sd": "diffusers:ID", "mix": "mixture"}`` serves
+each by name (a request's ``model``; the first is the default). Every
+replica builds every model (host memory); on the device it holds all of
+them from its start, or, with ``max_models_per_replica=N`` (fewer than the
+models), at most N, loading one on the first request for it and unloading
+the least recently used; Serve then routes each request to a replica that
+holds its model (model multiplexing; replica.py, remote.py).
 """
 
 from __future__ import annotations
@@ -20,10 +28,13 @@ from ray.serve import Application
 from ray.serve.config import DeploymentActorConfig
 from ray.serve.deployment import Deployment
 
+from ...engine.router import check_model_name
 from ...errors import ParamsError
+from ...model import StepModel
+from ...params import positive_int
 from .board import ReplicaBoard
 from .remote import DEFAULT_WINDOW, RemoteEngine, connect_ray
-from .replica import BOARD, EngineReplica, ModelSource, ReplicaSettings
+from .replica import BOARD, EngineReplica, ModelSources, ReplicaSettings
 
 __all__ = ["DEPLOYMENT", "app_builder", "build_app", "deploy", "undeploy"]
 
@@ -36,8 +47,9 @@ _ENGINE_BATCH = 8
 
 
 def build_app(
-    model: ModelSource,
+    model: ModelSources,
     *,
+    max_models_per_replica: int | None = None,
     replicas: int = 1,
     num_gpus: float = 0,
     num_cpus: float | None = None,
@@ -50,7 +62,11 @@ def build_app(
     """The Serve application (``Deployment.bind(...)``) of ``replicas`` EngineReplicas.
 
     ``model``: a registry spec ("synthetic", "diffusers:ID", "module:attr"),
-    a StepModel (pickled to every replica) or a callable building one.
+    a StepModel (pickled to every replica) or a callable building one; or
+    several of those by name (``{name: source}``, the first the default).
+    ``max_models_per_replica``: with several, the most each replica holds on
+    its device, loading on demand and routed by model (None, or at least
+    the number of models: every replica loads every model at start).
     ``num_gpus`` / ``num_cpus`` per replica (``ray_actor_options`` for the
     rest); ``engine_kwargs`` go to each replica's Engine (``device``
     defaults to "auto": the replica's GPU when it has one).
@@ -59,8 +75,12 @@ def build_app(
     batch); a value below the batch size raises ParamsError.
     ``deployment_options`` go to ``serve.deployment(...).options``
     (``health_check_period_s``, ``graceful_shutdown_timeout_s``,
-    ``autoscaling_config`` with ``replicas=None``, ...).
+    ``autoscaling_config`` with ``replicas=None``, ...). Raises ParamsError
+    also for no models or a bad name (field ``model``), and for a
+    ``max_models_per_replica`` that is not a positive int or comes with one
+    unnamed model.
     """
+    sources, max_models = _served(model, max_models_per_replica)
     kwargs = dict(engine_kwargs or {})
     batch = kwargs.get("max_batch_size", _ENGINE_BATCH)
     if max_ongoing_requests is None:
@@ -91,13 +111,40 @@ def build_app(
         ],
         **deployment_options,
     )
-    return deployment.bind(model, kwargs, settings or ReplicaSettings())
+    return deployment.bind(sources, kwargs, settings or ReplicaSettings(), max_models)
+
+
+def _served(model: ModelSources, max_models: int | None) -> tuple[ModelSources, int | None]:
+    """``model`` checked (a mapping as a plain dict, to pickle) and the replicas' bound on loaded
+    models: None where they hold every model (routing by model would then only crowd one)."""
+    if not isinstance(model, Mapping):
+        if max_models is not None:
+            raise ParamsError(
+                "max_models_per_replica bounds several models: give model as {name: source, ...}",
+                field="max_models_per_replica",
+            )
+        return model, None
+    if not model:
+        raise ParamsError("give at least one model: {name: source, ...}", field="model")
+    for name, source in model.items():
+        check_model_name(name)
+        if not (isinstance(source, (str, StepModel)) or callable(source)):
+            raise ParamsError(
+                f"model {name!r}: a registry spec, a StepModel or a factory, not {type(source).__name__}",
+                field="model",
+            )
+    if max_models is not None:
+        positive_int(max_models, "max_models_per_replica")
+        if max_models >= len(model):
+            max_models = None
+    return dict(model), max_models
 
 
 def app_builder(args: Mapping[str, Any]) -> Application:
     """The application for a Serve config file: ``args`` are :func:`build_app`'s keyword arguments.
 
-    ``model`` is required (a registry spec); ``replicas``, ``num_gpus``,
+    ``model`` is required (a registry spec, or several by name: a mapping
+    of specs); ``max_models_per_replica``, ``replicas``, ``num_gpus``,
     ``num_cpus``, ``engine_kwargs``, ``max_ongoing_requests`` are optional.
     """
     options = dict(args)
@@ -108,8 +155,9 @@ def app_builder(args: Mapping[str, Any]) -> Application:
 
 
 def deploy(
-    model: ModelSource,
+    model: ModelSources,
     *,
+    max_models_per_replica: int | None = None,
     replicas: int = 1,
     num_gpus: float = 0,
     num_cpus: float | None = None,
@@ -124,7 +172,8 @@ def deploy(
 ) -> RemoteEngine:
     """Run the Serve application ``name`` (one Engine per replica) and return a connected RemoteEngine.
 
-    Blocks until every replica has loaded its model (``serve.run``); from
+    Blocks until every replica has loaded its model (``serve.run``; with
+    ``max_models_per_replica``, built its models: they load on demand); from
     async code run it in a worker thread (called on a running event loop
     it blocks the loop, and returns the RemoteEngine unconnected: entering
     it connects). Starts Serve without its HTTP
@@ -136,6 +185,7 @@ def deploy(
     """
     app = build_app(
         model,
+        max_models_per_replica=max_models_per_replica,
         replicas=replicas,
         num_gpus=num_gpus,
         num_cpus=num_cpus,

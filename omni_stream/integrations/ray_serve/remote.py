@@ -12,6 +12,17 @@ The front door never loads the model: ``model`` is the replicas' ModelCard.
 It checks params against the card at once (``stream`` raises ParamsError
 then); the replica checks them again with the real model.
 
+Several models (``deploy({name: source, ...})``): ``models`` holds each
+one's card by name, the default first, as ModelRouter's ``models`` does, and
+``stream(model=NAME)`` checks against that card and names the model in the
+request. When the replicas load models on demand (``max_models_per_replica``)
+the request goes out with ``handle.options(multiplexed_model_id=NAME)``:
+Serve then prefers a replica that holds the model (its ``@serve.multiplexed``
+cache says so, replica.py), else one holding the fewest. A request's
+``loading`` is a guess made at the front door from the replicas' reports
+(no live replica has its model on the device), until the replica's Header
+says; the server reads it once, to send ``loading``.
+
 Cancellation: only ``DeploymentResponseGenerator.cancel()`` stops a
 request on its replica (dropping the generator or cancelling the task that
 reads it lets the replica run every remaining step), so every way a stream
@@ -35,7 +46,7 @@ import time
 import uuid
 import weakref
 from collections.abc import Mapping
-from types import TracebackType
+from types import MappingProxyType, TracebackType
 from typing import TYPE_CHECKING, Any
 
 import anyio
@@ -64,7 +75,7 @@ from ...preview.remote import RenderRequest
 from .card import ModelCard
 from .report import ReplicaReport, ReplicaView, sum_statistics, summarize, view
 from .stream import RemoteStream, cancel_response
-from .wire import Item, Submit
+from .wire import Description, Item, Submit
 
 if TYPE_CHECKING:
     from .replica import EngineReplica
@@ -100,8 +111,9 @@ class RemoteEngine:
     raw frames (``RendersFrames``; True by default, False for raw frames).
 
     Connect with :meth:`connect` (blocking) or by entering it (``async
-    with``), which also starts the reports' poller; ``model`` is available
-    once connected. Satisfies EngineLike; enter and leave it from one task.
+    with``), which also starts the reports' poller; ``model`` and
+    ``models`` are available once connected. Satisfies EngineLike; enter
+    and leave it from one task.
     """
 
     def __init__(
@@ -127,6 +139,10 @@ class RemoteEngine:
         self._handle: DeploymentHandle[EngineReplica] | None = None
         self._stream_handle: DeploymentHandle[EngineReplica] | None = None
         self._card: ModelCard | None = None
+        self._cards: dict[str, ModelCard] = {}
+        # By model name, when the replicas load models on demand: each sends
+        # its requests with multiplexed_model_id set (Serve routes by it).
+        self._model_handles: dict[str, DeploymentHandle[EngineReplica]] = {}
         # The ReplicaBoard's ActorHandle (from describe()). Any, not
         # ActorHandle[ReplicaBoard]: Ray types an actor's methods only where
         # they carry @ray.method (ActorHandle.__getattr__ returns Never), and
@@ -163,6 +179,30 @@ class RemoteEngine:
         return self._card
 
     @property
+    def models(self) -> Mapping[str, ModelCard]:
+        """Every served model's card by name, the default first (one model: under its own name);
+        raises EngineClosedError before connecting."""
+        self.model  # noqa: B018 - raises before connecting
+        return MappingProxyType(self._cards)
+
+    @property
+    def default(self) -> str:
+        """The name of the model a request that names none runs on."""
+        return next(iter(self.models))
+
+    @property
+    def loaded(self) -> tuple[str, ...] | None:
+        """The models on some live replica's device now, when the replicas load them on demand;
+        None when every replica holds every model (or there is one)."""
+        if not self._model_handles:
+            return None
+        held: set[str] = set()
+        for v in self.replicas():
+            if not v.lost and v.report.loaded:
+                held.update(v.report.loaded)
+        return tuple(name for name in self._cards if name in held)
+
+    @property
     def max_batch_size(self) -> int:
         """The live replicas' batch sizes summed (the card's until a replica has reported)."""
         live = [v.report.max_batch_size for v in self.replicas() if not v.lost]
@@ -186,15 +226,21 @@ class RemoteEngine:
         connect_ray(self._address)
         try:
             handle = serve.get_app_handle(self._name)
-            card, board, _ = handle.describe.remote().result(timeout_s=60)
+            described = handle.describe.remote().result(timeout_s=60)
         except (RayError, RayServeException, TimeoutError) as exc:
             raise EngineClosedError(
                 f"no omni_stream application {self._name!r} is reachable on this Ray cluster: {exc}"
             ) from exc
+        assert isinstance(described, Description), type(described)
         self._handle = handle
         self._stream_handle = handle.options(stream=True)
-        self._board = board
-        self._card = card
+        if described.routed:
+            self._model_handles = {
+                name: self._stream_handle.options(multiplexed_model_id=name) for name in described.cards
+            }
+        self._board = described.board
+        self._cards = dict(described.cards)
+        self._card = next(iter(self._cards.values()))
         return self
 
     async def __aenter__(self) -> RemoteEngine:
@@ -267,10 +313,13 @@ class RemoteEngine:
         preview_every: int | None = None,
         priority: int = 0,
         render: RenderRequest | None = None,
+        model: str | None = None,
     ) -> RemoteStream:
         """Submit a request to the deployment (Serve picks the replica); returns its frames.
 
-        Raises at once ParamsError (params the card refuses, bad options or
+        ``model``: the served model to run it (None: the default; see
+        ``models``). Raises at once ParamsError (field ``model`` for a name
+        not among ``models``; params its card refuses, bad options or
         request_id, a request_id still streaming through this RemoteEngine;
         engine/intake.py),
         EngineDeadError (the deployment is unreachable) or
@@ -289,12 +338,13 @@ class RemoteEngine:
                 request_id=request_id,
             )
         self._check_open(request_id)
+        name, card = self._model_for(model, request_id)
         with self._lock:
             if self._live(request_id) is not None:
                 raise already_running(request_id)
         # Against the card: the replica's engine checks again with the model.
         checked = check_request(
-            self.model, params, request_id=request_id, policy=policy, timeout=timeout,
+            card, params, request_id=request_id, policy=policy, timeout=timeout,
             preview_every=preview_every, priority=priority,
         )
         submit = Submit(
@@ -306,16 +356,21 @@ class RemoteEngine:
             priority=checked.priority,
             window=self._window,
             render=render,
+            model=name,
         )
-        handle = self._stream_handle
+        handle = self._model_handles.get(name, self._stream_handle)
         assert handle is not None  # connected: _check_open passed
+        # Whether the request will wait for its model to load: decided now, with
+        # the reports at hand (the server asks as soon as stream() returns).
+        loading = self._model_handles != {} and name not in (self.loaded or ())
         # The replica checks the params again: with the seed drawn here (the
         # one stream.params reports), not a second draw.
-        response = handle.stream.remote(pin_drawn(self.model.params, params, checked.params), submit)
+        response = handle.stream.remote(pin_drawn(card.params, params, checked.params), submit)
         # options(stream=True): Serve returns a generator (typed as either).
         assert isinstance(response, DeploymentResponseGenerator), type(response)
         stream = RemoteStream(
-            self, response, key=submit.key, request_id=request_id, total=checked.total, params=checked.params
+            self, response, key=submit.key, request_id=request_id, total=checked.total, params=checked.params,
+            model=name, loading=loading,
         )
         with self._lock:
             self._streams[request_id] = weakref.ref(stream)
@@ -330,14 +385,31 @@ class RemoteEngine:
         timeout: float | None = None,
         preview_every: int | None = None,
         priority: int = 0,
+        model: str | None = None,
     ) -> Frame:
-        """Run a request to its end; returns the final Frame. Raises as ``stream`` does."""
+        """Run a request to its end on ``model``; returns the final Frame. Raises as ``stream`` does."""
         return await final_frame(
             self.stream(
                 params, request_id=request_id, policy=policy, timeout=timeout,
-                preview_every=preview_every, priority=priority,
+                preview_every=preview_every, priority=priority, model=model,
             )
         )
+
+    def _model_for(self, name: str | None, request_id: str) -> tuple[str, ModelCard]:
+        """The served model a request naming ``name`` runs on (None: the default), with its card;
+        raises ParamsError (field ``model``) naming the models."""
+        cards = self.models
+        if name is None:
+            return self.default, cards[self.default]
+        card = cards.get(name) if isinstance(name, str) else None
+        if card is None:
+            # ModelRouter's words (a server over either says the same).
+            raise ParamsError(
+                f"model {str(name)[:64]!r} is not served here; the models are {', '.join(cards)}",
+                field="model",
+                request_id=request_id,
+            )
+        return name, card
 
     def cancel(self, request_id: str) -> bool:
         """Cancel a request on its replica; True if it was still streaming. Safe from any thread.
@@ -419,10 +491,10 @@ class RemoteEngine:
             return
         try:
             with anyio.fail_after(_BOARD_TIMEOUT_S):
-                _, board, _ = await self._handle.describe.remote()
+                described = await self._handle.describe.remote()
         except (RayError, TimeoutError):
             return
-        self._board = board
+        self._board = described.board
 
     async def _poll_forever(self) -> None:
         # A child of the RemoteEngine's task group: raising would cancel the

@@ -21,6 +21,22 @@ is never dropped. Serve's cancellation (``DeploymentResponseGenerator
 leaving ``async with frames`` then cancels the engine request, which stops
 within one step.
 
+Several models. Given ``{name: source}``, a replica serves them with a
+:class:`~omni_stream.engine.router.ModelRouter` (one Engine per model,
+each entered and left by its own task, as the owner task does here) and a
+request names its model in its Submit. With ``max_models`` set, the
+router loads a model on the first request for it and keeps at most
+``max_models`` on the device, unloading the least recently used; and the
+replica tells Serve which models it holds through ``@serve.multiplexed``,
+so that Serve routes a request (sent with ``multiplexed_model_id``) to a
+replica holding its model. Serve's multiplexing only *routes* here: its
+"models" are tokens, because it unloads by calling ``__del__`` at once,
+while an engine must drain its requests and be closed by the task that
+entered it. The two caches see the same requests with the same bound and
+both evict the least recently used, so they agree but for a request or
+two around an unload; a request routed to a replica that no longer holds
+its model is still served, after a load.
+
 Health. ``check_health`` (Serve calls it every ``health_check_period_s``)
 raises what ``engine.check_health()`` raises, so Serve replaces a replica
 whose engine is dead or stalled. A replica that Serve will replace (its
@@ -37,7 +53,7 @@ import logging
 import os
 import pickle
 import time
-from collections.abc import AsyncIterator, Callable, Mapping
+from collections.abc import AsyncIterator, Awaitable, Callable, Mapping
 from dataclasses import dataclass
 from typing import Any
 
@@ -47,11 +63,13 @@ import ray
 from ray import serve
 from ray.exceptions import RayActorError
 
-from ...engine import Engine
+from ...engine import Engine, FrameStreamLike
+from ...engine.router import ModelRouter
 from ...errors import (
     EngineDeadError,
     EngineError,
     OmniStreamError,
+    ParamsError,
     RenderFailedError,
     RequestCancelledError,
 )
@@ -60,9 +78,9 @@ from ...model import StepModel
 from ...preview import Previewer, PreviewSpec, RenderRequest, render_frame
 from .card import ModelCard
 from .report import ReplicaReport
-from .wire import Header, Item, Submit, WireError, WireFrame
+from .wire import Description, Header, Item, Submit, WireError, WireFrame
 
-__all__ = ["BOARD", "EngineReplica", "ModelSource", "ReplicaSettings"]
+__all__ = ["BOARD", "EngineReplica", "ModelSource", "ModelSources", "ReplicaSettings"]
 
 logger = logging.getLogger("omni_stream.ray_serve")
 
@@ -73,6 +91,8 @@ BOARD = "omni_stream_board"
 #: "diffusers:ID", "module:attr"), a StepModel (pickled to each replica), or
 #: a callable returning one (called once per replica).
 ModelSource = str | StepModel | Callable[[], StepModel]
+#: One model, or several by name (the first is the default).
+ModelSources = ModelSource | Mapping[str, ModelSource]
 
 #: Serve's REPLICA_HEALTH_CHECK_UNHEALTHY_THRESHOLD: failed checks in a row
 #: before it stops a replica.
@@ -128,24 +148,46 @@ def _build_model(source: ModelSource) -> StepModel:
     return model
 
 
+def _build_models(sources: Mapping[str, ModelSource]) -> dict[str, StepModel]:
+    # Every model is built (host memory), as a ModelRouter wants them: their
+    # params are known and checked before any is on the device.
+    return {name: _build_model(source) for name, source in sources.items()}
+
+
 class EngineReplica:
-    """The deployment's class: one Engine per replica (see the module docstring)."""
+    """The deployment's class: one Engine per replica, or a ModelRouter of several (module docstring)."""
 
     async def __init__(  # type: ignore[misc]  # Serve awaits an async __init__
         self,
-        model: ModelSource,
+        model: ModelSources,
         engine_kwargs: Mapping[str, Any] | None = None,
         settings: ReplicaSettings | None = None,
+        max_models: int | None = None,
     ) -> None:
         self._settings = settings or ReplicaSettings()
         context = serve.get_replica_context()
         self._replica = context.replica_id.unique_id
         self._node = ray.get_runtime_context().get_node_id()
-        built = await anyio.to_thread.run_sync(_build_model, model)
-        self._card = ModelCard.of(built)
         # A copy: Serve pickles the init arguments again after __init__, and
         # a Device instance among them holds threads once its engine runs.
-        self._engine = Engine(built, **copy.deepcopy(dict(engine_kwargs or {})))
+        options = copy.deepcopy(dict(engine_kwargs or {}))
+        self._engine: Engine | ModelRouter
+        #: Tells Serve's router this replica holds a model (see the module docstring).
+        self._hold: Callable[[str], Awaitable[object]] | None = None
+        if isinstance(model, Mapping):
+            models = await anyio.to_thread.run_sync(_build_models, model)
+            self._cards = {name: ModelCard.of(m) for name, m in models.items()}
+            self._engine = ModelRouter(models, max_loaded=max_models, **options)
+            if max_models is not None:
+                self._hold = _routing_cache(max_models)
+            where = str(options.get("device", "auto"))
+        else:
+            built = await anyio.to_thread.run_sync(_build_model, model)
+            card = ModelCard.of(built)
+            self._cards = {card.name: card}
+            self._engine = Engine(built, **options)
+            where = self._engine.device.name
+        self._default = next(iter(self._cards))
         self._board = serve.get_deployment_actor(BOARD)
         # Renders for readers that send a RenderRequest: one thread, as a
         # server's own default (the producer needs the other core).
@@ -166,7 +208,7 @@ class EngineReplica:
             raise self._failure
         logger.info(
             "replica %s: %s on %s, max_batch_size %d",
-            self._replica, self._card.name, self._engine.device.name, self._engine.max_batch_size,
+            self._replica, ", ".join(self._cards), where, self._engine.max_batch_size,
         )
 
     async def _own(self) -> None:
@@ -200,22 +242,16 @@ class EngineReplica:
 
     # -- what front doors call ------------------------------------------------------
 
-    async def describe(self) -> tuple[ModelCard, Any, str]:
-        """The model's card, the board's handle and this replica's name."""
-        return self._card, self._board, self._replica
+    async def describe(self) -> Description:
+        """The models' cards, the board's handle, this replica's name, whether to route by model."""
+        return Description(dict(self._cards), self._board, self._replica, routed=self._hold is not None)
 
     async def stream(self, params: Mapping[str, Any] | None, submit: Submit) -> AsyncIterator[Item]:
         """One request's items: Header, WireFrames, or a WireError (see the module docstring)."""
         try:
             self._check_owner()
-            frames = self._engine.stream(
-                params,
-                request_id=submit.request_id,
-                policy=submit.policy,
-                timeout=submit.timeout,
-                preview_every=submit.preview_every,
-                priority=submit.priority,
-            )
+            name = self._model_name(submit)
+            frames = self._open(params, submit, name)
             spec = submit.render.spec() if submit.render is not None else None
         except OmniStreamError as exc:
             yield WireError.of(exc)
@@ -224,7 +260,10 @@ class EngineReplica:
         self._flows[flow.key] = flow
         try:
             async with frames:
-                yield Header(self._replica, frames.request_id, frames.total)
+                loading = bool(getattr(frames, "loading", False))
+                if self._hold is not None:
+                    await self._hold(name)
+                yield Header(self._replica, frames.request_id, frames.total, loading=loading)
                 while True:
                     await self._credit(flow)
                     if flow.failure is not None:
@@ -240,7 +279,7 @@ class EngineReplica:
                     if spec is not None:
                         assert submit.render is not None
                         try:
-                            frame = await self._render(frame, submit.render, spec, frames.params)
+                            frame = await self._render(frame, submit.render, spec, name, frames.params)
                         except RenderFailedError as exc:
                             yield WireError.of(exc)
                             return
@@ -252,15 +291,41 @@ class EngineReplica:
             del self._flows[flow.key]
             self._board.forget.remote(flow.key)  # fire and forget
 
+    def _model_name(self, submit: Submit) -> str:
+        """The served model ``submit`` names (else the one Serve's request names, else the default);
+        raises ParamsError (field ``model``) for a name not served here."""
+        # get_multiplexed_model_id(): a caller of the handle of its own may
+        # name the model only in .options(multiplexed_model_id=...).
+        name = submit.model or serve.get_multiplexed_model_id() or self._default
+        if name not in self._cards:
+            raise ParamsError(
+                f"model {name[:64]!r} is not served here; the models are {', '.join(self._cards)}",
+                field="model",
+                request_id=submit.request_id,
+            )
+        return name
+
+    def _open(self, params: Mapping[str, Any] | None, submit: Submit, name: str) -> FrameStreamLike:
+        options: dict[str, Any] = {
+            "request_id": submit.request_id,
+            "policy": submit.policy,
+            "timeout": submit.timeout,
+            "preview_every": submit.preview_every,
+            "priority": submit.priority,
+        }
+        if isinstance(self._engine, ModelRouter):
+            return self._engine.stream(params, model=name, **options)
+        return self._engine.stream(params, **options)
+
     async def _render(
-        self, frame: Frame, request: RenderRequest, spec: PreviewSpec, params: Mapping[str, Any]
+        self, frame: Frame, request: RenderRequest, spec: PreviewSpec, model: str, params: Mapping[str, Any]
     ) -> Frame:
         """``frame`` rendered as its reader asked; raises RenderFailedError saying why not."""
         try:
             return await render_frame(
                 frame, request, spec=spec, previewer=self._previewer,
                 # The result's metadata, as a server writes it for a local engine.
-                params={"model": self._card.name, **params},
+                params={"model": model, **params},
             )
         except Exception as exc:  # noqa: BLE001 - any encoder failure ends the request, said
             what = "the result" if frame.final else f"the preview of step {frame.step}"
@@ -345,6 +410,7 @@ class EngineReplica:
             in_transit=sum(f.sent - f.acked for f in self._flows.values()),
             pid=os.getpid(),
             node=self._node,
+            loaded=self._engine.loaded if isinstance(self._engine, ModelRouter) and self._hold else None,
         )
 
     async def _report_forever(self) -> None:
@@ -365,3 +431,19 @@ class EngineReplica:
             self._board = serve.get_deployment_actor(BOARD)
         except ValueError:
             logger.warning("replica %s: the board is not back yet", self._replica)
+
+
+def _routing_cache(max_models: int) -> Callable[[str], Awaitable[object]]:
+    """A ``@serve.multiplexed`` function of its own for one replica (the bound is per deployment).
+
+    Calling it with a model's name records the name in Serve's per-replica
+    cache, which Serve reports to its routers so that requests with that
+    ``multiplexed_model_id`` come here. It returns the name: a token that
+    needs no unloading (the ModelRouter unloads the model itself).
+    """
+
+    async def hold(model_id: str) -> str:
+        return model_id
+
+    cache: Callable[[str], Awaitable[object]] = serve.multiplexed(max_num_models_per_replica=max_models)(hold)
+    return cache

@@ -33,7 +33,9 @@ class ReplicaReport:
 
     ``streams``: requests it is streaming; ``in_transit``: frames it sent
     that their readers had not acknowledged when it last looked (an upper
-    bound; at most ``window`` per stream).
+    bound; at most ``window`` per stream). ``loaded``: the models on its
+    device now, for a replica that loads them on demand (None: it has one
+    model, or holds every model from its start).
     """
 
     replica: str
@@ -43,6 +45,7 @@ class ReplicaReport:
     in_transit: int
     pid: int
     node: str
+    loaded: tuple[str, ...] | None = None
 
 
 @dataclass(frozen=True, slots=True)

@@ -54,6 +54,8 @@ class RemoteStream:
         request_id: str,
         total: int,
         params: Mapping[str, Any],
+        model: str | None = None,
+        loading: bool = False,
     ) -> None:
         self._engine = engine
         self._response = response
@@ -62,6 +64,9 @@ class RemoteStream:
         self._total = total
         self._params = params
         self._replica: str | None = None
+        self._model = model
+        self._loading = loading
+        self._started = False  # its first frame arrived
         self._step = 0
         self._seq = 0
         self._acked_at = time.monotonic()
@@ -81,6 +86,17 @@ class RemoteStream:
     def params(self) -> Mapping[str, Any]:
         """The params as the front door checked them against the card, defaults filled in."""
         return self._params
+
+    @property
+    def model(self) -> str | None:
+        """The name of the served model that runs the request."""
+        return self._model
+
+    @property
+    def loading(self) -> bool:
+        """True while the request waits for its model to load: the front door's guess until the
+        replica's Header says, False from the first frame (remote.py)."""
+        return self._loading and not self._started and not self._done
 
     @property
     def replica(self) -> str | None:
@@ -127,12 +143,14 @@ class RemoteStream:
             if isinstance(item, Header):
                 self._replica = item.replica
                 self._total = item.total
+                self._loading = item.loading
                 continue
             assert isinstance(item, (WireFrame, WireError)), type(item)
             return item
 
     def _took(self, item: WireFrame) -> Frame:
         frame = item.frame(self._request_id)
+        self._started = True
         self._step = frame.step
         self._seq = item.seq
         if frame.final:

@@ -1,8 +1,10 @@
 """What crosses Ray between a replica and a RemoteStream, one item per yield (pure, no Ray).
 
+(And, once per front door, the replica's :class:`Description`.)
+
 A RemoteStream calls a replica's ``stream(params, Submit)``, which yields, in order::
 
-    Header                     once: the replica, the request's id and its real step count
+    Header                     once: the replica, the request's id, its real step count, whether it loads
     WireFrame * n              seq 1, 2, ...: a step's frame (the final one last)
     WireError                  instead of the rest: how the request ended badly
 
@@ -24,6 +26,7 @@ from __future__ import annotations
 
 import pickle
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 
@@ -31,8 +34,25 @@ from ...errors import OmniStreamError
 from ...frame import Frame, StepTimings
 from ...preview.encode import EncodedImage
 from ...preview.remote import RenderRequest
+from .card import ModelCard
 
-__all__ = ["Header", "Item", "Submit", "WireError", "WireFrame"]
+__all__ = ["Description", "Header", "Item", "Submit", "WireError", "WireFrame"]
+
+
+@dataclass(frozen=True, slots=True)
+class Description:
+    """What a replica says of itself to a front door that connects (``describe()``).
+
+    ``cards``: the served models' cards by name, the default first (one
+    model: under its own name); ``board``: the ReplicaBoard's actor handle;
+    ``routed``: the replicas load models on demand, so a front door sends
+    each request with ``multiplexed_model_id`` set to its model's name.
+    """
+
+    cards: dict[str, ModelCard]
+    board: Any
+    replica: str
+    routed: bool = False
 
 
 @dataclass(frozen=True, slots=True)
@@ -43,6 +63,8 @@ class Submit:
     a request id a caller may reuse); ``window`` is how many frames may be
     in transit, sent and not yet taken by the reader. ``render``, when set,
     asks the replica to send previews and the result encoded, not tensors.
+    ``model``: the served model that runs it, for a replica of several
+    (None: the default; the front door also routes by it, deploy.py).
     """
 
     key: str
@@ -53,15 +75,21 @@ class Submit:
     priority: int
     window: int
     render: RenderRequest | None = None
+    model: str | None = None
 
 
 @dataclass(frozen=True, slots=True)
 class Header:
-    """The first item: who runs the request, and its step count from the real model."""
+    """The first item: who runs the request, and its step count from the real model.
+
+    ``loading``: its model was not on the replica's device when it started
+    (its first frame waits for the load).
+    """
 
     replica: str
     request_id: str
     total: int
+    loading: bool = False
 
 
 @dataclass(frozen=True, slots=True)
@@ -78,6 +106,7 @@ class WireFrame:
     timings: tuple[float, float, float, int, float]
     decoded: bool
     encoded: EncodedImage | None = None
+    images: int = 1
 
     @classmethod
     def of(cls, frame: Frame, seq: int) -> WireFrame:
@@ -90,6 +119,7 @@ class WireFrame:
             timings=(t.queued_s, t.compute_s, t.copy_s, t.batch_size, t.decode_s),
             decoded=frame.decoded,
             encoded=frame.encoded,
+            images=frame.image_count,
         )
 
     def frame(self, request_id: str) -> Frame:
@@ -102,6 +132,7 @@ class WireFrame:
             timings=StepTimings(*self.timings),
             decoded=self.decoded,
             encoded=self.encoded,
+            image_count=self.images,
         )
 
     @property

@@ -23,6 +23,7 @@ insists. Every adapter is a subclass of :class:`Diffusers`, so
 
 from __future__ import annotations
 
+import dataclasses
 import importlib
 import inspect
 from collections.abc import Callable, Mapping
@@ -33,6 +34,7 @@ import torch
 
 from ...errors import ParamsError
 from ...model import StepModel
+from ...params import MAX_IMAGES, images_param, positive_int
 from .loras import LoraBank
 
 __all__ = ["Diffusers", "PromptEmbeddings", "EncodePrompt", "MODES", "INSTALL_HINT", "adapter_for"]
@@ -113,6 +115,18 @@ def adapter_for(pipe: Any, mode: str = "auto") -> type[Diffusers]:
     )
 
 
+#: The most images one request may ask for by default (``num_images``).
+DEFAULT_MAX_IMAGES = 4
+
+
+def checked_max_images(max_images: Any) -> int:
+    """``max_images``, checked: 1 to :data:`~omni_stream.params.MAX_IMAGES` (ParamsError)."""
+    positive_int(max_images, "max_images")
+    if max_images > MAX_IMAGES:
+        raise ParamsError(f"max_images must be at most {MAX_IMAGES}, got {max_images}", field="max_images")
+    return int(max_images)
+
+
 class Diffusers(StepModel):
     """A diffusers pipeline, streamed step by step (``Diffusers(pipe, mode="auto")``).
 
@@ -136,6 +150,23 @@ class Diffusers(StepModel):
         through peft), before the engine starts: on the caller's thread. Raises ValueError
         naming the LoRA that fails, ImportError without peft."""
         self._loras.load(loras)
+
+    def set_max_images(self, max_images: int) -> None:
+        """Let a request ask for up to ``max_images`` images (``num_images``), before the engine
+        starts. Raises ParamsError for a bad count or a model that makes one image a request."""
+        max_images = checked_max_images(max_images)
+        for i, param in enumerate(self.params):
+            if param.name == "num_images":
+                if param.default > max_images:
+                    raise ParamsError(f"max_images {max_images} is below num_images' default "
+                                      f"{param.default}", field="max_images")
+                # The default (a model's defaults= may set it) stays.
+                new = dataclasses.replace(images_param(max_images), default=param.default)
+                self.params = (*self.params[:i], new, *self.params[i + 1 :])
+                self._max_images = max_images
+                return
+        raise ParamsError(f"{self.name} makes one image a request (it has no num_images)",
+                          field="max_images")
 
     def __new__(cls, pipe: Any = None, *args: Any, mode: str = "auto", **kwargs: Any) -> Diffusers:
         if cls is Diffusers:
@@ -178,6 +209,17 @@ class Diffusers(StepModel):
             # What Diffusers(pipe, mode=mode) does: the adapter that fits.
             return adapter_for(pipe, mode)(pipe, mode=mode)
         return cls(pipe)
+
+    def unload(self) -> None:
+        """Move the pipeline back to the CPU (``load`` moves it to the device again) and let the
+        accelerator's allocator return what it held; nothing for a pipeline on the CPU."""
+        pipe = getattr(self, "_pipe", None)
+        device = getattr(pipe, "device", None)
+        if pipe is None or getattr(device, "type", "cpu") == "cpu":
+            return
+        pipe.to("cpu")
+        if torch.cuda.is_available():
+            torch.cuda.empty_cache()
 
     def describe(self) -> str:
         pipe = getattr(self, "_pipe", None)

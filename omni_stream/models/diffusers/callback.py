@@ -64,10 +64,10 @@ import torch
 
 from ...errors import ParamsError
 from ...model import Emit
-from ...params import Param, positive_int, seed_param, square_size
+from ...params import Param, images_param, positive_int, seed_param, square_size
 from ..inputs import MAX_IMAGE_BYTES, MAX_IMAGE_PIXELS, load_image
 from . import samplers
-from .base import Diffusers, takes_step_callback
+from .base import DEFAULT_MAX_IMAGES, Diffusers, checked_max_images, takes_step_callback
 from .loop import same_device, signature_params, timestep_count, with_defaults
 from .loras import LoraBank, LoraSet, check_loras, split_loras
 
@@ -109,6 +109,7 @@ class _State:
     unpack: Callable[[torch.Tensor], torch.Tensor] | None  # packed [1, seq, ch] -> [1, C, (T,) h, w]
     sampler: str = samplers.DEFAULT
     loras: LoraSet = ()
+    images: int = 1  # num_images_per_prompt
 
 
 class CallbackDiffusers(Diffusers):
@@ -130,6 +131,7 @@ class CallbackDiffusers(Diffusers):
         max_image_pixels: int = MAX_IMAGE_PIXELS,
         max_image_bytes: int = MAX_IMAGE_BYTES,
         image_paths: bool = True,
+        max_images: int = DEFAULT_MAX_IMAGES,
     ) -> None:
         """Wrap ``pipe``, any pipeline whose ``__call__`` takes ``callback_on_step_end``.
 
@@ -139,7 +141,9 @@ class CallbackDiffusers(Diffusers):
         request param (``prompt_embeds`` replaces ``prompt``,
         ``negative_prompt_embeds`` ``negative_prompt``). ``max_image_pixels``
         and ``max_image_bytes`` bound the ``image`` param; ``image_paths=False``
-        accepts data URLs only (see :mod:`.inputs`).
+        accepts data URLs only (see :mod:`.inputs`). ``max_images`` bounds
+        ``num_images`` (the pipeline's ``num_images_per_prompt``), declared
+        for image pipelines that take it.
 
         Raises ParamsError for a pipeline without ``callback_on_step_end`` or
         ``output_type``, ``call_kwargs`` that the pipeline does not take or
@@ -184,6 +188,7 @@ class CallbackDiffusers(Diffusers):
         for bound, value in bounds.items():
             positive_int(value, bound)
 
+        self._max_images = checked_max_images(max_images)
         self._pipe = pipe
         self._signature = signature
         self._fixed = fixed
@@ -300,6 +305,8 @@ class CallbackDiffusers(Diffusers):
                       minimum=0.0, maximum=100.0), "true_cfg_scale")
         if "generator" in self._signature:
             add(seed_param("seed of the request's CPU generator"), "generator")
+        if "num_images_per_prompt" in self._signature and not self._video:
+            add(images_param(self._max_images), "num_images_per_prompt")
         if self._samplers is not None and "scheduler" not in self._fixed:
             # Not a pipeline argument: run() puts the request's scheduler on the pipeline.
             add(Param("sampler", "str", samplers.DEFAULT,
@@ -506,7 +513,7 @@ class CallbackDiffusers(Diffusers):
         output = params.get("output", "image")
         return _State(kwargs=kwargs, total=self.total_steps(params), output=output,
                       unpack=self._unpacker(kwargs), sampler=str(params.get("sampler") or samplers.DEFAULT),
-                      loras=tuple(params.get("loras", ())))
+                      loras=tuple(params.get("loras", ())), images=int(params.get("num_images", 1)))
 
     def step(self, states: Sequence[Any]) -> Sequence[torch.Tensor]:
         """Never called: the engine calls :meth:`run`. Raises RuntimeError."""
@@ -573,7 +580,7 @@ class CallbackDiffusers(Diffusers):
         if last is not None:
             emit(last)
         else:
-            emit(self._decoded(out), decoded=True)
+            emit(self._decoded(out, state.images), decoded=True)
 
     def close(self, state: _State) -> None:
         """Drop the request's arguments (its image, its generator)."""
@@ -591,9 +598,10 @@ class CallbackDiffusers(Diffusers):
                 logger.warning("cannot unpack %s latents %s (%s); streaming them packed",
                                type(self._pipe).__name__, tuple(latents.shape), exc)
                 state.unpack = None
-        frame = latents[0]
-        if not self._video and frame.dim() == 4 and frame.shape[1] == 1:
-            frame = frame[:, 0]  # Qwen-Image: an image is a one-frame video latent
+        # One image: [C, h, w]; several (num_images): all of them, [n, C, h, w].
+        frame = latents[0] if state.images == 1 else latents
+        if not self._video and frame.dim() == 4 + (state.images > 1) and frame.shape[-3] == 1:
+            frame = frame.squeeze(-3)  # Qwen-Image: an image is a one-frame video latent
         # A fresh tensor: the copier reads it while the pipeline goes on, and
         # schedulers may update their latents in place.
         return frame.clone()
@@ -628,8 +636,9 @@ class CallbackDiffusers(Diffusers):
         sizes = ((frames - 1) // temporal + 1, height // spatial, width // spatial)
         return lambda x: unpack(x, *sizes, patch, patch_t)
 
-    def _decoded(self, out: Any) -> torch.Tensor:
-        """The pipeline's ``output_type="pt"`` result as a frame: floats in [-1, 1]."""
+    def _decoded(self, out: Any, images: int = 1) -> torch.Tensor:
+        """The pipeline's ``output_type="pt"`` result as a frame: floats in [-1, 1] (all
+        ``images`` of them, stacked, for several)."""
         video = hasattr(out, "frames")
         result = out.frames if video else getattr(out, "images", None)
         if isinstance(result, (list, tuple)) and result and isinstance(result[0], torch.Tensor):
@@ -648,13 +657,13 @@ class CallbackDiffusers(Diffusers):
                 "not a tensor"
             )
         want = 5 if video else 4  # [B, T, C, H, W] / [B, C, H, W]
-        if result.dim() != want or result.shape[0] != 1 or result.shape[-3] not in (1, 3, 4):
+        if result.dim() != want or result.shape[0] != images or result.shape[-3] not in (1, 3, 4):
             raise RuntimeError(
                 f"{type(self._pipe).__name__} returned {'frames' if video else 'images'} shaped "
-                f"{tuple(result.shape)}; expected [1, {'T, ' if video else ''}C, H, W]"
+                f"{tuple(result.shape)}; expected [{images}, {'T, ' if video else ''}C, H, W]"
             )
         # pt output is (x / 2 + 0.5).clamp(0, 1) of the VAE's image: map it back.
-        return result[0].float() * 2.0 - 1.0
+        return (result[0] if images == 1 else result).float() * 2.0 - 1.0
 
 
 def _unpack_kind(pipe: Any) -> str | None:

@@ -31,7 +31,7 @@ from __future__ import annotations
 
 from collections.abc import Hashable, Mapping, Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, ClassVar
 
 import numpy as np
 import torch
@@ -52,6 +52,8 @@ class _FluxConditioning(TextConditioning):
     text_ids: torch.Tensor  # [text_seq, 3]
     image_ids: torch.Tensor  # [seq, 3]
     guidance: torch.Tensor | None  # [1] float32, for guidance-distilled transformers
+
+    per_row: ClassVar[tuple[str, ...]] = ("embeds", "pooled", "guidance")
 
 
 _State = NativeState[_FluxConditioning]
@@ -202,8 +204,8 @@ class FluxDiffusers(FlowDiffusers[_FluxConditioning]):
     def _initial_latents(
         self, noise: torch.Tensor, scheduler: Any, height: int, width: int
     ) -> torch.Tensor:
-        _, channels, h, w = noise.shape
-        packed: torch.Tensor = self._flux._pack_latents(noise, 1, channels, h, w)
+        images, channels, h, w = noise.shape
+        packed: torch.Tensor = self._flux._pack_latents(noise, images, channels, h, w)
         return packed
 
     def _group_key(self, s: _State) -> Hashable:
@@ -231,5 +233,5 @@ class FluxDiffusers(FlowDiffusers[_FluxConditioning]):
     def _frame(self, s: _State, latents: torch.Tensor) -> torch.Tensor:
         # A fresh tensor (the permute makes reshape copy): safe to hand out.
         height, width = int(s.params["height"]), int(s.params["width"])
-        unpacked: torch.Tensor = self._flux._unpack_latents(latents, height, width, self._vae_scale)[0]
-        return unpacked
+        unpacked: torch.Tensor = self._flux._unpack_latents(latents, height, width, self._vae_scale)
+        return unpacked[0] if s.images == 1 else unpacked

@@ -31,15 +31,22 @@ from __future__ import annotations
 
 import abc
 from collections.abc import Hashable, Mapping, Sequence
-from dataclasses import dataclass, field
-from typing import Any, Generic, TypeVar
+from dataclasses import dataclass, field, fields
+from typing import Any, ClassVar, Generic, TypeVar
 
 import torch
 
 from ...errors import ParamsError
-from ...params import Param, seed_param, square_size
+from ...params import Param, images_param, seed_param, square_size
 from . import samplers
-from .base import INSTALL_HINT, Diffusers, EncodePrompt, PromptEmbeddings
+from .base import (
+    DEFAULT_MAX_IMAGES,
+    INSTALL_HINT,
+    Diffusers,
+    EncodePrompt,
+    PromptEmbeddings,
+    checked_max_images,
+)
 from .loop import (
     MAX_PROMPT_CHARS,
     MAX_SIDE,
@@ -73,6 +80,19 @@ class TextConditioning:
     embeds: torch.Tensor  # [rows, seq, dim]; rows = 2 (negative, positive) with guidance, else 1
     pooled: torch.Tensor | None = None  # [rows, dim] where the pipeline takes pooled embeddings
 
+    #: The fields with one row per denoiser row (the others are shared by the call).
+    per_row: ClassVar[tuple[str, ...]] = ("embeds", "pooled")
+
+    def repeat(self, images: int) -> None:
+        """Each row once per image, in place: ``[neg, pos]`` becomes ``[neg] * n + [pos] * n``,
+        the layout ``encode_prompt(num_images_per_prompt=n)`` and the pipeline's guidance give."""
+        if images == 1:
+            return
+        for f in fields(self):
+            value = getattr(self, f.name)
+            if f.name in self.per_row and isinstance(value, torch.Tensor):
+                setattr(self, f.name, value.repeat_interleave(images, dim=0))
+
 
 CondT = TypeVar("CondT", bound=TextConditioning)
 
@@ -85,15 +105,16 @@ class NativeState(Generic[CondT]):
     total: int  # frames the request gives: len(scheduler.timesteps)
     scheduler: Any  # this request's own; never shared
     generator: torch.Generator  # this request's own; drew the noise, feeds stochastic sampling
-    latents: torch.Tensor | None  # [1, ...] in the denoiser's layout
+    latents: torch.Tensor | None  # [images, ...] in the denoiser's layout
     cond: CondT | None
-    guided: bool  # classifier-free guidance: two rows (negative, positive) per call
+    guided: bool  # classifier-free guidance: two rows (negative, positive) per image
     step_kwargs: dict[str, Any] = field(default_factory=dict)
     done: int = 0  # steps completed
+    images: int = 1  # num_images: rows of latents
 
     @property
     def rows(self) -> int:
-        return 2 if self.guided else 1
+        return self.images * (2 if self.guided else 1)
 
     @property
     def conditioning(self) -> CondT:
@@ -113,7 +134,7 @@ class NativeDiffusers(Diffusers, Generic[CondT]):
 
     ``NativeDiffusers(pipe, *, mode="native", encode_prompt=None,
     scheduler=None, defaults=None, max_batch_size=None, batch=True,
-    name=None)``: ``mode`` is "auto" or "native" (what :class:`Diffusers`
+    max_images=4, name=None)``: ``mode`` is "auto" or "native" (what :class:`Diffusers`
     passes on); ``encode_prompt`` turns a prompt into
     :class:`PromptEmbeddings` (the pipeline's own encoder when omitted);
     ``scheduler`` replaces the pipeline's (only its class and config are
@@ -122,6 +143,8 @@ class NativeDiffusers(Diffusers, Generic[CondT]):
     :data:`DEFAULT_MAX_BATCH`) requests in one denoiser call (see
     :meth:`batch_key`); ``batch=False`` (or ``max_batch_size=1``) runs each
     alone, for results equal to ``pipe()``'s bit for bit whatever runs beside.
+    ``max_images`` bounds ``num_images``: the images one request makes from
+    its prompt, as ``pipe(num_images_per_prompt=n)`` does.
     """
 
     name = "diffusers"
@@ -156,6 +179,7 @@ class NativeDiffusers(Diffusers, Generic[CondT]):
         defaults: Mapping[str, Any] | None = None,
         max_batch_size: int | None = None,
         batch: bool = True,
+        max_images: int = DEFAULT_MAX_IMAGES,
         name: str | None = None,
     ) -> None:
         """Wrap ``pipe``; the options are the class docstring's.
@@ -181,6 +205,7 @@ class NativeDiffusers(Diffusers, Generic[CondT]):
                 field="max_batch_size",
             )
         check_batch_size(max_batch_size)
+        self._max_images = checked_max_images(max_images)
         self._pipe = pipe
         self._denoiser = self._checked_denoiser(pipe)
         template = scheduler_template(pipe, scheduler)
@@ -242,6 +267,7 @@ class NativeDiffusers(Diffusers, Generic[CondT]):
                   minimum=1, maximum=1000),
             *self._guidance_params(),
             seed_param("seed of the request's CPU generator"),
+            images_param(self._max_images),
             Param("height", "int", height, f"image height in pixels, a multiple of {multiple}",
                   minimum=multiple, maximum=largest),
             Param("width", "int", width, f"image width in pixels, a multiple of {multiple}",
@@ -343,9 +369,11 @@ class NativeDiffusers(Diffusers, Generic[CondT]):
         with torch.no_grad():
             dtype = self._denoiser.dtype
             guided = self._guided(params)
+            images = int(params.get("num_images", 1))
             # A LoRA may adapt the text encoders too: its weights are on before the prompt is encoded.
             self._loras.activate(_loras_of(params))
             cond = self._conditioning(params, device, dtype, guided)
+            cond.repeat(images)
             # Only the noise draws from the generator, so the order of the two
             # lines below changes nothing (SD draws after set_timesteps, SD3
             # and Flux before).
@@ -353,7 +381,8 @@ class NativeDiffusers(Diffusers, Generic[CondT]):
                 int(params["steps"]), device, height, width, params.get("sampler", samplers.DEFAULT)
             )
             generator = torch.Generator(device="cpu").manual_seed(int(params["seed"]))
-            shape = (1, self._channels, *self._latent_size(height, width))
+            # All the images' noise in one draw, as num_images_per_prompt does.
+            shape = (images, self._channels, *self._latent_size(height, width))
             noise = self._randn_tensor(shape, generator=generator, device=device, dtype=dtype)
             latents = self._initial_latents(noise, scheduler, height, width)
         return NativeState(
@@ -365,6 +394,7 @@ class NativeDiffusers(Diffusers, Generic[CondT]):
             cond=cond,
             guided=guided,
             step_kwargs=self._step_kwargs(params, generator, signature_params(scheduler.step)),
+            images=images,
         )
 
     def _step_kwargs(
@@ -379,7 +409,8 @@ class NativeDiffusers(Diffusers, Generic[CondT]):
         return kwargs
 
     def step(self, states: Sequence[NativeState[CondT]]) -> list[torch.Tensor]:
-        """Run one denoise step for each state; one frame ``[C, h, w]`` each.
+        """Run one denoise step for each state; one frame ``[C, h, w]`` each (``[n, C, h, w]``
+        for a request of ``n`` images).
 
         Raises RuntimeError for a closed or finished state. If anything
         raises, every state (its scheduler and generator too) is left as it
@@ -444,8 +475,9 @@ class NativeDiffusers(Diffusers, Generic[CondT]):
         return uncond + float(s.params["guidance_scale"]) * (text - uncond)
 
     def _frame(self, s: NativeState[CondT], latents: torch.Tensor) -> torch.Tensor:
-        """The frame ``[C, h, w]`` a step hands out for ``latents`` ``[1, C, h, w]``."""
-        return latents[0]
+        """The frame a step hands out for ``latents`` ``[n, C, h, w]``: ``[C, h, w]`` for one
+        image, all ``n`` for several (Frame.image_count)."""
+        return latents[0] if s.images == 1 else latents
 
     def close(self, state: NativeState[CondT]) -> None:
         """Drop the request's tensors; a later ``step`` on it raises."""
@@ -465,12 +497,27 @@ class NativeDiffusers(Diffusers, Generic[CondT]):
     # -- decoding ---------------------------------------------------------------
 
     def decode(self, state: NativeState[CondT], frame: torch.Tensor) -> torch.Tensor:
-        """The request's image ``[3, H, W]`` in [-1, 1]: the final latent through the VAE.
+        """The request's image ``[3, H, W]`` in [-1, 1]: the final latent through the VAE
+        (``[n, 3, H, W]`` for ``n`` images, each decoded on its own).
 
         Runs on the producer's device; the engine calls this for ``output:
         "image"`` (see ``StepModel.decode``). Raises ParamsError without a VAE.
         """
-        return self._vae_decode(frame)
+        if state.images == 1:
+            return self._vae_decode(frame)
+        return torch.stack([self._vae_decode(latents) for latents in frame])
+
+    def decode_preview(self, state: Any, frame: torch.Tensor) -> torch.Tensor | None:
+        """The tiny autoencoder's preview (:meth:`Diffusers.decode_preview`), per image for several."""
+        if getattr(state, "images", 1) == 1:
+            return super().decode_preview(state, frame)
+        decoded = []
+        for latents in frame:
+            image = super().decode_preview(state, latents)
+            if image is None:
+                return None  # no tiny autoencoder: the linear decoders preview the grid
+            decoded.append(image)
+        return torch.stack(decoded)
 
     def decode_latents(self, latents: torch.Tensor) -> torch.Tensor:
         """Decode one frame's latents with the VAE: float32 RGB ``[3, H, W]`` in ``[-1, 1]``, on the CPU.

@@ -31,7 +31,7 @@ from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, ClassVar
 
 import torch
 
@@ -50,6 +50,8 @@ class _UNetConditioning(TextConditioning):
     # pooled: SDXL's pooled embeddings (the UNet's text_embeds) [rows, dim]
     time_ids: torch.Tensor | None = None  # SDXL micro-conditioning [rows, 6]
     timestep_cond: torch.Tensor | None = None  # guidance embedding of guidance-distilled UNets [1, dim]
+
+    per_row: ClassVar[tuple[str, ...]] = ("embeds", "pooled", "time_ids", "timestep_cond")
 
 
 _State = NativeState[_UNetConditioning]
