@@ -1,4 +1,4 @@
-"""omni_stream: an asyncio-native engine that streams every step of GPU generation.
+"""omni_stream: an async engine (anyio: asyncio, uvloop, trio) that streams every step of GPU generation.
 
 >>> import omni_stream as om
 >>> async with om.Engine(om.models.Synthetic()) as engine:       # doctest: +SKIP
@@ -32,6 +32,7 @@ from .errors import (
     RequestError,
     StepFailedError,
     StepTimeoutError,
+    UnsupportedBackendError,
 )
 from .frame import Frame, StepTimings
 from .model import GeneratorModel, StepModel, from_generator
@@ -71,6 +72,7 @@ __all__ = [
     "EngineStalledError",
     "EngineClosedError",
     "LifecycleError",
+    "UnsupportedBackendError",
     "seed_param",
 ]
 

@@ -13,33 +13,54 @@ lost between a check and a wait: both run on the event loop, with no
 ``await`` between them. Every task waiting at a wake is woken, so a second
 concurrent reader cannot strand the first.
 
-``asyncio.Event`` rather than ``anyio.Event``: this is on the per-frame
-path, and anyio's costs a backend look-up each; everything that uses it
-runs on asyncio (uvicorn, websockets' asyncio client, the engine). The
-event is made on the first wait after a wake, and dropped by the wake,
-so an idle Wakeup holds none.
+The loop's own event rather than ``anyio.Event``: this is on the per-frame
+path, and anyio's costs a backend look-up each. ``asyncio.Event`` on
+asyncio (uvloop included), ``trio.Event`` on trio (the engine runs on
+both; the client and the server only on asyncio). Which one is decided at
+a Wakeup's first wait, on the loop, and kept: a Wakeup may be made before
+any loop runs (the engine's, in ``Engine.__init__``). The event is made on
+the first wait after a wake, and dropped by the wake, so an idle Wakeup
+holds none.
 """
 
 from __future__ import annotations
 
 import asyncio
+import sys
+from collections.abc import Callable
+from typing import Protocol
+
+from ._backend import current_backend
 
 __all__ = ["Wakeup"]
+
+
+class _Event(Protocol):
+    """What asyncio.Event and trio.Event share, and all a Wakeup uses of them."""
+
+    async def wait(self) -> object: ...
+
+    def set(self) -> None: ...
 
 
 class Wakeup:
     """Wakes the tasks waiting on it (see the module docstring); loop-only."""
 
-    __slots__ = ("_event",)
+    __slots__ = ("_event", "_new_event")
 
     def __init__(self) -> None:
-        self._event: asyncio.Event | None = None
+        self._event: _Event | None = None
+        self._new_event: Callable[[], _Event] | None = None
 
     async def wait(self) -> None:
         """Wait for the next :meth:`wake`; check the condition again after."""
-        if self._event is None:
-            self._event = asyncio.Event()
-        await self._event.wait()
+        event = self._event
+        if event is None:
+            new_event = self._new_event
+            if new_event is None:
+                new_event = self._new_event = _event_class()
+            event = self._event = new_event()
+        await event.wait()
 
     def wake(self) -> None:
         """Wake every task waiting now; nothing if none is."""
@@ -47,3 +68,12 @@ class Wakeup:
         if event is not None:
             self._event = None
             event.set()
+
+
+def _event_class() -> Callable[[], _Event]:
+    """The running loop's event class (asked on the loop)."""
+    if current_backend() == "trio":
+        # Read, not imported: a trio loop runs only where trio was imported.
+        trio_event: Callable[[], _Event] = sys.modules["trio"].Event
+        return trio_event
+    return asyncio.Event

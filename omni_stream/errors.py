@@ -22,6 +22,8 @@
     │   └── EngineClosedError        also LifecycleError: the engine was shut down (or never
     │                                started, or is started twice)
     ├── ServerFailedError            a task of the server failed, so it shut down; __cause__ is why
+    ├── UnsupportedBackendError (RuntimeError)  used under an async library it does not run on:
+    │                            the client and the server need asyncio (trio is refused)
     ├── OutboxOverflowError          server: a client stopped reading and its outbox went over
     │                                a bound (.limit); the server disconnects it
     └── ClientError                  om.client: the server or the connection ended a call
@@ -75,6 +77,7 @@ __all__ = [
     "EngineStalledError",
     "EngineClosedError",
     "ServerFailedError",
+    "UnsupportedBackendError",
     "OutboxOverflowError",
     "ClientError",
     "ConnectError",
@@ -275,6 +278,15 @@ class EngineClosedError(EngineError, LifecycleError):
 
 class ServerFailedError(OmniStreamError):
     """A task of the server itself failed, so it shut down; ``__cause__`` is what that task raised."""
+
+
+class UnsupportedBackendError(OmniStreamError, RuntimeError):
+    """Used under an async library it does not run on (``omni_stream._backend``).
+
+    The engine runs on anyio's asyncio (uvloop included) and trio backends;
+    the client (websockets' asyncio client) and the server (uvicorn) on
+    asyncio only. A RuntimeError, as what they raised there before.
+    """
 
 
 class OutboxOverflowError(OmniStreamError):

@@ -1,15 +1,36 @@
-"""_wakeup.py: the single-reader hand-off's wake-up, its rule, and that nobody is stranded."""
+"""_wakeup.py: the single-reader hand-off's wake-up, its rule, and that nobody is stranded.
+
+On every anyio backend the engine runs on (asyncio, uvloop, trio), through
+anyio's pytest plugin: the event a Wakeup uses is the loop's own, picked at
+its first wait.
+"""
 
 from __future__ import annotations
+
+import asyncio
+from typing import Any
 
 import anyio
 import pytest
 
+from omni_stream import _wakeup
 from omni_stream._wakeup import Wakeup
 
+pytestmark = pytest.mark.anyio
 
-@pytest.mark.asyncio
-async def test_a_wake_with_nobody_waiting_is_not_remembered() -> None:
+
+@pytest.fixture(
+    params=[
+        pytest.param(("asyncio", {}), id="asyncio"),
+        pytest.param(("asyncio", {"use_uvloop": True}), id="uvloop"),
+        pytest.param(("trio", {}), id="trio"),
+    ]
+)
+def anyio_backend(request: pytest.FixtureRequest) -> tuple[str, dict[str, Any]]:
+    return request.param  # type: ignore[no-any-return]
+
+
+async def test_a_wake_with_nobody_waiting_is_not_remembered(anyio_backend) -> None:
     wakeup = Wakeup()
     wakeup.wake()
     with anyio.move_on_after(0.05) as scope:
@@ -17,8 +38,7 @@ async def test_a_wake_with_nobody_waiting_is_not_remembered() -> None:
     assert scope.cancelled_caught  # the waiter's own check sees the change, not the wait
 
 
-@pytest.mark.asyncio
-async def test_every_waiter_is_woken_and_the_next_wait_waits_again() -> None:
+async def test_every_waiter_is_woken_and_the_next_wait_waits_again(anyio_backend) -> None:
     wakeup = Wakeup()
     items: list[int] = []
     got: list[int] = []
@@ -41,8 +61,7 @@ async def test_every_waiter_is_woken_and_the_next_wait_waits_again() -> None:
     assert scope.cancelled_caught
 
 
-@pytest.mark.asyncio
-async def test_a_cancelled_waiter_leaves_the_wakeup_usable() -> None:
+async def test_a_cancelled_waiter_leaves_the_wakeup_usable(anyio_backend) -> None:
     wakeup = Wakeup()
     with anyio.move_on_after(0.01):
         await wakeup.wait()
@@ -58,3 +77,39 @@ async def test_a_cancelled_waiter_leaves_the_wakeup_usable() -> None:
             await anyio.sleep(0.01)
             wakeup.wake()
             await woken.wait()
+
+
+async def test_the_event_is_the_loops_own_and_its_kind_is_asked_once(anyio_backend, monkeypatch) -> None:
+    # The per-frame path: a wait after a wake makes a new event, and must not
+    # ask which loop runs each time (anyio.Event would, per event).
+    asked: list[object] = []
+    pick = _wakeup._event_class
+
+    def counting() -> Any:
+        asked.append(None)
+        return pick()
+
+    monkeypatch.setattr(_wakeup, "_event_class", counting)
+    wakeup = Wakeup()
+    items: list[int] = []
+    kinds: set[type] = set()
+
+    async def reader() -> None:
+        while len(items) < 50:
+            await wakeup.wait()
+
+    with anyio.fail_after(10):
+        async with anyio.create_task_group() as tg:
+            tg.start_soon(reader)
+            for i in range(50):
+                await anyio.wait_all_tasks_blocked()  # the reader waits: an event exists
+                kinds.add(type(wakeup._event))
+                items.append(i)
+                wakeup.wake()
+    assert len(asked) == 1
+    if anyio_backend[0] == "trio":
+        import trio
+
+        assert kinds == {trio.Event}
+    else:
+        assert kinds == {asyncio.Event}

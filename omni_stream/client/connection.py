@@ -30,6 +30,7 @@ from websockets.exceptions import (
     InvalidURI,
 )
 
+from .._backend import require_asyncio
 from ..errors import (
     ClientError,
     ConnectError,
@@ -88,7 +89,8 @@ class Client:
     ``websockets.asyncio.client.connect`` (``open_timeout``, ``max_size``
     (default DEFAULT_MAX_SIZE), ``close_timeout``, ...). Entering raises
     ConnectError, and LifecycleError the second time; ParamsError for a bad
-    url, token or option.
+    url, token or option; UnsupportedBackendError under trio (websockets'
+    client runs on asyncio only; uvloop is fine).
     """
 
     def __init__(
@@ -138,6 +140,8 @@ class Client:
     # -- lifecycle --
 
     async def __aenter__(self) -> Client:  # noqa: PYI034 - subclasses are not expected
+        # Here, not deep inside websockets' asyncio client with a bare RuntimeError.
+        require_asyncio("the omni_stream client (websockets' asyncio client)")
         if self._state is not Lifecycle.NEW:
             raise LifecycleError("a Client can be entered once; create a new one")
         self._state = Lifecycle.RUNNING

@@ -28,7 +28,6 @@ copy in flight is never handed to anyone else.
 
 from __future__ import annotations
 
-import asyncio
 import time
 from collections import deque
 from collections.abc import Callable
@@ -38,6 +37,7 @@ from typing import Any
 import anyio
 import torch
 
+from .._backend import ThreadsafeLoop
 from .._wakeup import Wakeup
 from ..device import Device, PinnedBufferPool
 from ..device.base import wait_event
@@ -90,7 +90,11 @@ class Copier:
         # Wakes ``run`` for tickets in the inbox or a failed hand-over.
         self._wakeup = Wakeup()
         self._limiter = anyio.CapacityLimiter(1)
-        self._loop: asyncio.AbstractEventLoop | None = None
+        #: The loop ``post`` schedules onto (asyncio's or trio's:
+        #: ``_backend.running_loop``). Set by ``Engine.start`` before the
+        #: producer thread exists, not by ``run``: trio may run the producer's
+        #: task before this one, and a post could then come first.
+        self.loop: ThreadsafeLoop | None = None
         self._deliver: Callable[[list[CopyTicket]], Any] | None = None
         # True from taking a batch off the inbox until it is delivered: later
         # tickets must not overtake it.
@@ -164,8 +168,9 @@ class Copier:
 
     def post(self, tickets: list[CopyTicket]) -> None:
         """Hand tickets to the loop in issue order (thread-safe, never blocks)."""
-        assert self._loop is not None, "Copier.post before run()"
-        self._loop.call_soon_threadsafe(self._receive, tickets)
+        loop = self.loop
+        assert loop is not None, "Copier.post before Engine.start()"
+        loop.call_soon_threadsafe(self._receive, tickets)
 
     # -- event loop ----------------------------------------------------------
 
@@ -186,8 +191,9 @@ class Copier:
                 deliver(tickets)
             except Exception as exc:
                 # Raised from the copier's task, so the engine dies visibly:
-                # in a callback it would only reach the loop's exception
-                # handler, and the engine would live on as a zombie.
+                # in a callback it would only reach asyncio's exception
+                # handler, and the engine would live on as a zombie (on trio
+                # it would crash the whole run).
                 self._failure = exc
                 self._wakeup.wake()
             return
@@ -197,7 +203,6 @@ class Copier:
 
     async def run(self, deliver: Callable[[list[CopyTicket]], Any]) -> None:
         """Forever: wait for tickets, finish their copies, ``deliver`` them in order."""
-        self._loop = asyncio.get_running_loop()
         self._deliver = deliver
         while True:
             while not self._inbox and self._failure is None:

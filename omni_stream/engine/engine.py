@@ -20,7 +20,6 @@ also touches lives in the RequestTable under its lock.
 
 from __future__ import annotations
 
-import asyncio
 import contextlib
 import dataclasses
 import logging
@@ -33,6 +32,7 @@ from typing import Any
 import anyio
 import torch
 
+from .._backend import ThreadsafeLoop, running_loop
 from ..config import (
     STEP_TIMEOUT_ENV,
     TORCH_THREADS_ENV,
@@ -171,7 +171,8 @@ class Engine:
         self._by_id: dict[str, Request] = self._output.by_id
         self._state = Lifecycle.NEW
         self._dead: BaseException | None = None
-        self._loop: asyncio.AbstractEventLoop | None = None
+        # The loop the producer thread calls onto: asyncio's or trio's (set by start()).
+        self._loop: ThreadsafeLoop | None = None
         self._loop_thread: int | None = None
         self._tg: anyio.abc.TaskGroup | None = None
         self._thread: threading.Thread | None = None
@@ -195,11 +196,17 @@ class Engine:
         await self.aclose()
 
     async def start(self) -> None:
-        """Start the task group and the producer thread. Raises EngineClosedError if reused."""
+        """Start the task group and the producer thread.
+
+        Runs under anyio's asyncio (uvloop included) and trio backends.
+        Raises EngineClosedError if reused, UnsupportedBackendError elsewhere.
+        """
         if self._state is not Lifecycle.NEW:
             raise EngineClosedError("an Engine can be started once; create a new one")
-        self._loop = asyncio.get_running_loop()
-        self._output.loop = self._loop
+        # Once, here: every thread-to-loop call (each batch of frames
+        # included) goes through this object, with no backend look-up.
+        self._loop = running_loop()
+        self._copier.loop = self._output.loop = self._loop
         self._loop_thread = threading.get_ident()
         self._state = Lifecycle.RUNNING
         if self.device.computes_on_cpu:
@@ -214,7 +221,9 @@ class Engine:
         self._tg.start_soon(self._supervised, "copier", self._copier.run, self._output.copied.extend)
         self._tg.start_soon(self._supervised, "consumer", self._output.consume)
         self._tg.start_soon(self._supervised, "producer", self._run_producer)
-        # Let the copier bind to the loop before the producer can post.
+        # Let the tasks start (the producer thread with them) before returning.
+        # The copier's loop is bound above, not in its task: trio runs new
+        # tasks in any order, and the producer could post first.
         await anyio.sleep(0)
         if self._model is None:
             try:
@@ -375,7 +384,8 @@ class Engine:
             error = exc
         loop = self._loop
         assert loop is not None
-        with contextlib.suppress(RuntimeError):  # the loop is gone; nobody is left to tell
+        # The loop is gone (trio: RunFinishedError, a RuntimeError); nobody is left to tell.
+        with contextlib.suppress(RuntimeError):
             loop.call_soon_threadsafe(self._producer_exited, error)
 
     def _producer_exited(self, error: BaseException | None) -> None:

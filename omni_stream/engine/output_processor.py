@@ -23,12 +23,12 @@ producer: it is the backpressure.
 
 from __future__ import annotations
 
-import asyncio
 import contextlib
 import logging
 from collections import deque
 from typing import Protocol
 
+from .._backend import ThreadsafeLoop
 from .._wakeup import Wakeup
 from ..config import STEP_TIMEOUT_ENV, timeout as default_timeout
 from ..errors import OmniStreamError, RequestCancelledError, StepFailedError, StepTimeoutError
@@ -87,8 +87,9 @@ class OutputProcessor:
         self.counts = {s: 0 for s in Status if s.ended}
         self.frames_delivered = 0
         self.frames_dropped = 0
-        #: The loop ``abandon_threadsafe`` schedules onto; set by ``Engine.start``.
-        self.loop: asyncio.AbstractEventLoop | None = None
+        #: The loop ``abandon_threadsafe`` schedules onto (asyncio's or trio's);
+        #: set by ``Engine.start``.
+        self.loop: ThreadsafeLoop | None = None
         # Copier -> consumer, loop-only: the copier's ``deliver`` is
         # ``copied.extend``. A deque and a Wakeup rather than an anyio memory
         # stream: it is on the per-frame path, and the stream's checkpoints
@@ -193,7 +194,8 @@ class OutputProcessor:
         loop = self.loop
         if loop is None or r.finalized:
             return
-        with contextlib.suppress(RuntimeError):  # loop closed: the engine is gone with it
+        # Loop closed (trio: RunFinishedError, a RuntimeError): the engine is gone with it.
+        with contextlib.suppress(RuntimeError):
             loop.call_soon_threadsafe(self.abandon, r)
 
     def step_timeout(self, r: Request) -> float:

@@ -32,6 +32,7 @@ import anyio
 import anyio.abc
 import uvicorn
 
+from .._backend import require_asyncio
 from ..config import run
 from ..core import origin as security
 from ..core.metrics import ServerMetrics
@@ -189,6 +190,7 @@ class Server:
 
     async def start(self) -> None:
         """Start the engine (if owned) and listen. Raises LifecycleError if started twice."""
+        require_asyncio("the omni_stream server (uvicorn)")
         if self._state is not Lifecycle.NEW:
             raise LifecycleError("a Server can be started once; create a new one")
         self._state = Lifecycle.RUNNING
