@@ -14,6 +14,7 @@ runs it; ``docs/performance.md`` explains each figure. The figures, by name:
 ``diffusers_stream``  a random SD pipeline streamed (native, callback, TAESD previews) against ``pipe()``
 ``diffusers_batching``  4 and 16 concurrent requests on that pipeline, batched, unbatched, one at a time
 ``diffusers_models``  switching between two models under max_loaded=1; num_images=4 against 4 requests
+``openai_door``  POST /v1/images/generations against POST /v1/generations, the same image; streamed partials
 """
 
 from __future__ import annotations
@@ -36,4 +37,5 @@ FIGURES: dict[str, str] = {
     "diffusers_stream": "benchmarks.diffusers_stream",
     "diffusers_batching": "benchmarks.diffusers_batching",
     "diffusers_models": "benchmarks.diffusers_models",
+    "openai_door": "benchmarks.openai_door",
 }

@@ -685,6 +685,10 @@ def _door_options(args: argparse.Namespace) -> dict[str, Any]:
         out["allowed_hosts"] = list(args.allowed_host)
     if args.trusted_proxy:
         out["trusted_proxies"] = list(args.trusted_proxy)
+    if args.webhook_secret is not None:
+        out["webhook_secret"] = args.webhook_secret
+    if args.webhook_allow:
+        out["webhook_allow"] = list(args.webhook_allow)
     return out
 
 
@@ -899,6 +903,13 @@ def build_parser() -> argparse.ArgumentParser:
                      help="serve /metrics without the token (for a scraper that cannot send one)")
     srv.add_argument("--allow-origin", action="append", metavar="ORIGIN",
                      help="a browser Origin allowed to connect (repeatable)")
+    srv.add_argument("--webhook-allow", action="append", metavar="PATTERN",
+                     help="a URL a request's webhook may call, '*' at the end matching the rest "
+                     "('https://hooks.example.com/*'; repeatable; default: $OMNI_STREAM_WEBHOOK_ALLOW; "
+                     "none: webhooks are refused; docs/webhooks.md)")
+    srv.add_argument("--webhook-secret", metavar="whsec_...", default=None,
+                     help="the secret webhooks are signed with, Standard Webhooks' whsec_ base64 form "
+                     "(default: $OMNI_STREAM_WEBHOOK_SECRET, else one made up and logged at start)")
     srv.add_argument("--device", default="auto",
                      help="auto, cpu, cuda, cuda:N or sim; several (cuda:0,cuda:1) or 'all' "
                      "serve one engine group, a model per device")

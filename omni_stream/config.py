@@ -29,7 +29,11 @@ from .params import positive_int
 
 __all__ = [
     "TOKEN_ENV",
+    "WEBHOOK_ALLOW_ENV",
+    "WEBHOOK_SECRET_ENV",
     "token",
+    "webhook_allow",
+    "webhook_secret",
     "run",
     "STEP_TIMEOUT_ENV",
     "DEFAULT_STEP_TIMEOUT_S",
@@ -57,6 +61,10 @@ TORCH_THREADS_ENV = "OMNI_STREAM_TORCH_THREADS"
 PREVIEW_VAE_ENV = "OMNI_STREAM_PREVIEW_VAE"
 #: The server's bearer token, where ``serve --token`` / ``Server(token=)`` give none.
 TOKEN_ENV = "OMNI_STREAM_TOKEN"
+#: The webhook signing secret (``whsec_`` base64), where ``serve --webhook-secret`` gives none.
+WEBHOOK_SECRET_ENV = "OMNI_STREAM_WEBHOOK_SECRET"
+#: The URL patterns webhooks may call, commas or spaces between them (none: no webhooks).
+WEBHOOK_ALLOW_ENV = "OMNI_STREAM_WEBHOOK_ALLOW"
 
 _warned: set[tuple[str, str]] = set()
 _warned_lock = threading.Lock()
@@ -223,6 +231,16 @@ def preview_vae() -> str | None:
 def token() -> str | None:
     """The server's bearer token from ``OMNI_STREAM_TOKEN``, or None when unset or empty."""
     return env_str(TOKEN_ENV)
+
+
+def webhook_secret() -> str | None:
+    """The webhook secret from ``OMNI_STREAM_WEBHOOK_SECRET`` (checked by core/webhooks.py), or None."""
+    return env_str(WEBHOOK_SECRET_ENV)
+
+
+def webhook_allow() -> str | None:
+    """The webhook URL patterns from ``OMNI_STREAM_WEBHOOK_ALLOW`` as written, or None when unset."""
+    return env_str(WEBHOOK_ALLOW_ENV)
 
 
 def run(main: Callable[..., Awaitable[T]], *args: Any) -> T:

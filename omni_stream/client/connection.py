@@ -237,6 +237,7 @@ class Client:
         priority: int | None = ...,
         progress: Literal[False] = ...,
         model: str | None = ...,
+        webhook: Mapping[str, Any] | None = ...,
     ) -> RequestStream[PreviewFrame]: ...
 
     @overload
@@ -251,6 +252,7 @@ class Client:
         priority: int | None = ...,
         progress: Literal[True],
         model: str | None = ...,
+        webhook: Mapping[str, Any] | None = ...,
     ) -> RequestStream[PreviewFrame | Progress]: ...
 
     def generate(
@@ -264,6 +266,7 @@ class Client:
         priority: int | None = None,
         progress: bool = False,
         model: str | None = None,
+        webhook: Mapping[str, Any] | None = None,
     ) -> RequestStream[Any]:
         """Start a request (on first iteration) and stream its previews, the final one last.
 
@@ -277,14 +280,17 @@ class Client:
         ``priority``: -10 to 10, higher first (None: the server's 0).
         ``progress``: also yield :class:`Progress` items. ``model``: which of
         a server's models runs it (None: its first; ``/models`` lists them).
-        Raises ParamsError for a malformed id, priority or model name, params or preview that are not JSON
+        ``webhook``: ``{"url", "events"}``, a signed delivery when it ends
+        (docs/webhooks.md; the server must allow the URL). Raises ParamsError
+        for a malformed id, priority, model name or webhook, params or preview that are not JSON
         objects, or values JSON cannot carry (NaN, infinities, other types).
         Iterating a request the server is too busy for raises BusyError
         (its ``retry_after_s`` says when to try again).
         """
         request_id = uuid.uuid4().hex if id is None else id
         message = Generate.build(
-            request_id, params, preview, detach=detach, output=output, priority=priority, model=model
+            request_id, params, preview, detach=detach, output=output, priority=priority, model=model,
+            webhook=webhook,
         )
         if not isinstance(progress, bool):
             raise ParamsError(f"progress must be a bool, got {progress!r}", field="progress")

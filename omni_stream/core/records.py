@@ -18,7 +18,7 @@ from __future__ import annotations
 import json
 import time
 from collections.abc import Callable, Iterator, Mapping
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import anyio
 
@@ -26,6 +26,9 @@ from .. import protocol
 from ..ids import is_valid_id
 from .memory import MemoryBudget
 from .outbox import Outbox
+
+if TYPE_CHECKING:
+    from .webhooks import WebhookState
 
 __all__ = ["UNREAD_AFTER_S", "RequestRecord", "RequestRegistry"]
 
@@ -79,6 +82,8 @@ class RequestRecord:
         self.model = model
         #: It waits for its model to load (no frame yet).
         self.loading = False
+        #: Callers waiting for its end without watching its steps (HTTP ``?wait=true``).
+        self.waiters = 0
         self.cancel_reason: str | None = None
         self.ended_at: float | None = None
         self.outcome: str | None = None  # "done" | "cancelled" | "error" once ended
@@ -91,6 +96,9 @@ class RequestRecord:
         self.warned_non_finite = False
         #: The latest progress's estimate of the time left, None before the first.
         self.latest_eta_s: float | None = None
+        #: Its webhook (core/webhooks.py), set at admission when it asked for one: told of
+        #: each progress and of the end, it decides what is delivered.
+        self.webhook: WebhookState | None = None
         self._ended_event: anyio.Event | None = None
         self._latest_progress: str | None = None
         self._latest_preview: bytes | None = None  # the newest intermediate preview
@@ -177,6 +185,8 @@ class RequestRecord:
         self._recount()
         for outbox in self._watchers.values():
             outbox.put(text, "progress", latest_key=(self.id, "progress"))
+        if self.webhook is not None:
+            self.webhook.progressed(step, self.total, self.latest_eta_s)
 
     def wants_preview(self) -> bool:
         """Whether a new intermediate preview would reach anyone.
@@ -197,8 +207,10 @@ class RequestRecord:
         previous ``progress`` unsent since the last look and for
         UNREAD_AFTER_S (its client is not reading): then the consumer paces
         itself instead of taking every step the engine makes (consumer.py).
+        True while a caller waits for its end (``waiters``: ``?wait=true``):
+        pacing would hold its result back by up to a pace.
         """
-        return self._someone_takes((self.id, "progress"))
+        return self.waiters > 0 or self._someone_takes((self.id, "progress"))
 
     def _someone_takes(self, key: tuple[str, str]) -> bool:
         # A watcher takes messages unless it has held this kind unsent since
@@ -255,6 +267,9 @@ class RequestRecord:
         self._watchers.clear()
         if self._ended_event is not None:
             self._ended_event.set()
+        if self.webhook is not None:
+            # Whichever path ended it (its consumer, the gate, shutdown): one terminal delivery.
+            self.webhook.ended(self, message)
 
     async def wait_ended(self) -> None:
         """Return once the request has ended (at once if it has)."""
@@ -449,6 +464,14 @@ class RequestRegistry:
         """Call once ``record`` has finished: a request that was not detached is forgotten now."""
         if not record.detach and self._records.get(record.id) is record:
             self._forget(record)
+
+    def discard(self, record: RequestRecord) -> bool:
+        """Forget an ended ``record`` now, its results with it (a deleted video job); False
+        while it runs or once it is gone."""
+        if not record.ended or self._records.get(record.id) is not record:
+            return False
+        self._forget(record)
+        return True
 
     def disconnect(self, conn_id: str) -> list[RequestRecord]:
         """Stop sending anything to ``conn_id``; return its running, non-detached requests.

@@ -33,7 +33,7 @@ from typing import TYPE_CHECKING, Any, Final
 
 from .. import protocol
 from ..engine.like import RendersFrames, missing_stream_members, server_stream_keywords
-from ..errors import EngineError, OmniStreamError, ParamsError
+from ..errors import EngineError, OmniStreamError, ParamsError, ServerBusyError
 from ..model import StepModel
 from ..params import pin_drawn
 from ..preview import PreviewSpec, RenderRequest
@@ -47,6 +47,7 @@ from .principal import Principal
 from .rates import RateBook, message_cost
 from .records import RequestRecord, RequestRegistry
 from .tokens import Tokens
+from .webhooks import Delivery, WebhookBook, WebhookConfig, WebhookState
 
 if TYPE_CHECKING:
     from ..engine.like import EngineLike, FrameStreamLike
@@ -128,6 +129,7 @@ class Rules:
         limits: ServerLimits,
         tokens: Tokens | None = None,
         clock: Callable[[], float] = time.monotonic,
+        webhooks: WebhookConfig | None = None,
     ) -> None:
         #: The keywords besides request_id that engine.stream takes, read once here.
         self.stream_keywords = server_stream_keywords(engine)
@@ -175,6 +177,11 @@ class Rules:
         self.rates = RateBook(limits.max_messages_per_s)
         #: Run a consumer for an admitted request (the server's shell sets it when it starts).
         self.on_start: Callable[[Admitted, FrameStreamLike], None] | None = None
+        #: Webhooks (core/webhooks.py): the settings (None: every webhook is refused), the
+        #: requests holding one, and where deliveries go (the shell's sender sets it).
+        self.webhooks = webhooks
+        self.webhook_book = WebhookBook(webhooks.max_held if webhooks is not None else 0)
+        self.on_webhook: Callable[[Delivery], None] | None = None
         #: Set by the shell: started (consumers can run), closing (refuse new
         #: work), letting_in (queued requests may still start: the graceful
         #: part of a shutdown), fatal (why the server cannot go on).
@@ -338,6 +345,8 @@ class Rules:
             raise
         record = admitted.record
         self.registry.add(record)
+        if record.webhook is not None:
+            record.webhook.hold()  # until its terminal delivery settles
         client.owns_attached = client.owns_attached or not record.detach
         if client.outbox is not None:
             record.watch(client.id, client.outbox, attached=False)
@@ -435,7 +444,34 @@ class Rules:
             retry_after_s=lambda: self.retry_after(load),
             request_id=request_id,
         )
+        self._check_webhook(msg, request_id)
         return load
+
+    def _check_webhook(self, msg: protocol.Generate, request_id: str) -> None:
+        """Refuse ``msg``'s webhook unless this server may call it and has room for one more.
+
+        ``bad_params`` (field ``webhook``) without an allow-list or for a URL
+        outside it (core/webhooks.py), ``busy`` when ``max_held`` requests
+        with a webhook are held (their terminal deliveries are never dropped).
+        """
+        if msg.webhook is None:
+            return
+        if self.webhooks is None or self.on_webhook is None:
+            raise protocol.MessageError(
+                "bad_params",
+                "this server sends no webhooks: it allows no webhook URL "
+                "(webhook_allow, --webhook-allow, OMNI_STREAM_WEBHOOK_ALLOW)",
+                field="webhook",
+                request_id=request_id,
+            )
+        self.webhooks.check(msg.webhook, request_id=request_id)
+        if not self.webhook_book.has_room():
+            raise ServerBusyError(
+                f"the server holds {self.webhook_book.capacity} requests with a webhook whose "
+                "deliveries are not done; try again shortly",
+                retry_after_s=self.webhooks.max_retry_s,
+                request_id=request_id,
+            )
 
     def _admit(self, client: Client, msg: protocol.Generate) -> Admitted:
         """Apply every admission rule to ``msg`` (load, params, memory); raises MessageError."""
@@ -470,6 +506,12 @@ class Rules:
             seed=_seed_of(checked),
             model=name if len(self.models) > 1 else None,
         )
+        if msg.webhook is not None and self.webhooks is not None and self.on_webhook is not None:
+            # (_admit_cheap admitted it.) Told of its progress and its end by the record.
+            record.webhook = WebhookState(
+                request_id, msg.webhook, config=self.webhooks, emit=self.on_webhook,
+                book=self.webhook_book, clock=self.clock,
+            )
         # The engine checks the params again: it must run with the seed drawn
         # here (the one `accepted` reports), not draw a second.
         params = pin_drawn(model.params, msg.params, checked)

@@ -32,6 +32,9 @@ from .codes import MAX_PRIORITY, MIN_PRIORITY
 
 __all__ = [
     "CLIENT_MESSAGES",
+    "DEFAULT_WEBHOOK_EVENTS",
+    "MAX_WEBHOOK_URL_CHARS",
+    "WEBHOOK_EVENTS",
     "Attach",
     "Cancel",
     "ClientMessage",
@@ -43,6 +46,13 @@ __all__ = [
 ]
 
 _M = TypeVar("_M", bound="_ClientMessage")
+
+#: What a ``generate``'s ``webhook.events`` may name (docs/webhooks.md), and what it
+#: gets without one: the three ends of a request; ``progress`` only when asked for.
+WEBHOOK_EVENTS: Final = ("completed", "failed", "cancelled", "progress")
+DEFAULT_WEBHOOK_EVENTS: Final = ("completed", "failed", "cancelled")
+#: The longest ``webhook.url`` read: a URL is held per request and sent with every try.
+MAX_WEBHOOK_URL_CHARS: Final = 2048
 
 
 def check_id(value: Any, *, field: str = "id") -> str:
@@ -108,7 +118,9 @@ class Generate(_ClientMessage):
 
     TYPE: ClassVar[str] = "generate"
     REQUIRED: ClassVar[frozenset[str]] = frozenset({"params"})
-    OPTIONAL: ClassVar[frozenset[str]] = frozenset({"id", "preview", "detach", "output", "priority", "model"})
+    OPTIONAL: ClassVar[frozenset[str]] = frozenset(
+        {"id", "preview", "detach", "output", "priority", "model", "webhook"}
+    )
 
     id: str | None
     params: dict[str, Any]
@@ -118,6 +130,9 @@ class Generate(_ClientMessage):
     priority: int = 0
     #: The served model to run on (a server of several; None: its first).
     model: str | None = None
+    #: Where to be told how it ended: ``{"url", "events"}`` (events defaulted), None without one.
+    #: Only its shape is checked here; the server's allow-list is core/webhooks.py's.
+    webhook: dict[str, Any] | None = None
 
     @classmethod
     def build(
@@ -130,6 +145,7 @@ class Generate(_ClientMessage):
         output: Mapping[str, Any] | None = None,
         priority: int | None = None,
         model: str | None = None,
+        webhook: Mapping[str, Any] | None = None,
     ) -> Generate:
         """A ``generate`` as the client sends it (``params`` None: ``{}``).
 
@@ -138,7 +154,8 @@ class Generate(_ClientMessage):
         int from MIN_PRIORITY to MAX_PRIORITY, and ``params``, ``preview``
         or ``output`` for a value that is not a mapping or holds what JSON
         cannot carry (NaN, infinities, other types), ``model`` for a name
-        outside omni_stream/ids.py's rule.
+        outside omni_stream/ids.py's rule, ``webhook.url`` / ``webhook.events``
+        (or ``webhook``) for a webhook the server would refuse to parse.
         """
         check_request_id(request_id)
         if model is not None and (problem := model_name_problem(model)) is not None:
@@ -150,6 +167,10 @@ class Generate(_ClientMessage):
                 f"priority must be an int from {MIN_PRIORITY} to {MAX_PRIORITY}, got {priority!r:.40}",
                 field="priority",
             )
+        try:
+            hook = None if webhook is None else _read_webhook(webhook)
+        except MessageError as exc:
+            raise ParamsError(exc.message, field=exc.field or "webhook") from None
         return cls(
             id=request_id,
             params=_json_object(params, "params"),
@@ -158,6 +179,7 @@ class Generate(_ClientMessage):
             output=None if output is None else _json_object(output, "output"),
             priority=0 if priority is None else priority,
             model=model,
+            webhook=hook,
         )
 
     def to_dict(self) -> dict[str, Any]:
@@ -174,6 +196,8 @@ class Generate(_ClientMessage):
             message["priority"] = self.priority
         if self.model is not None:
             message["model"] = self.model
+        if self.webhook is not None:
+            message["webhook"] = self.webhook
         return message
 
     @classmethod
@@ -205,9 +229,15 @@ class Generate(_ClientMessage):
         model = obj.get("model")
         if model is not None and (problem := model_name_problem(model)) is not None:
             raise bad("model", problem)
+        raw_hook = obj.get("webhook")
+        try:
+            webhook = None if raw_hook is None else _read_webhook(raw_hook)
+        except MessageError as exc:
+            exc.request_id = request_id
+            raise
         return cls(
             id=request_id, params=params, preview=preview, detach=detach, output=output, priority=priority,
-            model=model,
+            model=model, webhook=webhook,
         )
 
 
@@ -338,6 +368,59 @@ def _check_names(cls: type[_ClientMessage], obj: Mapping[str, Any]) -> None:
         raise MessageError(
             "invalid_field", f"{cls.TYPE} needs {', '.join(map(repr, missing))}", field=missing[0]
         )
+
+
+def _read_webhook(value: Any) -> dict[str, Any]:
+    """A ``webhook`` object's shape: ``{"url": str, "events"?: [names]}``, events defaulted.
+
+    Raises MessageError ``invalid_field`` naming ``webhook``, ``webhook.url``
+    or ``webhook.events``. Whether the server calls that URL is not decided
+    here (core/webhooks.py: its allow-list, schemes, credentials).
+    """
+    if not isinstance(value, Mapping):
+        raise MessageError(
+            "invalid_field",
+            f'webhook must be a JSON object {{"url": ..., "events": [...]}}, got {type_name(value)}',
+            field="webhook",
+        )
+    unknown = [k for k in value if k not in ("url", "events")]
+    if unknown:
+        raise MessageError(
+            "invalid_field",
+            f"unknown field {clip(str(min(unknown)))!r} in webhook; known: events, url",
+            field="webhook",
+        )
+    url = value.get("url")
+    if not isinstance(url, str) or not url:
+        raise MessageError(
+            "invalid_field",
+            f"webhook.url must be a non-empty string, got {type_name(url)}",
+            field="webhook.url",
+        )
+    if len(url) > MAX_WEBHOOK_URL_CHARS:
+        raise MessageError(
+            "invalid_field",
+            f"webhook.url is {len(url)} characters; at most {MAX_WEBHOOK_URL_CHARS}",
+            field="webhook.url",
+        )
+    events = value.get("events", list(DEFAULT_WEBHOOK_EVENTS))
+    known = ", ".join(WEBHOOK_EVENTS)
+    if not isinstance(events, list) or not events or len(events) > len(WEBHOOK_EVENTS):
+        raise MessageError(
+            "invalid_field",
+            f"webhook.events must be a list of 1 to {len(WEBHOOK_EVENTS)} of {known}; got "
+            + (f"{len(events)} entries" if isinstance(events, list) else type_name(events)),
+            field="webhook.events",
+        )
+    for event in events:
+        if not isinstance(event, str) or event not in WEBHOOK_EVENTS:
+            shown = repr(clip(event)) if isinstance(event, str) else type_name(event)
+            raise MessageError(
+                "invalid_field", f"webhook.events: {shown} is not one of {known}", field="webhook.events"
+            )
+    if len(set(events)) != len(events):
+        raise MessageError("invalid_field", "webhook.events names an event twice", field="webhook.events")
+    return {"url": url, "events": list(events)}
 
 
 def _is_priority(value: Any) -> bool:

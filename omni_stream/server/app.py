@@ -69,7 +69,9 @@ class Server:
     engine dies or a task of the server fails, the server logs why and shuts
     itself down (:attr:`fatal` says why; ``serve()`` raises it), so that a
     supervisor replaces the process; ``stay_dead=True`` keeps it up instead
-    (``/health`` answers 503 ``dead``), for debugging.
+    (``/health`` answers 503 ``dead``), for debugging. ``webhook_allow`` and
+    ``webhook_secret``: the URLs webhooks may call and their signing secret
+    (docs/webhooks.md; no allow-list, no webhooks).
     """
 
     def __init__(
@@ -87,6 +89,8 @@ class Server:
         previewer: Previewer | None = None,
         stay_dead: bool = False,
         metrics_public: bool = False,
+        webhook_secret: str | None = None,
+        webhook_allow: Sequence[str] | str | None = None,
         **limits: Any,
     ) -> None:
         if isinstance(port, bool) or not isinstance(port, int) or not 0 <= port <= 65535:
@@ -106,6 +110,8 @@ class Server:
             metrics_public=metrics_public,
             limits=limits,
             on_fatal=self._fatal_error,
+            webhook_secret=webhook_secret,
+            webhook_allow=webhook_allow,
         )
         self._service = self._door.service
         self.app = app_for(self._door)
@@ -425,6 +431,8 @@ def serve(
     device: str = "auto",
     stay_dead: bool = False,
     metrics_public: bool = False,
+    webhook_secret: str | None = None,
+    webhook_allow: Sequence[str] | str | None = None,
     **limits: Any,
 ) -> None:
     """Run the engine and the server (page, HTTP API, websocket) until SIGINT or SIGTERM (blocking).
@@ -453,7 +461,8 @@ def serve(
         model = (lambda: load_model(spec)) if names_group(device) else load_model(spec)
     options: dict[str, Any] = dict(
         host=host, port=port, token=token, allow_origins=allow_origins, device=device,
-        stay_dead=stay_dead, metrics_public=metrics_public, **limits,
+        stay_dead=stay_dead, metrics_public=metrics_public, webhook_secret=webhook_secret,
+        webhook_allow=webhook_allow, **limits,
     )
     servers: list[Server] = []
 

@@ -62,6 +62,7 @@ from ..core.limits import ServerLimits, resolve_hosts, resolve_origins, resolve_
 from ..core.metrics import CONTENT_TYPE
 from ..core.principal import Principal, TrustedProxies
 from ..core.rules import Client
+from ..core.webhooks import resolve_webhooks
 from ..engine.group import engine_for
 from ..engine.like import looks_like_engine
 from ..errors import ParamsError
@@ -70,6 +71,8 @@ from ..preview import Previewer
 from . import responses
 from .http11 import BoundedSend
 from .http_api import HttpApi
+from .openai_api import OpenAIApi, openai_shaped
+from .openai_videos import OpenAIVideos
 from .service import Service
 from .websocket import ClientConnection
 
@@ -254,6 +257,8 @@ def create_app(
     previewer: Previewer | None = None,
     stay_dead: bool = False,
     metrics_public: bool = False,
+    webhook_secret: str | None = None,
+    webhook_allow: Sequence[str] | str | None = None,
     **limits: Any,
 ) -> OmniStreamApp:
     """The server as a Starlette application (see the module docstring).
@@ -265,7 +270,9 @@ def create_app(
     secret mapping (core/tokens.py); ``tokens_file``: a file of them.
     ``allowed_hosts``: host names it answers to besides its address;
     ``trusted_proxies``: the proxies whose ``X-Forwarded-For`` names the
-    client. ``limits`` are :class:`ServerLimits`' keyword arguments. Raises
+    client. ``webhook_allow``: URL patterns webhooks may call (none: no
+    webhooks), ``webhook_secret``: their signing secret, ``whsec_`` base64
+    (docs/webhooks.md). ``limits`` are :class:`ServerLimits`' keyword arguments. Raises
     ParamsError for a bad option, TypeError for an engine that lacks what
     a server needs (naming it). Mounted, the host runs ``app.lifespan``.
     """
@@ -281,6 +288,8 @@ def create_app(
         stay_dead=stay_dead,
         metrics_public=metrics_public,
         limits=limits,
+        webhook_secret=webhook_secret,
+        webhook_allow=webhook_allow,
     )
     return app_for(door)
 
@@ -299,6 +308,8 @@ def build_front_door(
     tokens_file: str | None = None,
     allowed_hosts: Sequence[str] | str | None = (),
     trusted_proxies: Sequence[str] | str | None = None,
+    webhook_secret: str | None = None,
+    webhook_allow: Sequence[str] | str | None = None,
 ) -> FrontDoor:
     """The front door :func:`create_app` serves (``Server`` builds one too); raises ParamsError."""
     if not isinstance(stay_dead, bool):
@@ -331,6 +342,7 @@ def build_front_door(
     origins = resolve_origins(allow_origins)
     hosts = resolve_hosts(allowed_hosts)
     proxies = resolve_proxies(trusted_proxies)
+    webhooks = resolve_webhooks(webhook_secret, webhook_allow)
     service = Service(
         engine,
         limits=server_limits,
@@ -339,6 +351,7 @@ def build_front_door(
         previewer=previewer,
         stay_dead=stay_dead,
         on_fatal=on_fatal,
+        webhooks=webhooks,
     )
     return FrontDoor(
         service, allow_origins=origins, metrics_public=metrics_public, allowed_hosts=hosts,
@@ -349,6 +362,8 @@ def build_front_door(
 def app_for(door: FrontDoor) -> OmniStreamApp:
     """The Starlette application serving ``door``."""
     api = HttpApi(door)
+    openai_api = OpenAIApi(door)
+    videos = OpenAIVideos(door)
     service = door.service
     rules = door.rules
 
@@ -384,6 +399,15 @@ def app_for(door: FrontDoor) -> OmniStreamApp:
             return responses.until_sent(response, on_close=lambda: rules.disconnect(client))
 
         return guarded(endpoint)
+
+    def openai_call(handler: ApiHandler) -> Handler:
+        """An API call on an OpenAI route: every refusal in OpenAI's error shape, the door's too."""
+        inner = call(handler)
+
+        async def endpoint(request: Request) -> Response:
+            return openai_shaped(await inner(request))
+
+        return endpoint
 
     async def page(request: Request) -> Response:
         return responses.page_response()
@@ -456,6 +480,13 @@ def app_for(door: FrontDoor) -> OmniStreamApp:
         methods("/v1/generations/{request_id}/events", GET=call(api.events)),
         methods("/v1/generations/{request_id}/output", GET=call(api.output)),
         methods("/v1/generations/{request_id}/preview", GET=call(api.preview)),
+        # OpenAI's Images API and model list (server/openai_api.py, docs/openai.md).
+        methods("/v1/images/generations", POST=openai_call(openai_api.image_generations)),
+        methods("/v1/images/edits", POST=openai_call(openai_api.image_edits)),
+        methods("/v1/models", GET=openai_call(openai_api.models)),
+        methods("/v1/videos", GET=openai_call(videos.listing), POST=openai_call(videos.create)),
+        methods("/v1/videos/{video_id}", GET=openai_call(videos.retrieve), DELETE=openai_call(videos.delete)),
+        methods("/v1/videos/{video_id}/content", GET=openai_call(videos.content)),
     ]
 
     async def http_error(request: Request, exc: Exception) -> Response:

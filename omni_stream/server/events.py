@@ -18,7 +18,7 @@ from __future__ import annotations
 import base64
 import json
 import logging
-from collections.abc import Callable
+from collections.abc import Awaitable, Callable
 
 import anyio
 from starlette.datastructures import MutableHeaders
@@ -89,8 +89,12 @@ class EventStream:
         on_close: Callable[[], None] = lambda: None,
         after_step: int | None = None,
         headers: dict[str, str] | None = None,
+        encode: Callable[[OutboxItem], Awaitable[bytes | None]] | None = None,
     ) -> None:
         self._outbox = outbox
+        # How an item becomes an event: ours (sse_event), or another API's
+        # (the OpenAI doors' partial images: server/openai_api.py).
+        self._encode = encode
         self._send_timeout_s = send_timeout_s
         self._on_close = on_close
         self._after_step = after_step
@@ -139,6 +143,8 @@ class EventStream:
                     item = await self._outbox.get()
                 if idle.cancelled_caught:
                     chunk: bytes | None = b": keepalive\n\n"
+                elif self._encode is not None:
+                    chunk = await self._encode(item)
                 else:
                     chunk = sse_event(item, after_step=self._after_step)
             except anyio.EndOfStream:
@@ -146,7 +152,10 @@ class EventStream:
             except OutboxOverflowError as exc:
                 logger.warning("ending an event stream: client not reading (%s)", exc)
                 return False
+            terminal = not idle.cancelled_caught and item.kind in TERMINAL_KINDS
             if chunk is None:
+                if terminal:
+                    return True
                 continue
             with anyio.move_on_after(self._send_timeout_s) as scope:
                 await send({"type": "http.response.body", "body": chunk, "more_body": True})
@@ -155,7 +164,7 @@ class EventStream:
                     "ending an event stream: a send was blocked for %g s", self._send_timeout_s
                 )
                 return False
-            if not idle.cancelled_caught and item.kind in TERMINAL_KINDS:
+            if terminal:
                 return True  # one request per stream: its outcome ends it
 
     def __repr__(self) -> str:

@@ -28,13 +28,12 @@ from starlette.requests import ClientDisconnect, Request
 from starlette.responses import Response
 
 from .. import protocol
-from ..core import admission
 from ..core.outbox import Outbox
 from ..core.records import RequestRecord
 from ..core.rules import Client
-from ..errors import ServerBusyError
 from ..ids import is_valid_id
 from . import responses
+from .bodies import BodyRefused, read_body
 from .events import EventStream, parse_last_event_id
 
 if TYPE_CHECKING:
@@ -69,16 +68,11 @@ _CANCELLED_BY = {
 }
 
 #: The body's keys: the websocket's ``generate`` fields (``detach`` is implied).
-_BODY_KEYS = frozenset({"id", "params", "preview", "output", "priority", "model"})
+_BODY_KEYS = frozenset({"id", "params", "preview", "output", "priority", "model", "webhook"})
 
 
-class _BodyRefused(Exception):
-    """The request's body is refused: too large, or too slow (``status``, ``code``, the words)."""
-
-    def __init__(self, status: int, code: str, message: str) -> None:
-        super().__init__(message)
-        self.status = status
-        self.code = code
+#: The request's body is refused (server/bodies.py).
+_BodyRefused = BodyRefused
 
 
 def _status_name(record: RequestRecord, positions: dict[str, int]) -> str:
@@ -115,6 +109,9 @@ def status_payload(
     terminal = record.terminal_message()
     if terminal is not None and status in ("failed", "cancelled"):
         out["error"] = {k: terminal[k] for k in ("code", "message", "reason") if k in terminal}
+    if record.webhook is not None and with_id:
+        # Its URL and how each delivery went (docs/webhooks.md); only to who may see the id.
+        out["webhook"] = record.webhook.view()
     return out
 
 
@@ -188,52 +185,8 @@ class HttpApi:
         return responses.json_response(202, payload, extra={"Location": urls["self"]})
 
     async def _read_body(self, request: Request) -> bytes:
-        """The body, within ``max_message_bytes`` and ``body_timeout_s``, counted in
-        ``max_memory_bytes`` while it arrives.
-
-        Raises _BodyRefused (413 ``limit_exceeded``, 408 ``body_timeout``),
-        ServerBusyError (the server is out of memory for it).
-        """
-        limits = self._service.limits
-        limit = limits.max_message_bytes
-        memory = self._service.memory
-        declared = request.headers.get("content-length")
-        too_large = _BodyRefused(
-            413,
-            "limit_exceeded",
-            f"the body is over {limit} bytes (max_message_bytes, OMNI_STREAM_MAX_MESSAGE_BYTES)",
-        )
-        if declared is not None and declared.isdigit() and int(declared) > limit:
-            raise too_large
-        body = bytearray()
-        counted = 0
-        try:
-            with anyio.move_on_after(limits.body_timeout_s) as waited:
-                async for chunk in request.stream():
-                    body += chunk
-                    if len(body) > limit:
-                        raise too_large
-                    # Held until parsed: it counts against the process's bound. It
-                    # is refused rather than making room (the budget would shed
-                    # other clients' queues for it).
-                    if memory.over(len(chunk)):
-                        raise ServerBusyError(
-                            f"the server holds max_memory_bytes={memory.limit} bytes "
-                            "(OMNI_STREAM_MAX_MEMORY_BYTES); try again shortly",
-                            retry_after_s=admission.RETRY_AFTER_MIN_S,
-                        )
-                    memory.add(len(chunk))
-                    counted += len(chunk)
-            if waited.cancelled_caught:
-                raise _BodyRefused(
-                    408,
-                    "body_timeout",
-                    f"the body did not arrive within {limits.body_timeout_s:g} s "
-                    "(body_timeout_s, OMNI_STREAM_BODY_TIMEOUT)",
-                )
-            return bytes(body)
-        finally:
-            memory.release(counted)
+        """The body, bounded (server/bodies.py); raises _BodyRefused, ServerBusyError."""
+        return await read_body(request, self._service)
 
     def _parse(self, body: bytes) -> protocol.Generate:
         obj = protocol.decode_json(body)
@@ -255,8 +208,13 @@ class HttpApi:
 
     async def _wait_result(self, request: Request, record: RequestRecord) -> Response:
         # The caller waits for the outcome; a disconnect does not cancel it
-        # (it is a detached request: fetch it later from its output URL).
-        await record.wait_ended()
+        # (it is a detached request: fetch it later from its output URL). It
+        # reads the result as soon as there is one: not paced as unread.
+        record.waiters += 1
+        try:
+            await record.wait_ended()
+        finally:
+            record.waiters -= 1
         return self._output_response(request, record)
 
     def _events(self, client: Client, record: RequestRecord, *, after_step: int | None) -> Response:

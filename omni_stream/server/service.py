@@ -37,8 +37,9 @@ from ..core import inputs
 from ..core.limits import ServerLimits
 from ..core.rules import NOT_STARTED, Admitted, Client, Rules
 from ..core.tokens import Tokens
+from ..core.webhooks import WebhookConfig
 from ..device.heap import trim_heap
-from ..errors import EngineDeadError, LifecycleError, OmniStreamError, ServerFailedError
+from ..errors import EngineDeadError, LifecycleError, OmniStreamError, ParamsError, ServerFailedError
 from ..lifecycle import Lifecycle
 from ..preview import Previewer
 from .consumer import stream_request
@@ -46,6 +47,7 @@ from .consumer import stream_request
 if TYPE_CHECKING:
     from ..core.records import RequestRecord
     from ..engine.like import EngineLike, FrameStreamLike
+    from .webhooks import WebhookSender
 
 __all__ = ["NOT_STARTED", "Service"]
 
@@ -72,7 +74,10 @@ class Service:
     ``async with`` start and close it. ``tokens``: the configured tokens
     (none: an open server). ``on_fatal`` is called once, with the error,
     when the engine dies or a task of the service fails, unless
-    ``stay_dead``. Raises TypeError naming what ``engine`` lacks.
+    ``stay_dead``. ``webhooks``: the webhook settings (core/webhooks.py;
+    None: every webhook is refused), sent by a :class:`WebhookSender` in the
+    service's task group. Raises TypeError naming what ``engine`` lacks,
+    ParamsError when webhooks are configured without the ``webhooks`` extra.
     """
 
     def __init__(
@@ -85,9 +90,21 @@ class Service:
         previewer: Previewer | None = None,
         stay_dead: bool = False,
         on_fatal: Callable[[OmniStreamError], None] | None = None,
+        webhooks: WebhookConfig | None = None,
     ) -> None:
-        self.rules = Rules(engine, limits=limits, tokens=tokens)
+        self.rules = Rules(engine, limits=limits, tokens=tokens, webhooks=webhooks)
         self.rules.on_start = self._start_consumer
+        self.webhooks: WebhookSender | None = None
+        if webhooks is not None:
+            try:
+                from .webhooks import WebhookSender
+            except ImportError as exc:
+                raise ParamsError(
+                    f"webhooks need the webhooks extra: pip install 'omni-stream[webhooks]' ({exc})",
+                    field="webhook_allow",
+                ) from None
+            self.webhooks = WebhookSender(webhooks)
+            self.rules.on_webhook = self.webhooks.submit
         self.rules.on_requests_idle = lambda: self._requests_idle.set()
         self.rules.on_clients_idle = lambda: self._connections_idle.set()
         self.engine = engine
@@ -173,6 +190,17 @@ class Service:
         self._tg.start_soon(self._supervised, "retention sweep", self._sweep_retained)
         self._tg.start_soon(self._supervised, "engine watch", self._watch_engine)
         self._tg.start_soon(self._supervised, "file descriptor watch", self._watch_file_descriptors)
+        if self.webhooks is not None:
+            config = self.webhooks.config
+            if config.generated_secret:
+                # Once, at start: receivers cannot verify anything without it.
+                logger.warning(
+                    "webhooks: no secret configured (--webhook-secret, OMNI_STREAM_WEBHOOK_SECRET); "
+                    "signing with this one, made up for this run: %s",
+                    config.secret,
+                )
+            logger.info("webhooks allowed to %s", ", ".join(config.allow))
+            self._tg.start_soon(self._supervised, "webhook sender", self.webhooks.run)
         return self
 
     async def __aexit__(
@@ -230,6 +258,11 @@ class Service:
             # Still rendering a preview: its watchers hear the outcome now
             # (finish is idempotent; the consumer's own finish is ignored).
             record.finish(protocol.cancelled(record.id, reason="shutdown"), now=time.monotonic())
+        if self.webhooks is not None:
+            # The ends just sent get a short grace to reach their receivers;
+            # what is still pending then is dropped, with a log line.
+            forced_now = forced is not None and forced.is_set()
+            await self.webhooks.drain(0.0 if forced_now else self.limits.close_timeout_s)
 
     async def wait_requests_idle(self) -> None:
         while self.registry.running():

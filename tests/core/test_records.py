@@ -206,3 +206,14 @@ def test_max_retained_evicts_oldest_ended_then_refuses() -> None:
         reg.add(record("fifth", detach=True))
     assert info.value.code == "too_many_requests"
     assert "new" not in reg and "fourth" in reg and "fifth" not in reg
+
+
+def test_a_caller_waiting_for_the_end_counts_as_a_reader() -> None:
+    # HTTP ?wait=true watches no steps but reads the result at once: pacing the request as
+    # unread held its result back by up to UNREAD_PACE_S (0.05 s on a 0.03 s request).
+    rec = record()
+    assert not rec.has_reader()
+    rec.waiters += 1
+    assert rec.has_reader()
+    rec.waiters -= 1
+    assert not rec.has_reader()

@@ -563,3 +563,24 @@ async def anyio_open(server: Any) -> Any:
     import asyncio
 
     return await asyncio.open_connection(server.host, server.port)
+
+
+@pytest.mark.asyncio
+async def test_a_caller_waiting_with_wait_true_is_a_reader_so_its_request_is_not_paced() -> None:
+    # Without it the consumer took an unwatched request's frames every UNREAD_PACE_S and its
+    # result reached the waiting caller up to that late.
+    async with running(Slow(0.02)) as server, http(server) as client:
+        async with anyio.create_task_group() as tg:
+            replies: list[httpx.Response] = []
+
+            async def wait() -> None:
+                replies.append(await client.post(
+                    "/v1/generations?wait=true", json={"id": "waited", "params": {**SMALL, "steps": 30}}
+                ))
+
+            tg.start_soon(wait)
+            await wait_for(lambda: server.service.registry.get("waited") is not None)
+            record = server.service.registry.get("waited")
+            await wait_for(lambda: record.latest_step > 0)
+            assert record.waiters == 1 and record.has_reader() and not record.watchers
+        assert replies[0].status_code == 200 and record.waiters == 0

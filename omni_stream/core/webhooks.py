@@ -1,0 +1,436 @@
+"""Webhooks, the decisions (pure): which URLs may be called, what is sent when, what is kept.
+
+A request may carry ``"webhook": {"url", "events"}`` (docs/webhooks.md).
+This module decides everything about it that needs no socket:
+
+- :class:`WebhookConfig` (:func:`resolve_webhooks`): the server's secret, in
+  the Standard Webhooks ``whsec_`` base64 form, and its allow-list of URL
+  patterns; no allow-list, no webhooks: a client must not be able to make
+  the server call into its own network (SSRF), so the default refuses all.
+- :meth:`WebhookConfig.check`: admission of one request's webhook
+  (MessageError ``bad_params``, field ``webhook``, carrying the request id).
+- :class:`WebhookState`: a request's webhook as its record holds it; it
+  turns the request's progress and its end into :class:`Delivery` objects
+  (the JSON payload, its ``webhook-id``), at most one ``progress`` per
+  ``progress_every_s``, and keeps the view ``GET /v1/generations/{id}``
+  shows (the latest progress delivery and the terminal one: two at most).
+- :class:`WebhookBook`: how many requests with a webhook the server holds
+  (running, or their terminal delivery not yet settled), so that terminal
+  deliveries, which are never dropped, are bounded by admission instead.
+- :func:`backoff_s`: the wait before each retry.
+
+The sending (httpx, signing with ``standardwebhooks``, retries on a clock)
+is ``omni_stream/server/webhooks.py``'s.
+"""
+
+from __future__ import annotations
+
+import base64
+import binascii
+import dataclasses
+import json
+import time
+import uuid
+from collections.abc import Callable, Mapping, Sequence
+from datetime import datetime, timezone
+from typing import TYPE_CHECKING, Any, Final
+from urllib.parse import urlsplit
+
+from ..config import (
+    WEBHOOK_ALLOW_ENV,
+    WEBHOOK_SECRET_ENV,
+    webhook_allow as env_webhook_allow,
+    webhook_secret as env_webhook_secret,
+)
+from ..errors import MessageError, ParamsError
+from ..protocol.client_messages import DEFAULT_WEBHOOK_EVENTS
+
+if TYPE_CHECKING:
+    from .records import RequestRecord
+
+__all__ = [
+    "EVENT_OF_OUTCOME",
+    "Delivery",
+    "WebhookBook",
+    "WebhookConfig",
+    "WebhookState",
+    "backoff_s",
+    "new_secret",
+    "resolve_webhooks",
+]
+
+#: A request's terminal message type -> the webhook event it is.
+EVENT_OF_OUTCOME: Final[Mapping[str, str]] = {
+    "done": "completed", "error": "failed", "cancelled": "cancelled",
+}
+#: The event -> the ``status`` docs/http.md gives the request then.
+_STATUS_OF_EVENT: Final[Mapping[str, str]] = {
+    "completed": "done", "failed": "failed", "cancelled": "cancelled", "progress": "running",
+}
+#: Secret sizes the Standard Webhooks spec asks for (decoded bytes).
+_SECRET_BYTES: Final = (24, 64)
+#: The generated secret's size.
+_NEW_SECRET_BYTES: Final = 32
+
+_WHERE_ALLOW = f"webhook_allow (--webhook-allow, {WEBHOOK_ALLOW_ENV})"
+
+
+def new_secret() -> str:
+    """A fresh random secret in the spec's ``whsec_`` base64 form."""
+    import secrets
+
+    return "whsec_" + base64.b64encode(secrets.token_bytes(_NEW_SECRET_BYTES)).decode("ascii")
+
+
+def backoff_s(attempt: int, *, first_s: float, max_s: float) -> float:
+    """Seconds to wait after failed try ``attempt`` (from 1): ``first_s``, doubled each time, <= ``max_s``."""
+    return float(min(max_s, first_s * (2 ** max(0, attempt - 1))))
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class WebhookConfig:
+    """The server's webhook settings (see the module docstring); :func:`resolve_webhooks` builds one.
+
+    The bounds are documented in docs/webhooks.md, "Limits"; tests shorten
+    the waits with :func:`dataclasses.replace`.
+    """
+
+    #: The signing secret, ``whsec_`` + base64 of 24 to 64 bytes.
+    secret: str
+    #: URL patterns a webhook may match: a literal URL, or a prefix ending in ``*``.
+    allow: tuple[str, ...]
+    #: The secret was made up at start (none was configured): the server logs it once.
+    generated_secret: bool = False
+    #: Tries of a terminal delivery (the first included); a progress delivery gets one.
+    max_attempts: int = 5
+    #: The wait after the first failed try, doubled after each (backoff_s), at most max_retry_s.
+    first_retry_s: float = 1.0
+    max_retry_s: float = 30.0
+    #: At most one progress delivery per request this often.
+    progress_every_s: float = 5.0
+    #: Requests with a webhook held at once (running, or their terminal delivery unsettled);
+    #: past it a generate with a webhook gets ``busy``.
+    max_held: int = 1024
+    #: Progress deliveries waiting to be sent; past it the oldest is dropped.
+    max_progress_pending: int = 256
+    #: Deliveries in flight at once.
+    concurrency: int = 8
+    #: Seconds to connect, per read or write, and for a whole try.
+    connect_timeout_s: float = 5.0
+    io_timeout_s: float = 10.0
+    attempt_timeout_s: float = 30.0
+
+    def check(self, webhook: Mapping[str, Any], *, request_id: str) -> None:
+        """Admit ``webhook`` (a ``generate``'s, its shape already parsed) or raise MessageError.
+
+        ``bad_params`` (field ``webhook``) for a URL that is not http(s), has
+        credentials, spaces or control characters, no host, or matches none
+        of the patterns (which are not echoed: they may name private hosts).
+        """
+        url = str(webhook.get("url", ""))
+        problem = url_problem(url)
+        if problem is None and not any(_matches(pattern, url) for pattern in self.allow):
+            problem = "is not one this server may call (it matches none of its webhook_allow patterns)"
+        if problem is not None:
+            raise MessageError(
+                "bad_params", f"webhook URL {_clip(url)!r} {problem}", field="webhook", request_id=request_id
+            )
+
+
+def url_problem(url: str) -> str | None:
+    """Why ``url`` may not be a webhook's whatever the allow-list says; None when it may."""
+    if any(c.isspace() or ord(c) < 0x20 or ord(c) == 0x7F or c == "\\" for c in url):
+        return "has spaces, backslashes or control characters"
+    try:
+        parts = urlsplit(url)
+        port = parts.port  # a malformed port raises here
+    except ValueError as exc:
+        return f"is not a URL ({exc})"
+    del port
+    if parts.scheme not in ("http", "https"):
+        return "is not an http:// or https:// URL"
+    if "@" in parts.netloc or parts.username is not None or parts.password is not None:
+        # user:pass@host would be sent as Basic credentials: never a client's to choose.
+        return "carries credentials (user@host); put secrets in the path, or verify the signature"
+    if not parts.hostname:
+        return "has no host"
+    return None
+
+
+def _matches(pattern: str, url: str) -> bool:
+    # A prefix glob: '*' (last, after the host's '/') matches the rest; else the whole URL.
+    if pattern.endswith("*"):
+        return url.startswith(pattern[:-1])
+    return url == pattern
+
+
+def _check_pattern(pattern: str, where: str) -> str:
+    """``pattern`` if it is a valid allow-list entry; raises ParamsError (field ``webhook_allow``)."""
+    text = pattern.strip()
+    head = text[:-1] if text.endswith("*") else text
+    why: str | None = None
+    if "*" in head:
+        why = "'*' may only end a pattern (it matches the rest of the URL)"
+    elif (problem := url_problem(head)) is not None:
+        why = f"the URL {problem}"
+    else:
+        parts = urlsplit(head)
+        if text.endswith("*") and not parts.path.startswith("/"):
+            # https://hooks.example.com* would also match https://hooks.example.com.evil.net/.
+            why = "end the host with '/' before '*' (https://hooks.example.com/*)"
+        elif parts.netloc != parts.netloc.lower() or not head.startswith(parts.scheme.lower()):
+            why = "write the scheme and host in lowercase (URLs are compared as sent)"
+    if why is not None:
+        raise ParamsError(f"{where}: {text!r} is not a webhook URL pattern: {why}", field="webhook_allow")
+    return text
+
+
+def _check_secret(secret: str, where: str) -> str:
+    """``secret`` if it is ``whsec_`` + base64 of 24 to 64 bytes; raises ParamsError (never echoing it)."""
+    text = secret.strip()
+    low, high = _SECRET_BYTES
+    why: str | None = None
+    if not text.startswith("whsec_"):
+        why = "it must start with 'whsec_'"
+    else:
+        try:
+            raw = base64.b64decode(text.removeprefix("whsec_"), validate=True)
+        except (binascii.Error, ValueError):
+            why = "what follows 'whsec_' is not base64"
+        else:
+            if not low <= len(raw) <= high:
+                why = f"it holds {len(raw)} bytes; the Standard Webhooks spec asks for {low} to {high}"
+    if why is not None:
+        raise ParamsError(
+            f"{where} is not a webhook secret: {why} (make one with "
+            "python3 -c 'import omni_stream.core.webhooks as w; print(w.new_secret())')",
+            field="webhook_secret",
+        )
+    return text
+
+
+def resolve_webhooks(
+    secret: str | None = None, allow: str | Sequence[str] | None = None
+) -> WebhookConfig | None:
+    """The server's webhook settings: ``allow`` (patterns), else ``OMNI_STREAM_WEBHOOK_ALLOW``
+    (commas or spaces); ``secret``, else ``OMNI_STREAM_WEBHOOK_SECRET``, else a new one.
+
+    None when no pattern is given: the server sends no webhooks and refuses
+    every request that asks for one. Raises ParamsError naming the option
+    (or the variable) for a malformed pattern or secret.
+    """
+    if allow is None or (not isinstance(allow, str) and len(allow) == 0):
+        raw = env_webhook_allow() or ""
+        entries = raw.replace(",", " ").split()
+        where = WEBHOOK_ALLOW_ENV
+    elif isinstance(allow, str):
+        entries, where = [allow], "webhook_allow"
+    else:
+        entries, where = list(allow), "webhook_allow"
+    patterns = []
+    for entry in entries:
+        if not isinstance(entry, str) or not entry.strip():
+            raise ParamsError(
+                f"{where}: patterns must be non-empty strings, got {entry!r}", field="webhook_allow"
+            )
+        patterns.append(_check_pattern(entry, where))
+    if secret is not None and not isinstance(secret, str):
+        raise ParamsError(
+            f"webhook_secret must be a string, got {type(secret).__name__}", field="webhook_secret"
+        )
+    given, where_secret = (secret, "webhook_secret") if secret else (env_webhook_secret(), WEBHOOK_SECRET_ENV)
+    checked = _check_secret(given, where_secret) if given else None
+    if not patterns:
+        return None
+    if checked is None:
+        return WebhookConfig(secret=new_secret(), allow=tuple(patterns), generated_secret=True)
+    return WebhookConfig(secret=checked, allow=tuple(patterns))
+
+
+class WebhookBook:
+    """Requests with a webhook the server holds: running, or their terminal delivery unsettled.
+
+    Terminal deliveries are never dropped, so this is what bounds them: a
+    request is counted from admission (:meth:`hold`) until its terminal
+    delivery is delivered, given up or dropped at shutdown (:meth:`release`).
+    """
+
+    def __init__(self, capacity: int) -> None:
+        self.capacity = capacity
+        self.held = 0
+
+    def has_room(self) -> bool:
+        return self.held < self.capacity
+
+    def hold(self) -> None:
+        self.held += 1
+
+    def release(self) -> None:
+        self.held = max(0, self.held - 1)
+
+
+@dataclasses.dataclass(eq=False)
+class Delivery:
+    """One webhook message: its payload, signed and sent by the server's sender, and how that went.
+
+    ``status``: ``pending`` (waiting, or between tries), ``sending``,
+    ``delivered`` (a 2xx), ``failed`` (every try failed), ``dropped`` (a
+    full queue dropped a progress delivery, or the server shut down first).
+    """
+
+    request_id: str
+    event: str
+    url: str
+    #: The JSON body, exactly as signed and sent on every try.
+    body: bytes
+    #: The Standard Webhooks ``webhook-id``: the same on every try, so a receiver can de-duplicate.
+    webhook_id: str
+    max_attempts: int
+    attempts: int = 0
+    status: str = "pending"
+    last_error: str | None = None
+    #: The HTTP status of the last answer (None before one, or when none came).
+    response_status: int | None = None
+    #: Called once when it settles (delivered, failed, dropped).
+    on_settled: Callable[[Delivery], None] | None = None
+
+    @property
+    def terminal(self) -> bool:
+        return self.event != "progress"
+
+    @property
+    def settled(self) -> bool:
+        return self.status in ("delivered", "failed", "dropped")
+
+    def settle(self, status: str, error: str | None = None) -> None:
+        """End it as ``status`` (delivered, failed, dropped); the first settlement stands."""
+        if self.settled:
+            return
+        self.status = status
+        if error is not None:
+            self.last_error = error
+        callback, self.on_settled = self.on_settled, None
+        if callback is not None:
+            callback(self)
+
+    def view(self) -> dict[str, Any]:
+        """What the request's status shows of it."""
+        return {
+            "event": self.event,
+            "webhook_id": self.webhook_id,
+            "attempts": self.attempts,
+            "status": self.status,
+            "response_status": self.response_status,
+            "last_error": self.last_error,
+        }
+
+
+class WebhookState:
+    """A request's webhook, as its record holds it (see the module docstring).
+
+    ``emit`` hands a new delivery to the sender (synchronous, never waits);
+    ``book`` counts the request until its terminal delivery settles.
+    ``clock`` paces progress deliveries; ``wall`` stamps payloads.
+    """
+
+    def __init__(
+        self,
+        request_id: str,
+        webhook: Mapping[str, Any],
+        *,
+        config: WebhookConfig,
+        emit: Callable[[Delivery], None],
+        book: WebhookBook,
+        clock: Callable[[], float] = time.monotonic,
+        wall: Callable[[], float] = time.time,
+    ) -> None:
+        self.request_id = request_id
+        self.url = str(webhook["url"])
+        self.events: tuple[str, ...] = tuple(webhook.get("events") or DEFAULT_WEBHOOK_EVENTS)
+        self._config = config
+        self._emit = emit
+        self._book = book
+        self._clock = clock
+        self._wall = wall
+        self._last_progress: float | None = None
+        self._held = False
+        self._ended = False
+        #: The latest progress delivery (a newer one replaces it here), then the terminal one.
+        self._progress: Delivery | None = None
+        self._terminal: Delivery | None = None
+
+    def hold(self) -> None:
+        """The request was registered: count it in the book until its terminal delivery settles."""
+        if not self._held:
+            self._held = True
+            self._book.hold()
+
+    def _release(self, _: Delivery | None = None) -> None:
+        if self._held:
+            self._held = False
+            self._book.release()
+
+    def progressed(self, step: int, total: int, eta_s: float | None) -> None:
+        """The request made step ``step``: a ``progress`` delivery if asked for and due."""
+        if self._ended or "progress" not in self.events or step >= total:
+            return  # (the last step's news is the terminal delivery)
+        now = self._clock()
+        if self._last_progress is not None and now - self._last_progress < self._config.progress_every_s:
+            return
+        self._last_progress = now
+        data = {"id": self.request_id, "status": "running", "step": step, "total": total, "eta_s": eta_s}
+        delivery = self._delivery("progress", data, max_attempts=1)
+        if self._progress is not None and self._progress.status == "pending":
+            # Superseded: the sender skips it if it has not gone yet (latest wins).
+            self._progress.settle("dropped", "superseded by a newer progress delivery")
+        self._progress = delivery
+        self._emit(delivery)
+
+    def ended(self, record: RequestRecord, message: Mapping[str, Any]) -> None:
+        """The request ended with its terminal ``message``: its terminal delivery, if asked for."""
+        if self._ended:
+            return
+        self._ended = True
+        if self._progress is not None and self._progress.status == "pending":
+            self._progress.settle("dropped", "the request ended first")
+        event = EVENT_OF_OUTCOME.get(str(message.get("type")), "failed")
+        if event not in self.events:
+            self._release()
+            return
+        error = None
+        if event != "completed":
+            error = {k: message[k] for k in ("code", "message", "reason") if k in message}
+        base = f"/v1/generations/{self.request_id}"
+        data = {
+            "id": self.request_id,
+            "status": _STATUS_OF_EVENT[event],
+            "step": record.latest_step,
+            "total": record.total,
+            "seed": record.seed,
+            "model": record.model,
+            "images": record.result_count,
+            "urls": {"self": base, "output": base + "/output"},
+            "error": error,
+        }
+        delivery = self._delivery(event, data, max_attempts=self._config.max_attempts)
+        delivery.on_settled = self._release
+        self._terminal = delivery
+        self._emit(delivery)
+
+    def _delivery(self, event: str, data: dict[str, Any], *, max_attempts: int) -> Delivery:
+        stamp = datetime.fromtimestamp(self._wall(), tz=timezone.utc).isoformat().replace("+00:00", "Z")
+        payload = {"type": f"generation.{event}", "timestamp": stamp, "data": data}
+        body = json.dumps(payload, separators=(",", ":"), allow_nan=False).encode()
+        return Delivery(
+            request_id=self.request_id, event=event, url=self.url, body=body,
+            webhook_id=f"msg_{uuid.uuid4().hex}", max_attempts=max_attempts,
+        )
+
+    def view(self) -> dict[str, Any]:
+        """``GET /v1/generations/{id}``'s ``webhook``: the URL, the events, the deliveries so far."""
+        deliveries = [d.view() for d in (self._progress, self._terminal) if d is not None]
+        return {"url": self.url, "events": list(self.events), "deliveries": deliveries}
+
+
+def _clip(text: str, limit: int = 80) -> str:
+    return text if len(text) <= limit else text[:limit] + "..."

@@ -1,0 +1,477 @@
+"""The OpenAI-compatible doors: ``/v1/images/generations``, ``/v1/images/edits``, ``/v1/models``.
+
+Thin, like every door (docs/design.md, "The server"): a call's body is read
+within the server's bounds (bodies.py), translated by ``omni_stream.openai``
+into the ``generate`` the core admits (the same principals, limits,
+admission, memory, metrics and retention as the websocket and
+``/v1/generations``), and the request's record is read back into OpenAI's
+answer:
+
+- without ``stream``: the call waits for the request's end and answers
+  ``ImagesResponse`` (every image base64, or its URL on our output route);
+  a caller that hangs up cancels the request (``b64_json``: nobody could
+  fetch it), unless it asked for URLs (then the request is detached and its
+  results kept ``retention_s``);
+- with ``stream``: ``text/event-stream`` of ``image_generation.partial_image``
+  events (the request's previews at full size in the output format; for
+  ``n`` > 1 the preview grid is cut into its images in a worker thread),
+  then one ``image_generation.completed`` per image, or an ``error`` event;
+  a caller that hangs up cancels the request.
+
+Every refusal is OpenAI's error shape (``omni_stream/openai/errors.py``),
+the front door's (401 token, 421 host, 403 origin) too: :func:`openai_shaped`.
+"""
+
+from __future__ import annotations
+
+import base64
+import io
+import json
+import logging
+import time
+from collections.abc import Awaitable, Callable, Mapping
+from typing import TYPE_CHECKING, Any
+
+import anyio
+import anyio.to_thread
+from starlette.datastructures import Headers
+from starlette.formparsers import MultiPartException, MultiPartParser
+from starlette.requests import ClientDisconnect, Request
+from starlette.responses import Response
+
+from .. import protocol
+from ..core.outbox import Outbox, OutboxItem
+from ..core.records import RequestRecord
+from ..core.rules import Client
+from ..errors import MessageError, ServerBusyError
+from ..openai import images as oi
+from ..openai.errors import OpenAIError, error_body, from_ours
+from ..openai.models import models_list
+from ..params import MAX_IMAGES
+from . import responses
+from .bodies import BodyRefused, read_body
+from .events import EventStream
+
+if TYPE_CHECKING:
+    from .asgi import FrontDoor
+    from .service import Service
+
+__all__ = ["OpenAIApi", "data_url", "openai_shaped", "read_form"]
+
+logger = logging.getLogger("omni_stream.server")
+
+#: A form's fields at most (OpenAI's and the model's own).
+_MAX_FORM_FIELDS = 64
+#: The messages that end a request.
+_TERMINAL = frozenset({"done", "cancelled", "error"})
+_GONE = OpenAIError(400, "the client went away before its body arrived", "bad_message")
+#: Our image params an edit's files become.
+_FILE_PARAMS = {"image": "image", "mask": "mask_image"}
+
+
+def _json_error(error: OpenAIError) -> Response:
+    extra = {}
+    if error.retry_after_s is not None:
+        extra["Retry-After"] = str(max(1, round(error.retry_after_s)))
+    return responses.json_response(error.status, error.body(), extra=extra)
+
+
+def _from_message_error(exc: MessageError) -> OpenAIError:
+    retry = exc.retry_after_s if isinstance(exc, ServerBusyError) else None
+    return from_ours(exc.code, exc.message, field=exc.field, retry_after_s=retry)
+
+
+def openai_shaped(response: Response) -> Response:
+    """``response`` with our error body (``{"error": CODE, "message", "field"?}``) rewritten in
+    OpenAI's shape, status and headers kept (the front door's refusals on an OpenAI route)."""
+    raw = getattr(response, "body", None)  # a streamed or wrapped answer has none: ours already
+    if response.status_code < 400 or not isinstance(raw, (bytes, bytearray)):
+        return response
+    if response.headers.get("content-type") != "application/json":
+        return response
+    try:
+        body = json.loads(bytes(raw))
+    except ValueError:
+        return response
+    if not isinstance(body, dict) or not isinstance(body.get("error"), str):
+        return response
+    error = from_ours(body["error"], str(body.get("message", "")), field=body.get("field"))
+    shaped = responses.json_response(
+        response.status_code,
+        error_body(error.message, type=error.type, param=error.param, code=error.code),
+    )
+    for key, value in response.headers.items():
+        if key.lower() not in ("content-length", "content-type"):
+            shaped.headers[key] = value
+    return shaped
+
+
+class OpenAIApi:
+    """The OpenAI-compatible handlers over one FrontDoor; each gets the call's Client."""
+
+    def __init__(self, door: FrontDoor) -> None:
+        self._door = door
+        self._started = int(time.time())
+
+    @property
+    def _service(self) -> Service:
+        return self._door.service
+
+    # -- routes ------------------------------------------------------------------------
+
+    async def models(self, request: Request, client: Client) -> Response:
+        """``GET /v1/models``: the served models, OpenAI's list shape."""
+        return responses.json_response(200, models_list(self._service.rules.models, created=self._started))
+
+    async def image_generations(self, request: Request, client: Client) -> Response:
+        """``POST /v1/images/generations`` (JSON)."""
+        try:
+            body = await read_body(request, self._service)
+            obj = protocol.decode_json(body)
+            if not isinstance(obj, dict):
+                raise OpenAIError(400, "the body must be a JSON object", "bad_message")
+            req = oi.parse_images_request(obj, max_images=MAX_IMAGES)
+            return await self._images(request, client, req, kind="image_generation")
+        except OpenAIError as exc:
+            return _json_error(exc)
+        except MessageError as exc:
+            return _json_error(_from_message_error(exc))
+        except BodyRefused as exc:
+            return _json_error(OpenAIError(exc.status, str(exc), exc.code))
+        except ClientDisconnect:
+            return _json_error(_GONE)
+
+    async def image_edits(self, request: Request, client: Client) -> Response:
+        """``POST /v1/images/edits`` (a multipart form: ``image``, ``mask``, the fields)."""
+        try:
+            body = await read_body(request, self._service)
+            fields, files = await read_form(
+                request, body, files=_FILE_PARAMS, max_part_size=self._service.limits.max_message_bytes
+            )
+            req = oi.parse_images_request(fields, form=True, max_images=MAX_IMAGES)
+            name, model = self._model(req)
+            declared = {p.name for p in model.params}
+            images: dict[str, str] = {}
+            for field_name, data in files.items():
+                param = _FILE_PARAMS[field_name]
+                if param not in declared:
+                    raise OpenAIError(
+                        400, f"model {name} takes no {field_name} (its pipeline has no {param} input); "
+                        "/v1/models and /models list the models", "unsupported", param=field_name,
+                    )
+                images[param] = await anyio.to_thread.run_sync(data_url, data, field_name)
+            if "image" not in files:
+                raise OpenAIError(400, "an edit needs its image: a file field 'image'", "invalid_field",
+                                  param="image")
+            req = oi.ImagesRequest(**{**_fields(req), "extra": {**req.extra, **images}})
+            return await self._images(request, client, req, kind="image_edit")
+        except OpenAIError as exc:
+            return _json_error(exc)
+        except MessageError as exc:
+            return _json_error(_from_message_error(exc))
+        except BodyRefused as exc:
+            return _json_error(OpenAIError(exc.status, str(exc), exc.code))
+        except ClientDisconnect:
+            return _json_error(_GONE)
+
+    # -- one images request --------------------------------------------------------------
+
+    def _model(self, req: oi.ImagesRequest) -> tuple[str, Any]:
+        try:
+            return self._service.rules.model_for(req.model)
+        except MessageError as exc:
+            raise OpenAIError(404, exc.message, "model_not_found", param="model") from None
+
+    async def _images(
+        self, request: Request, client: Client, req: oi.ImagesRequest, *, kind: str
+    ) -> Response:
+        rules = self._service.rules
+        name, model = self._model(req)
+        # URLs outlive the call: such a request is detached and its results kept.
+        detach = req.response_format == "url" and not req.stream
+        msg = req.to_generate(model, served_name=name, detach=detach)
+        prepared = await self._service.prepare(client, msg)
+        assert isinstance(prepared, protocol.Generate)
+        record = rules.generate(client, prepared)
+        created = int(time.time())
+        if req.stream:
+            return self._stream(client, record, req, kind=kind, created=created, size=_image_size(req, model))
+        if req.response_format == "url":
+            # Detached: its results stay on the record (retention_s) for the URLs.
+            if not await self._wait(request, record.wait_ended):
+                return Response(status_code=499)  # nobody reads it; the request goes on
+            if record.outcome != "done":
+                return _json_error(_ended_error(record, record.terminal_message() or {}))
+            base = str(request.base_url).rstrip("/") + str(request.scope.get("root_path", ""))
+            output = f"{base}/v1/generations/{record.id}/output"
+            urls: list[bytes | str] = [f"{output}?index={i}" for i in range(record.result_count)]
+            return responses.json_response(200, oi.images_response(req, urls, created=created))
+        # Attached: the results come through this call's outbox, as to a websocket
+        # (the record lets go of them when the request ends).
+        client.outbox = self._outbox()
+        record.watch(client.id, client.outbox, attached=False)
+        images: list[bytes | str] = []
+        terminal: dict[str, Any] = {}
+
+        async def collect() -> None:
+            assert client.outbox is not None
+            while True:
+                item = await client.outbox.get()
+                if isinstance(item.data, (bytes, bytearray, memoryview)):
+                    header, image = protocol.unpack_preview(item.data)
+                    if header.final:
+                        images.append(bytes(image))
+                elif item.kind in _TERMINAL:
+                    terminal.update(json.loads(item.data))
+                    return
+
+        if not await self._wait(request, collect):
+            # The caller hung up: its request ends with its call (the door's
+            # disconnect), as a websocket's does; nobody reads this answer.
+            return Response(status_code=499)
+        if terminal.get("type") != "done":
+            return _json_error(_ended_error(record, terminal))
+        return responses.json_response(200, oi.images_response(req, images, created=created))
+
+    async def _wait(self, request: Request, until: Callable[[], Awaitable[None]]) -> bool:
+        """Run ``until``; False when the caller hung up first (then ``until`` is cancelled)."""
+        gone = False
+        async with anyio.create_task_group() as tg:
+
+            async def watch_disconnect() -> None:
+                nonlocal gone
+                while (await request.receive())["type"] != "http.disconnect":
+                    pass
+                gone = True
+                tg.cancel_scope.cancel()
+
+            tg.start_soon(watch_disconnect)
+            await until()
+            tg.cancel_scope.cancel()
+        return not gone
+
+    def _outbox(self) -> Outbox:
+        limits = self._service.limits
+        return Outbox(
+            max_pending=limits.max_pending,
+            max_pending_bytes=limits.max_pending_bytes,
+            budget=self._service.memory,
+            on_replaced=lambda k: self._service.metrics.messages_dropped.labels(k).inc(),
+        )
+
+    def _stream(
+        self,
+        client: Client,
+        record: RequestRecord,
+        req: oi.ImagesRequest,
+        *,
+        kind: str,
+        created: int,
+        size: tuple[int, int] | None,
+    ) -> Response:
+        limits = self._service.limits
+        client.outbox = self._outbox()
+        record.watch(client.id, client.outbox, attached=False)
+        events = _ImageEvents(req, kind=kind, created=created, record=record, size=size)
+        return EventStream(client.outbox, send_timeout_s=limits.send_timeout_s, encode=events)  # type: ignore[return-value]
+
+
+async def read_form(
+    request: Request, body: bytes, *, files: Mapping[str, str], max_part_size: int
+) -> tuple[dict[str, Any], dict[str, bytes]]:
+    """A multipart body's fields (strings) and its files (bytes) by field name; ``files``
+    names the file fields allowed (and what each is, for the error). Raises OpenAIError."""
+    content_type = request.headers.get("content-type", "")
+    if not content_type.startswith("multipart/form-data"):
+        raise OpenAIError(400, f"the body must be multipart/form-data, got {content_type[:60]!r}",
+                          "bad_message")
+
+    async def replay() -> Any:
+        yield body
+
+    parser = MultiPartParser(
+        Headers(headers={"content-type": content_type}), replay(),
+        max_files=len(files) + 2, max_fields=_MAX_FORM_FIELDS, max_part_size=max_part_size,
+    )
+    try:
+        form = await parser.parse()
+    except MultiPartException as exc:
+        raise OpenAIError(400, f"the form does not parse: {exc.message}", "bad_message") from None
+    fields: dict[str, Any] = {}
+    found: dict[str, bytes] = {}
+    try:
+        for key, value in form.multi_items():
+            if isinstance(value, str):
+                _put_field(fields, key, value)
+                continue
+            name = key[:-2] if key.endswith("[]") else key  # the SDK's image[] for a list
+            if name not in files:
+                raise OpenAIError(400, f"unexpected file field {name[:40]!r}; this call takes "
+                                  f"{', '.join(files)}", "invalid_field", param=name)
+            if name in found:
+                raise OpenAIError(400, f"one {name} file a call", "unsupported", param=name)
+            found[name] = await value.read()
+    finally:
+        await form.close()
+    return fields, found
+
+
+def _put_field(fields: dict[str, Any], key: str, value: str) -> None:
+    """A form field into ``fields``: the SDK sends an object as ``webhook[url]=...`` and a list
+    as ``webhook[events][]=...`` (one field per item); they become the object and the list."""
+    if "[" not in key:
+        fields[key] = value
+        return
+    head, _, rest = key.partition("[")
+    parts = [head, *rest.rstrip("]").split("][")]
+    node: Any = fields
+    for part, following in zip(parts, [*parts[1:], None], strict=True):
+        if following is None:
+            if part == "":
+                raise OpenAIError(400, f"form field {key[:60]!r} is not a name", "invalid_field", param=head)
+            node[part] = value
+            return
+        if following == "":  # name[]: a list of the values
+            items = node.setdefault(part, [])
+            if not isinstance(items, list):
+                raise OpenAIError(400, f"form field {key[:60]!r} mixes a list and a value", "invalid_field",
+                                  param=head)
+            items.append(value)
+            return
+        child = node.setdefault(part, {})
+        if not isinstance(child, dict):
+            raise OpenAIError(400, f"form field {key[:60]!r} mixes an object and a value", "invalid_field",
+                              param=head)
+        node = child
+
+
+def _fields(req: oi.ImagesRequest) -> dict[str, Any]:
+    return {f: getattr(req, f) for f in req.__dataclass_fields__}
+
+
+def data_url(data: bytes, param: str) -> str:
+    """An uploaded file as the data URL our image params take (worker thread).
+
+    OpenAI's mask is transparent where to paint; diffusers' ``mask_image`` is
+    white where to paint: a mask with an alpha channel is turned into that.
+    Raises OpenAIError for a file that is not a PNG, JPEG or WebP image.
+    """
+    from PIL import Image, UnidentifiedImageError
+
+    mask = param == "mask"
+    try:
+        opened = Image.open(io.BytesIO(data))
+        opened.load()
+    except (UnidentifiedImageError, OSError, ValueError) as exc:
+        raise OpenAIError(400, f"{param} is not an image this server reads ({exc})", "invalid_field",
+                          param=param) from None
+    if mask and opened.mode in ("RGBA", "LA", "PA"):
+        alpha = opened.getchannel("A")
+        image = alpha.point(lambda a: 255 if a == 0 else 0).convert("RGB")
+    else:
+        image = opened.convert("RGB")
+    out = io.BytesIO()
+    image.save(out, "PNG")
+    return "data:image/png;base64," + base64.b64encode(out.getvalue()).decode("ascii")
+
+
+def _ended_error(record: RequestRecord, terminal: dict[str, Any]) -> OpenAIError:
+    if terminal.get("type") == "error":
+        return from_ours(str(terminal.get("code")), str(terminal.get("message")), field=terminal.get("field"))
+    reason = str(terminal.get("reason") or "engine")
+    if reason == "shutdown":
+        return from_ours("shutting_down", f"request {record.id} was cancelled: the server is shutting down")
+    return from_ours("cancelled", f"request {record.id} was cancelled ({reason}): it has no images")
+
+
+def _sse(event: str, payload: dict[str, Any]) -> bytes:
+    return f"event: {event}\ndata: {json.dumps(payload, separators=(',', ':'))}\n\n".encode()
+
+
+class _ImageEvents:
+    """One stream's items as OpenAI's image events (the EventStream's ``encode``)."""
+
+    def __init__(
+        self,
+        req: oi.ImagesRequest,
+        *,
+        kind: str,
+        created: int,
+        record: RequestRecord,
+        size: tuple[int, int] | None,
+    ) -> None:
+        self._req = req
+        self._size = size
+        self._kind = kind
+        self._created = created
+        self._record = record
+        self._partials = 0
+
+    async def __call__(self, item: OutboxItem) -> bytes | None:
+        data = item.data
+        if isinstance(data, (bytes, bytearray, memoryview)):
+            header, image = protocol.unpack_preview(data)
+            if header.final:
+                payload = oi.completed_event(
+                    self._kind, self._req, bytes(image), image_index=header.index, created_at=self._created
+                )
+                return _sse(payload["type"], payload)
+            if self._partials >= self._req.partial_images:
+                return None
+            index, self._partials = self._partials, self._partials + 1
+            parts = [bytes(image)]
+            if self._req.n > 1 or (self._size is not None and (header.width, header.height) != self._size):
+                # A grid of the n images is cut into one partial image each; a preview
+                # at the latents' size (the linear decoders) is brought to the image's.
+                parts = await anyio.to_thread.run_sync(_partials, bytes(image), self._req, self._size)
+            return b"".join(
+                _sse(f"{self._kind}.partial_image", oi.partial_event(
+                    self._kind, self._req, part, index=index, image_index=i, created_at=self._created
+                ))
+                for i, part in enumerate(parts)
+            )
+        message = json.loads(data)
+        kind = message.get("type")
+        if kind == "error":
+            error = from_ours(
+                str(message.get("code")), str(message.get("message")), field=message.get("field")
+            )
+            return _sse("error", {"type": "error", **error.body()})
+        if kind == "cancelled":
+            error = _ended_error(self._record, message)
+            return _sse("error", {"type": "error", **error.body()})
+        return None  # accepted, progress, loading, done: nothing OpenAI streams
+
+
+def _partials(preview: bytes, req: oi.ImagesRequest, size: tuple[int, int] | None) -> list[bytes]:
+    """A preview as ``req.n`` partial images at ``size`` in the output format (worker thread):
+    a grid cut into its images, each scaled to the image's size where it is not."""
+    from PIL import Image
+
+    with Image.open(io.BytesIO(preview)) as picture:
+        picture.load()
+        cells = oi.grid_cells(req.n, picture.width, picture.height)
+        out = []
+        for box in cells:
+            part = picture.crop(box).convert("RGB")
+            if size is not None and part.size != size:
+                part = part.resize(size, Image.Resampling.BILINEAR)
+            buf = io.BytesIO()
+            options: dict[str, Any] = {}
+            if req.output_format in ("jpeg", "webp") and req.output_compression is not None:
+                options["quality"] = req.output_compression
+            part.save(buf, req.output_format.upper(), **options)
+            out.append(buf.getvalue())
+    return out
+
+
+def _image_size(req: oi.ImagesRequest, model: Any) -> tuple[int, int] | None:
+    """The (width, height) a request's images come out at, where its params say; else None."""
+    if req.size is not None:
+        return req.size
+    declared = {p.name: p.default for p in model.params}
+    width = req.extra.get("width", declared.get("width"))
+    height = req.extra.get("height", declared.get("height"))
+    if isinstance(width, int) and isinstance(height, int):
+        return (width, height)
+    return None

@@ -1,0 +1,325 @@
+"""Webhooks, the decisions (core/webhooks.py) and the field's shape (protocol), with no socket.
+
+The sending is tests/server/test_webhooks.py's; here: which URLs a server
+may call, what a request's webhook sends and when, what it keeps, and how
+admission (core/rules.py) refuses a webhook it may not call.
+"""
+
+from __future__ import annotations
+
+import base64
+import dataclasses
+import json
+from typing import Any
+
+import pytest
+
+from omni_stream import protocol
+from omni_stream.core.limits import ServerLimits
+from omni_stream.core.principal import Principal
+from omni_stream.core.records import RequestRecord
+from omni_stream.core.rules import Rules
+from omni_stream.core.webhooks import (
+    Delivery,
+    WebhookBook,
+    WebhookConfig,
+    WebhookState,
+    backoff_s,
+    new_secret,
+    resolve_webhooks,
+)
+from omni_stream.errors import MessageError, ParamsError
+from omni_stream.protocol.client_messages import Generate
+
+from .test_rules import StandIn, connect, generate
+
+SECRET = "whsec_" + base64.b64encode(bytes(range(32))).decode()
+HOOK = "https://hooks.example.com/omni/1"
+
+
+def config(**changes: Any) -> WebhookConfig:
+    made = WebhookConfig(secret=SECRET, allow=("https://hooks.example.com/*",))
+    return dataclasses.replace(made, **changes)
+
+
+# -- the field's shape (protocol/client_messages.py) ------------------------------------------
+
+
+def parse(**fields: Any) -> Generate:
+    text = json.dumps({"type": "generate", "id": "r1", "params": {}, **fields})
+    message = protocol.parse_client_message(text)
+    assert isinstance(message, Generate)
+    return message
+
+
+def test_a_webhook_without_events_gets_the_three_ends() -> None:
+    default = ["completed", "failed", "cancelled"]
+    assert parse(webhook={"url": HOOK}).webhook == {"url": HOOK, "events": default}
+    assert parse().webhook is None
+    assert parse(webhook={"url": HOOK, "events": ["progress", "failed"]}).webhook == {
+        "url": HOOK, "events": ["progress", "failed"],
+    }
+
+
+@pytest.mark.parametrize(
+    ("webhook", "field"),
+    [
+        ("https://x/", "webhook"),
+        ({"url": HOOK, "secret": "x"}, "webhook"),
+        ({}, "webhook.url"),
+        ({"url": 3}, "webhook.url"),
+        ({"url": ""}, "webhook.url"),
+        ({"url": "https://x/" + "a" * 3000}, "webhook.url"),
+        ({"url": HOOK, "events": "completed"}, "webhook.events"),
+        ({"url": HOOK, "events": []}, "webhook.events"),
+        ({"url": HOOK, "events": ["done"]}, "webhook.events"),
+        ({"url": HOOK, "events": ["failed", "failed"]}, "webhook.events"),
+        ({"url": HOOK, "events": [1]}, "webhook.events"),
+    ],
+)
+def test_a_malformed_webhook_is_an_invalid_field_naming_its_part(webhook: Any, field: str) -> None:
+    with pytest.raises(MessageError) as caught:
+        parse(webhook=webhook)
+    assert (caught.value.code, caught.value.field, caught.value.request_id) == ("invalid_field", field, "r1")
+
+
+def test_the_client_builds_and_sends_a_webhook_as_the_server_reads_it() -> None:
+    built = Generate.build("r1", {"steps": 2}, webhook={"url": HOOK, "events": ["completed"]})
+    assert protocol.parse_client_message(built.serialize()) == built
+    with pytest.raises(ParamsError) as caught:
+        Generate.build("r1", webhook={"url": HOOK, "events": ["nope"]})
+    assert caught.value.field == "webhook.events"
+
+
+# -- the server's settings ---------------------------------------------------------------------
+
+
+def test_no_allow_list_means_no_webhooks(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.delenv("OMNI_STREAM_WEBHOOK_ALLOW", raising=False)
+    monkeypatch.delenv("OMNI_STREAM_WEBHOOK_SECRET", raising=False)
+    assert resolve_webhooks() is None
+    assert resolve_webhooks(SECRET) is None  # a secret alone allows nothing
+
+
+def test_the_settings_come_from_the_options_else_the_environment(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("OMNI_STREAM_WEBHOOK_ALLOW", "https://a.example/*, https://b.example/hook")
+    monkeypatch.setenv("OMNI_STREAM_WEBHOOK_SECRET", SECRET)
+    from_env = resolve_webhooks()
+    assert from_env is not None
+    assert from_env.allow == ("https://a.example/*", "https://b.example/hook")
+    assert (from_env.secret, from_env.generated_secret) == (SECRET, False)
+    given = resolve_webhooks(None, ["http://127.0.0.1:9/*"])
+    assert given is not None and given.allow == ("http://127.0.0.1:9/*",) and given.secret == SECRET
+
+
+def test_without_a_secret_one_is_made_up_in_the_specs_form(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.delenv("OMNI_STREAM_WEBHOOK_SECRET", raising=False)
+    made = resolve_webhooks(allow="https://a.example/*")
+    assert made is not None and made.generated_secret
+    assert made.secret.startswith("whsec_") and len(base64.b64decode(made.secret[6:])) == 32
+    assert new_secret() != new_secret()
+
+
+@pytest.mark.parametrize(
+    "secret", ["s3cret", "whsec_not base64!", "whsec_" + base64.b64encode(b"short").decode()]
+)
+def test_a_malformed_secret_is_refused_without_echoing_it(secret: str) -> None:
+    with pytest.raises(ParamsError) as caught:
+        resolve_webhooks(secret, "https://a.example/*")
+    assert caught.value.field == "webhook_secret" and secret not in str(caught.value)
+
+
+@pytest.mark.parametrize(
+    "pattern",
+    [
+        "https://hooks.example.com*",  # would match https://hooks.example.com.evil.net/
+        "https://*.example.com/*",
+        "ftp://hooks.example.com/*",
+        "https://user:pw@hooks.example.com/*",
+        "https://HOOKS.example.com/*",
+        "hooks.example.com/*",
+    ],
+)
+def test_a_pattern_that_could_match_more_than_it_says_is_refused(pattern: str) -> None:
+    with pytest.raises(ParamsError) as caught:
+        resolve_webhooks(SECRET, [pattern])
+    assert caught.value.field == "webhook_allow"
+
+
+# -- admission of one webhook ------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    "url",
+    [
+        "https://hooks.example.com.evil.net/x",
+        "https://hooks.example.com:8443/x",
+        "http://hooks.example.com/x",
+        "https://hooks.example.com@10.0.0.1/x",
+        "https://user:pw@hooks.example.com/x",
+        "https://hooks.example.com/a b",
+        "https://hooks.example.com/\\@evil",
+        "file:///etc/passwd",
+        "http://169.254.169.254/latest/meta-data/",
+    ],
+)
+def test_a_url_outside_the_allow_list_is_bad_params_naming_webhook(url: str) -> None:
+    with pytest.raises(MessageError) as caught:
+        config().check({"url": url}, request_id="r7")
+    assert (caught.value.code, caught.value.field, caught.value.request_id) == ("bad_params", "webhook", "r7")
+    assert "hooks.example.com/*" not in str(caught.value)  # the allow-list is not told
+
+
+def test_a_url_matching_a_pattern_is_admitted() -> None:
+    config().check({"url": HOOK}, request_id="r1")
+    config(allow=("http://127.0.0.1:9000/hook",)).check({"url": "http://127.0.0.1:9000/hook"}, request_id="r")
+    literal = config(allow=("http://127.0.0.1:9000/hook",))
+    with pytest.raises(MessageError):  # a literal pattern is the whole URL
+        literal.check({"url": "http://127.0.0.1:9000/hook2"}, request_id="r")
+
+
+def make_rules(webhooks: WebhookConfig | None) -> tuple[Rules, list[Delivery]]:
+    rules = Rules(StandIn(), limits=ServerLimits.from_env({}), webhooks=webhooks)  # type: ignore[arg-type]
+    rules.on_start = lambda admitted, stream: None
+    rules.started = True
+    sent: list[Delivery] = []
+    if webhooks is not None:
+        rules.on_webhook = sent.append
+    return rules, sent
+
+
+def test_admission_refuses_every_webhook_when_none_are_allowed() -> None:
+    rules, _ = make_rules(None)
+    client = connect(rules, Principal.of_connection("c"))
+    reply = generate(rules, client, "r1", webhook={"url": HOOK})
+    assert (reply["type"], reply["code"], reply["field"]) == ("error", "bad_params", "webhook")
+    assert reply["id"] == "r1"
+    assert "r1" not in rules.registry
+
+
+def test_admission_keeps_the_webhook_on_the_record_and_counts_it_until_its_end_is_delivered() -> None:
+    rules, sent = make_rules(config())
+    client = connect(rules, Principal.of_connection("c"))
+    assert generate(rules, client, "r1", webhook={"url": HOOK}, detach=True)["type"] == "accepted"
+    record = rules.registry.get("r1")
+    assert record is not None and record.webhook is not None and rules.webhook_book.held == 1
+    rules.consumer_done(record, protocol.done("r1", total=4, elapsed_s=0.1))
+    [delivery] = sent
+    assert delivery.event == "completed" and rules.webhook_book.held == 1
+    delivery.settle("delivered")
+    assert rules.webhook_book.held == 0
+
+
+def test_a_full_book_answers_busy_and_a_bad_url_bad_params() -> None:
+    rules, _ = make_rules(config(max_held=1))
+    client = connect(rules, Principal.of_connection("c"))
+    assert generate(rules, client, "r1", webhook={"url": HOOK})["type"] == "accepted"
+    busy = generate(rules, client, "r2", webhook={"url": HOOK})
+    assert (busy["code"], busy["id"]) == ("busy", "r2") and busy["retry_after_s"] > 0
+    bad = generate(rules, client, "r3", webhook={"url": "http://10.0.0.1/"})
+    assert (bad["code"], bad["field"]) == ("bad_params", "webhook")
+    assert generate(rules, client, "r4")["type"] == "accepted"  # no webhook: not counted
+
+
+# -- what a request's webhook sends ------------------------------------------------------------
+
+
+class Clock:
+    def __init__(self) -> None:
+        self.now = 100.0
+
+    def __call__(self) -> float:
+        return self.now
+
+
+def record_of(rid: str = "r1", **kwargs: Any) -> RequestRecord:
+    return RequestRecord(rid, owner="c", detach=True, total=4, preview={}, created_at=0.0, seed=7, **kwargs)
+
+
+def state(
+    events: list[str] | None = None, **changes: Any
+) -> tuple[WebhookState, list[Delivery], WebhookBook, Clock]:
+    sent: list[Delivery] = []
+    book = WebhookBook(8)
+    clock = Clock()
+    hook = {"url": HOOK, **({"events": events} if events is not None else {})}
+    made = WebhookState("r1", hook, config=config(**changes), emit=sent.append, book=book, clock=clock,
+                        wall=lambda: 1_767_225_600.0)
+    made.hold()
+    return made, sent, book, clock
+
+
+def test_the_completed_payload_says_what_the_status_says() -> None:
+    hook, sent, _, _ = state()
+    record = record_of()
+    record.webhook = hook
+    record.publish_progress(4, protocol.progress("r1", step=4, total=4, eta_s=0.0))
+    record.finish(protocol.done("r1", total=4, elapsed_s=0.5), now=1.0)
+    [delivery] = sent
+    payload = json.loads(delivery.body)
+    assert payload == {
+        "type": "generation.completed",
+        "timestamp": "2026-01-01T00:00:00Z",
+        "data": {
+            "id": "r1", "status": "done", "step": 4, "total": 4, "seed": 7, "model": None, "images": 0,
+            "urls": {"self": "/v1/generations/r1", "output": "/v1/generations/r1/output"}, "error": None,
+        },
+    }
+    assert delivery.webhook_id.startswith("msg_") and delivery.max_attempts == 5 and delivery.terminal
+
+
+def test_failed_and_cancelled_carry_the_error_and_an_unasked_end_sends_nothing() -> None:
+    hook, sent, _, _ = state()
+    hook.ended(record_of(), protocol.error("step_failed", "boom", request_id="r1"))
+    assert json.loads(sent[0].body)["data"]["error"] == {"code": "step_failed", "message": "boom"}
+    assert json.loads(sent[0].body)["type"] == "generation.failed"
+    hook, sent, _, _ = state()
+    hook.ended(record_of(), protocol.cancelled("r1", reason="client"))
+    assert json.loads(sent[0].body)["data"]["error"] == {"reason": "client"}
+    hook, sent, book, _ = state(["completed"])
+    hook.ended(record_of(), protocol.cancelled("r1", reason="client"))
+    assert sent == [] and book.held == 0  # nothing to deliver: released at once
+
+
+def test_progress_is_sent_only_when_asked_and_at_most_once_per_interval() -> None:
+    hook, sent, _, _ = state()
+    hook.progressed(1, 4, None)
+    assert sent == []
+    hook, sent, _, clock = state(["progress", "completed"], progress_every_s=5.0)
+    for step in (1, 2, 3):
+        hook.progressed(step, 10, 1.0)
+        clock.now += 1.0
+    assert [json.loads(d.body)["data"]["step"] for d in sent] == [1]
+    clock.now += 5.0
+    hook.progressed(5, 10, 0.5)
+    hook.progressed(10, 10, 0.0)  # the last step's news is the end's
+    assert [json.loads(d.body)["data"]["step"] for d in sent] == [1, 5]
+    assert sent[0].status == "dropped" and sent[0].max_attempts == 1  # superseded, unsent
+    assert json.loads(sent[1].body)["type"] == "generation.progress"
+
+
+def test_the_view_holds_the_latest_progress_and_the_end_only() -> None:
+    hook, sent, _, clock = state(["progress", "completed"], progress_every_s=1.0)
+    for step in range(1, 50):
+        hook.progressed(step, 100, None)
+        clock.now += 2.0
+    hook.ended(record_of(), protocol.done("r1", total=100, elapsed_s=1.0))
+    view = hook.view()
+    assert view["url"] == HOOK and view["events"] == ["progress", "completed"]
+    assert [d["event"] for d in view["deliveries"]] == ["progress", "completed"]
+    assert view["deliveries"][1] == {
+        "event": "completed", "webhook_id": sent[-1].webhook_id, "attempts": 0, "status": "pending",
+        "response_status": None, "last_error": None,
+    }
+
+
+def test_a_delivery_settles_once_and_releases_its_request_once() -> None:
+    hook, sent, book, _ = state()
+    hook.ended(record_of(), protocol.done("r1", total=4, elapsed_s=0.1))
+    sent[0].settle("failed", "HTTP 500")
+    sent[0].settle("delivered")
+    assert (sent[0].status, sent[0].last_error, book.held) == ("failed", "HTTP 500", 0)
+
+
+def test_the_backoff_doubles_up_to_its_cap() -> None:
+    assert [backoff_s(n, first_s=1.0, max_s=5.0) for n in range(1, 6)] == [1.0, 2.0, 4.0, 5.0, 5.0]
