@@ -9,6 +9,7 @@
 from __future__ import annotations
 
 from . import device, models, preview
+from .checkpoint import Checkpoint
 from .config import timeout
 from .engine import (
     Engine,
@@ -21,6 +22,7 @@ from .engine import (
     Health,
 )
 from .errors import (
+    CheckpointError,
     EngineClosedError,
     EngineDeadError,
     EngineError,
@@ -73,6 +75,8 @@ __all__ = [
     "EngineClosedError",
     "LifecycleError",
     "UnsupportedBackendError",
+    "Checkpoint",
+    "CheckpointError",
     "seed_param",
 ]
 

@@ -24,6 +24,9 @@
     ├── ServerFailedError            a task of the server failed, so it shut down; __cause__ is why
     ├── UnsupportedBackendError (RuntimeError)  used under an async library it does not run on:
     │                            the client and the server need asyncio (trio is refused)
+    ├── CheckpointError (ValueError)  a request's state cannot be saved or restored: the model
+    │                            cannot snapshot it, or a checkpoint is torn, tampered with, of
+    │                            an unknown format or for another model
     ├── OutboxOverflowError          server: a client stopped reading and its outbox went over
     │                                a bound (.limit); the server disconnects it
     └── ClientError                  om.client: the server or the connection ended a call
@@ -78,6 +81,7 @@ __all__ = [
     "EngineClosedError",
     "ServerFailedError",
     "UnsupportedBackendError",
+    "CheckpointError",
     "OutboxOverflowError",
     "ClientError",
     "ConnectError",
@@ -286,6 +290,18 @@ class UnsupportedBackendError(OmniStreamError, RuntimeError):
     The engine runs on anyio's asyncio (uvloop included) and trio backends;
     the client (websockets' asyncio client) and the server (uvicorn) on
     asyncio only. A RuntimeError, as what they raised there before.
+    """
+
+
+class CheckpointError(OmniStreamError, ValueError):
+    """A request's state cannot be saved or restored (``omni_stream.checkpoint``).
+
+    Raised by ``StepModel.snapshot`` for a request whose state cannot be
+    captured exactly (callback mode, a sampler whose noise lives outside
+    the request's generator), by ``Checkpoint.from_bytes`` for bytes that
+    are torn, tampered with or of an unknown format version, and by
+    ``StepModel.restore`` for a checkpoint of another model or of a state
+    format it does not read. A ValueError: the data is what is wrong.
     """
 
 

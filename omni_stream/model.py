@@ -80,6 +80,22 @@ meanwhile, and requests with nothing to prepare do not queue behind it. It must 
 thread-safe against the producer (which may be building or using the same
 buffers) and leave what it built ready for ``start`` (on a CUDA device:
 synchronised). Raising fails that request alone (StepFailedError, step 0).
+
+Snapshot and restore (optional): a model whose ``can_snapshot(params)`` is
+true for a request (event loop, cheap; the default is False) can turn that
+request's state, between two steps, into a :class:`~omni_stream.checkpoint.Checkpoint`
+with ``snapshot(state)`` (host tensors and JSON values; the state is not
+changed and goes on stepping) and back into a state on any device with
+``restore(checkpoint, device)``; the steps after a restore give the frames
+the uninterrupted request would have given, bit for bit on the same device
+and torch thread count. Both run on the producer thread; both raise
+:class:`~omni_stream.errors.CheckpointError` (snapshot: for a state it cannot
+capture exactly; restore: for a checkpoint of another model, of a state
+format it does not read, or whose params it no longer takes).
+``restored_params(checkpoint)`` gives the checked params a restored request
+runs with (for ``batch_key`` and ``total_steps``); a restored state is closed
+with ``close`` like any other. A model without these (callback mode, a
+``from_generator`` model) is never paused, and restarts from step 0.
 """
 
 from __future__ import annotations
@@ -90,7 +106,8 @@ from typing import Any, Protocol, cast, runtime_checkable
 
 import torch
 
-from .errors import ParamsError, StepFailedError
+from .checkpoint import Checkpoint
+from .errors import CheckpointError, ParamsError, StepFailedError
 from .params import Param, positive_int, validate
 
 __all__ = [
@@ -250,6 +267,79 @@ class StepModel(abc.ABC):
         ``total_steps`` or returning after fewer fails the request.
         """
         raise NotImplementedError(f"{type(self).__name__} sets runs_whole_requests but has no run()")
+
+    # -- snapshot and restore (optional; see the module docstring) -------------
+
+    #: The layout of the state in this model's checkpoints (``Checkpoint.format``);
+    #: a model raises it when it changes what ``snapshot`` writes.
+    snapshot_format: int = 1
+
+    @property
+    def snapshot_kind(self) -> str:
+        """What ``Checkpoint.model`` says for this model; ``restore`` refuses a checkpoint of another."""
+        return type(self).__name__
+
+    def can_snapshot(self, params: Mapping[str, Any]) -> bool:
+        """Whether ``snapshot`` can capture a request with these checked params (event loop, cheap).
+
+        The default: no. Such a request is never paused and, after a crash,
+        restarts from step 0.
+        """
+        return False
+
+    def snapshot(self, state: Any) -> Checkpoint:
+        """The request's state between two steps as a Checkpoint (producer thread); ``state`` is unchanged.
+
+        Raises CheckpointError where the model cannot capture it exactly (the default: always).
+        """
+        raise CheckpointError(f"{self.name} cannot snapshot a request's state")
+
+    def restore(self, checkpoint: Checkpoint, device: torch.device) -> Any:
+        """A state on ``device`` that goes on from ``checkpoint`` (producer thread).
+
+        Raises CheckpointError for a checkpoint this model cannot restore (the default: any).
+        """
+        raise CheckpointError(f"{self.name} cannot restore a request's state")
+
+    def restored_params(self, checkpoint: Checkpoint) -> dict[str, Any]:
+        """The checked params a request restored from ``checkpoint`` runs with.
+
+        The checkpoint's params checked again by ``validate`` (with the
+        ``output`` param the engine adds), so a checkpoint whose params this
+        model no longer takes (a LoRA not loaded, a sampler gone) is refused
+        before any state is built. Raises CheckpointError for a checkpoint of
+        another kind of model (``snapshot_kind``), of another state format
+        (``snapshot_format``), with params ``validate`` rejects, or whose step
+        count differs from what ``total_steps`` says for them now.
+        """
+        if checkpoint.model != self.snapshot_kind:
+            raise CheckpointError(
+                f"{self.name}: the checkpoint is of a {checkpoint.model!r} model, not {self.snapshot_kind!r}"
+            )
+        if checkpoint.format != self.snapshot_format:
+            raise CheckpointError(
+                f"{self.name}: checkpoint state format {checkpoint.format} is not the one this model "
+                f"reads ({self.snapshot_format})"
+            )
+        raw, output = split_output(self, self._params_from_checkpoint(checkpoint.params))
+        try:
+            params = self.validate(raw)
+            total = self.total_steps(params)
+        except ParamsError as exc:
+            raise CheckpointError(f"{self.name}: the checkpoint's params are refused now: {exc}") from exc
+        if output is not None:
+            params["output"] = output
+        if total != checkpoint.total:
+            raise CheckpointError(
+                f"{self.name}: the checkpoint's request has {checkpoint.total} steps; "
+                f"its params give {total} now"
+            )
+        return params
+
+    def _params_from_checkpoint(self, params: Mapping[str, Any]) -> dict[str, Any]:
+        """``Checkpoint.params`` as ``validate`` takes them (a model whose checked params do not
+        check again as they are converts them back here)."""
+        return dict(params)
 
 
 class GeneratorModel(StepModel):

@@ -30,6 +30,11 @@ builds the default size's, which stays. Mixture is an
 :class:`omni_stream.model.ModelMemory`: ``request_memory_bytes`` is the
 building peak of a bank not cached yet, ``cache_bytes`` and ``trim_cache``
 the banks requests left behind.
+
+Snapshot and restore: a request's state is its ``x_t``, its previous x0
+prediction (dpmpp_2m) and its step index; everything else (the bank, the
+prompt's weights, the schedule, every later step's noise) follows from its
+params and seed, so a restored request goes on bit for bit.
 """
 
 from __future__ import annotations
@@ -43,8 +48,9 @@ from typing import Any, TypeAlias
 
 import torch
 
+from ..checkpoint import Checkpoint, plain_params
 from ..device.heap import trim_heap
-from ..errors import ParamsError
+from ..errors import CheckpointError, ParamsError
 from ..model import StepModel
 from ..params import Param, positive_int, seed_param
 from . import images, samplers
@@ -379,6 +385,7 @@ def _weighted_sum(rq: torch.Tensor, bank: _Bank, used: torch.Tensor | None) -> t
 
 @dataclass
 class _State:
+    params: Mapping[str, Any]  # checked: what a snapshot writes down
     seed: int
     sampler: str
     eta: float
@@ -534,6 +541,7 @@ class Mixture(StepModel):
         seed = int(params["seed"])
         x = _noise(seed, 0, bank.dims)  # the VP state at sigma_max is (almost) N(0, I)
         return _State(
+            params=params,
             seed=seed,
             sampler=sampler,
             eta=samplers.default_eta(sampler) if eta is None else float(eta),
@@ -627,6 +635,51 @@ class Mixture(StepModel):
             x_next.add_(z.to(device).mul_(cn))
             del z
         return list(zip(x_next.unbind(0), x0.unbind(0), frames.unbind(0), strict=True))
+
+    # -- snapshot and restore (omni_stream.model) --------------------------------
+
+    def can_snapshot(self, params: Mapping[str, Any]) -> bool:
+        return True
+
+    def snapshot(self, state: _State) -> Checkpoint:
+        """``x_t``, the previous x0 and the step index; raises CheckpointError for a closed state."""
+        if state.x is None:
+            raise CheckpointError(f"{self.name}: a closed request has no state to snapshot")
+        tensors = {"x": state.x.detach().to("cpu", copy=True)}  # copies: the state goes on stepping
+        if state.x0_prev is not None:
+            tensors["x0_prev"] = state.x0_prev.detach().to("cpu", copy=True)
+        return Checkpoint(
+            model=self.snapshot_kind,
+            format=self.snapshot_format,
+            step=state.step,
+            total=self.total_steps(state.params),
+            params=plain_params(state.params),
+            tensors=tensors,
+        )
+
+    def restore(self, checkpoint: Checkpoint, device: torch.device) -> _State:
+        """The state ``checkpoint`` holds, on ``device``; raises CheckpointError (see StepModel.restore)."""
+        params = self.restored_params(checkpoint)
+        # start rebuilds what the params and seed decide (the bank, the weights,
+        # the schedule); its fresh noise is then replaced by the saved x_t.
+        state = self.start(params, device)
+        for name in checkpoint.tensors:
+            if name not in ("x", "x0_prev"):
+                raise CheckpointError(f"{self.name}: the checkpoint holds an unknown tensor {name!r}")
+        x = checkpoint.tensors.get("x")
+        prev = checkpoint.tensors.get("x0_prev")
+        for name, value in (("x", x), ("x0_prev", prev)):
+            if value is not None and (value.shape != state.x.shape or value.dtype != state.x.dtype):
+                raise CheckpointError(
+                    f"{self.name}: the checkpoint's {name} {tuple(value.shape)} {value.dtype} does not "
+                    f"fit {tuple(state.x.shape)} {state.x.dtype}"
+                )
+        if x is None:
+            raise CheckpointError(f"{self.name}: the checkpoint holds no 'x' tensor")
+        state.x = x.to(device, copy=True)
+        state.x0_prev = None if prev is None else prev.to(device, copy=True)
+        state.step = checkpoint.step
+        return state
 
     def close(self, state: _State) -> None:
         # Drop the tensors now rather than whenever the engine lets go of the state.

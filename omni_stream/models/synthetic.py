@@ -11,6 +11,10 @@ Faults: ``fail_at`` makes that step raise (before any state is touched, as
 the model contract asks); ``hang_at`` with ``hang_s`` blocks the producer
 thread inside that step, the way a wedged kernel would.
 
+Snapshot and restore: a request's state is its frame so far, its load
+operand and its step index (the pattern it relaxes towards is redrawn from
+the seed), so a restored request goes on bit for bit.
+
 Its params are bounded so that one request over the wire cannot take the
 machine: a frame holds at most ``MAX_ELEMENTS`` values, a step at most
 ``MAX_WORK`` rounds, a hang at most ``MAX_HANG_S`` seconds.
@@ -26,7 +30,8 @@ from typing import Any
 
 import torch
 
-from ..errors import ParamsError
+from ..checkpoint import Checkpoint, plain_params
+from ..errors import CheckpointError, ParamsError
 from ..model import StepModel
 from ..params import Param, seed_param
 
@@ -156,6 +161,41 @@ class Synthetic(StepModel):
             frames.append(row)
         return frames
 
+    # -- snapshot and restore (omni_stream.model) --------------------------------
+
+    def can_snapshot(self, params: Mapping[str, Any]) -> bool:
+        return True
+
+    def snapshot(self, state: _State) -> Checkpoint:
+        """The request's frame, load operand and step index; raises CheckpointError for a closed state."""
+        return Checkpoint(
+            model=self.snapshot_kind,
+            format=self.snapshot_format,
+            step=state.step,
+            total=self.total_steps(state.params),
+            params=plain_params(state.params),
+            # Copies: the state goes on stepping, and on the CPU .cpu() would alias it.
+            tensors={"x": _host_copy(state.x), "load": _host_copy(state.load)},
+        )
+
+    def restore(self, checkpoint: Checkpoint, device: torch.device) -> _State:
+        """The state ``checkpoint`` holds, on ``device``; raises CheckpointError (see StepModel.restore)."""
+        params = self.restored_params(checkpoint)
+        state = self.start(params, device)
+        try:
+            x, load = checkpoint.tensors["x"], checkpoint.tensors["load"]
+        except KeyError as exc:
+            raise CheckpointError(f"{self.name}: the checkpoint holds no {exc.args[0]!r} tensor") from None
+        if x.shape != state.x.shape or load.shape != state.load.shape or x.dtype != self.dtype:
+            raise CheckpointError(
+                f"{self.name}: the checkpoint's tensors ({tuple(x.shape)} {x.dtype}) do not fit "
+                f"{tuple(state.x.shape)} {self.dtype}"
+            )
+        state.x = x.to(device=device, copy=True)
+        state.load = load.to(device=device, copy=True)
+        state.step = checkpoint.step
+        return state
+
     def expected_frames(self, params: Mapping[str, Any]) -> list[torch.Tensor]:
         """The frames a solo run must produce, computed on the CPU (for tests)."""
         params = self.validate(params)
@@ -163,3 +203,7 @@ class Synthetic(StepModel):
         quiet = dict(params, fail_at=None, hang_at=None, work=0)
         state.params = quiet
         return [self.step([state])[0].clone() for _ in range(self.total_steps(params))]
+
+
+def _host_copy(tensor: torch.Tensor) -> torch.Tensor:
+    return tensor.detach().to("cpu", copy=True)

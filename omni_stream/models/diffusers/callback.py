@@ -120,6 +120,13 @@ class CallbackDiffusers(Diffusers):
     runs_whole_requests = True
     max_batch_size = 1
 
+    def can_snapshot(self, params: Mapping[str, Any]) -> bool:
+        """Never: the request's state lives inside ``pipe(...)``'s own loop, out of reach between steps.
+
+        Its requests are not paused, and after a crash restart from step 0.
+        """
+        return False
+
     def __init__(
         self,
         pipe: Any,

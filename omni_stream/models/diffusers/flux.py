@@ -73,6 +73,7 @@ class FluxDiffusers(FlowDiffusers[_FluxConditioning]):
     preview_decoder: str | None = "flux"
     takes_negative_prompt = False
     label = "Flux"
+    conditioning_type = _FluxConditioning
 
     @staticmethod
     def fits(pipe: Any) -> bool:

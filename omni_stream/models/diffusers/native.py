@@ -20,6 +20,15 @@ model outputs of multistep solvers). Every request gets its own scheduler,
 its own latents and its own CPU generator; the denoiser, VAE and text
 encoders are only ever read.
 
+Snapshot and restore (``StepModel.snapshot``): a request's state is its
+latents, its generator's state, its conditioning tensors (kept, not encoded
+again: exact, and no text encoder runs on restore) and what its scheduler
+changed since ``set_timesteps`` (:mod:`.scheduler_state`). Restore builds a
+fresh scheduler the way ``start`` does and sets those back, so the steps
+after it are the uninterrupted request's, bit for bit. Requests on a
+scheduler whose noise lies outside the generator
+(:data:`.samplers.UNCAPTURED_NOISE`) are declined.
+
 An adapter (:mod:`.unet`, :mod:`.sd3`, :mod:`.flux`) keeps only what its
 pipeline does differently, in the hooks marked "the adapter's" below: how
 its denoiser and scheduler are checked, how prompts are encoded, how the
@@ -32,13 +41,14 @@ from __future__ import annotations
 import abc
 from collections.abc import Hashable, Mapping, Sequence
 from dataclasses import dataclass, field, fields
-from typing import Any, ClassVar, Generic, TypeVar
+from typing import Any, ClassVar, Generic, TypeVar, cast
 
 import torch
 
-from ...errors import ParamsError
+from ...checkpoint import Checkpoint, plain_params
+from ...errors import CheckpointError, ParamsError
 from ...params import Param, images_param, seed_param, square_size
-from . import samplers
+from . import samplers, scheduler_state
 from .base import (
     DEFAULT_MAX_IMAGES,
     INSTALL_HINT,
@@ -168,6 +178,8 @@ class NativeDiffusers(Diffusers, Generic[CondT]):
     #: The samplers a request may name (those of them this diffusers has and
     #: that run this loop are offered; samplers.py).
     sampler_table: tuple[samplers.Sampler, ...] = samplers.NOISE
+    #: The adapter's conditioning class (``restore`` rebuilds one from a checkpoint's tensors).
+    conditioning_type: type[TextConditioning] = TextConditioning
 
     def __init__(
         self,
@@ -485,6 +497,140 @@ class NativeDiffusers(Diffusers, Generic[CondT]):
         state.cond = None
         state.scheduler = None
         state.step_kwargs = {}
+
+    # -- snapshot and restore (omni_stream.model) --------------------------------
+
+    def can_snapshot(self, params: Mapping[str, Any]) -> bool:
+        """True unless the request's scheduler keeps noise outside its generator (UNCAPTURED_NOISE)."""
+        name = self._scheduler_class_name(params.get("sampler", samplers.DEFAULT))
+        return name not in samplers.UNCAPTURED_NOISE
+
+    def _scheduler_class_name(self, sampler: str) -> str:
+        if sampler == samplers.DEFAULT:
+            return self._scheduler_cls.__name__
+        entry = self._samplers.get(sampler)
+        return entry.scheduler if entry is not None else sampler
+
+    def snapshot(self, state: NativeState[CondT]) -> Checkpoint:
+        """The request's latents, generator, conditioning and scheduler state (producer thread).
+
+        ``state`` is not changed. Raises CheckpointError for a closed
+        request, a scheduler in :data:`.samplers.UNCAPTURED_NOISE`, or a
+        scheduler attribute a checkpoint cannot hold.
+        """
+        if state.latents is None or state.cond is None or state.scheduler is None:
+            raise CheckpointError(f"{self.name}: a closed request has no state to snapshot")
+        if not self.can_snapshot(state.params):
+            raise CheckpointError(
+                f"{self.name}: {type(state.scheduler).__name__} draws noise outside the request's "
+                "generator, which a snapshot cannot capture; this request cannot be checkpointed"
+            )
+        with torch.no_grad():
+            fresh = self._fresh_scheduler(state.params, state.latents.device)
+            values, tensors = scheduler_state.capture(state.scheduler, fresh, "scheduler")
+            # Copies: the request goes on stepping (and on the CPU .cpu() would alias it).
+            tensors["latents"] = state.latents.detach().to("cpu", copy=True)
+            tensors["generator"] = state.generator.get_state()
+            cond: dict[str, bool] = {}
+            for f in fields(state.cond):
+                value = getattr(state.cond, f.name)
+                if isinstance(value, torch.Tensor):
+                    tensors[f"cond.{f.name}"] = value.detach().to("cpu", copy=True)
+                elif value is not None:
+                    raise CheckpointError(f"{self.name}: conditioning field {f.name!r} is not a tensor")
+                cond[f.name] = value is not None
+        return Checkpoint(
+            model=self.snapshot_kind,
+            format=self.snapshot_format,
+            step=state.done,
+            total=state.total,
+            params=plain_params(state.params),
+            tensors=tensors,
+            values={"scheduler": values, "cond": cond, "guided": state.guided, "images": state.images},
+        )
+
+    def restore(self, checkpoint: Checkpoint, device: torch.device) -> NativeState[CondT]:
+        """The request ``checkpoint`` holds, on ``device``, ready for its next step (producer thread).
+
+        Raises CheckpointError for a checkpoint of another model or format,
+        with params this model refuses now (a LoRA not loaded), or whose
+        tensors do not fit (another dtype, another layout).
+        """
+        params = self.restored_params(checkpoint)
+        tensors, values = checkpoint.tensors, checkpoint.values
+        images = int(params.get("num_images", 1))
+        guided = self._guided(params)
+        dtype = self._denoiser.dtype
+        try:
+            latents = tensors["latents"]
+            rng = tensors["generator"]
+            cond_fields: Mapping[str, bool] = values["cond"]
+            saved = (bool(values["guided"]), int(values["images"]))
+            with torch.no_grad():
+                scheduler = self._fresh_scheduler(params, device)
+                scheduler_state.apply(scheduler, values["scheduler"], tensors, device)
+                cond_values: dict[str, Any] = {
+                    name: tensors[f"cond.{name}"].to(device, copy=True) if present else None
+                    for name, present in cond_fields.items()
+                }
+                cond = self.conditioning_type(**cond_values)
+            generator = torch.Generator(device="cpu")
+            generator.set_state(rng)
+        except CheckpointError:
+            raise
+        except Exception as exc:  # noqa: BLE001 - a well-formed file of the wrong content
+            raise CheckpointError(
+                f"{self.name}: the checkpoint's state cannot be rebuilt: {exc!r:.200}"
+            ) from exc
+        fits = (
+            saved == (guided, images)
+            and latents.shape[0] == images
+            and latents.dtype == dtype
+            and cond.embeds.dtype == dtype
+        )
+        if not fits:
+            raise CheckpointError(
+                f"{self.name}: the checkpoint's state (latents {tuple(latents.shape)} {latents.dtype}, "
+                f"guided {saved[0]}) does not fit this model ({images} images, {dtype}, guided {guided})"
+            )
+        total = len(scheduler.timesteps)
+        if total != checkpoint.total:
+            raise CheckpointError(
+                f"{self.name}: the checkpoint has {checkpoint.total} steps, its scheduler {total}"
+            )
+        return NativeState(
+            params=params,
+            total=total,
+            scheduler=scheduler,
+            generator=generator,
+            latents=latents.to(device, copy=True),
+            cond=cast(CondT, cond),
+            guided=guided,
+            step_kwargs=self._step_kwargs(params, generator, signature_params(scheduler.step)),
+            done=checkpoint.step,
+            images=images,
+        )
+
+    def _fresh_scheduler(self, params: Mapping[str, Any], device: torch.device) -> Any:
+        """The scheduler ``start`` makes for ``params``: the base a snapshot's state is a difference to."""
+        return self._scheduler(
+            int(params["steps"]), device, int(params["height"]), int(params["width"]),
+            params.get("sampler", samplers.DEFAULT),
+        )
+
+    def _params_from_checkpoint(self, params: Mapping[str, Any]) -> dict[str, Any]:
+        # Checked loras are ((name, scale), ...), written down as [[name, scale], ...];
+        # validate takes the request's form.
+        out = dict(params)
+        loras = out.get("loras")
+        if isinstance(loras, list):
+            try:
+                out["loras"] = [{"name": name, "scale": scale} for name, scale in loras]
+            except (TypeError, ValueError) as exc:
+                raise CheckpointError(
+                    f"{self.name}: the checkpoint's loras are malformed: {loras!r:.100}"
+                ) from exc
+        return out
 
     # -- prompts ----------------------------------------------------------------
 

@@ -28,7 +28,9 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Final
 
-__all__ = ["DEFAULT", "FLOW", "NOISE", "Sampler", "build", "offered", "sampler_names"]
+__all__ = [
+    "DEFAULT", "FLOW", "NOISE", "UNCAPTURED_NOISE", "Sampler", "build", "offered", "sampler_names",
+]
 
 #: The pipeline's own scheduler, as it was loaded (its class and config unchanged).
 DEFAULT: Final = "default"
@@ -85,6 +87,14 @@ FLOW: Final[tuple[Sampler, ...]] = (
     Sampler("heun", "FlowMatchHeunDiscreteScheduler"),
     Sampler("lcm", "FlowMatchLCMScheduler"),
 )
+
+
+#: Scheduler classes whose noise does not come from the request's generator,
+#: so a snapshot cannot capture it and a request on them is never
+#: checkpointed. DPMSolverSDEScheduler (dpmpp_sde) builds a torchsde Brownian
+#: tree on its first step, seeded from the global RNG when its config has no
+#: seed, and keeps it; its answers depend on the tree's cached queries.
+UNCAPTURED_NOISE: Final = frozenset({"DPMSolverSDEScheduler"})
 
 
 def sampler_names(table: Sequence[Sampler]) -> tuple[str, ...]:

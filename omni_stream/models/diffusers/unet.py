@@ -68,6 +68,12 @@ class UNetDiffusers(NativeDiffusers[_UNetConditioning]):
 
     #: "sd" (1.x/2.x) or "sdxl", from the UNet's ``addition_embed_type``.
     family = "sd"
+    conditioning_type = _UNetConditioning
+
+    @property
+    def snapshot_kind(self) -> str:
+        # An SD checkpoint lacks what an SDXL UNet needs (pooled, time ids): the family is part of the kind.
+        return f"{type(self).__name__}/{self.family}"
 
     @staticmethod
     def fits(pipe: Any) -> bool:

@@ -1,0 +1,79 @@
+"""checkpoint.py: a Checkpoint's bytes round-trip, and torn, tampered or unknown bytes raise CheckpointError."""
+
+from __future__ import annotations
+
+import hashlib
+import io
+
+import pytest
+import torch
+
+from omni_stream import checkpoint as ckpt_module
+from omni_stream.checkpoint import Checkpoint, plain_params
+from omni_stream.errors import CheckpointError
+from omni_stream.models import Synthetic
+
+CPU = torch.device("cpu")
+
+
+def synthetic_checkpoint() -> Checkpoint:
+    model = Synthetic()
+    state = model.start(model.validate(dict(steps=4, shape=[2, 2], seed=1)), CPU)
+    model.step([state])
+    return model.snapshot(state)
+
+
+def test_bytes_round_trip_every_field() -> None:
+    checkpoint = Checkpoint(
+        model="m", format=3, step=2, total=5, params={"prompt": "a", "shape": [1, 2]},
+        tensors={"x": torch.arange(6, dtype=torch.float16).view(2, 3)[:, 1:], "g": torch.zeros(3, dtype=torch.uint8)},
+        values={"n": 1, "f": float("inf"), "nested": {"l": [None, True, "s"]}},
+    )
+    back = Checkpoint.from_bytes(checkpoint.to_bytes())
+    assert (back.model, back.format, back.step, back.total) == ("m", 3, 2, 5)
+    assert back.params == checkpoint.params and back.values == checkpoint.values
+    assert back.tensors.keys() == checkpoint.tensors.keys()
+    for name, tensor in checkpoint.tensors.items():
+        assert torch.equal(back.tensors[name], tensor) and back.tensors[name].dtype == tensor.dtype
+    assert checkpoint.nbytes == 4 * 2 + 3
+
+
+def test_a_torn_or_tampered_checkpoint_raises() -> None:
+    data = synthetic_checkpoint().to_bytes()
+    for cut in (0, 10, len(ckpt_module.MAGIC) + 20, len(data) // 2, len(data) - 1):
+        with pytest.raises(CheckpointError):
+            Checkpoint.from_bytes(data[:cut])
+    for at in (len(data) // 2, len(data) - 1, len(ckpt_module.MAGIC) + 4 + 3):
+        flipped = bytearray(data)
+        flipped[at] ^= 0x01
+        with pytest.raises(CheckpointError, match="torn or was modified"):
+            Checkpoint.from_bytes(bytes(flipped))
+    with pytest.raises(CheckpointError, match="not an omni_stream checkpoint"):
+        Checkpoint.from_bytes(b"x" * 100)
+
+
+def test_an_unknown_format_version_raises() -> None:
+    data = ckpt_module._encode(synthetic_checkpoint(), ckpt_module.FILE_VERSION + 1)
+    with pytest.raises(CheckpointError, match="version 2"):
+        Checkpoint.from_bytes(data)
+
+
+def test_a_well_summed_payload_of_the_wrong_shape_raises() -> None:
+    buffer = io.BytesIO()
+    torch.save({"meta": "{}", "tensors": {}}, buffer)
+    head = ckpt_module._VERSION.pack(ckpt_module.FILE_VERSION)
+    data = ckpt_module.MAGIC + head + hashlib.sha256(head + buffer.getvalue()).digest() + buffer.getvalue()
+    with pytest.raises(CheckpointError, match="payload"):
+        Checkpoint.from_bytes(data)
+
+
+def test_a_checkpoint_holds_only_host_tensors_and_json() -> None:
+    with pytest.raises(TypeError, match="tuples"):
+        Checkpoint(model="m", format=1, step=0, total=1, params={"shape": (1, 2)})
+    with pytest.raises(TypeError, match="step"):
+        Checkpoint(model="m", format=1, step=2, total=1, params={})
+    with pytest.raises(TypeError):
+        Checkpoint(model="m", format=1, step=0, total=1, params={}, tensors={"x": [1.0]})  # type: ignore[dict-item]
+    assert plain_params({"shape": (1, 2), "loras": (("ink", 0.5),)}) == {"shape": [1, 2], "loras": [["ink", 0.5]]}
+    with pytest.raises(CheckpointError, match="Tensor"):
+        plain_params({"image": torch.zeros(1)})
