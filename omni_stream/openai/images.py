@@ -183,7 +183,7 @@ def _flag(form: bool, value: Any, param: str) -> bool:
     return value
 
 
-def _form_value(value: Any) -> Any:
+def form_value(value: Any) -> Any:
     """A form field for the model's params: JSON where it reads as JSON (``30``, ``0.5``,
     ``true``, ``[...]``), else the string itself (a prompt)."""
     if not isinstance(value, str):
@@ -243,7 +243,7 @@ def parse_images_request(
     partials = 0
     if obj.get("partial_images") is not None:
         partials = _number(form, obj["partial_images"], "partial_images", low=0, high=MAX_PARTIAL_IMAGES)
-    extra = {k: (_form_value(v) if form else v) for k, v in obj.items() if k not in _OURS | _UNSUPPORTED}
+    extra = {k: (form_value(v) if form else v) for k, v in obj.items() if k not in _OURS | _UNSUPPORTED}
     return ImagesRequest(
         prompt=prompt, n=n, size=size, quality=quality, output_format=output_format,
         output_compression=compression, response_format=response_format,
@@ -278,25 +278,23 @@ def partial_event(
 ) -> dict[str, Any]:
     """``{kind}.partial_image`` (``kind``: ``image_generation`` or ``image_edit``);
     ``image_index`` (ours) says which of ``n`` images it is."""
-    return {
-        "type": f"{kind}.partial_image",
-        "b64_json": base64.b64encode(image).decode("ascii"),
-        "partial_image_index": index,
-        "image_index": image_index,
-        "size": request.size_text,
-        "output_format": request.output_format,
-        "quality": request.quality,
-        "background": "opaque",
-        "created_at": created_at,
-    }
+    event = _event(f"{kind}.partial_image", request, image, image_index=image_index, created_at=created_at)
+    event["partial_image_index"] = index
+    return event
 
 
 def completed_event(
     kind: str, request: ImagesRequest, image: bytes, *, image_index: int, created_at: int
 ) -> dict[str, Any]:
     """``{kind}.completed``: one image of the result (one such event per image)."""
+    return _event(f"{kind}.completed", request, image, image_index=image_index, created_at=created_at)
+
+
+def _event(
+    type: str, request: ImagesRequest, image: bytes, *, image_index: int, created_at: int
+) -> dict[str, Any]:
     return {
-        "type": f"{kind}.completed",
+        "type": type,
         "b64_json": base64.b64encode(image).decode("ascii"),
         "image_index": image_index,
         "size": request.size_text,

@@ -26,7 +26,6 @@ anything else       one of the model's own params (``steps``, ``seed``, ...)
 
 from __future__ import annotations
 
-import json
 import math
 import re
 import uuid
@@ -38,6 +37,7 @@ from ..errors import ParamsError
 from ..model import StepModel
 from ..protocol import Generate
 from .errors import OpenAIError
+from .images import form_value
 
 __all__ = ["DEFAULT_FPS", "VideoRequest", "list_page", "parse_video_request", "video_object"]
 
@@ -134,21 +134,12 @@ def parse_video_request(obj: Mapping[str, Any], *, form: bool = False) -> VideoR
         raise _bad("model", f"model must be a string, got {type(model).__name__}")
     webhook = obj.get("webhook")
     if form and isinstance(webhook, str):
-        webhook = _form_value(webhook)  # a form carries the object as JSON text
+        webhook = form_value(webhook)  # a form carries the object as JSON text
     if webhook is not None and not isinstance(webhook, dict):
         raise _bad("webhook", 'webhook must be an object: {"url": ..., "events": [...]}')
-    extra = {k: (_form_value(v) if form else v) for k, v in obj.items() if k not in _OURS}
+    extra = {k: (form_value(v) if form else v) for k, v in obj.items() if k not in _OURS}
     return VideoRequest(prompt=prompt, seconds=seconds, size=size, model=model or None, extra=extra,
                         webhook=webhook)
-
-
-def _form_value(value: Any) -> Any:
-    if not isinstance(value, str):
-        return value
-    try:
-        return json.loads(value)
-    except ValueError:
-        return value
 
 
 def video_object(

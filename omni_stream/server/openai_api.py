@@ -56,7 +56,7 @@ if TYPE_CHECKING:
     from .asgi import FrontDoor
     from .service import Service
 
-__all__ = ["OpenAIApi", "data_url", "openai_shaped", "read_form"]
+__all__ = ["REFUSALS", "OpenAIApi", "data_url", "error_answer", "openai_shaped", "read_form", "refusal"]
 
 logger = logging.getLogger("omni_stream.server")
 
@@ -64,12 +64,11 @@ logger = logging.getLogger("omni_stream.server")
 _MAX_FORM_FIELDS = 64
 #: The messages that end a request.
 _TERMINAL = frozenset({"done", "cancelled", "error"})
-_GONE = OpenAIError(400, "the client went away before its body arrived", "bad_message")
 #: Our image params an edit's files become.
 _FILE_PARAMS = {"image": "image", "mask": "mask_image"}
 
 
-def _json_error(error: OpenAIError) -> Response:
+def error_answer(error: OpenAIError) -> Response:
     extra = {}
     if error.retry_after_s is not None:
         extra["Retry-After"] = str(max(1, round(error.retry_after_s)))
@@ -79,6 +78,22 @@ def _json_error(error: OpenAIError) -> Response:
 def _from_message_error(exc: MessageError) -> OpenAIError:
     retry = exc.retry_after_s if isinstance(exc, ServerBusyError) else None
     return from_ours(exc.code, exc.message, field=exc.field, retry_after_s=retry)
+
+
+#: What a call of an OpenAI door may be refused with before its request runs.
+REFUSALS = (OpenAIError, MessageError, BodyRefused, ClientDisconnect)
+
+
+def refusal(exc: Exception) -> Response:
+    """One of REFUSALS as OpenAI's error answer: the core's codes mapped, a refused body's
+    status kept, a caller gone before its body arrived a 400."""
+    if isinstance(exc, OpenAIError):
+        return error_answer(exc)
+    if isinstance(exc, MessageError):
+        return error_answer(_from_message_error(exc))
+    if isinstance(exc, BodyRefused):
+        return error_answer(OpenAIError(exc.status, str(exc), exc.code))
+    return error_answer(OpenAIError(400, "the client went away before its body arrived", "bad_message"))
 
 
 def openai_shaped(response: Response) -> Response:
@@ -132,14 +147,8 @@ class OpenAIApi:
                 raise OpenAIError(400, "the body must be a JSON object", "bad_message")
             req = oi.parse_images_request(obj, max_images=MAX_IMAGES)
             return await self._images(request, client, req, kind="image_generation")
-        except OpenAIError as exc:
-            return _json_error(exc)
-        except MessageError as exc:
-            return _json_error(_from_message_error(exc))
-        except BodyRefused as exc:
-            return _json_error(OpenAIError(exc.status, str(exc), exc.code))
-        except ClientDisconnect:
-            return _json_error(_GONE)
+        except REFUSALS as exc:
+            return refusal(exc)
 
     async def image_edits(self, request: Request, client: Client) -> Response:
         """``POST /v1/images/edits`` (a multipart form: ``image``, ``mask``, the fields)."""
@@ -165,14 +174,8 @@ class OpenAIApi:
                                   param="image")
             req = oi.ImagesRequest(**{**_fields(req), "extra": {**req.extra, **images}})
             return await self._images(request, client, req, kind="image_edit")
-        except OpenAIError as exc:
-            return _json_error(exc)
-        except MessageError as exc:
-            return _json_error(_from_message_error(exc))
-        except BodyRefused as exc:
-            return _json_error(OpenAIError(exc.status, str(exc), exc.code))
-        except ClientDisconnect:
-            return _json_error(_GONE)
+        except REFUSALS as exc:
+            return refusal(exc)
 
     # -- one images request --------------------------------------------------------------
 
@@ -201,7 +204,7 @@ class OpenAIApi:
             if not await self._wait(request, record.wait_ended):
                 return Response(status_code=499)  # nobody reads it; the request goes on
             if record.outcome != "done":
-                return _json_error(_ended_error(record, record.terminal_message() or {}))
+                return error_answer(_ended_error(record, record.terminal_message() or {}))
             base = str(request.base_url).rstrip("/") + str(request.scope.get("root_path", ""))
             output = f"{base}/v1/generations/{record.id}/output"
             urls: list[bytes | str] = [f"{output}?index={i}" for i in range(record.result_count)]
@@ -230,7 +233,7 @@ class OpenAIApi:
             # disconnect), as a websocket's does; nobody reads this answer.
             return Response(status_code=499)
         if terminal.get("type") != "done":
-            return _json_error(_ended_error(record, terminal))
+            return error_answer(_ended_error(record, terminal))
         return responses.json_response(200, oi.images_response(req, images, created=created))
 
     async def _wait(self, request: Request, until: Callable[[], Awaitable[None]]) -> bool:

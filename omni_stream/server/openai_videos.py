@@ -22,7 +22,7 @@ from typing import TYPE_CHECKING, Any
 
 import anyio
 import anyio.to_thread
-from starlette.requests import ClientDisconnect, Request
+from starlette.requests import Request
 from starlette.responses import Response
 
 from .. import protocol
@@ -32,8 +32,8 @@ from ..errors import MessageError
 from ..openai import videos as ov
 from ..openai.errors import OpenAIError, from_ours
 from . import responses
-from .bodies import BodyRefused, read_body
-from .openai_api import _from_message_error, _json_error, data_url, read_form
+from .bodies import read_body
+from .openai_api import REFUSALS, data_url, error_answer, read_form, refusal
 
 if TYPE_CHECKING:
     from .asgi import FrontDoor
@@ -42,7 +42,6 @@ if TYPE_CHECKING:
 __all__ = ["OpenAIVideos"]
 
 _FILES = {"input_reference": "image"}
-_GONE = OpenAIError(400, "the client went away before its body arrived", "bad_message")
 
 
 @dataclass(frozen=True, slots=True)
@@ -102,14 +101,8 @@ class OpenAIVideos:
             assert isinstance(prepared, protocol.Generate)
             msg = prepared
             record = self._service.rules.generate(client, msg)
-        except OpenAIError as exc:
-            return _json_error(exc)
-        except MessageError as exc:
-            return _json_error(_from_message_error(exc))
-        except BodyRefused as exc:
-            return _json_error(OpenAIError(exc.status, str(exc), exc.code))
-        except ClientDisconnect:
-            return _json_error(_GONE)
+        except REFUSALS as exc:
+            return refusal(exc)
         self._prune()
         size = f"{req.size[0]}x{req.size[1]}" if req.size is not None else _size_of(msg.params, model)
         self._jobs[record.id] = _Job(
@@ -133,14 +126,14 @@ class OpenAIVideos:
             return found
         variant = request.query_params.get("variant", "video")
         if variant not in ("video", "thumbnail"):
-            return _json_error(OpenAIError(
+            return error_answer(OpenAIError(
                 400, f"variant {variant[:20]!r} is not served here: video or thumbnail", "unsupported",
                 param="variant",
             ))
         result = found.result(0)
         if result is None:
             status = self._status(found)
-            return _json_error(OpenAIError(
+            return error_answer(OpenAIError(
                 409, f"video {found.id} is {status}: its content exists once it is completed", "not_ready"
             ))
         header, data = result
@@ -153,7 +146,7 @@ class OpenAIVideos:
         try:
             still = await anyio.to_thread.run_sync(_thumbnail, bytes(data), header.format)
         except ValueError as exc:
-            return _json_error(OpenAIError(400, str(exc), "unsupported", param="variant"))
+            return error_answer(OpenAIError(400, str(exc), "unsupported", param="variant"))
         return Response(still, media_type="image/webp")
 
     async def listing(self, request: Request, client: Client) -> Response:
@@ -175,7 +168,7 @@ class OpenAIVideos:
                 order=request.query_params.get("order", "desc"),
             )
         except OpenAIError as exc:
-            return _json_error(exc)
+            return error_answer(exc)
         return responses.json_response(200, page)
 
     async def delete(self, request: Request, client: Client) -> Response:
@@ -199,7 +192,7 @@ class OpenAIVideos:
         job = self._jobs.get(video_id)
         record: RequestRecord | None = self._service.registry.get(video_id) if job is not None else None
         if job is None or record is None or job.principal != client.principal.key:
-            return _json_error(OpenAIError(404, f"no video {protocol.clip(video_id)!r} (unknown, expired, "
+            return error_answer(OpenAIError(404, f"no video {protocol.clip(video_id)!r} (unknown, expired, "
                                            "deleted or not yours)", "not_found", param="video_id"))
         return record
 

@@ -34,6 +34,8 @@ from omni_stream.integrations.ray_serve import ModelCard, RemoteEngine, build_ap
 from omni_stream.models import Synthetic  # noqa: E402
 from omni_stream.server import Server  # noqa: E402
 
+from ..server.test_models import Wide  # noqa: E402
+
 from ..server.conftest import check_stream, send, until_end  # noqa: E402
 
 pytestmark = pytest.mark.ray
@@ -42,17 +44,6 @@ ASYNCIO = pytest.mark.asyncio(loop_factories=["asyncio"])
 
 APP = "models"
 P: dict[str, Any] = {"steps": 3, "shape": [3, 8, 8], "work": 0, "seed": 5}
-
-
-class Wide(Synthetic):
-    """Another model: frames twice as wide, so a result tells which model made it."""
-
-    name = "wide"
-
-    def validate(self, params):  # type: ignore[no-untyped-def]
-        out = super().validate(params)
-        out["shape"] = [out["shape"][0], out["shape"][1], 2 * out["shape"][2]]
-        return out
 
 
 @pytest.fixture(scope="module")

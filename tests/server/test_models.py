@@ -87,25 +87,15 @@ def test_wide_makes_wider_frames() -> None:
 def test_omni_stream_serve_serves_several_named_models_with_max_loaded() -> None:
     # The real command line, in its own process: `serve --model NAME=SPEC` twice, --max-loaded 1.
     import json
-    import os
     import signal
-    import subprocess
-    import sys
     import urllib.request
 
     from websockets.sync.client import connect as sync_connect
 
-    from .test_serve import ROOT, _lines, _wait_line
+    from .test_serve import _wait_line, omni_stream_serve
 
-    env = {**os.environ, "PYTHONUNBUFFERED": "1", "PYTHONPATH": ROOT}
-    proc = subprocess.Popen(
-        [sys.executable, "-m", "omni_stream.cli", "serve", "--model", "a=synthetic", "--model", "b=synthetic",
-         "--max-loaded", "1", "--port", "0", "--device", "cpu"],
-        stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env, cwd=ROOT,
-    )
-    try:
-        lines = _lines(proc)
-        url = _wait_line(lines, r"listening on (http://127\.0\.0\.1:\d+) \(models a, b\)").group(1)
+    args = ("--model", "a=synthetic", "--model", "b=synthetic", "--max-loaded", "1", "--device", "cpu")
+    with omni_stream_serve(*args) as (proc, lines, url):
         kinds = {}
         with sync_connect(url.replace("http", "ws") + "/ws", open_timeout=20) as ws:
             for rid, model in (("first", "b"), ("second", "a"), ("third", "a")):
@@ -121,10 +111,6 @@ def test_omni_stream_serve_serves_several_named_models_with_max_loaded() -> None
         _wait_line(lines, r"model b unloaded")
         proc.send_signal(signal.SIGTERM)
         assert proc.wait(timeout=60) == 0
-    finally:
-        if proc.poll() is None:
-            proc.kill()
-            proc.wait()
     # Each model loads when first named; "third" finds a loaded and says no `loading`.
     assert kinds["first"][:2] == ["accepted", "loading"] and kinds["first"][-1] == "done"
     assert kinds["second"][:2] == ["accepted", "loading"] and kinds["second"][-1] == "done"

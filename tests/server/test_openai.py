@@ -165,27 +165,16 @@ async def test_every_refusal_is_the_sdks_own_exception_in_openais_shape() -> Non
 
 def test_the_openai_sdk_against_a_real_omni_stream_serve(tmp_path: Any) -> None:
     # The command users run, in its own process: the sync SDK generates, streams and lists.
-    import os
     import signal
-    import subprocess
-    import sys
 
-    from .test_serve import ROOT, _lines, _wait_line
+    from .test_serve import omni_stream_serve
 
     with one_torch_thread():
         pipe = sd.text_sd_pipe(tmp_path)
         pipe.save_pretrained(tmp_path / "sd")
         expected = pipe(prompt="a red cat", num_inference_steps=3, height=32, width=32, num_images_per_prompt=2,
                         generator=torch.Generator().manual_seed(9), output_type="pil").images
-    env = {**os.environ, "PYTHONUNBUFFERED": "1", "PYTHONPATH": ROOT}
-    proc = subprocess.Popen(
-        [sys.executable, "-m", "omni_stream.cli", "serve", "--model", f"sd=diffusers:{tmp_path / 'sd'}", "--port", "0",
-         "--device", "cpu"],
-        stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env, cwd=ROOT,
-    )
-    try:
-        lines = _lines(proc)
-        url = _wait_line(lines, r"listening on (http://127\.0\.0\.1:\d+)", timeout=120).group(1)
+    with omni_stream_serve("--model", f"sd=diffusers:{tmp_path / 'sd'}", "--device", "cpu") as (proc, _, url):
         client = openai.OpenAI(base_url=url + "/v1", api_key="unused", max_retries=0, timeout=120)
         made = client.images.generate(prompt="a red cat", n=2, size="32x32", model="sd",
                                       extra_body={"steps": 3, "seed": 9})
@@ -196,10 +185,6 @@ def test_the_openai_sdk_against_a_real_omni_stream_serve(tmp_path: Any) -> None:
             client.images.generate(prompt="a red cat", n=9)  # over the server's max_images (4)
         proc.send_signal(signal.SIGTERM)
         assert proc.wait(timeout=60) == 0
-    finally:
-        if proc.poll() is None:
-            proc.kill()
-            proc.wait()
     assert [pixels(base64.b64decode(d.b64_json)) for d in made.data] == [i.tobytes() for i in expected]
     assert [e.type for e in events] == ["image_generation.partial_image", "image_generation.completed"]
     assert pixels(base64.b64decode(events[-1].b64_json)) == expected[0].tobytes()

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import json
 import logging
 import os
@@ -14,7 +15,7 @@ import threading
 import time
 import urllib.error
 import urllib.request
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from typing import Any
 
 import anyio
@@ -59,6 +60,33 @@ def _wait_line(lines: queue.Queue[str], pattern: str, timeout: float = 60.0) -> 
         if match := re.search(pattern, line):
             return match
     raise AssertionError(f"no line matching {pattern!r} in:\n{''.join(seen)}")
+
+
+@contextlib.contextmanager
+def omni_stream_serve(
+    *args: str, env: dict[str, str | None] | None = None, listen_timeout: float = 120.0
+) -> Iterator[tuple[subprocess.Popen[str], queue.Queue[str], str]]:
+    """A real ``omni-stream serve --port 0 ARGS...`` in its own process: (the process, its output
+    lines, its URL) once it listens; killed on the way out if the test did not stop it. ``env``:
+    variables to set, or to unset (None)."""
+    environ = {**os.environ, "PYTHONUNBUFFERED": "1", "PYTHONPATH": ROOT}
+    for name, value in (env or {}).items():
+        if value is None:
+            environ.pop(name, None)
+        else:
+            environ[name] = value
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "omni_stream.cli", "serve", "--port", "0", *args],
+        stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=environ, cwd=ROOT,
+    )
+    try:
+        lines = _lines(proc)
+        url = _wait_line(lines, r"listening on (http://127\.0\.0\.1:\d+)", timeout=listen_timeout).group(1)
+        yield proc, lines, url
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
 
 
 @pytest.mark.parametrize("signum", [signal.SIGTERM, signal.SIGINT])

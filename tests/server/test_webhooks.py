@@ -274,21 +274,14 @@ async def test_a_delivery_still_pending_at_shutdown_is_dropped_with_a_log_line(
 
 def test_omni_stream_serve_delivers_with_its_webhook_options() -> None:
     # The real command line, in its own process: --webhook-allow and --webhook-secret.
-    from .test_serve import ROOT, _lines, _wait_line
+    from .test_serve import omni_stream_serve
 
     with receiver(200) as hook:
-        env = {**os.environ, "PYTHONUNBUFFERED": "1", "PYTHONPATH": ROOT}
-        env.pop("OMNI_STREAM_WEBHOOK_SECRET", None)
-        env.pop("OMNI_STREAM_WEBHOOK_ALLOW", None)
-        proc = subprocess.Popen(
-            [sys.executable, "-m", "omni_stream.cli", "serve", "--model", "synthetic", "--port", "0",
-             "--device", "cpu", "--webhook-allow", hook.url + "/hooks/*", "--webhook-allow",
-             "https://hooks.example.com/*", "--webhook-secret", SECRET],
-            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env, cwd=ROOT,
-        )
-        try:
-            lines = _lines(proc)
-            url = _wait_line(lines, r"listening on (http://127\.0\.0\.1:\d+)").group(1)
+        args = ("--model", "synthetic", "--device", "cpu", "--webhook-allow", hook.url + "/hooks/*",
+                "--webhook-allow", "https://hooks.example.com/*", "--webhook-secret", SECRET)
+        # Only the command line configures it: not the variables of whoever runs the tests.
+        env: dict[str, str | None] = {"OMNI_STREAM_WEBHOOK_SECRET": None, "OMNI_STREAM_WEBHOOK_ALLOW": None}
+        with omni_stream_serve(*args, env=env) as (proc, _, url):
             body = json.dumps({"id": "cli", "params": {**SMALL, "steps": 2},
                                "webhook": {"url": hook.url + "/hooks/cli"}}).encode()
             request = urllib.request.Request(url + "/v1/generations?wait=true", data=body, method="POST")
@@ -299,10 +292,6 @@ def test_omni_stream_serve_delivers_with_its_webhook_options() -> None:
                 time.sleep(0.05)
             proc.send_signal(signal.SIGTERM)
             assert proc.wait(timeout=60) == 0
-        finally:
-            if proc.poll() is None:
-                proc.kill()
-                proc.wait()
     [got] = hook.got
     payload = got.verified()
     assert (payload["type"], payload["data"]["id"], payload["data"]["status"]) == (
