@@ -34,6 +34,7 @@ from .errors import (
     RequestError,
     StepFailedError,
     StepTimeoutError,
+    StoreError,
     UnsupportedBackendError,
 )
 from .frame import Frame, StepTimings
@@ -77,6 +78,7 @@ __all__ = [
     "UnsupportedBackendError",
     "Checkpoint",
     "CheckpointError",
+    "StoreError",
     "seed_param",
 ]
 

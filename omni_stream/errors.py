@@ -27,6 +27,9 @@
     ├── CheckpointError (ValueError)  a request's state cannot be saved or restored: the model
     │                            cannot snapshot it, or a checkpoint is torn, tampered with, of
     │                            an unknown format or for another model
+    ├── StoreError                   the state directory (omni_stream.store) cannot be opened,
+    │                                read or written: a newer schema, another process holds it,
+    │                                a damaged database, a disk full or failing; __cause__ is why
     ├── OutboxOverflowError          server: a client stopped reading and its outbox went over
     │                                a bound (.limit); the server disconnects it
     └── ClientError                  om.client: the server or the connection ended a call
@@ -82,6 +85,7 @@ __all__ = [
     "ServerFailedError",
     "UnsupportedBackendError",
     "CheckpointError",
+    "StoreError",
     "OutboxOverflowError",
     "ClientError",
     "ConnectError",
@@ -217,7 +221,8 @@ class LifecycleError(OmniStreamError, RuntimeError):
     """Used in the wrong state: started twice, or used before it started or after it closed.
 
     Raised by an Engine (as EngineClosedError), an EngineGroup, a Server and
-    a Client (see ``omni_stream.lifecycle``).
+    a Client (see ``omni_stream.lifecycle``), and by a Store
+    (``omni_stream.store``) used after ``close``.
     """
 
 
@@ -302,6 +307,18 @@ class CheckpointError(OmniStreamError, ValueError):
     are torn, tampered with or of an unknown format version, and by
     ``StepModel.restore`` for a checkpoint of another model or of a state
     format it does not read. A ValueError: the data is what is wrong.
+    """
+
+
+class StoreError(OmniStreamError):
+    """The state directory cannot be opened, read or written (``omni_stream.store``).
+
+    Its message names the folder and says what to do. Raised by
+    ``Store.open`` for a database of a newer schema version, one that is
+    damaged, or a folder another process holds; by any store method for an
+    OSError or a SQLite error (a full or failing disk), which is its
+    ``__cause__``. Bad data in a checkpoint or a result file is not an
+    error: the store reports it as missing and logs a warning.
     """
 
 
