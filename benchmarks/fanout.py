@@ -64,7 +64,13 @@ STUCK_VS_NAIVE_TARGET = Target(">=", 3.0)
 
 
 class StampedSynthetic(om.models.Synthetic):
-    """Synthetic that records when each (seed, step) finished computing (``time.perf_counter``)."""
+    """Synthetic that records when each (seed, step) finished computing (``time.perf_counter``).
+
+    It takes a ``prompt`` (unused) so that the OpenAI door, which always sends
+    one, can drive it too.
+    """
+
+    params = (*om.models.Synthetic.params, om.Param("prompt", "str", "", "unused: the OpenAI door sends one"))
 
     def __init__(self) -> None:
         super().__init__()
@@ -212,6 +218,8 @@ async def run(ctx: Context) -> list[Figure]:
             "sse_post": sampler("ours", None, "sse_post"),
             "sse_reading": sampler("ours", "reading", "sse"),
             "sse_stuck": sampler("ours", "stuck", "sse"),
+            # OpenAI's Images API, streamed: a partial image (JPEG, full size) at every step.
+            "openai": sampler("ours", None, "openai"),
         },
         reps,
     )
@@ -384,6 +392,23 @@ async def run(ctx: Context) -> list[Figure]:
             "ours",
             "sse",
             limits_sse,
+        ),
+        fig(
+            "fanout.openai_partials.fps_vs_ws",
+            m("openai", "fps") / m("ours", "fps"),
+            "ours",
+            "openai",
+            "POST /v1/images/generations with stream and partial_images = steps - 1: a partial image "
+            "(the step's JPEG preview, base64 in JSON) at every step but the last, then the completed "
+            "image; " + limits_sse,
+        ),
+        fig(
+            "fanout.openai_partials.p99_vs_ws",
+            m("openai", "p99_ms") / m("ours", "p99_ms"),
+            "ours",
+            "openai",
+            "step completion to the client's parse of its partial image, against the websocket's "
+            f"preview (p99 {m('openai', 'p99_ms'):.0f} against {m('ours', 'p99_ms'):.0f} ms); " + limits_sse,
         ),
         fig(
             "fanout.sse_post.fps_vs_ws",

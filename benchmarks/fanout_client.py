@@ -4,7 +4,9 @@ The clients speak the websocket protocol (``transport: "ws"``, the
 default), or read Server-Sent Events as an ``EventSource`` does
 (``"sse"``: ``POST /v1/generations``, then ``GET`` its ``events`` URL on
 the same kept-alive connection; ``"sse_post"``: one ``POST`` with
-``Accept: text/event-stream`` answered with the events), over raw asyncio
+``Accept: text/event-stream`` answered with the events; ``"openai"``: one
+``POST /v1/images/generations`` with ``stream`` and ``partial_images``,
+answered with OpenAI's image events), over raw asyncio
 streams: HTTP/1.1, chunked transfer decoding, the SSE line format.
 
 Why a separate process: on a 2-core machine, 100 clients parsing frames in
@@ -206,13 +208,36 @@ async def _read_sse(
             if extra == "reading" and stop.is_set():
                 return "reading", now
             continue
+        if event == "image_generation.partial_image":
+            # OpenAI's partial image i is the preview of step every * (i + 1)
+            # (omni_stream/openai/images.py); here every = 1.
+            frames.append((int(json.loads(data)["partial_image_index"]) + 1, now, size))
+            continue
+        if event == "image_generation.completed":
+            frames.append((int(cfg_steps(headers)), now, size))
+            return "done", now
         if event in ("done", "cancelled", "error"):
             return event, now
     return "closed by the server", time.perf_counter()
 
 
+def cfg_steps(headers: dict[str, str]) -> int:
+    """The request's step count, which the OpenAI stream's completed event does not carry."""
+    return int(headers["x-bench-steps"])
+
+
 async def _start_sse(http: _Http, cfg: dict[str, Any], body: dict[str, Any]) -> dict[str, str]:
     """Start a generation; returns the headers of its event stream's response."""
+    if cfg["transport"] == "openai":
+        # The OpenAI door: one POST, partial images as SSE (every step but the last).
+        params = dict(body["params"])
+        steps = int(params["steps"])
+        openai = {"prompt": "fanout", "stream": True, "partial_images": steps - 1, "output_format": "jpeg",
+                  **params}
+        status, headers = await http.request("POST", "/v1/images/generations", json.dumps(openai).encode())
+        if status != 200:
+            raise RuntimeError(f"POST /v1/images/generations: {status} {(await http.read_all(headers))[:200]!r}")
+        return {**headers, "x-bench-steps": str(steps)}
     payload = json.dumps(body).encode()
     if cfg["transport"] == "sse_post":
         status, headers = await http.request(
