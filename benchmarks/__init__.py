@@ -6,6 +6,7 @@ runs it; ``docs/performance.md`` explains each figure. The figures, by name:
 ``limit``      the engine against the same steps in a bare loop (main thread, worker thread)
 ``threads``    where torch compute runs: OpenMP teams in the main and worker threads
 ``naive``      the callback + thread + inline preview pattern users write today, against the engine
+``handover``   the thread-and-queue streaming users write by hand, and a bare worker loop, against the engine
 ``overlap``    per-step time on a simulated accelerator against max(compute, copy)
 ``batching``   16 concurrent requests against the same 16 one at a time
 ``loop_lag``   event-loop lag while 64 requests stream
@@ -14,6 +15,7 @@ runs it; ``docs/performance.md`` explains each figure. The figures, by name:
 ``diffusers_stream``  a random SD pipeline streamed (native, callback, TAESD previews) against ``pipe()``
 ``diffusers_batching``  4 and 16 concurrent requests on that pipeline, batched, unbatched, one at a time
 ``diffusers_models``  switching between two models under max_loaded=1; num_images=4 against 4 requests
+``scheduling``  short requests among long ones under round-robin, fcfs and preemptive scheduling
 ``openai_door``  POST /v1/images/generations against POST /v1/generations, the same image; streamed partials
 """
 
@@ -29,6 +31,7 @@ FIGURES: dict[str, str] = {
     "limit": "benchmarks.limit",
     "threads": "benchmarks.threads",
     "naive": "benchmarks.naive",
+    "handover": "benchmarks.handover",
     "overlap": "benchmarks.overlap",
     "batching": "benchmarks.batching",
     "loop_lag": "benchmarks.loop_lag",
@@ -38,4 +41,5 @@ FIGURES: dict[str, str] = {
     "diffusers_batching": "benchmarks.diffusers_batching",
     "diffusers_models": "benchmarks.diffusers_models",
     "openai_door": "benchmarks.openai_door",
+    "scheduling": "benchmarks.scheduling",
 }

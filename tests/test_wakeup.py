@@ -113,3 +113,29 @@ async def test_the_event_is_the_loops_own_and_its_kind_is_asked_once(anyio_backe
         assert kinds == {trio.Event}
     else:
         assert kinds == {asyncio.Event}
+
+
+async def test_a_timed_wait_returns_after_its_timeout_and_leaves_the_next_wait_waiting(anyio_backend) -> None:
+    wakeup = Wakeup()
+    with anyio.fail_after(5):
+        await wakeup.wait(0.01)  # returns as a wake would: nothing changed, the caller checks
+    # The timer woke only that wait: a stale set event would make this return at once.
+    with anyio.move_on_after(0.05) as scope:
+        await wakeup.wait()
+    assert scope.cancelled_caught
+
+
+async def test_a_wake_ends_a_timed_wait_before_its_timeout(anyio_backend) -> None:
+    wakeup = Wakeup()
+    woken = anyio.Event()
+
+    async def waiter() -> None:
+        await wakeup.wait(60)
+        woken.set()
+
+    with anyio.fail_after(5):
+        async with anyio.create_task_group() as tg:
+            tg.start_soon(waiter)
+            await anyio.wait_all_tasks_blocked()
+            wakeup.wake()
+            await woken.wait()

@@ -1,4 +1,4 @@
-"""The engine: a producer thread, a copier task and a consumer task in one task group."""
+"""The engine: a producer thread and a copier task in one task group, frames dispatched on the loop."""
 
 from __future__ import annotations
 

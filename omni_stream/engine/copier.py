@@ -7,10 +7,13 @@ returns a ticket that keeps the source tensor referenced, because a tensor
 freed while the copy stream still reads it is recycled by the caching
 allocator and the copy would read the next step's data.
 
-``run`` (an event-loop task) takes tickets in the order they were issued,
-waits for their events and hands the owned frames on. Tickets with nothing
-to wait for, arriving while nothing is queued or in progress, are handed on
-directly from the loop callback that receives them (``_receive``). Events
+``post`` (producer thread) hands tickets to the loop through a
+``Handover``: one wake-up of the loop for every ticket posted before it
+came round, not one per step. ``run`` (an event-loop task) takes tickets
+in the order they were issued, waits for their events and hands the owned
+frames on. Tickets with nothing to wait for, arriving while nothing is
+queued or in progress, are handed on directly from the loop callback that
+receives them (``_receive``), with no task switch. Events
 are waited on through ``anyio.to_thread`` with a one-token limiter of our own: waiting
 never blocks the loop and never takes tokens from anyio's shared limiter.
 When every event in a batch has already completed and the bytes are few,
@@ -38,6 +41,7 @@ import anyio
 import torch
 
 from .._backend import ThreadsafeLoop
+from .._handover import Handover
 from .._wakeup import Wakeup
 from ..device import Device, PinnedBufferPool
 from ..device.base import wait_event
@@ -90,11 +94,8 @@ class Copier:
         # Wakes ``run`` for tickets in the inbox or a failed hand-over.
         self._wakeup = Wakeup()
         self._limiter = anyio.CapacityLimiter(1)
-        #: The loop ``post`` schedules onto (asyncio's or trio's:
-        #: ``_backend.running_loop``). Set by ``Engine.start`` before the
-        #: producer thread exists, not by ``run``: trio may run the producer's
-        #: task before this one, and a post could then come first.
-        self.loop: ThreadsafeLoop | None = None
+        # Producer -> loop: ``post`` queues, ``_receive`` gets each batch.
+        self._handover: Handover[CopyTicket] = Handover(self._receive)
         self._deliver: Callable[[list[CopyTicket]], Any] | None = None
         # True from taking a batch off the inbox until it is delivered: later
         # tickets must not overtake it.
@@ -166,11 +167,34 @@ class Copier:
             decode_s=decode_s,
         )
 
+    @property
+    def loop(self) -> ThreadsafeLoop | None:
+        """The loop ``post`` wakes (asyncio's or trio's: ``_backend.running_loop``).
+
+        Set by ``Engine.start`` before the producer thread exists, not by
+        ``run``: trio may run the producer's task before this one, and a
+        post could then come first.
+        """
+        return self._handover.loop
+
+    @loop.setter
+    def loop(self, loop: ThreadsafeLoop | None) -> None:
+        self._handover.loop = loop
+
+    @property
+    def wakeups(self) -> int:
+        """How many times ``post`` has woken the loop (at most once per post)."""
+        return self._handover.wakeups
+
     def post(self, tickets: list[CopyTicket]) -> None:
-        """Hand tickets to the loop in issue order (thread-safe, never blocks)."""
-        loop = self.loop
-        assert loop is not None, "Copier.post before Engine.start()"
-        loop.call_soon_threadsafe(self._receive, tickets)
+        """Hand tickets to the loop in issue order (thread-safe, never blocks).
+
+        The loop is woken only if it has no drain pending: tickets posted
+        while it is busy (a reader's work, another request's frames) ride
+        along with the ones before them, in order. Raises RuntimeError if
+        the loop has finished.
+        """
+        self._handover.post(tickets)
 
     # -- event loop ----------------------------------------------------------
 
@@ -286,6 +310,8 @@ class Copier:
         their buffers are abandoned (a late copy may still write into them).
         """
         stuck = 0
+        # Posted tickets the loop never came round to receive count too.
+        self._inbox.extend(self._handover.take())
         for t in self._inbox:
             lease = t.lease
             if lease is None:

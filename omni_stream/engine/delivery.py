@@ -89,3 +89,12 @@ class Delivery:
             if frame is not None:
                 return frame
             await self._wakeup.wait()
+
+    async def wait(self, timeout: float) -> None:
+        """Wait until a frame is put or the delivery ends, ``timeout`` seconds at most.
+
+        Returns either way, and early when another reader took what came:
+        call :meth:`get_nowait` after. The bound is a timer, not a cancel
+        scope (``Wakeup.wait``): the reader waits once a frame.
+        """
+        await self._wakeup.wait(timeout)

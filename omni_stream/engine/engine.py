@@ -2,13 +2,14 @@
 
 The data path (``docs/design.md`` draws it)::
 
-    producer thread ──tickets──▶ copier task ──frames──▶ consumer task ──▶ Delivery ──▶ FrameStream
-    (model.step, copy issue;     (waits on events,       (OutputProcessor:   (all | latest)  (bounded
-     CPU: the owned copy)         clones, releases;       per-request,                       per step)
+    producer thread ──tickets──▶ copier task ──frames──▶ OutputProcessor.dispatch ──▶ Delivery ──▶ FrameStream
+    (model.step, copy issue;     (waits on events,       (on the loop, in the       (all | latest)  (bounded
+     CPU: the owned copy)         clones, releases;       copier's hand-over:                        per step)
                                   CPU frames skip it)     contained errors)
 
-One anyio task group runs the producer's supervisor, the copier and the
-consumer (``OutputProcessor.consume``). If any of them dies, the engine is
+One anyio task group runs the producer's supervisor and the copier (the
+frames are dispatched where the copier hands them over: no task between
+them, _handover.py). If either dies, the engine is
 dead: every pending and every later request fails at once with
 EngineDeadError and ``check_health`` says so; there is no zombie that
 accepts work and runs none.
@@ -33,6 +34,7 @@ import anyio
 import torch
 
 from .._backend import ThreadsafeLoop, running_loop
+from ..checkpoint import Checkpoint
 from ..config import (
     STEP_TIMEOUT_ENV,
     TORCH_THREADS_ENV,
@@ -55,11 +57,12 @@ from ..model import StepModel
 from ..params import positive_int
 from .copier import Copier
 from .delivery import Delivery
-from .intake import CheckedRequest, already_running, as_params_error, check_request, check_request_id
+from .intake import CheckedRequest, already_running, as_params_error, check_checkpointed, check_request_id
 from .like import final_frame
 from .output_processor import OutputProcessor
 from .producer import Producer
 from .request import Request, Status
+from .scheduler import check_policy
 from .stats import EngineStatistics, Health
 from .stream import FrameStream
 from .table import Limits, RequestTable
@@ -81,8 +84,12 @@ class Engine:
     ``shutdown_timeout`` (seconds ``aclose`` waits for a step stuck on the
     device); ``torch_threads`` (torch threads
     of the producer on CPU devices; default ``OMNI_STREAM_TORCH_THREADS``,
-    else from the core count: ``config.default_torch_threads``). Bad options
-    raise ParamsError.
+    else from the core count: ``config.default_torch_threads``);
+    ``scheduling`` ("preemptive", the default: the shortest remaining work
+    first, aged, with ``quantum`` rounds (default 1) a running request keeps
+    its place; "round-robin"; "fcfs": engine/scheduler.py; the default was
+    chosen from ``python -m benchmarks --only scheduling``, docs/performance.md).
+    Bad options raise ParamsError.
     Enter and leave the engine from the same task.
 
     ``model`` is a StepModel, or a callable returning one: then it is called
@@ -106,6 +113,8 @@ class Engine:
         frame_dtype: torch.dtype | None = None,
         shutdown_timeout: float = 10.0,
         torch_threads: int | None = None,
+        scheduling: str = "preemptive",
+        quantum: int = 1,
     ) -> None:
         factory: Callable[[], StepModel] | None = None
         if not isinstance(model, StepModel):
@@ -120,6 +129,8 @@ class Engine:
             max_batch_size=positive_int(max_batch_size, "max_batch_size"),
             max_run_ahead=positive_int(max_run_ahead, "max_run_ahead"),
             queue_size=positive_int(queue_size, "queue_size"),
+            scheduling=check_policy(scheduling),
+            quantum=positive_int(quantum, "quantum"),
         )
         if max_buffers is None:
             max_buffers = max(16, 2 * limits.max_batch_size * limits.max_run_ahead)
@@ -219,7 +230,6 @@ class Engine:
         self._tg = anyio.create_task_group()
         await self._tg.__aenter__()
         self._tg.start_soon(self._supervised, "copier", self._copier.run, self._output.copied.extend)
-        self._tg.start_soon(self._supervised, "consumer", self._output.consume)
         self._tg.start_soon(self._supervised, "producer", self._run_producer)
         # Let the tasks start (the producer thread with them) before returning.
         # The copier's loop is bound above, not in its task: trio runs new
@@ -432,6 +442,9 @@ class Engine:
         timeout: float | None = None,
         preview_every: int | None = None,
         priority: int = 0,
+        resume: Checkpoint | None = None,
+        checkpoint_every: int | None = None,
+        on_checkpoint: Callable[[str, Checkpoint], None] | None = None,
     ) -> FrameStream:
         """Submit a request; returns its frames as an async iterator.
 
@@ -447,8 +460,19 @@ class Engine:
         if it has one (``StepModel.decode_preview``, e.g. a tiny VAE), turns
         the frame into pixels on the producer's device. None decodes none.
 
+        ``resume``: start from this checkpoint (``model.restore``; its params
+        are the checkpoint's, ``params`` is not read): the frames continue at
+        ``resume.step + 1``. ``checkpoint_every`` N with ``on_checkpoint``:
+        every N steps (not after the last) the producer snapshots the request
+        and calls ``on_checkpoint(request_id, checkpoint)`` on its thread: it
+        must hand the checkpoint off and return (serialise and write it
+        elsewhere). Both need a model that can snapshot the request
+        (``model.can_snapshot``; docs/models.md).
+
         Raises ParamsError (bad params, request_id, policy, timeout,
         preview_every, priority or a duplicate request_id; engine/intake.py),
+        CheckpointError (a checkpoint the model refuses, or checkpoints asked
+        of a model that cannot make them),
         EngineDeadError or EngineClosedError at once. Iterating raises
         StepFailedError, StepTimeoutError, RequestCancelledError,
         EngineDeadError or EngineClosedError.
@@ -457,14 +481,22 @@ class Engine:
         # Before the rest: a closed engine says so whatever the params, and
         # a model still being built has nothing to check them against.
         self._check_open(request_id)
+        checked = check_checkpointed(
+            self.model, params, resume=resume, checkpoint_every=checkpoint_every, request_id=request_id,
+            policy=policy, timeout=timeout, preview_every=preview_every, priority=priority,
+        )
         return self.submit(
-            check_request(
-                self.model, params, request_id=request_id, policy=policy, timeout=timeout,
-                preview_every=preview_every, priority=priority,
-            )
+            checked, resume=resume, checkpoint_every=checkpoint_every, on_checkpoint=on_checkpoint
         )
 
-    def submit(self, request: CheckedRequest) -> FrameStream:
+    def submit(
+        self,
+        request: CheckedRequest,
+        *,
+        resume: Checkpoint | None = None,
+        checkpoint_every: int | None = None,
+        on_checkpoint: Callable[[str, Checkpoint], None] | None = None,
+    ) -> FrameStream:
         """Submit a request ``check_request`` passed; returns its frames as ``stream`` does.
 
         For a front that checks requests once for several engines (an
@@ -494,6 +526,9 @@ class Engine:
                 # Its wait ages from here (the producer counts rounds under this lock).
                 arrival_round=self._producer._seq,
                 delivery=Delivery(request.policy),
+                resume_from=resume,
+                checkpoint_every=checkpoint_every,
+                on_checkpoint=on_checkpoint,
             )
             if _needs_prepare(self._model, request.params):
                 # Not runnable until the model prepared it, in a worker thread:
@@ -580,6 +615,55 @@ class Engine:
 
     def _cancel_request(self, r: Request) -> bool:
         return self._output.end(r, Status.CANCELLED, RequestCancelledError("cancelled", request_id=r.id))
+
+    # -- pause and resume ----------------------------------------------------------
+
+    def pause(self, request_id: str, *, to_host: bool = False) -> bool:
+        """Pause a request between two steps; True if it was running and not paused already.
+
+        A paused request is not runnable and holds no batch place: the step
+        it is in (if any) completes, and no next one starts until
+        :meth:`resume`. Its state stays on the device, or with ``to_host``
+        moves to host memory (a checkpoint, ``model.snapshot``) and comes
+        back when it runs again (a model that cannot snapshot keeps it on the
+        device). The per-step timeout does not count paused time. Resumed,
+        its frames and result equal an uninterrupted run's. Safe from any thread.
+        """
+        r = self._by_id.get(request_id)
+        if r is None or r.finalized:
+            return False
+        with self._table.cond:
+            if r.paused or r.status.ended:
+                return False
+            r.paused = True
+            r.paused_since = self._table.clock()
+            r.to_host = bool(to_host) and self.model.can_snapshot(r.params)
+            self._table.wake_producer()  # it may have the state to move
+        return True
+
+    def resume(self, request_id: str) -> bool:
+        """Let a paused request run again; True if it was paused. Safe from any thread."""
+        r = self._by_id.get(request_id)
+        if r is None or r.finalized:
+            return False
+        with self._table.cond:
+            if not r.paused:
+                return False
+            now = self._table.clock()
+            r.paused_s += now - (r.paused_since or now)
+            r.paused = False
+            r.paused_since = None
+            r.to_host = False
+            # Its next step may run now: the wait for it counts from here.
+            r.ready_at = now
+            r.resumed_at = now
+            self._table.wake_producer()
+        return True
+
+    def is_paused(self, request_id: str) -> bool:
+        """Whether the request is paused now."""
+        r = self._by_id.get(request_id)
+        return r is not None and r.paused and not r.finalized
 
     # -- health and statistics -----------------------------------------------------
 

@@ -33,14 +33,18 @@ from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import Any
 
-from ..errors import ParamsError
+from ..checkpoint import Checkpoint
+from ..errors import CheckpointError, ParamsError
 from ..ids import id_problem
 from ..model import StepModel, split_output
 from ..params import positive_int
 from .delivery import POLICIES
 from .scheduler import PRIORITY_MAX, PRIORITY_MIN
 
-__all__ = ["CheckedRequest", "already_running", "as_params_error", "check_request", "check_request_id"]
+__all__ = [
+    "CheckedRequest", "already_running", "as_params_error", "check_checkpointed", "check_request",
+    "check_request_id",
+]
 
 
 @dataclass(frozen=True, slots=True)
@@ -166,3 +170,39 @@ def check_request(
         preview_every=preview_every,
         priority=priority,
     )
+
+
+def check_checkpointed(
+    model: StepModel,
+    params: Mapping[str, Any] | None,
+    *,
+    resume: Checkpoint | None,
+    checkpoint_every: int | None,
+    **options: Any,
+) -> CheckedRequest:
+    """:func:`check_request` for a request that resumes from ``resume`` or is checkpointed every
+    ``checkpoint_every`` steps (``options``: the rest of check_request's keywords).
+
+    A resumed request runs with the checkpoint's params (``params`` is not
+    read) and must make its step count. Raises CheckpointError (a checkpoint
+    the model refuses, or checkpoints of a model or request that cannot be
+    snapshot), ParamsError as check_request does and for a bad
+    ``checkpoint_every``.
+    """
+    request_id = options.get("request_id")
+    if resume is not None:
+        params = model.restored_params(resume)  # CheckpointError: not this model's, or stale
+    checked = check_request(model, params, **options)
+    if resume is not None and checked.total != resume.total:
+        raise CheckpointError(
+            f"the checkpoint is of a {resume.total}-step request; these params make {checked.total} steps",
+            request_id=checked.request_id,
+        )
+    if (resume is not None or checkpoint_every is not None) and not model.can_snapshot(checked.params):
+        raise CheckpointError(
+            f"{model.name} cannot snapshot this request (docs/models.md, 'Snapshot and restore')",
+            request_id=checked.request_id,
+        )
+    if checkpoint_every is not None:
+        positive_int(checkpoint_every, "checkpoint_every", request_id=request_id)
+    return checked

@@ -46,7 +46,9 @@ SERVER_NEEDS: Final = ("model", "max_batch_size", "stream", "cancel", "health")
 #: The keywords of ``stream`` besides ``request_id`` that a server passes
 #: where the engine takes them (docs/configuration.md says what it loses
 #: without each).
-OPTIONAL_STREAM_KEYWORDS: Final = ("policy", "preview_every", "priority", "render", "model")
+OPTIONAL_STREAM_KEYWORDS: Final = (
+    "policy", "preview_every", "priority", "render", "model", "resume", "checkpoint_every", "on_checkpoint",
+)
 
 _METHODS: Final = frozenset({"stream", "cancel", "health"})
 _ABSENT: Final = object()

@@ -3,16 +3,21 @@
 The loop-side half of the data path, between the copier and the readers
 (``docs/design.md`` draws it)::
 
-    copier ──ticket batches──▶ copied (mailbox) ──▶ consume() ──dispatch──▶ Delivery ──▶ FrameStream
-                                                                                      (consumed, abandon,
-                                                                                       step_timeout,
-                                                                                       step_deadline,
-                                                                                       time_out)
+    copier ──ticket batches──▶ copied.extend ──dispatch──▶ Delivery ──▶ FrameStream
+                                                                     (consumed, abandon,
+                                                                      step_timeout,
+                                                                      step_deadline,
+                                                                      time_out)
 
 ``Engine`` (the facade) and every ``FrameStream`` hold the same
 ``OutputProcessor``: the engine feeds it and ends requests through it
 (cancel, shutdown, death); a stream reports what its reader took, gave up
 or timed out on. Neither calls the other's private methods.
+
+Dispatch runs in the call that hands a batch over, on the loop (the
+copier's receiving callback, or its task after a wait for copy events):
+no task of its own, so a frame costs no task switch between the producer's
+wake-up of the loop and its reader's.
 
 Loop-only: every method runs on the event loop except
 ``abandon_threadsafe``, which only schedules ``abandon`` there. What the
@@ -25,11 +30,9 @@ from __future__ import annotations
 
 import contextlib
 import logging
-from collections import deque
 from typing import Protocol
 
 from .._backend import ThreadsafeLoop
-from .._wakeup import Wakeup
 from ..config import STEP_TIMEOUT_ENV, timeout as default_timeout
 from ..errors import OmniStreamError, RequestCancelledError, StepFailedError, StepTimeoutError
 from ..frame import Frame, StepTimings
@@ -53,24 +56,16 @@ class ProducerActivity(Protocol):
     busy_with: tuple[str, ...]
 
 
-class _Mailbox:
-    """An unbounded FIFO of ticket batches from the copier to the consumer task (loop-only)."""
+class _Copied:
+    """The copier's ``deliver`` (``copied.extend``): every batch dispatched at once (loop-only)."""
 
-    def __init__(self) -> None:
-        self._items: deque[list[CopyTicket]] = deque()
-        self._ready = Wakeup()
+    __slots__ = ("_output",)
+
+    def __init__(self, output: OutputProcessor) -> None:
+        self._output = output
 
     def extend(self, tickets: list[CopyTicket]) -> None:
-        self._items.append(tickets)
-        self._ready.wake()
-
-    async def take(self) -> list[list[CopyTicket]]:
-        """Wait for at least one batch; return every batch queued, oldest first."""
-        while not self._items:
-            await self._ready.wait()
-        items = list(self._items)
-        self._items.clear()
-        return items
+        self._output.deliver(tickets)
 
 
 class OutputProcessor:
@@ -90,35 +85,30 @@ class OutputProcessor:
         #: The loop ``abandon_threadsafe`` schedules onto (asyncio's or trio's);
         #: set by ``Engine.start``.
         self.loop: ThreadsafeLoop | None = None
-        # Copier -> consumer, loop-only: the copier's ``deliver`` is
-        # ``copied.extend``. A deque and a Wakeup rather than an anyio memory
-        # stream: it is on the per-frame path, and the stream's checkpoints
-        # and backend look-ups cost tens of microseconds a frame. Its depth is
-        # bounded by max_run_ahead per live request.
-        self.copied = _Mailbox()
+        # Copier -> readers, loop-only: the copier's ``deliver`` is
+        # ``copied.extend``, which dispatches the batch there and then. It
+        # used to queue the batch for a consumer task: one more task switch,
+        # and one more pass of the loop holding the GIL, for every frame.
+        self.copied = _Copied(self)
 
     def set_model(self, model: StepModel) -> None:
         """The model, once built on the producer thread (before any request runs)."""
         self._model = model
 
-    # -- the consumer task: frames to their readers ------------------------------
+    # -- frames to their readers --------------------------------------------------
 
-    async def consume(self) -> None:
-        """Forever: dispatch every copied ticket in order. Raises only if cancelled."""
-        while True:
-            for tickets in await self.copied.take():
-                for t in tickets:
-                    try:
-                        self.dispatch(t)
-                    except Exception as exc:
-                        # Contained: one request's delivery failing ends that
-                        # request, never the consumer (the zombie upstream).
-                        logger.exception("request %s: delivering step %d failed", t.request.id, t.step)
-                        err = OmniStreamError(
-                            f"delivering step {t.step} failed: {exc!r}", request_id=t.request.id
-                        )
-                        err.__cause__ = exc
-                        self.end(t.request, Status.FAILED, err)
+    def deliver(self, tickets: list[CopyTicket]) -> None:
+        """Dispatch every ticket in order; never raises for one request's failure."""
+        for t in tickets:
+            try:
+                self.dispatch(t)
+            except Exception as exc:
+                # Contained: one request's delivery failing ends that request,
+                # never the copier's hand-over (the zombie upstream).
+                logger.exception("request %s: delivering step %d failed", t.request.id, t.step)
+                err = OmniStreamError(f"delivering step {t.step} failed: {exc!r}", request_id=t.request.id)
+                err.__cause__ = exc
+                self.end(t.request, Status.FAILED, err)
 
     def dispatch(self, t: CopyTicket) -> None:
         """One ticket: its frame to the request's Delivery, or its error ends the request."""
@@ -217,7 +207,17 @@ class OutputProcessor:
         running one). Its bound starts when the producer hands ``r`` the
         device (``handed_at``, stamped on the same clock), and None means
         it has not yet: no bound runs.
+
+        A paused request (``Engine.pause``) has no bound while it is paused,
+        and a wait that spans a pause is bounded from the resume.
         """
+        # Read without the lock (a wait's hot path): each is one attribute,
+        # and a stale read only moves the next look by one timer.
+        if r.paused:
+            return None
+        resumed_at = r.resumed_at
+        if resumed_at is not None:
+            waiting_since = max(waiting_since, resumed_at)
         if self._model is None or not self._model.runs_whole_requests:
             return waiting_since + bound
         with self._table.cond:

@@ -70,10 +70,15 @@ class Producer:
         self._copier = copier
         self._table = table
         # Until a built model says otherwise: the engine's option.
-        self._batch_limits = BatchLimits(table.limits.max_batch_size)
+        self._batch_limits = BatchLimits(
+            table.limits.max_batch_size, table.limits.scheduling, table.limits.quantum
+        )
         if model is not None:
             self._batch_limits = self._limits_for(model)
         self._seq = 0
+        # Tickets of the last batch, posted to the loop at the next flush
+        # (see _flush): before any model code runs or the thread waits.
+        self._unposted: list[CopyTicket] = []
         #: monotonic time the running step began, None between steps (read by health).
         self.busy_since: float | None = None
         self.busy_with: tuple[str, ...] = ()
@@ -114,6 +119,9 @@ class Producer:
                     return
                 self._run_batch(batch)
         finally:
+            # Frames computed before a stop or a failure still reach the
+            # copier (it frees their buffers, and readers get them).
+            self._flush()
             # Stopping or dying: every started state is closed here, on this
             # thread, exactly once ("close" is part of the model contract).
             with self._table.cond:
@@ -126,11 +134,13 @@ class Producer:
         limit = min(self._table.limits.max_batch_size, max(1, int(model.max_batch_size)))
         if model.runs_whole_requests:
             limit = 1  # run() takes one request: never start a second that would wait
-        return BatchLimits(limit)
+        return BatchLimits(limit, self._table.limits.scheduling, self._table.limits.quantum)
 
     @contextlib.contextmanager
     def _busy(self, what: tuple[str, ...]) -> Iterator[None]:
         """Mark the thread as inside model code, for health's stall check."""
+        # Model code may run long: what is computed goes to the loop first.
+        self._flush()
         self.busy_with = what
         self.busy_since = time.monotonic()
         try:
@@ -145,9 +155,11 @@ class Producer:
         limits = table.limits
         while True:
             self._retire()
+            self._offload()
             with table.cond:
                 while True:
                     if table.stopping:
+                        self._flush()
                         return None
                     if any(r.status.ended for r in table.live.values()):
                         break  # close and retire ended requests first
@@ -164,10 +176,15 @@ class Producer:
                         # its wait from it rather than guess it afterwards.
                         handed_at = table.clock()
                         for r in batch:
+                            # Consecutive rounds: the preemptive policy's quantum counts them.
+                            r.run_streak = r.run_streak + 1 if r.last_scheduled == self._seq - 1 else 1
                             r.last_scheduled = self._seq
                             r.status = Status.RUNNING
                             r.handed_at = handed_at
                         return batch
+                    # Nothing may run until frames are delivered or read:
+                    # the ones computed must be on their way first.
+                    self._flush()
                     table.producer_waiting = True
                     try:
                         table.cond.wait()
@@ -183,6 +200,31 @@ class Producer:
                 del table.live[r.arrival]
         for r in ended:
             self._close(r)
+
+    def _offload(self) -> None:
+        """Move the state of requests paused ``to_host`` off the device: a checkpoint on the host
+        (``model.snapshot``), the device state closed; the request restores it when it runs again.
+
+        A model that cannot snapshot keeps the state where it is (the pause holds anyway).
+        """
+        with self._table.cond:
+            moving = [
+                r for r in self._table.live.values()
+                if r.paused and r.to_host and r.started and not r.closed and r.state is not None
+            ]
+        for r in moving:
+            try:
+                with self._busy((r.id,)):
+                    checkpoint = self._model.snapshot(r.state)
+                    self._model.close(r.state)
+            except Exception as exc:  # noqa: BLE001 - the pause still holds; the state stays on the device
+                logger.warning("request %s: its paused state stays on the device: %s", r.id, exc)
+                r.to_host = False
+                continue
+            r.state = None
+            r.resume_from = checkpoint
+            r.started = False
+            r.to_host = False
 
     def _close(self, r: Request) -> None:
         if r.started and not r.closed:
@@ -205,7 +247,13 @@ class Producer:
                 if not r.started:
                     try:
                         with self._busy((r.id,)):
-                            r.state = self._model.start(r.params, self._device.torch_device)
+                            device = self._device.torch_device
+                            if r.resume_from is not None:
+                                # From a checkpoint: a restart's, or its own state brought back.
+                                r.state = self._model.restore(r.resume_from, device)
+                                r.resume_from = None
+                            else:
+                                r.state = self._model.start(r.params, device)
                         r.started = True
                     except Exception as start_exc:
                         tickets.append(self._failure(r, start_exc))
@@ -242,6 +290,8 @@ class Producer:
                     tickets.append(self._failure(r, exc))
                     continue
                 tickets.append(ticket)
+                if r.checkpoint_every and n % r.checkpoint_every == 0 and n < r.total:
+                    self._checkpoint(r, n)
         finally:
             # Issued copies must reach the copier whatever happens: it keeps
             # their sources alive until their events complete, then frees
@@ -253,7 +303,37 @@ class Producer:
                         if t.error is None:
                             t.request.issued = t.step
                             t.request.ready_at = now
-                self._copier.post(tickets)
+                self._unposted.extend(tickets)
+
+    def _checkpoint(self, r: Request, step: int) -> None:
+        """A periodic checkpoint of ``r`` after its step, to its ``on_checkpoint`` (which hands it off:
+        serialising and writing it happen elsewhere, off this thread's critical path)."""
+        callback = r.on_checkpoint
+        if callback is None:
+            return
+        try:
+            with self._busy((r.id,)):
+                checkpoint = self._model.snapshot(r.state)
+            callback(r.id, checkpoint)
+        except Exception as exc:  # noqa: BLE001 - a checkpoint is insurance, not the request
+            logger.warning("request %s: no checkpoint at step %d: %s", r.id, step, exc)
+
+    def _flush(self) -> None:
+        """Post the last batch's tickets to the loop (one wake-up for them all).
+
+        Called before any model code runs (``_busy``), before the thread
+        waits, when it stops, and when it dies: never later than the next
+        step begins. Not at the end of the batch: waking the loop there
+        made it take the GIL for the frames' delivery while this thread
+        still had the next batch to choose (tens of microseconds of Python
+        on each side, run by turns, a GIL hand-over each way); posted at
+        the start of the next step, the loop's part overlaps the step. The
+        counters the scheduler reads (``issued``) are set before, under the
+        lock, so backpressure is unchanged.
+        """
+        if self._unposted:
+            tickets, self._unposted = self._unposted, []
+            self._copier.post(tickets)
 
     def _step(
         self, batch: list[Request]

@@ -12,10 +12,13 @@ from __future__ import annotations
 
 import enum
 import time
-from collections.abc import Hashable, Mapping
-from typing import Any
+from collections.abc import Callable, Hashable, Mapping
+from typing import TYPE_CHECKING, Any
 
 from .delivery import Delivery
+
+if TYPE_CHECKING:
+    from ..checkpoint import Checkpoint
 
 __all__ = ["Status", "Request"]
 
@@ -40,10 +43,11 @@ class Request:
         "id", "params", "total", "images", "batch_key", "policy", "timeout", "preview_every", "arrival",
         "priority", "arrival_round", "submitted_at", "delivery",
         # (lock)
-        "status", "issued", "delivered", "consumed", "last_scheduled", "ready_at",
+        "status", "issued", "delivered", "consumed", "last_scheduled", "run_streak", "ready_at",
         "handed_at", "preparing", "started", "closed", "finalized",
+        "paused", "paused_since", "paused_s", "resumed_at", "to_host",
         # (producer)
-        "state",
+        "state", "resume_from", "checkpoint_every", "on_checkpoint",
     )
 
     def __init__(
@@ -60,6 +64,9 @@ class Request:
         priority: int = 0,
         arrival_round: int = 0,
         delivery: Delivery,
+        resume_from: Checkpoint | None = None,
+        checkpoint_every: int | None = None,
+        on_checkpoint: Callable[[str, Checkpoint], None] | None = None,
     ) -> None:
         self.id = request_id
         self.params = params
@@ -81,6 +88,7 @@ class Request:
         self.delivered = 0  # frames that reached the delivery (or were dropped there)
         self.consumed = 0  # frames the reader took, or that "latest" replaced
         self.last_scheduled = -1
+        self.run_streak = 0  # consecutive rounds it ran, up to last_scheduled (scheduler.py)
         self.ready_at = self.submitted_at  # when its next step could first run
         # When the producer last handed it the device (picked it for a batch),
         # on the table's clock; None until it first does. A whole-request
@@ -91,12 +99,35 @@ class Request:
         self.started = False  # model.start() ran (producer)
         self.closed = False  # model.close() ran (producer)
         self.finalized = False  # its outcome was counted and its reader told (loop)
+        #: Paused (Engine.pause): not runnable, holds no batch place; its state
+        #: stays where it is, or goes to host memory with ``to_host``.
+        self.paused = False
+        self.paused_since: float | None = None  # when it was paused, on the table's clock
+        self.paused_s = 0.0  # time paused so far
+        #: When it was last resumed: a reader's wait for a step is bounded from
+        #: no earlier than this (paused time does not count against the timeout).
+        self.resumed_at: float | None = None
+        self.to_host = False  # the producer moves its state to the host (a checkpoint)
         self.state: Any = None
+        #: Start from this checkpoint (model.restore) rather than model.start: a
+        #: request resumed after a restart, or one whose state went to the host.
+        self.resume_from = resume_from
+        if resume_from is not None:
+            # Its first resume_from.step frames were made (and sent) before.
+            self.issued = self.delivered = self.consumed = resume_from.step
+        self.checkpoint_every = checkpoint_every
+        #: Called on the producer thread with each periodic checkpoint: hand it off, never block.
+        self.on_checkpoint = on_checkpoint
 
     @property
     def in_flight(self) -> int:
         """Steps computed whose frames have not reached the delivery yet."""
         return self.issued - self.delivered
+
+    @property
+    def remaining(self) -> int:
+        """Steps it has left to compute (the ``preemptive`` policy ranks by it)."""
+        return self.total - self.issued
 
     @property
     def unconsumed(self) -> int:
@@ -109,7 +140,7 @@ class Request:
         return every is not None and step < self.total and step % every == 0
 
     def runnable(self, *, max_run_ahead: int, queue_size: int) -> bool:
-        if self.status.ended or self.issued >= self.total or self.preparing:
+        if self.status.ended or self.issued >= self.total or self.preparing or self.paused:
             return False
         if self.in_flight >= max_run_ahead:
             return False

@@ -33,7 +33,7 @@ from __future__ import annotations
 import logging
 import time
 import weakref
-from collections.abc import AsyncIterator, Mapping
+from collections.abc import AsyncIterator, Callable, Mapping
 from dataclasses import dataclass
 from types import MappingProxyType, TracebackType
 from typing import Any
@@ -42,6 +42,7 @@ import anyio
 import anyio.abc
 import anyio.to_thread
 
+from ..checkpoint import Checkpoint
 from ..errors import EngineClosedError, EngineDeadError, ParamsError, RequestCancelledError
 from ..frame import Frame
 from ..ids import model_name_problem
@@ -50,7 +51,7 @@ from ..model import StepModel
 from ..params import positive_int
 from .engine import Engine
 from .group import _sum_statistics
-from .intake import CheckedRequest, already_running, check_request, check_request_id
+from .intake import CheckedRequest, already_running, check_checkpointed, check_request_id
 from .like import FrameStreamLike, final_frame
 from .stats import EngineStatistics, Health
 
@@ -95,10 +96,18 @@ class _Slot:
 class RoutedStream:
     """One request's frames from its model's engine, once that model is loaded."""
 
-    def __init__(self, router: ModelRouter, slot: _Slot, request: CheckedRequest) -> None:
+    def __init__(
+        self,
+        router: ModelRouter,
+        slot: _Slot,
+        request: CheckedRequest,
+        *,
+        submit: dict[str, Any] | None = None,
+    ) -> None:
         self._router = router
         self._slot = slot
         self._request = request
+        self._submit = submit or {}  # Engine.submit's checkpoint keywords
         self._inner: FrameStreamLike | None = None
         self._cancelled = False
         self._released = False
@@ -339,8 +348,12 @@ class ModelRouter:
         timeout: float | None = None,
         preview_every: int | None = None,
         priority: int = 0,
+        resume: Checkpoint | None = None,
+        checkpoint_every: int | None = None,
+        on_checkpoint: Callable[[str, Checkpoint], None] | None = None,
     ) -> RoutedStream:
-        """Submit a request to ``model`` (the default when None); returns its frames.
+        """Submit a request to ``model`` (the default when None); returns its frames. ``resume``,
+        ``checkpoint_every`` and ``on_checkpoint`` as ``Engine.stream``'s.
 
         Checked at once against that model (engine/intake.py), whether it is
         loaded or not. Raises ParamsError (field ``model`` for a name that is
@@ -353,11 +366,14 @@ class ModelRouter:
         slot = self._slot(model, request_id)
         if request_id in self._streams:
             raise already_running(request_id)
-        checked = check_request(
-            slot.model, params, request_id=request_id, policy=policy, timeout=timeout,
-            preview_every=preview_every, priority=priority,
+        checked = check_checkpointed(
+            slot.model, params, resume=resume, checkpoint_every=checkpoint_every, request_id=request_id,
+            policy=policy, timeout=timeout, preview_every=preview_every, priority=priority,
         )
-        stream = RoutedStream(self, slot, checked)
+        stream = RoutedStream(
+            self, slot, checked,
+            submit={"resume": resume, "checkpoint_every": checkpoint_every, "on_checkpoint": on_checkpoint},
+        )
         self._streams[request_id] = stream
         return stream
 
@@ -390,6 +406,18 @@ class ModelRouter:
             return engine.cancel(request_id)
         stream._cancel()
         return True
+
+    def pause(self, request_id: str, *, to_host: bool = False) -> bool:
+        """``Engine.pause`` on the engine running the request; False while it waits for its model."""
+        stream = self._streams.get(request_id)
+        engine = None if stream is None or stream._inner is None else stream._slot.engine
+        return engine is not None and engine.pause(request_id, to_host=to_host)
+
+    def resume(self, request_id: str) -> bool:
+        """``Engine.resume`` on the engine running the request."""
+        stream = self._streams.get(request_id)
+        engine = None if stream is None or stream._inner is None else stream._slot.engine
+        return engine is not None and engine.resume(request_id)
 
     def model_of(self, name: str | None) -> StepModel:
         """The model a request naming ``name`` runs on; ParamsError (field ``model``) listing the names."""
@@ -477,7 +505,7 @@ class ModelRouter:
                 raise RequestCancelledError("request cancelled while its model loaded", request_id=request_id)
             if slot.ready:
                 assert slot.engine is not None
-                inner = slot.engine.submit(stream._request)
+                inner = slot.engine.submit(stream._request, **stream._submit)
                 slot.active += 1
                 slot.last_used = time.monotonic()
                 return inner

@@ -13,6 +13,23 @@ of their priorities (at most ``PRIORITY_MAX - PRIORITY_MIN``).
 
 The leader's compatible peers (same ``batch_key``) join it in rank order,
 up to the batch limit. Requests whose key is ``None`` always run alone.
+
+That is the ``round-robin`` policy (``BatchLimits``' default here).
+``BatchLimits.policy`` picks another (``Engine(scheduling=...)``, whose
+default is ``preemptive`` with a quantum of 1: measured best on a mixed
+workload, docs/performance.md "Scheduling policies"):
+
+- ``fcfs``: first come, first served (vLLM-Omni's): by priority, then
+  arrival; the earliest requests hold the batch until they end and the
+  others wait, however short.
+- ``preemptive``: shortest remaining work first, with ageing: a request's
+  rank is its remaining steps less the rounds it has waited since it last
+  ran (so a long request behind a stream of short ones moves up, one step a
+  round, and runs: nothing starves); priority still comes first. A request that
+  just ran keeps its place for ``quantum`` consecutive rounds before a
+  better-ranked one may take it (its state stays where it is: the next
+  round picks it again), so a short request's first step comes within a
+  quantum whatever holds the batch, and batches do not churn every round.
 """
 
 from __future__ import annotations
@@ -25,6 +42,7 @@ from ..params import positive_int
 
 __all__ = [
     "AGE_ROUNDS",
+    "POLICIES",
     "PRIORITY_MAX",
     "PRIORITY_MIN",
     "BatchLimits",
@@ -40,6 +58,8 @@ PRIORITY_MAX: Final = 10
 #: (20 points) still lets the lowest request run within ~160 rounds. At equal
 #: priority the order is the old one (see ``pick_batch``).
 AGE_ROUNDS: Final = 8
+#: The scheduling policies (see the module docstring), the default first.
+POLICIES: Final = ("round-robin", "fcfs", "preemptive")
 
 
 class Schedulable(Protocol):
@@ -66,6 +86,16 @@ class Schedulable(Protocol):
         """The batch sequence number when it arrived: it has waited since then until its first step."""
         ...
 
+    @property
+    def remaining(self) -> int:
+        """Steps it has left to compute (the ``preemptive`` policy's measure of work)."""
+        ...
+
+    @property
+    def run_streak(self) -> int:
+        """Consecutive rounds it has run, up to the last one (0 if it did not run in it)."""
+        ...
+
 
 T = TypeVar("T", bound=Schedulable)
 
@@ -73,9 +103,26 @@ T = TypeVar("T", bound=Schedulable)
 @dataclass(frozen=True, slots=True)
 class BatchLimits:
     max_batch_size: int
+    policy: str = "round-robin"
+    #: ``preemptive``: the rounds a running request keeps its place before a better one takes it.
+    quantum: int = 1
 
     def __post_init__(self) -> None:
         positive_int(self.max_batch_size, "max_batch_size")
+        check_policy(self.policy)
+        positive_int(self.quantum, "quantum")
+
+
+def check_policy(policy: object) -> str:
+    """``policy`` if it is one of POLICIES; ParamsError (field ``scheduling``) naming them."""
+    if policy not in POLICIES:
+        from ..errors import ParamsError
+
+        raise ParamsError(
+            f"scheduling must be one of {', '.join(POLICIES)}, got {str(policy)[:40]!r}", field="scheduling"
+        )
+    assert isinstance(policy, str)
+    return policy
 
 
 def effective_priority(priority: int, waited_rounds: int, *, age_rounds: int = AGE_ROUNDS) -> int:
@@ -114,7 +161,18 @@ def pick_batch(runnable: Iterable[T], limits: BatchLimits, *, now: int | None = 
         waited = oldest[r.priority] if r.last_scheduled < 0 else now - _since(r)
         return (-effective_priority(r.priority, waited), r.last_scheduled, r.arrival)
 
-    ordered = sorted(items, key=order)
+    def first_come(r: T) -> tuple[int, int, int]:
+        return (-r.priority, r.arrival, 0)
+
+    def shortest(r: T) -> tuple[int, int, int]:
+        # Within its quantum a running request keeps its place; the others
+        # rank by remaining work, aged by their wait.
+        keeps = r.last_scheduled == now and 0 < r.run_streak < limits.quantum
+        waited = now - _since(r)
+        return (-r.priority, 0 if keeps else 1, r.remaining - max(0, waited))
+
+    key_of = {"round-robin": order, "fcfs": first_come, "preemptive": shortest}[limits.policy]
+    ordered = sorted(items, key=lambda r: (*key_of(r), r.arrival))
     leader = ordered[0]
     key = leader.batch_key
     if key is None or limits.max_batch_size == 1:

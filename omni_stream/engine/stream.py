@@ -23,8 +23,6 @@ from collections.abc import Mapping
 from types import TracebackType
 from typing import TYPE_CHECKING, Any
 
-import anyio
-
 from ..frame import Frame
 from .request import Request
 
@@ -76,8 +74,10 @@ class FrameStream:
                     left = bound if deadline is None else deadline - output.clock()
                     if left <= 0:
                         raise output.time_out(request, bound)
-                    with anyio.move_on_after(left):
-                        frame = await delivery.get()
+                    # Returns on a put, the end, or after ``left``: a timer,
+                    # not a cancel scope (the reader waits once a frame).
+                    await delivery.wait(left)
+                    frame = delivery.get_nowait()
         except BaseException:
             # The request ended (its error is raised), or the reader itself was
             # cancelled: then nobody will read this request, so abort it.

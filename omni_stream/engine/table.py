@@ -22,6 +22,9 @@ class Limits:
     max_batch_size: int
     max_run_ahead: int
     queue_size: int
+    #: The scheduling policy and the preemptive one's quantum (scheduler.py).
+    scheduling: str = "preemptive"
+    quantum: int = 1
 
 
 @dataclass(eq=False)

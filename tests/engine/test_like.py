@@ -57,7 +57,12 @@ def test_every_member_has_the_protocols_signature(protocol, implementation):
             assert isinstance(getattr(implementation, name), property), name
             continue
         impl = getattr(implementation, name)
-        assert _shape(impl) == _shape(spec), name
+        # The protocol's parameters, in order; an implementation may take more,
+        # as optional keywords only (Engine.stream's resume and checkpoints).
+        shape, wanted = _shape(impl), _shape(spec)
+        assert shape[: len(wanted)] == wanted, name
+        assert all(kind is inspect.Parameter.KEYWORD_ONLY and default is not inspect.Parameter.empty
+                   for _, kind, default in shape[len(wanted):]), name
         assert inspect.iscoroutinefunction(impl) == inspect.iscoroutinefunction(spec), name
 
 
@@ -150,10 +155,11 @@ class _Proxy:
 
 def test_the_keywords_a_server_may_pass_are_read_from_stream():
     engine = om.Engine(om.models.Synthetic(), device="cpu")
-    assert server_stream_keywords(engine) == {"policy", "preview_every", "priority"}
+    takes = {"policy", "preview_every", "priority", "resume", "checkpoint_every", "on_checkpoint"}
+    assert server_stream_keywords(engine) == takes
     assert server_stream_keywords(_Minimal()) == {"policy"}
     assert server_stream_keywords(_TakesAnything()) == set(OPTIONAL_STREAM_KEYWORDS)
-    assert server_stream_keywords(_Proxy(engine)) == {"policy", "preview_every", "priority"}
+    assert server_stream_keywords(_Proxy(engine)) == takes
 
 
 def test_what_a_server_cannot_run_is_named():

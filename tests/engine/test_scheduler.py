@@ -30,6 +30,8 @@ class R:
     arrival: int = 0
     priority: int = 0
     arrival_round: int = 0
+    remaining: int = 10
+    run_streak: int = 0
 
 
 def names(batch: Sequence[R]) -> list[str]:
@@ -225,3 +227,85 @@ def test_a_new_request_runs_next_at_equal_priority_whatever_the_load():
     # ...but takes the age of its own level's oldest, so it is not starved by a fresh level.
     old_low = R(42, now - 200, priority=-1)
     assert pick_batch([*running, old_low], BatchLimits(1), now=now) == [old_low]
+
+
+
+# -- the policies (issue #22) ------------------------------------------------------------
+
+
+def run_policy(pool: list[R], rounds: int, limits: BatchLimits) -> list[list[str]]:
+    """Schedule ``pool`` for ``rounds`` rounds under ``limits``, each run costing a step; the batches."""
+    batches = []
+    for seq in range(1, rounds + 1):
+        live = [r for r in pool if r.remaining > 0]
+        if not live:
+            break
+        batch = pick_batch(live, limits, now=seq - 1)
+        for r in batch:
+            r.run_streak = r.run_streak + 1 if r.last_scheduled == seq - 1 else 1
+            r.last_scheduled = seq
+            r.remaining -= 1
+        batches.append(names(batch))
+    return batches
+
+
+def test_fcfs_runs_the_earliest_to_its_end_before_a_later_short_one() -> None:
+    pool = [R("long", arrival=1, remaining=5), R("short", arrival=2, remaining=1)]
+    assert run_policy(pool, 10, BatchLimits(1, "fcfs")) == [["long"]] * 5 + [["short"]]
+
+
+def test_round_robin_takes_turns() -> None:
+    pool = [R("long", arrival=1, remaining=3), R("short", arrival=2, remaining=1)]
+    assert run_policy(pool, 10, BatchLimits(1, "round-robin")) == [["long"], ["short"], ["long"], ["long"]]
+
+
+def test_preemptive_lets_a_short_request_in_within_a_quantum_and_the_long_one_finishes() -> None:
+    long = R("long", arrival=1, remaining=12)
+    pool = [long]
+    batches = run_policy(pool, 3, BatchLimits(1, "preemptive", quantum=4))  # long runs 3 rounds
+    pool.append(R("short", arrival=2, remaining=2, arrival_round=3))
+    for seq_batch in run_policy_from(pool, 4, 20, BatchLimits(1, "preemptive", quantum=4)):
+        batches.append(seq_batch)
+    # long keeps its place for its 4th round (its quantum), then the short one runs to its end.
+    assert batches[:7] == [["long"]] * 4 + [["short"]] * 2 + [["long"]]
+    assert sum(b == ["long"] for b in batches) == 12  # nothing lost
+
+
+def run_policy_from(pool: list[R], first: int, rounds: int, limits: BatchLimits) -> list[list[str]]:
+    batches = []
+    for seq in range(first, first + rounds):
+        live = [r for r in pool if r.remaining > 0]
+        if not live:
+            break
+        batch = pick_batch(live, limits, now=seq - 1)
+        for r in batch:
+            r.run_streak = r.run_streak + 1 if r.last_scheduled == seq - 1 else 1
+            r.last_scheduled = seq
+            r.remaining -= 1
+        batches.append(names(batch))
+    return batches
+
+
+def test_preemptive_ages_a_long_request_so_a_stream_of_short_ones_cannot_starve_it() -> None:
+    long = R("long", arrival=0, remaining=100, run_streak=0)
+    pool = [long]
+    ran_long = 0
+    for seq in range(1, 400):
+        # A new one-step request arrives every round.
+        pool.append(R(f"s{seq}", arrival=seq, remaining=1, arrival_round=seq - 1))
+        live = [r for r in pool if r.remaining > 0]
+        batch = pick_batch(live, BatchLimits(1, "preemptive", quantum=2), now=seq - 1)
+        for r in batch:
+            r.run_streak = r.run_streak + 1 if r.last_scheduled == seq - 1 else 1
+            r.last_scheduled = seq
+            r.remaining -= 1
+        ran_long += batch[0] is long
+    assert ran_long > 0
+
+
+def test_an_unknown_policy_is_refused_naming_them() -> None:
+    with pytest.raises(om.ParamsError) as info:
+        BatchLimits(1, "lottery")
+    assert info.value.field == "scheduling" and "preemptive" in str(info.value)
+    with pytest.raises(om.ParamsError):
+        om.Engine(Synthetic(), device="cpu", scheduling="sjf")
