@@ -32,7 +32,9 @@ side by side in one run, baseline and engine interleaved:
   call per request), throughput ratio and the largest latent difference;
   and ``model_switch``: two copies of it behind a ``ModelRouter`` with
   ``max_loaded=1``, the load (``pipe.to(device)``) and unload seconds and a
-  request with a switch against one without.
+  request with a switch against one without. For both: ``pause_to_host_ms``,
+  a request's ``model.snapshot`` (to the host) and ``model.restore`` (back)
+  after two steps, and the checkpoint's bytes.
 
 ``--dry-run`` runs the diffusers rows on the CPU with toy sizes (no CUDA
 needed): a check that the code runs, not a measurement.
@@ -459,6 +461,40 @@ def bench_batching(case: dict, device: torch.device, reps: int, count: int = 4) 
             "max_batch_size": models["batched"].max_batch_size, "samples_s": samples}
 
 
+def bench_pause_to_host(case: dict, device: torch.device, reps: int) -> dict:
+    """A request paused to host memory and back (issue #22): ``model.snapshot`` of a request
+    after two steps (its latents, scheduler and conditioning to the host) and ``model.restore``
+    (back to the device), in milliseconds, and the checkpoint's bytes."""
+    from omni_stream.models.diffusers import Diffusers, PromptEmbeddings
+
+    name, pipe, params = case["name"], case["pipe"], case["params"]
+    embeddings = PromptEmbeddings(**case["embeddings"])
+    model = Diffusers(pipe, encode_prompt=lambda p, n: embeddings)
+    checked = model.validate(params)
+    state = model.start(checked, device)
+    for _ in range(2):
+        model.step([state])
+    snap_ms, restore_ms = [], []
+    checkpoint = None
+    for _ in range(max(3, reps)):
+        _sync(device)
+        t0 = time.perf_counter()
+        checkpoint = model.snapshot(state)
+        _sync(device)
+        t1 = time.perf_counter()
+        restored = model.restore(checkpoint, device)
+        _sync(device)
+        t2 = time.perf_counter()
+        model.close(restored)
+        snap_ms.append((t1 - t0) * 1e3)
+        restore_ms.append((t2 - t1) * 1e3)
+    model.close(state)
+    assert checkpoint is not None
+    return {"figure": f"diffusers_{name}_pause_to_host_ms", "value": statistics.median(snap_ms), "target": "-",
+            "snapshot_ms": statistics.median(snap_ms), "restore_ms": statistics.median(restore_ms),
+            "checkpoint_bytes": len(checkpoint.to_bytes())}
+
+
 def bench_model_switch(case: dict, device: torch.device, reps: int) -> dict:
     """Two copies of the pipeline behind a ModelRouter with max_loaded=1: a request on the
     other model waits for this one's unload (``pipe.to("cpu")``) and that one's load
@@ -541,7 +577,9 @@ def _bench_diffusers(args, device: torch.device, rows: list[dict]) -> str:
             rows.append(bench_batching(case, device, 1 if dry else 3))
             # Several models, one on the device at a time: what a switch costs.
             rows.append(bench_model_switch(case, device, 1 if dry else 2))
-        _print_rows(rows[-4:] if name == "sd15" else rows[-2:])
+        # A request paused to the host and back (snapshot / restore).
+        rows.append(bench_pause_to_host(case, device, 1 if dry else 5))
+        _print_rows(rows[-5:] if name == "sd15" else rows[-3:])
         if args.json:
             args.json.write_text(json.dumps({"meta": _meta(device), "figures": rows}, indent=2))
         del case

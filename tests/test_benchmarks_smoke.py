@@ -92,8 +92,10 @@ def test_gpu_bench_diffusers_rows_run_on_the_cpu_at_toy_sizes(tmp_path, capsys):
         "diffusers_sd15_stream_vs_pipe",
         "diffusers_sd15_batched4_vs_unbatched",
         "diffusers_sd15_model_switch",
+        "diffusers_sd15_pause_to_host_ms",
         "diffusers_flux_taesd_on_vs_off",
         "diffusers_flux_stream_vs_pipe",
+        "diffusers_flux_pause_to_host_ms",
     ]
     assert all(math.isfinite(r["value"]) and r["value"] > 0 for r in rows)
     assert "diffusers_flux_taesd_on_vs_off" in capsys.readouterr().out
