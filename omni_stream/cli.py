@@ -689,6 +689,10 @@ def _door_options(args: argparse.Namespace) -> dict[str, Any]:
         out["webhook_secret"] = args.webhook_secret
     if args.webhook_allow:
         out["webhook_allow"] = list(args.webhook_allow)
+    # The state directory's (server/state.py); unset: the environment's, else the defaults.
+    for name in ("state_dir", "checkpoint_every", "checkpoint_seconds", "state_max_bytes"):
+        if getattr(args, name, None) is not None:
+            out[name] = getattr(args, name)
     return out
 
 
@@ -910,6 +914,20 @@ def build_parser() -> argparse.ArgumentParser:
     srv.add_argument("--webhook-secret", metavar="whsec_...", default=None,
                      help="the secret webhooks are signed with, Standard Webhooks' whsec_ base64 form "
                      "(default: $OMNI_STREAM_WEBHOOK_SECRET, else one made up and logged at start)")
+    srv.add_argument("--state-dir", metavar="DIR", default=None,
+                     help="write every accepted request, its checkpoints and its results to DIR, and "
+                     "after a crash or restart resume the unfinished ones and serve the finished ones "
+                     "(default: $OMNI_STREAM_STATE_DIR; none: nothing survives the process; "
+                     "docs/reliability.md, The state directory)")
+    srv.add_argument("--checkpoint-every", type=_positive_int, metavar="N", default=None,
+                     help="with --state-dir: checkpoint a request every N steps, for models that can "
+                     "(default: $OMNI_STREAM_CHECKPOINT_EVERY, else 10)")
+    srv.add_argument("--checkpoint-seconds", type=float, metavar="T", default=None,
+                     help="with --state-dir: write at most one checkpoint every T seconds per request "
+                     "(default: $OMNI_STREAM_CHECKPOINT_SECONDS, else no such floor)")
+    srv.add_argument("--state-max-bytes", type=_positive_int, metavar="BYTES", default=None,
+                     help="with --state-dir: what DIR may hold; the oldest finished requests are "
+                     "deleted to make room (default: $OMNI_STREAM_STATE_MAX_BYTES, else 2 GiB)")
     srv.add_argument("--device", default="auto",
                      help="auto, cpu, cuda, cuda:N or sim; several (cuda:0,cuda:1) or 'all' "
                      "serve one engine group, a model per device")

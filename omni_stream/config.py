@@ -31,6 +31,11 @@ __all__ = [
     "TOKEN_ENV",
     "WEBHOOK_ALLOW_ENV",
     "WEBHOOK_SECRET_ENV",
+    "STATE_DIR_ENV",
+    "CHECKPOINT_EVERY_ENV",
+    "CHECKPOINT_SECONDS_ENV",
+    "STATE_MAX_BYTES_ENV",
+    "state_dir",
     "token",
     "webhook_allow",
     "webhook_secret",
@@ -65,6 +70,15 @@ TOKEN_ENV = "OMNI_STREAM_TOKEN"
 WEBHOOK_SECRET_ENV = "OMNI_STREAM_WEBHOOK_SECRET"
 #: The URL patterns webhooks may call, commas or spaces between them (none: no webhooks).
 WEBHOOK_ALLOW_ENV = "OMNI_STREAM_WEBHOOK_ALLOW"
+
+#: The server's state directory (``serve --state-dir``; unset: nothing survives the process).
+STATE_DIR_ENV = "OMNI_STREAM_STATE_DIR"
+#: Steps between two checkpoints of a request, with a state directory.
+CHECKPOINT_EVERY_ENV = "OMNI_STREAM_CHECKPOINT_EVERY"
+#: The least seconds between two checkpoints written for one request (unset: no such floor).
+CHECKPOINT_SECONDS_ENV = "OMNI_STREAM_CHECKPOINT_SECONDS"
+#: Bytes the state directory may hold (checkpoints, results, recorded messages).
+STATE_MAX_BYTES_ENV = "OMNI_STREAM_STATE_MAX_BYTES"
 
 _warned: set[tuple[str, str]] = set()
 _warned_lock = threading.Lock()
@@ -241,6 +255,11 @@ def webhook_secret() -> str | None:
 def webhook_allow() -> str | None:
     """The webhook URL patterns from ``OMNI_STREAM_WEBHOOK_ALLOW`` as written, or None when unset."""
     return env_str(WEBHOOK_ALLOW_ENV)
+
+
+def state_dir() -> str | None:
+    """The server's state directory from ``OMNI_STREAM_STATE_DIR``, or None when unset or empty."""
+    return env_str(STATE_DIR_ENV)
 
 
 def run(main: Callable[..., Awaitable[T]], *args: Any) -> T:

@@ -341,6 +341,51 @@ class RequestRecord:
             self._budget.release(self._counted)
         self._counted = 0
 
+    @classmethod
+    def restored(
+        cls,
+        accepted: Mapping[str, Any],
+        *,
+        owner: str,
+        principal: str,
+        created_at: float,
+        ended_at: float,
+        terminal: Mapping[str, Any],
+        results: list[bytes],
+        priority: int = 0,
+    ) -> RequestRecord:
+        """An ended, detached record rebuilt from the state directory (server/state.py).
+
+        ``accepted``: the ``accepted`` message the request got (its id, total,
+        preview, output, seed, model); ``terminal``: the message it ended
+        with; ``results``: its packed final frames, in order (none unless it
+        is done). ``attach`` replays ``accepted``, the results and the
+        terminal message, as for a request that ended in this process.
+        Raises KeyError or ValueError for an ``accepted`` without id or total.
+        """
+        output = accepted.get("output")
+        record = cls(
+            str(accepted["id"]),
+            owner=owner,
+            detach=True,  # its client is gone: the id is how anyone gets it back
+            total=int(accepted["total"]),
+            preview=accepted.get("preview") or {},
+            output=output if isinstance(output, Mapping) else None,
+            created_at=created_at,
+            priority=priority,
+            principal=principal,
+            seed=accepted.get("seed"),
+            model=accepted.get("model"),
+        )
+        kind = str(terminal["type"])
+        if kind == "done":
+            record._results = list(results)
+            record.latest_step = record.total
+        record._terminal = (protocol.dumps(dict(terminal)), kind)
+        record.outcome = kind
+        record.ended_at = ended_at
+        return record
+
     def __repr__(self) -> str:
         state = self.outcome or "running"
         return (
@@ -365,6 +410,9 @@ class RequestRegistry:
         self._clock = clock
         self._records: dict[str, RequestRecord] = {}
         self._budget = budget
+        #: Told of every record forgotten (retention over, evicted, discarded, a
+        #: request not detached that ended): the state directory deletes it too.
+        self.on_forget: Callable[[RequestRecord], None] | None = None
         if budget is not None:
             budget.set_retained(self)
 
@@ -511,3 +559,5 @@ class RequestRegistry:
     def _forget(self, record: RequestRecord) -> None:
         del self._records[record.id]
         record.forget()
+        if self.on_forget is not None:
+            self.on_forget(record)

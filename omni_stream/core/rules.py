@@ -33,7 +33,7 @@ from typing import TYPE_CHECKING, Any, Final
 
 from .. import protocol
 from ..engine.like import RendersFrames, missing_stream_members, server_stream_keywords
-from ..errors import EngineError, OmniStreamError, ParamsError, ServerBusyError
+from ..errors import CheckpointError, EngineError, OmniStreamError, ParamsError, ServerBusyError
 from ..model import StepModel
 from ..params import pin_drawn
 from ..preview import PreviewSpec, RenderRequest
@@ -105,6 +105,8 @@ class Admitted:
     #: The priority it carries against other principals' requests (its own,
     #: capped by its principal's grant: Principal.cross_priority).
     cross_priority: int
+    #: Its params as the model checked them (what ``can_snapshot`` is asked about).
+    checked: Mapping[str, Any] = dataclasses.field(default_factory=dict)
 
 
 def _seed_of(checked: Mapping[str, Any]) -> int | None:
@@ -182,6 +184,14 @@ class Rules:
         self.webhooks = webhooks
         self.webhook_book = WebhookBook(webhooks.max_held if webhooks is not None else 0)
         self.on_webhook: Callable[[Delivery], None] | None = None
+        #: The state directory's hooks (server/state.py; None without one): a request
+        #: admitted (to write it down), the keywords its stream gets besides the
+        #: rules' own (checkpoints, a checkpoint to resume from), a checkpoint the
+        #: model refused (the request starts from step 0 instead), a request ended.
+        self.on_admitted: Callable[[Admitted, protocol.Generate], None] | None = None
+        self.stream_options: Callable[[Admitted], Mapping[str, Any]] | None = None
+        self.on_resume_refused: Callable[[RequestRecord, CheckpointError], None] | None = None
+        self.on_finished: Callable[[RequestRecord, dict[str, Any]], None] | None = None
         #: Set by the shell: started (consumers can run), closing (refuse new
         #: work), letting_in (queued requests may still start: the graceful
         #: part of a shutdown), fatal (why the server cannot go on).
@@ -345,6 +355,8 @@ class Rules:
             raise
         record = admitted.record
         self.registry.add(record)
+        if self.on_admitted is not None:
+            self.on_admitted(admitted, msg)
         if record.webhook is not None:
             record.webhook.hold()  # until its terminal delivery settles
         client.owns_attached = client.owns_attached or not record.detach
@@ -515,7 +527,7 @@ class Rules:
         # The engine checks the params again: it must run with the seed drawn
         # here (the one `accepted` reports), not draw a second.
         params = pin_drawn(model.params, msg.params, checked)
-        return Admitted(record, params, spec, output, name, memory, cross)
+        return Admitted(record, params, spec, output, name, memory, cross, checked=checked)
 
     def _open_stream(self, admitted: Admitted) -> FrameStreamLike:
         """Submit an admitted request to the engine; its stream.
@@ -536,16 +548,27 @@ class Rules:
                 # Only to an engine of several models (engine/router.py).
                 "model": admitted.model if len(self.models) > 1 else None,
             }
+            if self.stream_options is not None:
+                wanted.update(self.stream_options(admitted))
             # Only what the engine takes (an engine of one's own may take less).
             options = {k: v for k, v in wanted.items() if k in self.stream_keywords and v is not None}
             # The raw params: the engine validates them itself (the same checks).
-            stream = self.engine.stream(admitted.params, request_id=request_id, **options)
+            try:
+                stream = self.engine.stream(admitted.params, request_id=request_id, **options)
+            except CheckpointError as exc:
+                if options.pop("resume", None) is None:
+                    raise
+                # The model refused the checkpoint it was to resume from (another
+                # model, another version): the request starts over instead.
+                if self.on_resume_refused is not None:
+                    self.on_resume_refused(admitted.record, exc)
+                stream = self.engine.stream(admitted.params, request_id=request_id, **options)
         except ParamsError as exc:
             admitted.memory.release()
             raise protocol.MessageError(
                 "bad_params", exc.message, field=exc.field, request_id=request_id
             ) from None
-        except EngineError as exc:
+        except (EngineError, CheckpointError) as exc:
             admitted.memory.release()
             raise protocol.MessageError("engine_unavailable", exc.message, request_id=request_id) from None
         missing = missing_stream_members(stream)
@@ -649,7 +672,11 @@ class Rules:
         The model's caches may have grown while it ran (memory.py counts them).
         """
         try:
+            ended_before = record.ended
             record.finish(message, now=self.clock())
+            if self.on_finished is not None and not ended_before:
+                # Before the registry forgets it (and its results with it).
+                self.on_finished(record, message)
             self.registry.ended(record)
             self.metrics.requests.labels(record.outcome or "error").inc()
         finally:

@@ -71,7 +71,11 @@ class Server:
     supervisor replaces the process; ``stay_dead=True`` keeps it up instead
     (``/health`` answers 503 ``dead``), for debugging. ``webhook_allow`` and
     ``webhook_secret``: the URLs webhooks may call and their signing secret
-    (docs/webhooks.md; no allow-list, no webhooks).
+    (docs/webhooks.md; no allow-list, no webhooks). ``state_dir``,
+    ``checkpoint_every``, ``checkpoint_seconds``, ``state_max_bytes``: the
+    state directory (server/state.py; docs/reliability.md, "The state
+    directory"), passed with the limits; starting raises StoreError when
+    the folder is in use by another process, damaged or newer.
     """
 
     def __init__(

@@ -74,6 +74,7 @@ from .http_api import HttpApi
 from .openai_api import OpenAIApi, openai_shaped
 from .openai_videos import OpenAIVideos
 from .service import Service
+from .state import StateOptions
 from .websocket import ClientConnection
 
 __all__ = ["FrontDoor", "OmniStreamApp", "create_app"]
@@ -337,6 +338,8 @@ def build_front_door(
             f"a StepModel or a model factory, got {type(engine_or_model).__name__}",
             field="engine_or_model",
         )
+    limits = dict(limits)
+    state = StateOptions.take(limits)  # the state directory's keywords, the rest are limits
     server_limits = ServerLimits.from_env(limits)
     tokens = resolve_tokens(token, tokens_file)
     origins = resolve_origins(allow_origins)
@@ -352,6 +355,7 @@ def build_front_door(
         stay_dead=stay_dead,
         on_fatal=on_fatal,
         webhooks=webhooks,
+        state=state,
     )
     return FrontDoor(
         service, allow_origins=origins, metrics_public=metrics_public, allowed_hosts=hosts,

@@ -43,6 +43,7 @@ from ..errors import EngineDeadError, LifecycleError, OmniStreamError, ParamsErr
 from ..lifecycle import Lifecycle
 from ..preview import Previewer
 from .consumer import stream_request
+from .state import StateKeeper, StateOptions
 
 if TYPE_CHECKING:
     from ..core.records import RequestRecord
@@ -76,8 +77,11 @@ class Service:
     when the engine dies or a task of the service fails, unless
     ``stay_dead``. ``webhooks``: the webhook settings (core/webhooks.py;
     None: every webhook is refused), sent by a :class:`WebhookSender` in the
-    service's task group. Raises TypeError naming what ``engine`` lacks,
-    ParamsError when webhooks are configured without the ``webhooks`` extra.
+    service's task group. ``state``: the state directory's settings
+    (server/state.py; none or no folder: nothing survives the process).
+    Raises TypeError naming what ``engine`` lacks, ParamsError when webhooks
+    are configured without the ``webhooks`` extra; entering it raises
+    StoreError when the state directory cannot be opened.
     """
 
     def __init__(
@@ -91,8 +95,11 @@ class Service:
         stay_dead: bool = False,
         on_fatal: Callable[[OmniStreamError], None] | None = None,
         webhooks: WebhookConfig | None = None,
+        state: StateOptions | None = None,
     ) -> None:
         self.rules = Rules(engine, limits=limits, tokens=tokens, webhooks=webhooks)
+        #: The state directory (requests, checkpoints, results on disk), None without one.
+        self.state = StateKeeper(self.rules, state) if state is not None and state.path is not None else None
         self.rules.on_start = self._start_consumer
         self.webhooks: WebhookSender | None = None
         if webhooks is not None:
@@ -180,13 +187,23 @@ class Service:
         try:
             if self._owns_engine:
                 await stack.enter_async_context(self.engine)
+            if self.state is not None:
+                # Closed after the task group is done: no write is left in flight then.
+                stack.push_async_callback(self.state.close)
             self._tg = await stack.enter_async_context(anyio.create_task_group())
+            self.rules.started = True
+            if self.state is not None:
+                # Before the doors open (a Server listens after this): what the folder
+                # holds is served, and resumed, before any new request is admitted.
+                await self.state.start(self._tg)
         except BaseException:
+            self.rules.started = False
             self._state = Lifecycle.CLOSED
+            if self._tg is not None:
+                self._tg.cancel_scope.cancel()
             await stack.aclose()
             raise
         self._stack = stack
-        self.rules.started = True
         self._tg.start_soon(self._supervised, "retention sweep", self._sweep_retained)
         self._tg.start_soon(self._supervised, "engine watch", self._watch_engine)
         self._tg.start_soon(self._supervised, "file descriptor watch", self._watch_file_descriptors)
@@ -220,6 +237,10 @@ class Service:
             return
         stack, self._stack = self._stack, None
         assert self._tg is not None
+        if self.state is not None:
+            # The ends just recorded reach the disk before the folder closes.
+            with anyio.move_on_after(self.limits.close_timeout_s):
+                await self.state.flush()
         self._tg.cancel_scope.cancel()
         try:
             await stack.aclose()
@@ -483,6 +504,8 @@ class Service:
             for record in self.registry.prune():
                 logger.debug("forgot detached request %s (retention over)", record.id)
             self.rules.rates.sweep(self.rules.clock())
+            if self.state is not None:
+                await self.state.prune()
 
 
 class FdWarning:

@@ -1,0 +1,632 @@
+"""The state directory wired into the server: requests, checkpoints and results that survive it.
+
+:class:`StateKeeper` joins the store (``omni_stream/store/``) to the
+rules (``core/rules.py``) through the rules' hooks, and owns nothing else:
+
+- a request admitted is written down (its ``generate`` message with the
+  drawn seed pinned, its principal, its ``accepted`` message);
+- a model that can snapshot is asked for a checkpoint every
+  ``checkpoint_every`` steps (the engine's ``on_checkpoint``, on the
+  producer thread), the latest of which is written;
+- a request that ends is marked ended with its terminal message, and a
+  detached one's results are written with it (a request that is not
+  detached is forgotten as it ends, and deleted instead);
+- a request the registry forgets (retention over, evicted, a deleted video
+  job) is deleted, so the folder stays bounded by the server's own rules;
+- on start, every request that ended in retention comes back as an ended
+  record that serves its results, and every unfinished one is admitted
+  again, detached, under its id, from its last checkpoint (else step 0).
+
+Who waits on whom: nothing here blocks the event loop or the producer. The
+producer hands a checkpoint over in a dict under a lock and one
+``call_soon_threadsafe``; every disk write (``Checkpoint.to_bytes()``
+included) runs in a worker thread, at most ``_STORE_THREADS`` at once. A
+request's writes go through its own lane, in order (recorded, then
+checkpoints, then its end, then its deletion), and a lane holds at most one
+checkpoint waiting: a newer one replaces it (latest wins), so a slow disk
+costs more redone steps after a crash, never memory or the engine's time.
+"""
+
+from __future__ import annotations
+
+import base64
+import collections
+import contextlib
+import dataclasses
+import functools
+import io
+import json
+import logging
+import math
+import threading
+import time
+from collections.abc import Callable, Mapping
+from pathlib import Path
+from typing import TYPE_CHECKING, Any, Final
+
+import anyio
+import anyio.abc
+import anyio.to_thread
+
+from .. import config, protocol
+from .._backend import ThreadsafeLoop, running_loop
+from ..core.principal import Principal
+from ..core.records import RequestRecord
+from ..core.rules import Admitted, Client
+from ..errors import CheckpointError, LifecycleError, ParamsError, StoreError
+from ..params import positive_int
+from ..store import RequestEntry, Store, StoredResult
+
+if TYPE_CHECKING:
+    from ..checkpoint import Checkpoint
+    from ..core.rules import Rules
+    from ..store import Saved, Status
+
+__all__ = [
+    "DEFAULT_CHECKPOINT_EVERY", "DEFAULT_STATE_MAX_BYTES", "STATE_OPTIONS", "StateKeeper", "StateOptions",
+]
+
+logger = logging.getLogger("omni_stream.server")
+
+#: Steps between two checkpoints: a crash redoes at most this many steps of a request.
+DEFAULT_CHECKPOINT_EVERY: Final = 10
+#: What the folder may hold by default: a few hundred results and checkpoints of a large model.
+DEFAULT_STATE_MAX_BYTES: Final = 2 << 30
+#: The server's keyword arguments that are the state directory's (Server, create_app, serve).
+STATE_OPTIONS: Final = ("state_dir", "checkpoint_every", "checkpoint_seconds", "state_max_bytes")
+#: Store calls at once: two, so one request's slow checkpoint (a few MiB of
+#: conditioning, fsync'ed) does not hold another's result behind it, and
+#: the disk is not asked for more than it gives.
+_STORE_THREADS = 2
+#: The least seconds between two prunes of the store by the retention sweep.
+_PRUNE_EVERY_S = 5.0
+#: The door of a request re-admitted after a restart (its client is gone).
+_RESTART_DOOR = "restart"
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class StateOptions:
+    """The state directory's settings: keyword arguments first, then ``OMNI_STREAM_*`` variables.
+
+    ``path``: the folder (None: nothing is written, nothing survives);
+    ``checkpoint_every``: steps between two checkpoints of a request;
+    ``checkpoint_seconds``: the least seconds between two checkpoints written
+    for one request (None: no floor); ``max_bytes``: what the folder holds.
+    """
+
+    path: Path | None = None
+    checkpoint_every: int = DEFAULT_CHECKPOINT_EVERY
+    checkpoint_seconds: float | None = None
+    max_bytes: int = DEFAULT_STATE_MAX_BYTES
+
+    @classmethod
+    def take(cls, options: dict[str, Any]) -> StateOptions:
+        """Remove :data:`STATE_OPTIONS` from ``options`` (a server's keyword arguments); the settings.
+
+        What ``options`` leaves out comes from the environment, else the
+        defaults (a malformed variable warns once, naming it, and the default
+        applies). Raises ParamsError naming a bad keyword value.
+        """
+        given = {name: options.pop(name) for name in STATE_OPTIONS if name in options}
+        raw_path = given.get("state_dir")
+        if raw_path is None:
+            raw_path = config.state_dir()
+        elif not isinstance(raw_path, (str, Path)) or not str(raw_path).strip():
+            raise ParamsError(f"state_dir must be a folder's path, got {raw_path!r}", field="state_dir")
+        every = given.get("checkpoint_every")
+        if every is None:
+            every = config.env_int(config.CHECKPOINT_EVERY_ENV, DEFAULT_CHECKPOINT_EVERY)
+        every = positive_int(every, "checkpoint_every", env=config.CHECKPOINT_EVERY_ENV)
+        seconds = given.get("checkpoint_seconds")
+        if seconds is None and config.env_str(config.CHECKPOINT_SECONDS_ENV) is not None:
+            seconds = config.env_float(config.CHECKPOINT_SECONDS_ENV, math.inf)
+            seconds = None if math.isinf(seconds) else seconds  # malformed: warned, off
+        if seconds is not None and (
+            isinstance(seconds, bool)
+            or not isinstance(seconds, (int, float))
+            or not math.isfinite(seconds)
+            or seconds <= 0
+        ):
+            raise ParamsError(
+                f"checkpoint_seconds ({config.CHECKPOINT_SECONDS_ENV}) must be a finite number > 0, "
+                f"got {seconds!r}",
+                field="checkpoint_seconds",
+            )
+        max_bytes = given.get("state_max_bytes")
+        if max_bytes is None:
+            max_bytes = config.env_int(config.STATE_MAX_BYTES_ENV, DEFAULT_STATE_MAX_BYTES)
+        max_bytes = positive_int(max_bytes, "state_max_bytes", env=config.STATE_MAX_BYTES_ENV)
+        return cls(
+            path=None if raw_path is None else Path(raw_path).expanduser(),
+            checkpoint_every=every,
+            checkpoint_seconds=None if seconds is None else float(seconds),
+            max_bytes=max_bytes,
+        )
+
+
+@dataclasses.dataclass(eq=False)
+class _Lane:
+    """One request's writes, run in order; at most one checkpoint waiting (latest wins)."""
+
+    ops: collections.deque[Callable[[], None]] = dataclasses.field(default_factory=collections.deque)
+    checkpoint: Checkpoint | None = None
+    running: bool = False
+    #: Its end is queued: a checkpoint arriving now would be refused by the store anyway.
+    ending: bool = False
+    #: Deleted from the store: the lane goes once idle.
+    forgotten: bool = False
+
+    def next(self) -> Callable[[], None] | Checkpoint | None:
+        if self.ops:
+            return self.ops.popleft()
+        checkpoint, self.checkpoint = self.checkpoint, None
+        return checkpoint
+
+
+class StateKeeper:
+    """The state directory's side of a server (see the module docstring).
+
+    Built with the server's :class:`~omni_stream.core.rules.Rules`, whose
+    hooks it sets; :meth:`start` (in the service's task group, once the
+    engine runs) opens the folder and brings back what it holds;
+    :meth:`flush` waits for the writes queued; :meth:`close` closes it.
+    """
+
+    def __init__(self, rules: Rules, options: StateOptions) -> None:
+        if options.path is None:
+            raise ValueError("a StateKeeper needs a folder (StateOptions.path)")
+        self.rules = rules
+        self.options = options
+        self.path = options.path
+        self.store: Store | None = None
+        #: The step of each request's latest checkpoint written in this process.
+        self.checkpoint_steps: dict[str, int] = {}
+        self._limiter = anyio.CapacityLimiter(_STORE_THREADS)
+        self._lanes: dict[str, _Lane] = {}
+        self._busy = 0
+        self._idle: anyio.Event | None = None
+        self._send, self._ready = anyio.create_memory_object_stream[str](math.inf)
+        self._tg: anyio.abc.TaskGroup | None = None
+        self._loop: ThreadsafeLoop | None = None
+        # The producer thread's hand-over: checkpoints not yet taken by the loop,
+        # and when the last one of each request was taken (checkpoint_seconds).
+        self._lock = threading.Lock()
+        self._incoming: dict[str, Checkpoint] = {}
+        self._last_taken: dict[str, float] = {}
+        self._closed = False
+        # Restored requests (already recorded), the checkpoints they resume from,
+        # and the requests a shutdown cancelled, kept running for the next start.
+        self._restoring: set[str] = set()
+        self._resume: dict[str, Checkpoint] = {}
+        self._kept: set[str] = set()
+        self._last_prune = -math.inf
+        take = {"checkpoint_every", "on_checkpoint"}
+        self._takes_checkpoints = take <= rules.stream_keywords
+        rules.on_admitted = self._admitted
+        rules.stream_options = self._stream_options
+        rules.on_resume_refused = self._resume_refused
+        rules.on_finished = self._finished
+        rules.registry.on_forget = self._forgotten
+
+    # -- lifecycle -----------------------------------------------------------------
+
+    async def start(self, tg: anyio.abc.TaskGroup) -> None:
+        """Open the folder (repairing it), serve its finished requests again, resume the others.
+
+        Call it once the rules may admit (the engine runs, ``rules.started``).
+        Raises StoreError when the folder is in use, damaged, or of a newer
+        version (the server does not start: move the folder away).
+        """
+        self._tg = tg
+        self._loop = running_loop()
+        options = self.options
+        self.store = await self._run(
+            functools.partial(
+                Store.open, self.path, max_bytes=options.max_bytes, retention_s=self.rules.limits.retention_s
+            )
+        )
+        tg.start_soon(self._dispatch, name="omni_stream state directory")
+        if not self._takes_checkpoints:
+            logger.warning(
+                "state directory %s: the engine's stream() takes no checkpoint options: requests are "
+                "written down but not checkpointed, and a restart runs them again from step 0",
+                self.path,
+            )
+        restored = await self._restore_finished()
+        resumed = await self._resume_unfinished()
+        logger.info(
+            "state directory %s: %d finished requests served again, %d unfinished resumed "
+            "(checkpoint every %d steps%s, max %d bytes)",
+            self.path, restored, resumed, options.checkpoint_every,
+            f", at most every {options.checkpoint_seconds:g} s" if options.checkpoint_seconds else "",
+            options.max_bytes,
+        )
+
+    async def flush(self) -> None:
+        """Return once every write queued so far is done (a graceful shutdown's last step)."""
+        while self._busy:
+            if self._idle is None:
+                self._idle = anyio.Event()
+            await self._idle.wait()
+
+    async def close(self) -> None:
+        """Stop taking checkpoints and close the folder; idempotent."""
+        with self._lock:
+            self._closed = True
+        self._send.close()
+        store, self.store = self.store, None
+        if store is not None:
+            await anyio.to_thread.run_sync(store.close)
+
+    async def prune(self) -> None:
+        """Delete what ended longer than ``retention_s`` ago (at most every few seconds)."""
+        now = time.monotonic()
+        if self.store is None or now - self._last_prune < _PRUNE_EVERY_S:
+            return
+        self._last_prune = now
+        store = self.store
+        for request_id in await self._guarded("pruning", lambda: store.prune(time.time())) or ():
+            logger.debug("state directory: request %s deleted (retention over)", request_id)
+
+    # -- the rules' hooks (event loop) -------------------------------------------------
+
+    def _admitted(self, admitted: Admitted, msg: protocol.Generate) -> None:
+        record = admitted.record
+        rid = record.id
+        if rid in self._restoring:
+            self._restoring.discard(rid)  # recorded in the run before
+            return
+        principal = record.principal
+        accepted = json.loads(record.accepted_message(attached=False))
+        message: dict[str, Any] = {
+            "type": "generate",
+            "id": rid,
+            "params": admitted.params,  # the drawn seed pinned: a restart renders the same picture
+            "preview": msg.preview,
+            "output": msg.output,
+            "priority": msg.priority,
+            "detach": msg.detach,
+            "model": admitted.model,
+            "webhook": msg.webhook,
+        }
+        created_at = time.time()
+
+        def write() -> None:
+            entry = RequestEntry(
+                rid, principal, admitted.model, {"generate": _wire(message), "accepted": accepted},
+                created_at, record.total, record.seed,
+            )
+            try:
+                saved = self._open_store().record_request(entry)
+            except ValueError as exc:  # params a message cannot carry (an object of one's own)
+                logger.warning("request %s: not written down, it will not survive a restart: %s", rid, exc)
+                return
+            self._saved(rid, saved)
+
+        self._queue(rid, write, "recording the request", new=True)
+
+    def _stream_options(self, admitted: Admitted) -> dict[str, Any]:
+        rid = admitted.record.id
+        options: dict[str, Any] = {}
+        resume = self._resume.pop(rid, None)
+        if resume is not None:
+            if "resume" in self.rules.stream_keywords:
+                options["resume"] = resume
+            else:
+                logger.warning(
+                    "request %s: the engine cannot resume from a checkpoint: it starts again from step 0",
+                    rid,
+                )
+        model = self.rules.models[admitted.model]
+        try:
+            snapshots = self._takes_checkpoints and model.can_snapshot(admitted.checked)
+        except Exception:  # noqa: BLE001 - a model's own hook: no checkpoints rather than no request
+            logger.exception("request %s: %s.can_snapshot failed; not checkpointed", rid, model.name)
+            snapshots = False
+        if snapshots:
+            options["checkpoint_every"] = self.options.checkpoint_every
+            options["on_checkpoint"] = self._on_checkpoint
+        return options
+
+    def _resume_refused(self, record: RequestRecord, exc: CheckpointError) -> None:
+        logger.warning(
+            "request %s: its model refused its checkpoint (%s): it starts again from step 0", record.id, exc
+        )
+        self.checkpoint_steps.pop(record.id, None)
+        rid = record.id
+        self._queue(rid, lambda: self._open_store().discard_checkpoint(rid), "dropping a checkpoint")
+
+    def _finished(self, record: RequestRecord, message: dict[str, Any]) -> None:
+        rid = record.id
+        kind = str(message.get("type"))
+        if kind == "cancelled" and message.get("reason") == "shutdown" and self.rules.closing:
+            # A deploy or a restart, not the client's wish: it stays running in
+            # the folder, and the next start resumes it from its checkpoint.
+            self._kept.add(rid)
+            return
+        if not record.detach:
+            return  # forgotten now (registry.ended), and deleted then
+        lane = self._lanes.get(rid)
+        if lane is not None:
+            lane.ending = True
+            lane.checkpoint = None
+        ended_at = time.time()
+        results = [record.result(i) for i in range(record.result_count)]
+        if kind == "done" and results:
+            stored = [
+                StoredResult(
+                    header.step, header.format, header.mime, header.width, header.height, data,
+                    index=header.index, images=header.images,
+                )
+                for header, data in (r for r in results if r is not None)
+            ]
+            self._queue(
+                rid,
+                lambda: self._saved(
+                    rid, self._open_store().save_results(rid, stored, ended_at=ended_at, terminal=message)
+                ),
+                "writing the results",
+            )
+            return
+        status: Status = "done" if kind == "done" else "cancelled" if kind == "cancelled" else "failed"
+        self._queue(
+            rid, lambda: self._open_store().mark_ended(rid, status, ended_at, terminal=message),
+            "recording the end",
+        )
+
+    def _forgotten(self, record: RequestRecord) -> None:
+        rid = record.id
+        if rid in self._kept:
+            return  # resumed by the next start
+        self.checkpoint_steps.pop(rid, None)
+        self._queue(rid, lambda: self._open_store().delete(rid), "deleting a request")
+        lane = self._lanes.get(rid)
+        if lane is not None:
+            lane.forgotten = True
+            lane.checkpoint = None
+
+    # -- checkpoints: the producer thread hands them over --------------------------------
+
+    def _on_checkpoint(self, request_id: str, checkpoint: Checkpoint) -> None:
+        """The engine's ``on_checkpoint`` (producer thread): hand it to the loop, never wait."""
+        now = time.monotonic()
+        seconds = self.options.checkpoint_seconds
+        with self._lock:
+            if self._closed or self._loop is None:
+                return
+            last = self._last_taken.get(request_id)
+            if seconds is not None and last is not None and now - last < seconds:
+                return  # too soon after the last one taken (checkpoint_seconds)
+            self._last_taken[request_id] = now
+            first = request_id not in self._incoming
+            self._incoming[request_id] = checkpoint
+        if first:
+            with contextlib.suppress(RuntimeError):  # the loop is closed: the server is gone
+                self._loop.call_soon_threadsafe(self._take_checkpoint, request_id)
+
+    def _take_checkpoint(self, request_id: str) -> None:
+        # (Event loop: a callback.)
+        with self._lock:
+            checkpoint = self._incoming.pop(request_id, None)
+        lane = self._lanes.get(request_id)
+        if checkpoint is None or lane is None or lane.ending or lane.forgotten:
+            return
+        lane.checkpoint = checkpoint
+        self._kick(request_id, lane)
+
+    def _write_checkpoint(self, request_id: str, checkpoint: Checkpoint) -> None:
+        # (Worker thread.) The bytes are made here, not on the producer or the loop.
+        data = checkpoint.to_bytes()
+        saved = self._open_store().save_checkpoint(request_id, checkpoint.step, data)
+        if saved.stored:
+            self.checkpoint_steps[request_id] = checkpoint.step
+            logger.debug("request %s: checkpoint at step %d written", request_id, checkpoint.step)
+        self._saved(request_id, saved)
+
+    # -- the lanes -----------------------------------------------------------------
+
+    def _queue(self, request_id: str, op: Callable[[], object], doing: str, *, new: bool = False) -> None:
+        lane = self._lanes.get(request_id)
+        if lane is None:
+            lane = self._lanes[request_id] = _Lane()
+        elif new:
+            lane.ending = lane.forgotten = False  # an id used again, after its deletion
+        lane.ops.append(lambda: self._logged(doing, request_id, op))
+        self._kick(request_id, lane)
+
+    def _kick(self, request_id: str, lane: _Lane) -> None:
+        if not lane.running and self.store is not None:
+            lane.running = True
+            self._busy += 1
+            self._send.send_nowait(request_id)
+
+    async def _dispatch(self) -> None:
+        assert self._tg is not None
+        async with self._ready:
+            async for request_id in self._ready:
+                self._tg.start_soon(self._drain, request_id, name=f"omni_stream state {request_id}")
+
+    async def _drain(self, request_id: str) -> None:
+        lane = self._lanes[request_id]
+        try:
+            while (item := lane.next()) is not None:
+                if callable(item):
+                    await self._run(item)
+                else:
+                    write = functools.partial(self._write_checkpoint, request_id, item)
+                    await self._run(
+                        functools.partial(self._logged, "writing a checkpoint", request_id, write)
+                    )
+        finally:
+            lane.running = False
+            if lane.forgotten and not lane.ops and self._lanes.get(request_id) is lane:
+                del self._lanes[request_id]
+                with self._lock:
+                    self._last_taken.pop(request_id, None)
+            self._busy -= 1
+            if self._busy == 0 and self._idle is not None:
+                self._idle.set()
+                self._idle = None
+
+    # -- a restart: what the folder holds comes back ----------------------------------
+
+    async def _restore_finished(self) -> int:
+        store = self._open_store()
+        wall = time.time()
+        entries = await self._run(lambda: store.finished(wall))
+        count = 0
+        for entry in entries:  # the longest ended first: the registry's bounds drop those first
+            accepted = entry.message.get("accepted")
+            if not isinstance(accepted, Mapping) or entry.ended_at is None:
+                continue
+            frames: list[bytes] = []
+            if entry.status == "done" and entry.result_count:
+                stored = await self._run(functools.partial(store.load_results, entry.request_id))
+                frames = [_pack(entry, r) for r in stored or ()]
+            terminal = entry.terminal or protocol.error(
+                "internal", "ended before a restart", request_id=entry.request_id
+            )
+            # The registry's clock (monotonic), as far back as the wall clock says it ended.
+            now = self.rules.clock()
+            record = RequestRecord.restored(
+                accepted, owner=f"{_RESTART_DOOR}:{entry.request_id}", principal=entry.principal,
+                created_at=now - max(0.0, wall - entry.created_at),
+                ended_at=now - max(0.0, wall - entry.ended_at),
+                terminal=terminal, results=frames,
+                priority=int(entry.message.get("generate", {}).get("priority") or 0),
+            )
+            try:
+                self.rules.registry.add(record)
+            except protocol.MessageError as exc:
+                logger.warning(
+                    "request %s: not served again after the restart: %s", entry.request_id, exc.message
+                )
+                continue
+            count += 1
+        return count
+
+    async def _resume_unfinished(self) -> int:
+        store = self._open_store()
+        count = 0
+        for entry in await self._run(store.unfinished):
+            rid = entry.request_id
+            checkpoint = None
+            if entry.checkpoint_step is not None:
+                # A torn or refused file: None, and the store says so (one WARNING).
+                checkpoint = await self._run(functools.partial(store.load_checkpoint, rid))
+                if checkpoint is None:
+                    logger.info("request %s: resumed from step 0 (its checkpoint could not be read)", rid)
+            else:
+                logger.warning("request %s: no checkpoint was written: it starts again from step 0", rid)
+            if self._readmit(entry, checkpoint):
+                count += 1
+        return count
+
+    def _readmit(self, entry: RequestEntry, checkpoint: Checkpoint | None) -> bool:
+        rid = entry.request_id
+        generate = dict(entry.message.get("generate") or {})
+        generate["detach"] = True  # its client is gone; the id gets it back (attach, GET)
+        if generate.get("webhook") is not None and self.rules.webhooks is None:
+            logger.warning("request %s: resumed without its webhook (this server sends none)", rid)
+            generate.pop("webhook")
+        principal = _principal(entry.principal, rid)
+        client = Client(f"{_RESTART_DOOR}:{rid}", principal, _RESTART_DOOR)
+        if checkpoint is not None:
+            self._resume[rid] = checkpoint
+        self._restoring.add(rid)
+        self._lanes.setdefault(rid, _Lane())
+        try:
+            msg = protocol.parse_client_message(json.dumps(generate))
+            if not isinstance(msg, protocol.Generate):
+                raise protocol.MessageError("bad_message", "the recorded message is not a generate")
+            self.rules.generate(client, msg)
+        except protocol.MessageError as exc:
+            self._restoring.discard(rid)
+            self._resume.pop(rid, None)
+            logger.warning("request %s: could not be resumed after the restart: %s", rid, exc.message)
+            terminal = protocol.error(
+                "engine_error", f"the server restarted and could not resume this request: {exc.message}",
+                request_id=rid,
+            )
+            store = self._open_store()
+            self._queue(
+                rid, lambda: store.mark_ended(rid, "failed", time.time(), terminal=terminal),
+                "recording the end",
+            )
+            return False
+        if checkpoint is not None:
+            self.checkpoint_steps[rid] = checkpoint.step
+        return True
+
+    # -- plumbing ------------------------------------------------------------------
+
+    def _open_store(self) -> Store:
+        if self.store is None:
+            raise LifecycleError("the state directory is closed")
+        return self.store
+
+    async def _run(self, fn: Callable[[], Any]) -> Any:
+        return await anyio.to_thread.run_sync(fn, limiter=self._limiter)
+
+    async def _guarded(self, doing: str, fn: Callable[[], Any]) -> Any:
+        return await self._run(lambda: self._logged(doing, None, fn))
+
+    def _logged(self, doing: str, request_id: str | None, fn: Callable[[], Any]) -> Any:
+        # (Worker thread.) A full disk or a closed store costs what it wrote,
+        # never the request or the server: one WARNING, and on.
+        try:
+            return fn()
+        except LifecycleError:
+            return None  # closed under it: shutting down
+        except (StoreError, CheckpointError, OSError) as exc:
+            where = f"request {request_id}: " if request_id else ""
+            logger.warning("%sstate directory %s: %s failed: %s", where, self.path, doing, exc)
+            return None
+
+    def _saved(self, request_id: str, saved: Saved) -> None:
+        if saved.evicted:
+            logger.info(
+                "state directory %s: %d finished requests deleted to make room for %s",
+                self.path, len(saved.evicted), request_id,
+            )
+
+
+def _principal(key: str, request_id: str) -> Principal:
+    """The principal of ``key`` (``kind:name``), counted as it was before the restart.
+
+    A token's priority grant is not recorded: a resumed request ranks
+    against other principals' at priority 0 of its grant.
+    """
+    kind, _, name = key.partition(":")
+    if kind == "token":
+        return Principal("token", name)
+    if kind == "address":
+        return Principal("address", name)
+    return Principal.of_connection(name or request_id)
+
+
+def _pack(entry: RequestEntry, result: StoredResult) -> bytes:
+    header = protocol.PreviewHeader(
+        entry.request_id, result.step, entry.total, True, result.format, result.width, result.height,
+        result.mime, index=result.index, images=result.images,
+    )
+    return protocol.pack_preview(header, result.data)
+
+
+def _wire(message: dict[str, Any]) -> dict[str, Any]:
+    """``message`` as JSON can carry it: a decoded input image back to a PNG ``data:`` URL.
+
+    (Worker thread: encoding an image is the whole cost.) The pixels are the
+    decoded ones, so the request restarts on the same image; a JPEG comes
+    back as the PNG of its pixels.
+    """
+    params = message.get("params")
+    if not isinstance(params, Mapping):
+        return message
+    out = dict(params)
+    for name, value in params.items():
+        if hasattr(value, "save") and hasattr(value, "size") and hasattr(value, "mode"):  # a PIL image
+            buffer = io.BytesIO()
+            value.save(buffer, format="PNG")
+            out[name] = "data:image/png;base64," + base64.b64encode(buffer.getvalue()).decode()
+    return {**message, "params": out}
