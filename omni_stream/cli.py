@@ -26,6 +26,8 @@ from typing import Any, NoReturn, TextIO
 
 from . import __version__
 from .config import TOKEN_ENV, run, token as env_token
+from .engine.like import looks_like_engine
+from .engine.scheduler import POLICIES
 from .errors import OmniStreamError, ParamsError
 from .model import StepModel, split_output
 from .params import positive_int
@@ -714,6 +716,8 @@ def _cmd_serve(args: argparse.Namespace) -> int:
         return _load_model(spec, args.preview_vae, loras, no_batch=args.no_batch,
                            max_images=args.max_images)
 
+    # The engine's scheduling (engine/scheduler.py): for the engines made here or in replicas.
+    engine_options = {k: getattr(args, k) for k in ("scheduling", "quantum") if getattr(args, k) is not None}
     model: Any
     if specs[0][0] and args.ray:  # named, over Ray: each replica serves them, routed by model
         if names_group(args.device):
@@ -730,7 +734,7 @@ def _cmd_serve(args: argparse.Namespace) -> int:
         model = deploy(
             {name: functools.partial(load, spec) for name, spec in specs},
             max_models_per_replica=args.max_loaded, replicas=args.replicas, num_gpus=args.num_gpus,
-            address=args.ray_address, engine_kwargs={"device": args.device},
+            address=args.ray_address, engine_kwargs={"device": args.device, **engine_options},
         )
     elif specs[0][0]:  # named: a request's `model` picks one
         if names_group(args.device):
@@ -743,7 +747,7 @@ def _cmd_serve(args: argparse.Namespace) -> int:
         # Every model is built now (host memory; its params known); --max-loaded
         # bounds those on the device at once, loading the others on demand.
         model = ModelRouter({name: load(spec) for name, spec in specs}, max_loaded=args.max_loaded,
-                            device=args.device)
+                            device=args.device, **engine_options)
     elif args.ray:
         if names_group(args.device):
             raise _UsageError(
@@ -757,7 +761,7 @@ def _cmd_serve(args: argparse.Namespace) -> int:
         # The replicas build the model; this process only serves in front of them.
         model = deploy(
             load, replicas=args.replicas, num_gpus=args.num_gpus, address=args.ray_address,
-            engine_kwargs={"device": args.device},
+            engine_kwargs={"device": args.device, **engine_options},
         )
     else:
         # A group builds one model per device with the factory (before it listens).
@@ -788,6 +792,8 @@ def _cmd_serve(args: argparse.Namespace) -> int:
             **_door_options(args),
             stay_dead=args.stay_dead,
             metrics_public=args.metrics_public,
+            # For the engine the server makes from a model (the router and Ray took theirs above).
+            **({} if looks_like_engine(model) else engine_options),
         )
         # serve() may block and run its own loop, or be a coroutine for us to run.
         if inspect.iscoroutine(result):
@@ -876,6 +882,11 @@ def build_parser() -> argparse.ArgumentParser:
     srv.add_argument("--model", action="append", metavar="[NAME=]SPEC",
                      help=_MODEL_HELP + "; repeat as NAME=SPEC to serve several, a request's "
                      "'model' naming one (default: the first; default SPEC: mixture)")
+    srv.add_argument("--scheduling", choices=POLICIES, default=None,
+                     help="which requests step first: preemptive (the default: the shortest remaining work, "
+                     "aged), round-robin, fcfs (docs/design.md, 'Scheduling and batching')")
+    srv.add_argument("--quantum", type=_positive_int, metavar="N", default=None,
+                     help="preemptive: the rounds a running request keeps its place (default 1)")
     srv.add_argument("--max-loaded", type=_positive_int, metavar="N", default=None,
                      help="with several --model: at most N on the device at once, the others loaded "
                      "when a request needs them (least recently used unloaded); default: all, at start; "

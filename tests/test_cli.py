@@ -567,3 +567,16 @@ def test_models_lists_named_specs_under_their_serve_names(capsys):
     assert [(r["name"], r["spec"], r["default"]) for r in rows] == [
         ("fast", "synthetic", True), ("mixture", "mixture", False)
     ]
+
+
+def test_serve_passes_the_scheduling_policy_to_the_engine_it_makes(capsys, fake_server):
+    _, calls = fake_server
+    code, _, err = run(capsys, "serve", "--model", "synthetic", "--scheduling", "fcfs", "--quantum", "3")
+    assert code == 0, err
+    assert (calls[0]["scheduling"], calls[0]["quantum"]) == ("fcfs", 3)
+    code, _, err = run(capsys, "serve", "--model", "a=synthetic", "--model", "b=synthetic",
+                       "--scheduling", "round-robin")
+    assert code == 0, err
+    assert "scheduling" not in calls[1]  # the router's engines took it
+    code, _, err = run(capsys, "serve", "--scheduling", "lottery")
+    assert code == 2 and "lottery" in err

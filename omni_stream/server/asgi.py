@@ -319,7 +319,15 @@ def build_front_door(
         raise ParamsError(
             f"metrics_public must be true or false, got {metrics_public!r}", field="metrics_public"
         )
+    limits = dict(limits)
+    # The engine's own options, for an engine the server makes (Engine(scheduling=, quantum=)).
+    engine_options = {k: limits.pop(k) for k in ("scheduling", "quantum") if k in limits}
     if looks_like_engine(engine_or_model):
+        if engine_options:
+            raise ParamsError(
+                f"{', '.join(engine_options)} configure an engine the server makes; this one is yours: "
+                "give them to it", field=next(iter(engine_options)),
+            )
         # The Service checks it has what a server needs (a TypeError naming what is missing).
         engine, owns = engine_or_model, False
     elif isinstance(engine_or_model, Mapping):
@@ -327,18 +335,17 @@ def build_front_door(
         # loaded at start (a ModelRouter of one's own sets max_loaded).
         from ..engine.router import ModelRouter
 
-        engine, owns = ModelRouter(dict(engine_or_model), device=device), True
+        engine, owns = ModelRouter(dict(engine_or_model), device=device, **engine_options), True
     elif isinstance(engine_or_model, StepModel) or callable(engine_or_model):
         # A model (or a factory: one model per device of a group) the server
         # runs on ``device``: "cuda:0,cuda:1" or "all" makes an EngineGroup.
-        engine, owns = engine_for(engine_or_model, device=device), True
+        engine, owns = engine_for(engine_or_model, device=device, **engine_options), True
     else:
         raise ParamsError(
             "the server needs an engine (omni_stream.Engine, EngineGroup, or anything EngineLike), "
             f"a StepModel or a model factory, got {type(engine_or_model).__name__}",
             field="engine_or_model",
         )
-    limits = dict(limits)
     state = StateOptions.take(limits)  # the state directory's keywords, the rest are limits
     server_limits = ServerLimits.from_env(limits)
     tokens = resolve_tokens(token, tokens_file)

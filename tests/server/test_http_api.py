@@ -584,3 +584,14 @@ async def test_a_caller_waiting_with_wait_true_is_a_reader_so_its_request_is_not
             await wait_for(lambda: record.latest_step > 0)
             assert record.waiters == 1 and record.has_reader() and not record.watchers
         assert replies[0].status_code == 200 and record.waiters == 0
+
+
+@pytest.mark.asyncio
+async def test_the_server_makes_its_engine_with_the_scheduling_asked_and_refuses_it_for_yours() -> None:
+    async with running(Synthetic(), scheduling="fcfs", quantum=2) as server:
+        limits = server.engine._table.limits
+        assert (limits.scheduling, limits.quantum) == ("fcfs", 2)
+    engine = om.Engine(Synthetic(), device="cpu")
+    with pytest.raises(om.ParamsError) as info:
+        create_app(engine, scheduling="fcfs")
+    assert info.value.field == "scheduling"
