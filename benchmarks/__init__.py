@@ -15,6 +15,7 @@ runs it; ``docs/performance.md`` explains each figure. The figures, by name:
 ``diffusers_stream``  a random SD pipeline streamed (native, callback, TAESD previews) against ``pipe()``
 ``diffusers_batching``  4 and 16 concurrent requests on that pipeline, batched, unbatched, one at a time
 ``diffusers_models``  switching between two models under max_loaded=1; num_images=4 against 4 requests
+``checkpoints``  what a checkpoint every 10 steps costs a request, and a resumed request's first frame
 ``scheduling``  short requests among long ones under round-robin, fcfs and preemptive scheduling
 ``openai_door``  POST /v1/images/generations against POST /v1/generations, the same image; streamed partials
 """
@@ -42,4 +43,5 @@ FIGURES: dict[str, str] = {
     "diffusers_models": "benchmarks.diffusers_models",
     "openai_door": "benchmarks.openai_door",
     "scheduling": "benchmarks.scheduling",
+    "checkpoints": "benchmarks.checkpoints",
 }

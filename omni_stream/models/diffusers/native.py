@@ -526,7 +526,7 @@ class NativeDiffusers(Diffusers, Generic[CondT]):
                 "generator, which a snapshot cannot capture; this request cannot be checkpointed"
             )
         with torch.no_grad():
-            fresh = self._fresh_scheduler(state.params, state.latents.device)
+            fresh = self._reference_scheduler(state.params, state.latents.device)
             values, tensors = scheduler_state.capture(state.scheduler, fresh, "scheduler")
             # Copies: the request goes on stepping (and on the CPU .cpu() would alias it).
             tensors["latents"] = state.latents.detach().to("cpu", copy=True)
@@ -610,6 +610,19 @@ class NativeDiffusers(Diffusers, Generic[CondT]):
             done=checkpoint.step,
             images=images,
         )
+
+    def _reference_scheduler(self, params: Mapping[str, Any], device: torch.device) -> Any:
+        """A fresh scheduler for ``params``, kept (it is only read: what a snapshot compares
+        against): building one costs milliseconds, a snapshot is taken every few steps."""
+        key = (int(params["steps"]), int(params["height"]), int(params["width"]),
+               params.get("sampler", samplers.DEFAULT), str(device))
+        cache: dict[Any, Any] = self.__dict__.setdefault("_reference_schedulers", {})
+        fresh = cache.get(key)
+        if fresh is None:
+            if len(cache) >= 16:  # a handful of (steps, size, sampler) at a time in practice
+                cache.pop(next(iter(cache)))
+            fresh = cache[key] = self._fresh_scheduler(params, device)
+        return fresh
 
     def _fresh_scheduler(self, params: Mapping[str, Any], device: torch.device) -> Any:
         """The scheduler ``start`` makes for ``params``: the base a snapshot's state is a difference to."""
