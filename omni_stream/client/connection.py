@@ -42,7 +42,7 @@ from ..errors import (
 from ..lifecycle import Lifecycle
 from ..params import positive_int
 from ..protocol.client import Event, server_error
-from ..protocol.client_messages import Attach, Cancel, Generate
+from ..protocol.client_messages import Attach, Cancel, Generate, Pause, Resume
 from ..protocol.codes import CLOSE_PROTOCOL_ERROR
 from ..protocol.frames import PreviewFrame, parse_preview_frame
 from ..protocol.inbox import Inbox
@@ -339,6 +339,16 @@ class Client:
         a malformed id and ConnectionClosedError when the connection is gone.
         """
         await self._send(Cancel.build(id).serialize())
+
+    async def pause(self, id: str, *, to_host: bool = False) -> None:
+        """Ask the server to pause request ``id`` between two steps (``to_host``: its state to host
+        memory meanwhile); watchers get ``paused``. No reply of its own (a request that is not
+        running is answered with an error its stream sees). Raises as :meth:`cancel` does."""
+        await self._send(Pause.build(id, to_host=to_host).serialize())
+
+    async def resume(self, id: str) -> None:
+        """Ask the server to resume paused request ``id``; watchers get ``resumed``."""
+        await self._send(Resume.build(id).serialize())
 
     # -- internals shared with RequestStream --
 

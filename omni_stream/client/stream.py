@@ -108,6 +108,11 @@ class RequestStream(Generic[T]):
         return None if d is None else d.elapsed_s
 
     @property
+    def paused(self) -> bool:
+        """True while the server says the request is paused (``paused`` came, no ``resumed`` since)."""
+        return self._inbox.paused
+
+    @property
     def dropped(self) -> int:
         """Intermediate items dropped because this consumer fell ``max_buffered`` behind."""
         return self._inbox.dropped

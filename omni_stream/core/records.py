@@ -82,6 +82,8 @@ class RequestRecord:
         self.model = model
         #: It waits for its model to load (no frame yet).
         self.loading = False
+        #: Paused (Rules.pause): no step runs until it is resumed.
+        self.paused = False
         #: Callers waiting for its end without watching its steps (HTTP ``?wait=true``).
         self.waiters = 0
         self.cancel_reason: str | None = None
@@ -172,6 +174,23 @@ class RequestRecord:
         self._recount()
         for outbox in self._watchers.values():
             outbox.put(text, "loading", latest_key=(self.id, "progress"))
+
+    def publish_paused(self) -> None:
+        """Say the request is paused (after its latest step): ``paused`` to every watcher, in the
+        place of its progress (kept for a replay until it resumes)."""
+        self.paused = True
+        self._publish_state(protocol.dumps(protocol.paused(self.id, step=self.latest_step)), "paused")
+
+    def publish_resumed(self) -> None:
+        """Say the request runs again: ``resumed`` to every watcher; its next progress replaces it."""
+        self.paused = False
+        self._publish_state(protocol.dumps(protocol.resumed(self.id, step=self.latest_step)), "resumed")
+
+    def _publish_state(self, text: str, kind: str) -> None:
+        self._latest_progress = text
+        self._recount()
+        for outbox in self._watchers.values():
+            outbox.put(text, kind, latest_key=(self.id, "progress"))
 
     def publish_progress(self, step: int, message: Mapping[str, Any]) -> None:
         """Send a ``progress`` to every watcher, latest wins."""

@@ -305,6 +305,10 @@ class Rules:
                 self.generate(client, msg)
             elif isinstance(msg, protocol.Cancel):
                 self.cancel(client, msg.id)
+            elif isinstance(msg, protocol.Pause):
+                self.pause(client, msg.id, to_host=msg.to_host)
+            elif isinstance(msg, protocol.Resume):
+                self.resume(client, msg.id)
             else:
                 self.attach(client, msg.id)
         except protocol.MessageError as exc:
@@ -632,6 +636,39 @@ class Rules:
         record = self.lookup(client, request_id)
         if not record.ended:  # else its terminal message was already sent
             self.stop(record, "client")
+        return record
+
+    def pause(self, client: Client, request_id: str, *, to_host: bool = False) -> RequestRecord:
+        """Pause a request ``client`` may see, between two steps (``Engine.pause``); its watchers
+        get ``paused``. Raises MessageError: ``not_found``, or ``bad_message`` for a request that
+        is not running in the engine (ended, waiting for a place, paused already) or an engine
+        that cannot pause."""
+        record = self.lookup(client, request_id)
+        pause = getattr(self.engine, "pause", None)
+        if pause is None:
+            raise protocol.MessageError(
+                "bad_message", "this server's engine cannot pause requests", request_id=request_id
+            )
+        if record.ended or record.id in self.gate or not pause(record.id, to_host=to_host):
+            raise protocol.MessageError(
+                "bad_message",
+                f"request {record.id} is not running (ended, not started yet, or paused already): "
+                "nothing to pause",
+                request_id=request_id,
+            )
+        record.publish_paused()
+        return record
+
+    def resume(self, client: Client, request_id: str) -> RequestRecord:
+        """Resume a paused request ``client`` may see; its watchers get ``resumed``.
+        Raises MessageError: ``not_found``, or ``bad_message`` for one that is not paused."""
+        record = self.lookup(client, request_id)
+        resume = getattr(self.engine, "resume", None)
+        if resume is None or record.ended or not resume(record.id):
+            raise protocol.MessageError(
+                "bad_message", f"request {record.id} is not paused: nothing to resume", request_id=request_id
+            )
+        record.publish_resumed()
         return record
 
     def attach(self, client: Client, request_id: str) -> RequestRecord:

@@ -39,6 +39,8 @@ __all__ = [
     "Cancel",
     "ClientMessage",
     "Generate",
+    "Pause",
+    "Resume",
     "check_id",
     "check_request_id",
     "parse_client_message",
@@ -287,13 +289,73 @@ class Attach(_ClientMessage):
         return cls(check_id(obj["id"]))
 
 
-ClientMessage = Generate | Cancel | Attach
+@dataclass(frozen=True, slots=True)
+class Pause(_ClientMessage):
+    """``{"type": "pause", "id": ..., "to_host"?: bool}``: pause a running request between two
+    steps (``to_host``: its state to host memory until it resumes)."""
+
+    TYPE: ClassVar[str] = "pause"
+    REQUIRED: ClassVar[frozenset[str]] = frozenset({"id"})
+    OPTIONAL: ClassVar[frozenset[str]] = frozenset({"to_host"})
+
+    id: str
+    to_host: bool = False
+
+    @classmethod
+    def build(cls, request_id: str, *, to_host: bool = False) -> Pause:
+        """A ``pause`` as the client sends it; raises ParamsError (field ``id``) for a malformed id."""
+        return cls(check_request_id(request_id), bool(to_host))
+
+    def to_dict(self) -> dict[str, Any]:
+        out: dict[str, Any] = {"type": self.TYPE, "id": self.id}
+        if self.to_host:
+            out["to_host"] = True
+        return out
+
+    @classmethod
+    def _read(cls, obj: Mapping[str, Any]) -> Pause:
+        request_id = check_id(obj["id"])
+        to_host = obj.get("to_host", False)
+        if not isinstance(to_host, bool):
+            raise MessageError("invalid_field", f"to_host must be true or false, got {type_name(to_host)}",
+                               field="to_host", request_id=request_id)
+        return cls(request_id, to_host)
+
+
+@dataclass(frozen=True, slots=True)
+class Resume(_ClientMessage):
+    """``{"type": "resume", "id": ...}``: let a paused request run again."""
+
+    TYPE: ClassVar[str] = "resume"
+    REQUIRED: ClassVar[frozenset[str]] = frozenset({"id"})
+    OPTIONAL: ClassVar[frozenset[str]] = frozenset()
+
+    id: str
+
+    @classmethod
+    def build(cls, request_id: str) -> Resume:
+        """A ``resume`` as the client sends it; raises ParamsError (field ``id``) for a malformed id."""
+        return cls(check_request_id(request_id))
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"type": self.TYPE, "id": self.id}
+
+    @classmethod
+    def _read(cls, obj: Mapping[str, Any]) -> Resume:
+        return cls(check_id(obj["id"]))
+
+
+ClientMessage = Generate | Cancel | Attach | Pause | Resume
 
 #: Every client message class by its ``type``, in the order errors list them.
-CLIENT_MESSAGES: Final[Mapping[str, type[Generate] | type[Cancel] | type[Attach]]] = {
+CLIENT_MESSAGES: Final[
+    Mapping[str, type[Generate] | type[Cancel] | type[Attach] | type[Pause] | type[Resume]]
+] = {
     Generate.TYPE: Generate,
     Cancel.TYPE: Cancel,
     Attach.TYPE: Attach,
+    Pause.TYPE: Pause,
+    Resume.TYPE: Resume,
 }
 #: Every field a type may carry ("type" included), built once: a hostile
 #: message may carry 20,000 keys, each checked against it.

@@ -17,7 +17,7 @@ from ..errors import ClientError, ProtocolError, RemoteCancelledError
 from .client import Event, server_error
 from .codes import REJECTION_CODES
 from .frames import PreviewFrame
-from .server_messages import Accepted, Cancelled, Done, ErrorMessage, Loading, Progress
+from .server_messages import Accepted, Cancelled, Done, ErrorMessage, Loading, Paused, Progress, Resumed
 
 __all__ = ["Inbox"]
 
@@ -37,6 +37,8 @@ class Inbox:
         self.last_progress: Progress | None = None
         #: The model it waited to load, while it did (None once frames come).
         self.loading: Loading | None = None
+        #: Paused (a ``paused`` arrived, no ``resumed`` since).
+        self.paused = False
         self.final_seen = False
         self.finals = 0  # results arrived: one per image
         self.final_images = 1  # how many results the request has (their headers say)
@@ -68,6 +70,8 @@ class Inbox:
             )
         elif isinstance(event, Loading):
             self.loading = event
+        elif isinstance(event, (Paused, Resumed)):
+            self.paused = isinstance(event, Paused)
         elif isinstance(event, Progress):
             self.loading = None
             self.last_progress = event

@@ -22,6 +22,8 @@ from .client_messages import (
     Cancel,
     ClientMessage,
     Generate,
+    Pause,
+    Resume,
     check_id,
     parse_client_message,
     parse_client_object,
@@ -42,7 +44,7 @@ from .codes import (
     REQUEST_ENDING_CODES,
 )
 from .frames import PreviewHeader, pack_preview, unpack_preview
-from .server_messages import Accepted, Cancelled, Done, ErrorMessage, Loading, Progress
+from .server_messages import Accepted, Cancelled, Done, ErrorMessage, Loading, Paused, Progress, Resumed
 
 # MessageError is defined in errors.py with every other error; re-exported here,
 # where the wire's rules raise it.
@@ -66,6 +68,8 @@ __all__ = [
     "ClientMessage",
     "Generate",
     "MessageError",
+    "Pause",
+    "Resume",
     "PreviewHeader",
     "accepted",
     "cancelled",
@@ -77,6 +81,8 @@ __all__ = [
     "error",
     "loading",
     "pack_preview",
+    "paused",
+    "resumed",
     "parse_client_message",
     "parse_client_object",
     "progress",
@@ -100,6 +106,16 @@ def accepted(
         request_id, total=total, detach=detach, attached=attached, preview=preview, output=output, seed=seed,
         model=model,
     ).to_dict()
+
+
+def paused(request_id: str, *, step: int) -> dict[str, Any]:
+    """``paused`` (:meth:`Paused.build`): the request stopped after ``step``."""
+    return Paused.build(request_id, step=step).to_dict()
+
+
+def resumed(request_id: str, *, step: int) -> dict[str, Any]:
+    """``resumed`` (:meth:`Resumed.build`): the paused request runs again."""
+    return Resumed.build(request_id, step=step).to_dict()
 
 
 def loading(request_id: str, *, model: str) -> dict[str, Any]:

@@ -35,7 +35,9 @@ __all__ = [
     "Done",
     "ErrorMessage",
     "Loading",
+    "Paused",
     "Progress",
+    "Resumed",
     "ServerMessage",
     "parse_server_message",
 ]
@@ -308,17 +310,63 @@ class ErrorMessage(_ServerMessage):
         )
 
 
-ServerMessage = Accepted | Loading | Progress | Done | Cancelled | ErrorMessage
+@dataclass(frozen=True, slots=True)
+class Paused(_ServerMessage):
+    """``paused``: the request stopped between steps (its ``step`` done); no progress comes until
+    ``resumed``."""
+
+    TYPE: ClassVar[str] = "paused"
+
+    id: str
+    step: int
+
+    @classmethod
+    def build(cls, request_id: str, *, step: int) -> Paused:
+        return cls(request_id, step)
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"type": self.TYPE, "id": self.id, "step": self.step}
+
+    @classmethod
+    def _read(cls, obj: Mapping[str, Any], where: str) -> Paused:
+        return cls(require_id(obj, where), require(obj, "step", "int", where))
+
+
+@dataclass(frozen=True, slots=True)
+class Resumed(_ServerMessage):
+    """``resumed``: a paused request runs again."""
+
+    TYPE: ClassVar[str] = "resumed"
+
+    id: str
+    step: int
+
+    @classmethod
+    def build(cls, request_id: str, *, step: int) -> Resumed:
+        return cls(request_id, step)
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"type": self.TYPE, "id": self.id, "step": self.step}
+
+    @classmethod
+    def _read(cls, obj: Mapping[str, Any], where: str) -> Resumed:
+        return cls(require_id(obj, where), require(obj, "step", "int", where))
+
+
+ServerMessage = Accepted | Loading | Progress | Done | Cancelled | ErrorMessage | Paused | Resumed
 
 #: Every server text message class by its ``type``.
 SERVER_MESSAGES: Final[
     Mapping[
         str,
-        type[Accepted] | type[Loading] | type[Progress] | type[Done] | type[Cancelled] | type[ErrorMessage],
+        type[Accepted] | type[Loading] | type[Progress] | type[Done] | type[Cancelled] | type[ErrorMessage]
+        | type[Paused] | type[Resumed],
     ]
 ] = {
     Accepted.TYPE: Accepted,
     Loading.TYPE: Loading,
+    Paused.TYPE: Paused,
+    Resumed.TYPE: Resumed,
     Progress.TYPE: Progress,
     Done.TYPE: Done,
     Cancelled.TYPE: Cancelled,

@@ -491,6 +491,8 @@ def app_for(door: FrontDoor) -> OmniStreamApp:
         methods("/v1/generations/{request_id}/events", GET=call(api.events)),
         methods("/v1/generations/{request_id}/output", GET=call(api.output)),
         methods("/v1/generations/{request_id}/preview", GET=call(api.preview)),
+        methods("/v1/generations/{request_id}/pause", POST=call(api.pause)),
+        methods("/v1/generations/{request_id}/resume", POST=call(api.resume)),
         # OpenAI's Images API and model list (server/openai_api.py, docs/openai.md).
         methods("/v1/images/generations", POST=openai_call(openai_api.image_generations)),
         methods("/v1/images/edits", POST=openai_call(openai_api.image_edits)),

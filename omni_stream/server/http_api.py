@@ -84,6 +84,8 @@ def _status_name(record: RequestRecord, positions: dict[str, int]) -> str:
         return "failed"
     if record.loading:
         return "loading"  # its model is being loaded onto the device
+    if record.paused:
+        return "paused"
     return "queued" if record.id in positions else "running"
 
 
@@ -361,6 +363,25 @@ class HttpApi:
             budget=self._service.memory,
         )
 
+    async def pause(self, request: Request, client: Client) -> Response:
+        """``POST /v1/generations/{id}/pause`` (``?to_host=true``): 200 with the status once paused."""
+        request_id = request.path_params["request_id"]
+        to_host = request.query_params.get("to_host", "").lower() in ("1", "true", "yes")
+        try:
+            record = self._service.rules.pause(client, request_id, to_host=to_host)
+        except protocol.MessageError as exc:
+            return self._error(exc, request_id=request_id)
+        return responses.json_response(200, status_payload(record, self._positions()))
+
+    async def resume(self, request: Request, client: Client) -> Response:
+        """``POST /v1/generations/{id}/resume``: 200 with the status."""
+        request_id = request.path_params["request_id"]
+        try:
+            record = self._service.rules.resume(client, request_id)
+        except protocol.MessageError as exc:
+            return self._error(exc, request_id=request_id)
+        return responses.json_response(200, status_payload(record, self._positions()))
+
     async def cancel(self, request: Request, client: Client) -> Response:
         """``DELETE /v1/generations/{id}``: cancel; 200 with the status once it ended."""
         request_id = request.path_params["request_id"]
@@ -378,7 +399,7 @@ class HttpApi:
         positions = self._positions()
         principal = client.principal
         records = list(self._service.registry)
-        order = {"running": 0, "loading": 1, "queued": 1, "done": 2, "failed": 2, "cancelled": 2}
+        order = {"running": 0, "paused": 0, "loading": 1, "queued": 1, "done": 2, "failed": 2, "cancelled": 2}
 
         def key(record: RequestRecord) -> tuple[int, int, float]:
             status = _status_name(record, positions)

@@ -85,7 +85,7 @@ def test_what_the_client_builds_the_server_parses_back_equal(message: ClientMess
 
 def test_every_type_is_registered_under_its_own_name() -> None:
     assert {name: cls.TYPE for name, cls in CLIENT_MESSAGES.items()} == {
-        "generate": "generate", "cancel": "cancel", "attach": "attach"
+        "generate": "generate", "cancel": "cancel", "attach": "attach", "pause": "pause", "resume": "resume"
     }
 
 
@@ -253,7 +253,9 @@ def test_the_problems_are_worded_for_the_client() -> None:
 
     assert message({}) == "message has no 'type'"
     assert message({"type": 3}) == "type must be a string, got a number"
-    assert message({"type": "explode"}) == "unknown message type 'explode'; known: generate, cancel, attach"
+    assert message({"type": "explode"}) == (
+        "unknown message type 'explode'; known: generate, cancel, attach, pause, resume"
+    )
     assert message({"type": "generate"}) == "generate needs 'params'"
     assert message({"type": "attach", "id": "x", "b": 1, "a": 2}) == (
         "unknown field(s) 'a', 'b' in attach; known: id"
@@ -316,3 +318,15 @@ def test_a_long_bad_id_or_type_is_echoed_only_as_a_prefix() -> None:
         with pytest.raises(MessageError) as info:
             parse(obj)
         assert len(info.value.message) < 300
+
+
+
+def test_pause_and_resume_round_trip_and_to_host_is_checked() -> None:
+    from omni_stream.protocol import Pause, Resume
+
+    assert parse_client_object(Pause.build("r", to_host=True).to_dict()) == Pause("r", True)
+    assert parse_client_object({"type": "pause", "id": "r"}) == Pause("r", False)
+    assert parse_client_object(Resume.build("r").to_dict()) == Resume("r")
+    with pytest.raises(MessageError) as info:
+        parse_client_object({"type": "pause", "id": "r", "to_host": "yes"})
+    assert info.value.field == "to_host" and info.value.request_id == "r"

@@ -108,7 +108,8 @@ def test_what_the_server_builds_the_client_parses_back_equal(message: ServerMess
 
 def test_every_type_is_registered_under_its_own_name() -> None:
     assert {name: cls.TYPE for name, cls in SERVER_MESSAGES.items()} == {
-        name: name for name in ("accepted", "loading", "progress", "done", "cancelled", "error")
+        name: name for name in ("accepted", "loading", "paused", "resumed", "progress", "done", "cancelled",
+                                 "error")
     }
 
 
