@@ -1,7 +1,7 @@
 """Ray Serve overhead: per-frame cost through a replica, and what a replica holds for a stalled reader.
 
 ``python -m benchmarks.ray_overhead [--steps N] [--reps R] [--stall S] [--front-door-reps F]
-[--front-door-step-ms MS] [--front-door-size PX] [--json PATH]``
+[--front-door-step-ms MS] [--front-door-size PX] [--front-door-window W] [--json PATH]``
 
 Starts a local Ray instance (``num_cpus=2``, Serve without its HTTP proxy)
 and one replica of the synthetic model on the CPU device, in this machine.
@@ -22,7 +22,7 @@ and one replica of the synthetic model on the CPU device, in this machine.
    engine coalesced, steps computed, and the replica process's RSS. The
    frames held must stay within the window however long the stall.
 3. The front door: ``omni_stream.server.Server`` over a ``RemoteEngine``
-   (one replica, window 2) against the same server over a local
+   (one replica, window 2, ``--front-door-window``) against the same server over a local
    ``Engine``, both on the CPU device: 10 websocket clients (a process of
    their own, ``fanout_client.py``) each generate 20 steps of ``[3, 64,
    64]`` frames (``work=0``; each step made to take
@@ -216,7 +216,7 @@ def _read_stamps(path: str) -> dict[tuple[int, int], float]:
 
 
 async def _front_door_sample(
-    kind: str, name: str, path: str, step_s: float, shape: list[int]
+    kind: str, name: str, path: str, step_s: float, shape: list[int], window: int = 2
 ) -> dict[str, Any]:
     from omni_stream.integrations.ray_serve import RemoteEngine
     from omni_stream.server import Server
@@ -238,7 +238,7 @@ async def _front_door_sample(
         # "remote": the replica renders the previews and the result (the
         # server asks, RendersFrames); "remote_raw": it sends raw frames and
         # the server renders, as before it could ask.
-        async with RemoteEngine(name, renders_frames=kind == "remote") as engine:
+        async with RemoteEngine(name, renders_frames=kind == "remote", window=window) as engine:
             await engine.generate({"steps": 2, "work": 0, "shape": shape})  # warm up
             async with Server(engine, **server_kw) as srv:
                 open(path, "w").close()
@@ -262,7 +262,9 @@ async def _front_door_sample(
 FD_KINDS = ("local", "remote", "remote_raw")
 
 
-def _front_door(name: str, path: str, reps: int, step_s: float, size: int = 64) -> dict[str, Any]:
+def _front_door(
+    name: str, path: str, reps: int, step_s: float, size: int = 64, window: int = 2
+) -> dict[str, Any]:
     shape = [3, size, size]
     samples: dict[str, list[dict[str, Any]]] = {kind: [] for kind in FD_KINDS}
     for r in range(reps):
@@ -270,7 +272,7 @@ def _front_door(name: str, path: str, reps: int, step_s: float, size: int = 64) 
         for kind in order:
             # The replica's model stamps its steps into path.remote, whichever remote variant reads it.
             stamps = path + (".local" if kind == "local" else ".remote")
-            s = asyncio.run(_front_door_sample(kind, name, stamps, step_s, shape))
+            s = asyncio.run(_front_door_sample(kind, name, stamps, step_s, shape, window))
             if s["finished"] != s["clients"]:
                 raise RuntimeError(
                     f"front door over {kind}: {s['finished']}/{s['clients']} done: {s['outcomes']}"
@@ -282,6 +284,7 @@ def _front_door(name: str, path: str, reps: int, step_s: float, size: int = 64) 
         "shape": shape,
         "reps": reps,
         "step_ms": step_s * 1e3,
+        "window": window,
         "samples": samples,
     }
     for kind, rows in samples.items():
@@ -302,6 +305,7 @@ def run(
     front_door_reps: int = 3,
     front_door_step_s: float = 0.01,
     front_door_size: int = 64,
+    front_door_window: int = 2,
 ) -> dict[str, Any]:
     import tempfile
 
@@ -352,7 +356,8 @@ def run(
             )
             try:
                 out["front_door"] = _front_door(
-                    "front_door", path, front_door_reps, front_door_step_s, front_door_size
+                    "front_door", path, front_door_reps, front_door_step_s, front_door_size,
+                    front_door_window,
                 )
             finally:
                 undeploy("front_door")
@@ -393,7 +398,7 @@ def _print(out: dict[str, Any]) -> None:
     if fd:
         print(
             f"\nfront door (Server), {fd['clients']} websocket clients x {fd['steps']} steps"
-            f" of {fd['shape']} ({fd['step_ms']:g} ms a step), JPEG every step,"
+            f" of {fd['shape']} ({fd['step_ms']:g} ms a step, window {fd['window']}), JPEG every step,"
             f" median of {fd['reps']}:"
         )
         print(f"{'engine':>22} {'previews':>9} {'fps':>8} {'p50':>9} {'p99':>9} {'own CPU/frame':>17}")
@@ -439,6 +444,12 @@ def main(argv: Sequence[str] | None = None) -> int:
         default=64,
         help="side of the front-door part's square RGB frames, px (default 64)",
     )
+    ap.add_argument(
+        "--front-door-window",
+        type=int,
+        default=2,
+        help="the front-door part's RemoteEngine window, frames in transit per request (default 2)",
+    )
     ap.add_argument("--json", help="also write the figures to this file")
     args = ap.parse_args(argv)
     try:
@@ -449,7 +460,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     logging.getLogger("ray").setLevel(logging.WARNING)
     out = run(
         args.steps, args.reps, args.stall, args.front_door_reps, args.front_door_step_ms / 1e3,
-        args.front_door_size,
+        args.front_door_size, args.front_door_window,
     )
     _print(out)
     if args.json:

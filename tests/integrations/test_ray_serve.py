@@ -263,6 +263,70 @@ async def test_a_slow_reader_gets_the_final_frame_and_a_bounded_few_others(sim: 
     assert [f.step for f in rest] == sorted({f.step for f in rest})
 
 
+# -- batched transit (issue #23) ---------------------------------------------------------
+
+
+@ASYNCIO
+async def test_frames_ready_together_cross_as_one_batch_every_one_in_order(cpu: str) -> None:
+    params = {**SMALL, "steps": 60, "seed": 5}
+    async with RemoteEngine(cpu, window=8) as engine:
+        stream = engine.stream(params, policy="all")
+        frames = [await stream.__anext__()]
+        # The replica fills the window meanwhile; the engine queues the rest,
+        # so each credit the reader gives back brings several frames at once.
+        await anyio.sleep(0.5)
+        batched = 0
+        async for frame in stream:
+            frames.append(frame)
+            while (more := stream.poll()) is not None:  # only a batch's frames are ready here
+                frames.append(more)
+                batched += 1
+    assert [f.step for f in frames] == list(range(1, 61))
+    assert frames[-1].final and batched > 0
+    for got, want in zip(frames, Synthetic().expected_frames(params)):
+        assert bool(got.data.eq(want).all())
+
+
+@ASYNCIO
+async def test_batches_keep_the_window_a_paused_all_reader_holds_at_most_window_frames(cpu: str) -> None:
+    window = 3  # odd: batches and the half-window acks must still add up to it
+    async with RemoteEngine(cpu, window=window) as engine:
+        stream = engine.stream({**SMALL, "steps": 400}, policy="all")
+        taken = [(await stream.__anext__()).step for _ in range(5)]
+        held = []
+        for _ in range(4):  # reports every 0.25 s, while the reader pauses
+            await anyio.sleep(0.3)
+            await engine.refresh()
+            held.append(next(v for v in engine.replicas() if v.replica == stream.replica).report.in_transit)
+        taken += [f.step async for f in stream]
+    assert max(held) <= window and max(held) > 0, held
+    assert taken == list(range(1, 401))
+
+
+@ASYNCIO
+async def test_a_cancel_while_batching_stops_the_replicas_request(sim: str) -> None:
+    window = 8
+    async with RemoteEngine(sim, window=window) as engine:
+        before = await steps_of(engine)
+        stream = engine.stream(LONG, request_id="stop-batched", policy="all")
+        await stream.__anext__()
+        taken = 1
+        replica = stream.replica
+        assert replica is not None
+        await anyio.sleep(10 * STEP_S)  # frames queue up: the next items are batches
+        for _ in range(6):
+            await stream.__anext__()
+            taken += 1
+        assert engine.cancel(stream.request_id)
+        with pytest.raises(om.RequestCancelledError):
+            async for _ in stream:
+                taken += 1
+        stats = await settled(engine, replica)
+    computed = stats.steps - before[replica]
+    assert computed <= taken + window + 8 + 3 + 1, f"the replica computed {computed} steps, {taken} read"
+    assert stats.cancelled >= 1
+
+
 # -- errors --------------------------------------------------------------------------------
 
 

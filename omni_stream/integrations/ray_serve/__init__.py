@@ -20,7 +20,7 @@ The modules, one job each::
     remote.py     RemoteEngine: the front door's EngineLike over a DeploymentHandle
     stream.py     RemoteStream: one request's frames, acknowledged, cancelled, errors translated
     board.py      ReplicaBoard: the deployment actor relaying acknowledgements and reports
-    wire.py       what crosses Ray: Description, and per request Submit, Header, WireFrame, WireError (pure)
+    wire.py       what crosses Ray: Description; per request Submit, Header, WireFrame, WireBatch, WireError
     report.py     replica reports, and health / statistics made of them (pure)
     card.py       ModelCard: the model's metadata, the front door's stand-in for it (pure)
     translate.py  Ray's errors to this project's, at one boundary

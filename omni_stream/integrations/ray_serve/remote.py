@@ -3,9 +3,9 @@
 ::
 
     RemoteEngine.stream(params) ──handle.options(stream=True).stream.remote()──▶ a replica (Serve routes)
-      RemoteStream.__anext__ ◀── Header, WireFrame, ... (Ray streaming generator) ◀── EngineReplica.stream
-             │ ack(seq), fire and forget                                                  │ wait_acked
-             └──────────────────────────────▶ ReplicaBoard (a deployment actor) ◀──────────┘
+      RemoteStream.__anext__ ◀── Header, WireFrame|WireBatch, ... (Ray stream) ◀── EngineReplica.stream
+             │ ack(seq) a batch, fire and forget                                   │ wait_acked
+             └──────────────────────────────▶ ReplicaBoard (a deployment actor) ◀───┘
       poller (every poll_s) ◀── snapshot(): each replica's ReplicaReport ◀── report(), every report_s
 
 The front door never loads the model: ``model`` is the replicas' ModelCard.
@@ -86,6 +86,11 @@ logger = logging.getLogger("omni_stream.ray_serve")
 
 #: Frames a replica may have in transit to one reader (sent, not yet taken).
 DEFAULT_WINDOW = 2
+#: The window for a request rendered on the replica (a server in front): its
+#: frames are encoded previews of a few KiB, so a wider window costs little
+#: memory and hides the ack's round trip (at 10 ms steps, 2 left the server
+#: with 0.54-0.60x a local engine's frame rate, 8 with 0.82x; docs/performance.md).
+RENDERED_WINDOW = 8
 _BOARD_TIMEOUT_S = 5.0
 
 
@@ -103,7 +108,8 @@ class RemoteEngine:
     """The Serve application ``name`` of EngineReplicas, as one EngineLike.
 
     ``address``: the Ray cluster to connect to (see :func:`connect_ray`);
-    ``window``: frames a replica may have in transit to one reader;
+    ``window``: frames a replica may have in transit to one reader (raw
+    frames; a request rendered on the replica gets at least RENDERED_WINDOW);
     ``poll_s``: how often replica reports are read; a replica silent for
     ``stale_after_s`` counts as lost; a deployment unreachable for
     ``dead_after_s`` makes ``health()`` dead; ``renders_frames``: a server
@@ -354,7 +360,7 @@ class RemoteEngine:
             timeout=checked.timeout,
             preview_every=checked.preview_every,
             priority=checked.priority,
-            window=self._window,
+            window=max(self._window, RENDERED_WINDOW) if render is not None else self._window,
             render=render,
             model=name,
         )

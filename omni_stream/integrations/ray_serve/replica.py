@@ -12,14 +12,20 @@ A request (``stream``) is one async generator on that loop: it submits to
 the engine (``policy`` as the reader asked: "latest" coalesces on the
 engine's single slot, "all" pauses the request), yields a Header, then
 frames (rendered here into the preview and result bytes when the reader
-sent a RenderRequest: a server in front), each only once the reader has acknowledged all but ``window - 1``
-of those sent (the board relays the acknowledgements), and ends with the
-final frame or a WireError. So the engine never waits on the network, the
-frames in transit stay within ``window`` per request, and the final frame
-is never dropped. Serve's cancellation (``DeploymentResponseGenerator
-.cancel()``) arrives as CancelledError at the generator's current await;
-leaving ``async with frames`` then cancels the engine request, which stops
-within one step.
+sent a RenderRequest: a server in front), and ends with the final frame or
+a WireError. It takes a frame from the engine only once fewer than
+``window`` frames are unacknowledged (the board relays the
+acknowledgements), and with it whatever else the engine has ready
+(``take_ready``: up to the window's room for "all"; for "latest" only the
+newest and the final), sent as one item (a WireBatch): Serve's streaming
+path costs about the same per item whatever it carries, so frames that
+are ready together should share one. So the engine never waits on the
+network, the frames in transit (counted in frames, not items) stay within
+``window`` per request, and the final frame is never dropped. Serve's
+cancellation (``DeploymentResponseGenerator.cancel()``) arrives as
+CancelledError at the generator's current await (taking a batch never
+waits, rendering one awaits per frame); leaving ``async with frames`` then
+cancels the engine request, which stops within one step.
 
 Several models. Given ``{name: source}``, a replica serves them with a
 :class:`~omni_stream.engine.router.ModelRouter` (one Engine per model,
@@ -78,9 +84,9 @@ from ...model import StepModel
 from ...preview import Previewer, PreviewSpec, RenderRequest, render_frame
 from .card import ModelCard
 from .report import ReplicaReport
-from .wire import Description, Header, Item, Submit, WireError, WireFrame
+from .wire import Description, Header, Item, Submit, WireBatch, WireError, WireFrame
 
-__all__ = ["BOARD", "EngineReplica", "ModelSource", "ModelSources", "ReplicaSettings"]
+__all__ = ["BOARD", "EngineReplica", "ModelSource", "ModelSources", "ReplicaSettings", "take_ready"]
 
 logger = logging.getLogger("omni_stream.ray_serve")
 
@@ -102,6 +108,9 @@ _CHECKS_BEFORE_REPLACEMENT = 3
 _ACK_WAIT_S = 2.0
 #: A board call that takes longer than this counts as failed.
 _BOARD_TIMEOUT_S = 5.0
+#: The most frames a ``latest`` batch looks through: the engine's slot
+#: refills as fast as the model steps, and the loop must yield to a cancel.
+_LATEST_POLLS = 64
 
 
 @dataclass(frozen=True, slots=True)
@@ -133,6 +142,32 @@ class _Flow:
     acked: int = 0
     #: Set when the replica ends the request itself (it is being replaced).
     failure: OmniStreamError | None = None
+
+
+def take_ready(frames: FrameStreamLike, first: Frame, *, room: int, latest: bool) -> list[Frame]:
+    """``first`` and what ``frames`` has ready now (``poll()``: never waits), as one batch.
+
+    ``room``: the frames the window still allows in transit (at least 1:
+    ``first`` was taken with credit). ``latest=False`` (policy ``"all"``):
+    up to ``room`` frames in step order, none skipped. ``latest=True``: the
+    newest non-final frame and the final one if it came, as a latest
+    reader would keep them (only the final when ``room`` is 1); the frames
+    in between never cross, and the newest carries the progress.
+    """
+    room = max(1, room)
+    if not latest:
+        batch = [first]
+        while len(batch) < room and not batch[-1].final and (more := frames.poll()) is not None:
+            batch.append(more)
+        return batch
+    newest, before = first, None
+    for _ in range(_LATEST_POLLS):
+        if newest.final or (more := frames.poll()) is None:
+            break
+        newest, before = more, newest
+    if newest.final and before is not None and room >= 2:
+        return [before, newest]
+    return [newest]
 
 
 def _build_model(source: ModelSource) -> StepModel:
@@ -263,29 +298,40 @@ class EngineReplica:
                 loading = bool(getattr(frames, "loading", False))
                 if self._hold is not None:
                     await self._hold(name)
-                yield Header(self._replica, frames.request_id, frames.total, loading=loading)
+                yield Header(
+                    self._replica, frames.request_id, frames.total, loading=loading, window=flow.window
+                )
+                latest = submit.policy == "latest"
                 while True:
                     await self._credit(flow)
                     if flow.failure is not None:
                         yield WireError.of(flow.failure)
                         return
                     try:
-                        frame = await frames.__anext__()
+                        first = await frames.__anext__()
                     except StopAsyncIteration:
                         return
                     except OmniStreamError as exc:
                         yield WireError.of(flow.failure or exc)
                         return
+                    # What else is ready crosses with it: one item's cost for all.
+                    room = flow.window - (flow.sent - flow.acked)
+                    batch = take_ready(frames, first, room=room, latest=latest)
                     if spec is not None:
                         assert submit.render is not None
                         try:
-                            frame = await self._render(frame, submit.render, spec, name, frames.params)
+                            # Only what crosses is rendered (a latest reader's skipped steps are not).
+                            # Each render is an await: a cancel lands between the batch's frames.
+                            batch = [
+                                await self._render(f, submit.render, spec, name, frames.params) for f in batch
+                            ]
                         except RenderFailedError as exc:
                             yield WireError.of(exc)
                             return
-                    flow.sent += 1
-                    yield WireFrame.of(frame, flow.sent)
-                    if frame.final:
+                    wired = tuple(WireFrame.of(f, flow.sent + i) for i, f in enumerate(batch, 1))
+                    flow.sent += len(wired)
+                    yield wired[0] if len(wired) == 1 else WireBatch(wired)
+                    if batch[-1].final:
                         return
         finally:
             del self._flows[flow.key]

@@ -1,8 +1,9 @@
 """RemoteStream: one request's frames from a replica, a FrameStreamLike.
 
 It reads the items of the replica's Ray streaming generator (wire.py),
-acknowledges each frame as its reader takes it (the replica's window), and
-ends early only one way: ``DeploymentResponseGenerator.cancel()``, the one
+unpacks a batch into a local queue (which ``poll()`` reads without
+waiting), acknowledges the frames its reader takes (the replica's window),
+and ends early only one way: ``DeploymentResponseGenerator.cancel()``, the one
 thing that stops the request on its replica. Ray's errors are translated
 here (translate.py); the reader's own cancellation never is.
 """
@@ -11,6 +12,7 @@ from __future__ import annotations
 
 import logging
 import time
+from collections import deque
 from collections.abc import AsyncIterator, Mapping
 from types import TracebackType
 from typing import TYPE_CHECKING, Any
@@ -18,7 +20,7 @@ from typing import TYPE_CHECKING, Any
 from ...errors import EngineError, OmniStreamError
 from ...frame import Frame
 from .translate import LOST, translate
-from .wire import Header, Item, WireError, WireFrame
+from .wire import Header, Item, WireBatch, WireError, WireFrame
 
 if TYPE_CHECKING:
     from ray.serve.handle import DeploymentResponseGenerator
@@ -69,6 +71,12 @@ class RemoteStream:
         self._started = False  # its first frame arrived
         self._step = 0
         self._seq = 0
+        #: Frames that arrived in a batch and are not taken yet (still in transit for the window).
+        self._pending: deque[WireFrame] = deque()
+        #: The last seq acknowledged, and how many taken frames may go unacknowledged
+        #: (the replica's Header sets it from the window it grants).
+        self._acked = 0
+        self._ack_every = 1
         self._acked_at = time.monotonic()
         self._done = False
         self._ending: OmniStreamError | None = None  # set by the engine closing under it
@@ -138,13 +146,21 @@ class RemoteStream:
         return self._took(item)
 
     async def _next_item(self) -> WireFrame | WireError:
+        if self._pending:
+            return self._pending.popleft()
         while True:
             item = await self._response.__anext__()
             if isinstance(item, Header):
                 self._replica = item.replica
                 self._total = item.total
                 self._loading = item.loading
+                # At most half the window taken unacked: the replica is never
+                # out of credit while the reader keeps up.
+                self._ack_every = max(1, item.window // 2)
                 continue
+            if isinstance(item, WireBatch):
+                self._pending.extend(item.frames[1:])
+                return item.frames[0]
             assert isinstance(item, (WireFrame, WireError)), type(item)
             return item
 
@@ -155,12 +171,18 @@ class RemoteStream:
         self._seq = item.seq
         if frame.final:
             self._end(cancel=False)
-        else:
+        elif not self._pending or self._seq - self._acked >= self._ack_every:
+            # Once a batch is taken (or half the window of it): one ack round trip
+            # a batch, not a frame. A frame that came alone is acked at once:
+            # the replica learns of acks only when it runs out of credit, and
+            # an ack held back then costs it a whole round trip (measured: a
+            # latest reader at window 8 got a third fewer previews).
             self._ack()
         return frame
 
     def _ack(self) -> None:
         self._acked_at = time.monotonic()
+        self._acked = self._seq
         self._engine._ack(self._key, self._seq)
 
     def _reack_if_waiting(self, now: float) -> None:
@@ -168,12 +190,16 @@ class RemoteStream:
             self._ack()
 
     def poll(self) -> Frame | None:
-        """Always None: a Ray stream cannot be asked whether an item is ready without waiting.
+        """The next frame of a batch already here, else None; never waits, never raises.
 
-        (The replica coalesces instead: what arrives is at most ``window``
-        frames old.)
+        (A Ray stream cannot be asked whether an item is ready without
+        waiting, so only frames that came in a batch are ready here; the
+        replica coalesces for a ``latest`` reader, so what arrives is at
+        most ``window`` frames old.)
         """
-        return None
+        if self._done or not self._pending:
+            return None
+        return self._took(self._pending.popleft())
 
     async def aclose(self) -> None:
         """Stop the request on its replica if it has not finished; idempotent."""

@@ -4,17 +4,24 @@
 
 A RemoteStream calls a replica's ``stream(params, Submit)``, which yields, in order::
 
-    Header                     once: the replica, the request's id, its real step count, whether it loads
-    WireFrame * n              seq 1, 2, ...: a step's frame (the final one last)
+    Header                     once: the replica, the request's id, its real step count, whether it
+                               loads, the window it grants
+    (WireFrame | WireBatch)*   seq 1, 2, ...: a step's frame, or the frames that were ready together
+                               (the final one last)
     WireError                  instead of the rest: how the request ended badly
 
-and then returns. Frames carry their tensor as is (Ray's serializer copies
-its bytes once into the object store), or, when the reader sent a
-RenderRequest (a server in front), the encoded preview or result and no
-tensor at all (``encoded``; see omni_stream/preview/remote.py); ``seq``
-numbers what was sent, so
-the reader acknowledges ``seq`` and the replica knows how many frames are
-in transit whatever steps coalescing skipped.
+and then returns. A batch exists because each item through Serve's
+streaming path costs about 2 ms of CPU, whatever it carries: frames that
+are ready at once share one (for a ``latest`` reader only the newest and
+the final cross; the others would be dropped on arrival).
+
+Frames carry their tensor as is (Ray's serializer copies its bytes once
+into the object store), or, when the reader sent a RenderRequest (a server
+in front), the encoded preview or result and no tensor at all
+(``encoded``; see omni_stream/preview/remote.py); ``seq`` numbers each
+frame sent, batched or not, so the reader acknowledges ``seq`` and the
+replica knows how many frames are in transit whatever steps coalescing
+skipped.
 
 Errors travel pickled by ``pickle`` itself rather than raised through Ray:
 this project's errors keep their ``__cause__`` chain only through their own
@@ -36,7 +43,7 @@ from ...preview.encode import EncodedImage
 from ...preview.remote import RenderRequest
 from .card import ModelCard
 
-__all__ = ["Description", "Header", "Item", "Submit", "WireError", "WireFrame"]
+__all__ = ["Description", "Header", "Item", "Submit", "WireBatch", "WireError", "WireFrame"]
 
 
 @dataclass(frozen=True, slots=True)
@@ -83,13 +90,16 @@ class Header:
     """The first item: who runs the request, and its step count from the real model.
 
     ``loading``: its model was not on the replica's device when it started
-    (its first frame waits for the load).
+    (its first frame waits for the load). ``window``: the frames the
+    replica lets be in transit (the reader's ask, capped by the replica);
+    the reader paces its acknowledgements by it.
     """
 
     replica: str
     request_id: str
     total: int
     loading: bool = False
+    window: int = 1
 
 
 @dataclass(frozen=True, slots=True)
@@ -141,6 +151,17 @@ class WireFrame:
 
 
 @dataclass(frozen=True, slots=True)
+class WireBatch:
+    """Frames the replica found ready together, in step order, sent as one item.
+
+    Each keeps its own ``seq`` (consecutive), so the window counts frames,
+    not items: a batch never holds more than the window has room for.
+    """
+
+    frames: tuple[WireFrame, ...]
+
+
+@dataclass(frozen=True, slots=True)
 class WireError:
     """The request's ending error, pickled with its cause chain."""
 
@@ -157,4 +178,4 @@ class WireError:
 
 
 #: Anything a replica's ``stream`` yields.
-Item = Header | WireFrame | WireError
+Item = Header | WireFrame | WireBatch | WireError
