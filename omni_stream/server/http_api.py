@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import math
 import time
+from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
 import anyio
@@ -365,19 +366,18 @@ class HttpApi:
 
     async def pause(self, request: Request, client: Client) -> Response:
         """``POST /v1/generations/{id}/pause`` (``?to_host=true``): 200 with the status once paused."""
-        request_id = request.path_params["request_id"]
         to_host = request.query_params.get("to_host", "").lower() in ("1", "true", "yes")
-        try:
-            record = self._service.rules.pause(client, request_id, to_host=to_host)
-        except protocol.MessageError as exc:
-            return self._error(exc, request_id=request_id)
-        return responses.json_response(200, status_payload(record, self._positions()))
+        return self._act(request, lambda rid: self._service.rules.pause(client, rid, to_host=to_host))
 
     async def resume(self, request: Request, client: Client) -> Response:
         """``POST /v1/generations/{id}/resume``: 200 with the status."""
+        return self._act(request, lambda rid: self._service.rules.resume(client, rid))
+
+    def _act(self, request: Request, act: Callable[[str], RequestRecord]) -> Response:
+        """``act`` on the request the path names: 200 with its status, or the refusal."""
         request_id = request.path_params["request_id"]
         try:
-            record = self._service.rules.resume(client, request_id)
+            record = act(request_id)
         except protocol.MessageError as exc:
             return self._error(exc, request_id=request_id)
         return responses.json_response(200, status_payload(record, self._positions()))

@@ -233,10 +233,11 @@ def test_a_new_request_runs_next_at_equal_priority_whatever_the_load():
 # -- the policies (issue #22) ------------------------------------------------------------
 
 
-def run_policy(pool: list[R], rounds: int, limits: BatchLimits) -> list[list[str]]:
-    """Schedule ``pool`` for ``rounds`` rounds under ``limits``, each run costing a step; the batches."""
+def run_policy(pool: list[R], rounds: int, limits: BatchLimits, *, first: int = 1) -> list[list[str]]:
+    """Schedule ``pool`` for ``rounds`` rounds from round ``first`` under ``limits``, each run
+    costing a step; the batches."""
     batches = []
-    for seq in range(1, rounds + 1):
+    for seq in range(first, first + rounds):
         live = [r for r in pool if r.remaining > 0]
         if not live:
             break
@@ -264,26 +265,10 @@ def test_preemptive_lets_a_short_request_in_within_a_quantum_and_the_long_one_fi
     pool = [long]
     batches = run_policy(pool, 3, BatchLimits(1, "preemptive", quantum=4))  # long runs 3 rounds
     pool.append(R("short", arrival=2, remaining=2, arrival_round=3))
-    for seq_batch in run_policy_from(pool, 4, 20, BatchLimits(1, "preemptive", quantum=4)):
-        batches.append(seq_batch)
+    batches += run_policy(pool, 20, BatchLimits(1, "preemptive", quantum=4), first=4)
     # long keeps its place for its 4th round (its quantum), then the short one runs to its end.
     assert batches[:7] == [["long"]] * 4 + [["short"]] * 2 + [["long"]]
     assert sum(b == ["long"] for b in batches) == 12  # nothing lost
-
-
-def run_policy_from(pool: list[R], first: int, rounds: int, limits: BatchLimits) -> list[list[str]]:
-    batches = []
-    for seq in range(first, first + rounds):
-        live = [r for r in pool if r.remaining > 0]
-        if not live:
-            break
-        batch = pick_batch(live, limits, now=seq - 1)
-        for r in batch:
-            r.run_streak = r.run_streak + 1 if r.last_scheduled == seq - 1 else 1
-            r.last_scheduled = seq
-            r.remaining -= 1
-        batches.append(names(batch))
-    return batches
 
 
 def test_preemptive_ages_a_long_request_so_a_stream_of_short_ones_cannot_starve_it() -> None:
