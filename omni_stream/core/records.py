@@ -84,6 +84,8 @@ class RequestRecord:
         self.loading = False
         #: Paused (Rules.pause): no step runs until it is resumed.
         self.paused = False
+        #: Its step when it (re)entered the engine: a preemption waits for a quantum past it.
+        self.entered_step = 0
         #: Callers waiting for its end without watching its steps (HTTP ``?wait=true``).
         self.waiters = 0
         self.cancel_reason: str | None = None

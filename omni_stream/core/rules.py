@@ -109,6 +109,13 @@ class Admitted:
     checked: Mapping[str, Any] = dataclasses.field(default_factory=dict)
 
 
+@dataclasses.dataclass(frozen=True, slots=True)
+class _Preempted:
+    """A gate payload: a request paused in the engine to make room, to resume when let in."""
+
+    record: RequestRecord
+
+
 def _seed_of(checked: Mapping[str, Any]) -> int | None:
     """The seed a request runs with, where its model has an int one."""
     seed = checked.get("seed")
@@ -373,6 +380,9 @@ class Rules:
                 record.id, record.principal, msg.priority, admitted,
                 cost=record.total, cross=admitted.cross_priority,
             )
+            # Under the preemptive policy a long request in the engine may
+            # give its place to this shorter one (it waits here, paused).
+            self._preempt_for(record)
             self.let_in()  # in case the bound grew (a remote engine's replicas came up)
         else:
             self._start(admitted, stream)
@@ -599,13 +609,49 @@ class Rules:
 
     def _start(self, admitted: Admitted, stream: FrameStreamLike) -> None:
         record = admitted.record
+        record.entered_step = record.latest_step
         self.gate.entered(record.principal, record.total)
         assert self.on_start is not None  # _admit checked it
         self.on_start(admitted, stream)
 
+    def _preempt_for(self, waiting: RequestRecord) -> None:
+        """Pause the running request with the most steps left for ``waiting``, when the engine's
+        policy is ``preemptive``, every place is held, and that request has more steps left than
+        ``waiting`` has in all and has run its quantum since it (re)entered. It goes back to the
+        gate as a request to resume (its state to the host meanwhile): the gate lets it in again
+        as places free, by its remaining steps."""
+        pause = getattr(self.engine, "pause", None)
+        if getattr(self.engine, "scheduling", None) != "preemptive" or pause is None:
+            return
+        quantum = int(getattr(self.engine, "quantum", 1))
+        running = [
+            r for r in self.registry.running()
+            if r.id not in self.gate and not r.paused and r.latest_step - r.entered_step >= quantum
+        ]
+        if not running:
+            return
+        victim = max(running, key=lambda r: r.total - r.latest_step)
+        if victim.total - victim.latest_step <= waiting.total or not pause(victim.id, to_host=True):
+            return
+        victim.publish_paused()
+        self.gate.left(victim.principal)
+        self.gate.wait(
+            victim.id, victim.principal, victim.priority, _Preempted(victim),
+            cost=victim.total - victim.latest_step, cross=victim.cross_priority,
+        )
+
     def let_in(self) -> None:
         """Submit waiting requests while the engine has room (a request left it, or the bound grew)."""
         while self.letting_in and (item := self.gate.pop()) is not None:
+            if isinstance(item.payload, _Preempted):
+                # A preempted request: it is in the engine already, paused.
+                record = item.payload.record
+                self.gate.entered(record.principal, record.total - record.latest_step)
+                record.entered_step = record.latest_step
+                resume = getattr(self.engine, "resume", None)
+                if resume is not None and resume(record.id):
+                    record.publish_resumed()
+                continue
             admitted: Admitted = item.payload
             try:
                 stream = self._open_stream(admitted)
@@ -626,6 +672,12 @@ class Rules:
         record.cancel_reason = record.cancel_reason or reason
         item = self.gate.remove(record.id)
         if item is None:
+            self.engine.cancel(record.id)
+            return
+        if isinstance(item.payload, _Preempted):
+            # Paused in the engine, waiting here to resume: its consumer ends
+            # it, and counts its place out of the gate as any in the engine.
+            self.gate.entered(record.principal)
             self.engine.cancel(record.id)
             return
         item.payload.memory.release()

@@ -660,6 +660,16 @@ class Engine:
             self._table.wake_producer()
         return True
 
+    @property
+    def scheduling(self) -> str:
+        """The scheduling policy (engine/scheduler.py)."""
+        return self._table.limits.scheduling
+
+    @property
+    def quantum(self) -> int:
+        """The preemptive policy's quantum, in rounds (a request's steps, for the server's gate)."""
+        return self._table.limits.quantum
+
     def is_paused(self, request_id: str) -> bool:
         """Whether the request is paused now."""
         r = self._by_id.get(request_id)
