@@ -635,10 +635,15 @@ class Rules:
             return
         victim.publish_paused()
         self.gate.left(victim.principal)
+        # The place is the newcomer's: let in by the gate's order, the victim
+        # (its principal now with one fewer inside) could take it straight back.
+        item = self.gate.remove(waiting.id)
         self.gate.wait(
             victim.id, victim.principal, victim.priority, _Preempted(victim),
             cost=victim.total - victim.latest_step, cross=victim.cross_priority,
         )
+        if item is not None:
+            self._let(item.payload)
 
     def let_in(self) -> None:
         """Submit waiting requests while the engine has room (a request left it, or the bound grew)."""
@@ -652,18 +657,21 @@ class Rules:
                 if resume is not None and resume(record.id):
                     record.publish_resumed()
                 continue
-            admitted: Admitted = item.payload
-            try:
-                stream = self._open_stream(admitted)
-            except protocol.MessageError as exc:
-                # Accepted already: it ends, with what the engine said.
-                code = "engine_error" if exc.code == "engine_unavailable" else "step_failed"
-                self.finish(
-                    admitted.record,
-                    protocol.error(code, exc.message, request_id=admitted.record.id, field=exc.field),
-                )
-                continue
-            self._start(admitted, stream)
+            self._let(item.payload)
+
+    def _let(self, admitted: Admitted) -> None:
+        """Submit an admitted request that waited in the gate; if the engine refuses it now, it ends."""
+        try:
+            stream = self._open_stream(admitted)
+        except protocol.MessageError as exc:
+            # Accepted already: it ends, with what the engine said.
+            code = "engine_error" if exc.code == "engine_unavailable" else "step_failed"
+            self.finish(
+                admitted.record,
+                protocol.error(code, exc.message, request_id=admitted.record.id, field=exc.field),
+            )
+            return
+        self._start(admitted, stream)
 
     # -- cancel, attach, lookup ----------------------------------------------------
 

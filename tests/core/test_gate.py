@@ -17,6 +17,8 @@ import pytest
 from omni_stream.engine.scheduler import AGE_ROUNDS
 from omni_stream.core.gate import OVERDUE_LET_INS, Gate
 
+# The gate's own order is tested under round-robin scheduling: under preemptive (the
+# default) a short request may take a long one's place at once (tests/server/test_preempt.py).
 from ..server.test_service import LONG, SHORT, Client, check_stream, serving, wait_for
 
 # -- the bookkeeping -----------------------------------------------------------------
@@ -168,7 +170,7 @@ def test_a_request_passed_over_by_every_rule_goes_first_once_overdue() -> None:
 
 @pytest.mark.asyncio
 async def test_beyond_max_active_requests_wait_unstarted_and_go_in_as_others_end() -> None:
-    async with serving(max_active=1, max_queued=4) as service:
+    async with serving(scheduling="round-robin", max_active=1, max_queued=4) as service:
         a = Client(service)
         first = a.generate("first", {**SHORT, "steps": 30})
         second = a.generate("second", SHORT)
@@ -188,7 +190,7 @@ async def test_beyond_max_active_requests_wait_unstarted_and_go_in_as_others_end
 
 @pytest.mark.asyncio
 async def test_health_says_one_thing_by_queued_counting_the_gate() -> None:
-    async with serving(max_active=1, max_queued=4) as service:
+    async with serving(scheduling="round-robin", max_active=1, max_queued=4) as service:
         a = Client(service)
         a.generate("first", {**SHORT, "steps": 30})
         a.generate("second", SHORT)  # waits in the gate: the engine never saw it
@@ -203,7 +205,7 @@ async def test_health_says_one_thing_by_queued_counting_the_gate() -> None:
 @pytest.mark.asyncio
 @pytest.mark.parametrize("how", ["cancel", "disconnect", "shutdown"])
 async def test_a_waiting_request_ends_at_once_and_gives_its_memory_back(how: str) -> None:
-    async with serving(max_active=1, max_queued=4) as service:
+    async with serving(scheduling="round-robin", max_active=1, max_queued=4) as service:
         a = Client(service)
         a.generate("running", LONG)
         a.generate("waiting", LONG)
@@ -245,7 +247,7 @@ async def test_a_freed_slot_goes_to_the_connection_with_least_inside_not_to_the_
     # in after 3, not after the 20 that arrived before it; then it runs
     # beside max_active - 1 others, not beside all 25 (before the gate every
     # admitted request was stepped in turn).
-    async with serving(max_active=4, max_queued=64) as service:
+    async with serving(scheduling="round-robin", max_active=4, max_queued=64) as service:
         flood = _flood(service, 3, 8)
         honest = Client(service)
         accepted = honest.generate("honest", SHORT)
@@ -272,7 +274,7 @@ async def test_a_short_request_arriving_mid_flood_goes_in_at_the_next_freed_slot
     # one short request. The next slot that frees is its: it does not wait
     # for the 16 flood requests queued before it (it did while the gate
     # aged each request from its own arrival: first come, first served).
-    async with serving(max_active=2, max_queued=64) as service:
+    async with serving(scheduling="round-robin", max_active=2, max_queued=64) as service:
         flood = _flood(service, 4, 6)
 
         def inside() -> list[str]:

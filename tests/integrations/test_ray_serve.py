@@ -26,6 +26,8 @@ pytest.importorskip("ray.serve", reason="needs Ray Serve: pip install 'omni-stre
 import ray  # noqa: E402
 from PIL import Image  # noqa: E402
 from ray import serve  # noqa: E402
+
+from .cluster import start_local_ray  # noqa: E402
 from websockets.asyncio.client import connect  # noqa: E402
 
 import omni_stream as om  # noqa: E402
@@ -70,7 +72,7 @@ def cluster() -> Any:
     handlers = {sig: signal.getsignal(sig) for sig in (signal.SIGINT, signal.SIGTERM)}
     started = not ray.is_initialized()
     if started:
-        ray.init(num_cpus=2, include_dashboard=False, logging_level="WARNING")
+        start_local_ray()
     serve.start(proxy_location="Disabled")
     yield
     if started:

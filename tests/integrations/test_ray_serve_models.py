@@ -25,6 +25,8 @@ pytest.importorskip("ray.serve", reason="needs Ray Serve: pip install 'omni-stre
 
 import ray  # noqa: E402
 from ray import serve  # noqa: E402
+
+from .cluster import start_local_ray  # noqa: E402
 from websockets.asyncio.client import connect  # noqa: E402
 
 import omni_stream as om  # noqa: E402
@@ -55,7 +57,7 @@ def models() -> Any:
     if started:
         # The replicas unpickle Wide by reference: Ray puts the driver's working
         # directory (the checkout, where pytest runs) on their path.
-        ray.init(num_cpus=2, include_dashboard=False, logging_level="WARNING")
+        start_local_ray()
     serve.start(proxy_location="Disabled")
     deploy(
         {"small": Synthetic(), "wide": Wide()},

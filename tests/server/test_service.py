@@ -49,10 +49,12 @@ WAIT_S = 10.0  # a bound against hanging only; conditions are met in ms
 
 @asynccontextmanager
 async def serving(
-    model: Any = None, *, token: Any = None, start: bool = True, **limits: Any
+    model: Any = None, *, token: Any = None, start: bool = True, scheduling: str | None = None, **limits: Any
 ) -> AsyncIterator[Service]:
-    """A Service over its own CPU Engine, entered (``start``) with ``limits``."""
-    engine = Engine(model or Slow(0.005), device="cpu", torch_threads=1)
+    """A Service over its own CPU Engine (``scheduling``: its policy, else the default), entered
+    (``start``) with ``limits``."""
+    options = {} if scheduling is None else {"scheduling": scheduling}
+    engine = Engine(model or Slow(0.005), device="cpu", torch_threads=1, **options)
     tokens = token if isinstance(token, Tokens) else Tokens.of(token)
     service = Service(engine, limits=ServerLimits.from_env(limits), tokens=tokens, owns_engine=True)
     if not start:
