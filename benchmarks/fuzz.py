@@ -369,7 +369,9 @@ class Conn:
     def _stream_msg(self, msg: dict[str, Any]) -> bool:
         """Handle a message of an accepted request; True when it was one."""
         kind, rid = msg.get("type"), msg.get("id")
-        if kind in ("progress",):
+        # Paused / resumed: the gate's preemption moves a long request aside
+        # for a short one (issue #22); loading: a model of several loads.
+        if kind in ("progress", "paused", "resumed", "loading"):
             return True
         ending = kind == "error" and msg.get("code") in ENDING and rid in self.running
         if kind in ("done", "cancelled") or ending:
