@@ -25,7 +25,7 @@ from pathlib import Path
 from typing import Any, NoReturn, TextIO
 
 from . import __version__
-from .config import TOKEN_ENV, run, token as env_token
+from .config import LOOPS, TOKEN_ENV, run, token as env_token
 from .engine.like import looks_like_engine
 from .engine.scheduler import POLICIES
 from .errors import OmniStreamError, ParamsError
@@ -711,6 +711,9 @@ def _cmd_serve(args: argparse.Namespace) -> int:
     specs = _served_specs(args.model or ["mixture"])
     if args.max_loaded is not None and not specs[0][0]:
         raise _UsageError("--max-loaded bounds the models loaded at once: give them as --model NAME=SPEC")
+    if args.loop == "trio" and args.ray:
+        # Ray's client runs on asyncio only; the engines in this process run on any loop.
+        raise _UsageError("--loop trio serves engines in this process; --ray needs asyncio (or uvloop)")
 
     def load(spec: str = specs[0][1]) -> Any:
         return _load_model(spec, args.preview_vae, loras, no_batch=args.no_batch,
@@ -792,6 +795,7 @@ def _cmd_serve(args: argparse.Namespace) -> int:
             **_door_options(args),
             stay_dead=args.stay_dead,
             metrics_public=args.metrics_public,
+            **({"loop": args.loop} if args.loop is not None else {}),
             # For the engine the server makes from a model (the router and Ray took theirs above).
             **({} if looks_like_engine(model) else engine_options),
         )
@@ -952,6 +956,10 @@ def build_parser() -> argparse.ArgumentParser:
                      help="with --ray: replicas")
     srv.add_argument("--num-gpus", type=float, default=0.0, metavar="G",
                      help="with --ray: GPUs per replica; a fraction packs several on one GPU")
+    srv.add_argument("--loop", choices=LOOPS, default=None,
+                     help="the event loop: uvloop (the default where installed), asyncio (both serve "
+                     "on uvicorn), or trio (served by hypercorn: pip install 'omni-stream[trio]'; "
+                     "not with --ray)")
     srv.add_argument("--stay-dead", action="store_true",
                      help="keep running (/health 503) when the engine dies, for debugging; "
                      f"by default the server shuts down and exits with status {EXIT_ENGINE_DEAD}")

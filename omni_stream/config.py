@@ -25,6 +25,7 @@ import threading
 from collections.abc import Awaitable, Callable
 from typing import Any, TypeVar
 
+from .errors import ParamsError
 from .params import positive_int
 
 __all__ = [
@@ -262,19 +263,33 @@ def state_dir() -> str | None:
     return env_str(STATE_DIR_ENV)
 
 
-def run(main: Callable[..., Awaitable[T]], *args: Any) -> T:
+#: The event loops ``run`` (and ``serve --loop``) can run on; None: uvloop where installed.
+LOOPS = ("asyncio", "uvloop", "trio")
+
+
+def run(main: Callable[..., Awaitable[T]], *args: Any, loop: str | None = None) -> T:
     """Run ``main(*args)`` to completion on a new event loop; return what it returns.
 
-    uvloop where it is installed (a dependency everywhere but Windows), else
-    asyncio's own loop. The one place that picks the loop: ``omni-stream
-    generate`` and ``serve`` and :func:`omni_stream.server.serve` all run
-    through here.
+    ``loop`` None: uvloop where it is installed (a dependency everywhere
+    but Windows), else asyncio's own loop; or one of :data:`LOOPS` by name
+    (``trio`` needs trio installed; the server then runs on hypercorn). The
+    one place that picks the loop: ``omni-stream generate`` and ``serve``
+    and :func:`omni_stream.server.serve` all run through here. Raises
+    ParamsError for another name.
     """
     import anyio
 
+    if loop is not None and loop not in LOOPS:
+        raise ParamsError(f"loop must be one of {', '.join(LOOPS)}, got {str(loop)[:40]!r}", field="loop")
+    if loop == "trio":
+        return anyio.run(main, *args, backend="trio")
+    if loop == "asyncio":
+        return anyio.run(main, *args, backend="asyncio")
     try:
         import uvloop  # noqa: F401 - only whether it is there
-    except ImportError:  # pragma: no cover - uvloop is a dependency off Windows
+    except ImportError:
+        if loop == "uvloop":
+            raise ParamsError("loop 'uvloop' is not installed: pip install uvloop", field="loop") from None
         options: dict[str, Any] = {}
     else:
         options = {"use_uvloop": True}

@@ -1,4 +1,5 @@
-"""``Server`` (async context manager) and ``serve()`` (blocking): the ASGI app on uvicorn.
+"""``Server`` (async context manager) and ``serve()`` (blocking): the ASGI app on uvicorn
+(asyncio, uvloop) or hypercorn (trio: hypercorn_trio.py).
 
 One port serves everything :func:`~omni_stream.server.asgi.create_app`
 routes: the page, ``/health``, ``/metrics``, ``/models``, the websocket
@@ -32,7 +33,7 @@ import anyio
 import anyio.abc
 import uvicorn
 
-from .._backend import require_asyncio
+from .._backend import current_backend, require_asyncio
 from ..config import run
 from ..core import origin as security
 from ..core.metrics import ServerMetrics
@@ -43,6 +44,7 @@ from ..model import StepModel
 from ..preview import Previewer
 from .asgi import FrontDoor, app_for, build_front_door
 from .http11 import h11_protocol
+from .hypercorn_trio import HypercornServer
 from .service import FdWarning
 from .ws_protocol import LingeringWSProtocol
 
@@ -125,7 +127,7 @@ class Server:
         self._host = host
         self._requested_port = port
         self._port: int | None = None
-        self._uvicorn: _Uvicorn | None = None
+        self._http: _Uvicorn | HypercornServer | None = None
         self._tg: anyio.abc.TaskGroup | None = None
         self._stack: contextlib.AsyncExitStack | None = None
         self._state = Lifecycle.NEW
@@ -199,10 +201,21 @@ class Server:
         await self.aclose()
 
     async def start(self) -> None:
-        """Start the engine (if owned) and listen. Raises LifecycleError if started twice."""
-        require_asyncio("the omni_stream server (uvicorn)")
+        """Start the engine (if owned) and listen. Raises LifecycleError if started twice.
+
+        Under asyncio (uvloop included) the HTTP server is uvicorn; under trio
+        it is hypercorn (``hypercorn_trio.py``; the ``trio`` extra), serving
+        the same app. UnsupportedBackendError elsewhere, or under trio
+        without hypercorn.
+        """
+        on_trio = current_backend() == "trio"
+        if not on_trio:
+            require_asyncio("the omni_stream server (uvicorn; or hypercorn under trio)")
         if self._state is not Lifecycle.NEW:
             raise LifecycleError("a Server can be started once; create a new one")
+        http: _Uvicorn | HypercornServer = (
+            HypercornServer(self.app, self.limits) if on_trio else _Uvicorn(self._uvicorn_config())
+        )
         self._state = Lifecycle.RUNNING
         stack = contextlib.AsyncExitStack()
         try:
@@ -210,28 +223,10 @@ class Server:
             stack.callback(_close_all, sockets)
             await stack.enter_async_context(self._service)
             self._tg = await stack.enter_async_context(anyio.create_task_group())
-            config = uvicorn.Config(
-                self.app,
-                lifespan="off",  # this task runs the service (it must enter and leave it)
-                # websockets' sans-I/O core, closing a failed connection so that the
-                # client reads why (1009 for an oversize message): ws_protocol.py.
-                ws=LingeringWSProtocol,
-                http=h11_protocol(
-                    max_body_bytes=self.limits.max_message_bytes, body_timeout_s=self.limits.body_timeout_s
-                ),
-                ws_max_size=self.limits.max_message_bytes,
-                # Previews are compressed images: deflating them again would
-                # only burn the event loop.
-                ws_per_message_deflate=False,
-                log_config=None,
-                access_log=False,
-                server_header=False,
-                timeout_graceful_shutdown=max(1, int(self.limits.close_timeout_s)),
-            )
-            self._uvicorn = _Uvicorn(config)
+            self._http = http
             started = anyio.Event()
-            self._uvicorn.on_started = started.set
-            self._tg.start_soon(self._run_uvicorn, sockets, name="omni_stream uvicorn")
+            http.on_started = started.set
+            self._tg.start_soon(self._run_http, sockets, name="omni_stream http server")
             with anyio.fail_after(30):
                 await started.wait()
         except BaseException:
@@ -252,10 +247,30 @@ class Server:
                 ", ".join(exposed),
             )
 
-    async def _run_uvicorn(self, sockets: list[socket.socket]) -> None:
-        assert self._uvicorn is not None
+    def _uvicorn_config(self) -> uvicorn.Config:
+        return uvicorn.Config(
+            self.app,
+            lifespan="off",  # this task runs the service (it must enter and leave it)
+            # websockets' sans-I/O core, closing a failed connection so that the
+            # client reads why (1009 for an oversize message): ws_protocol.py.
+            ws=LingeringWSProtocol,
+            http=h11_protocol(
+                max_body_bytes=self.limits.max_message_bytes, body_timeout_s=self.limits.body_timeout_s
+            ),
+            ws_max_size=self.limits.max_message_bytes,
+            # Previews are compressed images: deflating them again would
+            # only burn the event loop.
+            ws_per_message_deflate=False,
+            log_config=None,
+            access_log=False,
+            server_header=False,
+            timeout_graceful_shutdown=max(1, int(self.limits.close_timeout_s)),
+        )
+
+    async def _run_http(self, sockets: list[socket.socket]) -> None:
+        assert self._http is not None
         try:
-            await self._uvicorn.serve(sockets=sockets)
+            await self._http.serve(sockets)
         except Exception as exc:  # noqa: BLE001 - _fatal_error logs it
             error = ServerFailedError(f"the HTTP server failed: {exc!r}")
             error.__cause__ = exc
@@ -313,10 +328,10 @@ class Server:
             # Keep listening through the grace period: probes see /health
             # 503 and new websockets get 503 shutting_down.
             await self._door.shutdown(forced=self._force_shutdown)
-            if self._uvicorn is not None:
-                self._uvicorn.should_exit = True
+            if self._http is not None:
+                self._http.stop()
                 with anyio.move_on_after(self.limits.close_timeout_s * 2 + 1):
-                    await self._uvicorn.exited.wait()
+                    await self._http.exited.wait()
         finally:
             self._shutdown_done.set()
 
@@ -333,8 +348,8 @@ class Server:
             return
         stack, self._stack = self._stack, None
         assert self._tg is not None
-        if self._uvicorn is not None:
-            self._uvicorn.force_exit = True
+        if isinstance(self._http, _Uvicorn):
+            self._http.force_exit = True
         self._tg.cancel_scope.cancel()
         try:
             await stack.aclose()
@@ -373,6 +388,10 @@ class _Uvicorn(uvicorn.Server):
             await super().serve(sockets=sockets)
         finally:
             self.exited.set()
+
+    def stop(self) -> None:
+        """Graceful: stop accepting, finish open exchanges, return from :meth:`serve`."""
+        self.should_exit = True
 
 
 def _bind(host: str, port: int) -> list[socket.socket]:
@@ -437,6 +456,7 @@ def serve(
     metrics_public: bool = False,
     webhook_secret: str | None = None,
     webhook_allow: Sequence[str] | str | None = None,
+    loop: str | None = None,
     **limits: Any,
 ) -> None:
     """Run the engine and the server (page, HTTP API, websocket) until SIGINT or SIGTERM (blocking).
@@ -445,9 +465,11 @@ def serve(
     (``"mixture"``, ``"synthetic"``, ``"module:attr"``), or a factory of
     models; with ``device`` naming several ("cuda:0,cuda:1", "all") it runs
     an :class:`~omni_stream.EngineGroup`, one model per device (a name or a
-    factory then, not one StepModel). Uses uvloop when it
-    is installed. ``model`` may also be an engine (``Engine``, ``EngineGroup``,
-    a Ray ``RemoteEngine``): serve() then starts and closes it. Inside async
+    factory then, not one StepModel). Uses uvloop when it is installed;
+    ``loop`` names another (``"asyncio"``, ``"uvloop"``, or ``"trio"``: the
+    server then runs on hypercorn, the ``trio`` extra). ``model`` may also
+    be an engine (``Engine``, ``EngineGroup``, a Ray ``RemoteEngine``):
+    serve() then starts and closes it. Inside async
     code use ``async with Server(...) as server: await
     server.serve_forever()`` instead.
 
@@ -478,12 +500,13 @@ def serve(
                 await stack.enter_async_context(model)
             server = Server(model, **options)
             servers.append(server)
-            # Our own loop: out-of-descriptors reports become one clear warning.
-            asyncio.get_running_loop().set_exception_handler(
-                _loop_exception_handler(server.service.fd_warning)
-            )
+            if current_backend() == "asyncio":
+                # Our own loop: out-of-descriptors reports become one clear warning.
+                asyncio.get_running_loop().set_exception_handler(
+                    _loop_exception_handler(server.service.fd_warning)
+                )
             async with server:
                 await server.serve_forever()
-    run(main)
+    run(main, loop=loop)
     if servers and servers[0].fatal is not None:
         raise servers[0].fatal

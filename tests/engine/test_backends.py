@@ -243,12 +243,4 @@ async def test_the_client_refuses_trio_with_an_error_of_ours(anyio_backend):
                 pass
 
 
-# Trio only: the server runs on asyncio, where tests/server covers it.
-@pytest.mark.parametrize("anyio_backend", [pytest.param(("trio", {}), id="trio")])
-async def test_the_server_refuses_trio_with_an_error_of_ours(anyio_backend):
-    from omni_stream.server import Server
-
-    server = Server(Synthetic(), host="127.0.0.1", port=0, device="cpu")
-    with pytest.raises(errors.UnsupportedBackendError, match="uvicorn"):
-        async with server:
-            pass
+# The server runs under trio too (on hypercorn): tests/server/test_trio_server.py.
