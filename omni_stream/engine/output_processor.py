@@ -125,9 +125,11 @@ class OutputProcessor:
             # Drained: the frames before the failed step are real and were paid for.
             self.end(r, Status.FAILED, err, drain=True)
             return
-        with self._table.cond:
+        table = self._table
+        with table.lock:
             r.delivered += 1
-            self._table.wake_producer()
+            if table.producer_waiting:
+                table.cond.notify()
         if t.data is None or r.finalized:
             return  # the request ended while its copy was in flight
         frame = Frame(
@@ -167,9 +169,11 @@ class OutputProcessor:
 
     def consumed(self, r: Request) -> None:
         """The reader took a frame of ``r``: the producer may run it further."""
-        with self._table.cond:
+        table = self._table
+        with table.lock:
             r.consumed += 1
-            self._table.wake_producer()
+            if table.producer_waiting:
+                table.cond.notify()
 
     def abandon(self, r: Request) -> None:
         """Nobody will read ``r`` any more: cancel it (nothing if it has ended)."""

@@ -18,10 +18,9 @@ device error); it propagates, and the engine declares itself dead.
 
 from __future__ import annotations
 
-import contextlib
 import logging
 import time
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import torch
@@ -82,6 +81,7 @@ class Producer:
         #: monotonic time the running step began, None between steps (read by health).
         self.busy_since: float | None = None
         self.busy_with: tuple[str, ...] = ()
+        self._busy_cm = _Busy(self)
         self.steps = 0
         self.batches = 0
         self.batch_sizes: dict[int, int] = {}
@@ -136,39 +136,38 @@ class Producer:
             limit = 1  # run() takes one request: never start a second that would wait
         return BatchLimits(limit, self._table.limits.scheduling, self._table.limits.quantum)
 
-    @contextlib.contextmanager
-    def _busy(self, what: tuple[str, ...]) -> Iterator[None]:
-        """Mark the thread as inside model code, for health's stall check."""
-        # Model code may run long: what is computed goes to the loop first.
-        self._flush()
-        self.busy_with = what
-        self.busy_since = time.monotonic()
-        try:
-            yield
-        finally:
-            self.busy_since = None
+    def _busy(self, what: tuple[str, ...]) -> _Busy:
+        """Mark the thread as inside model code, for health's stall check (a ``with`` block)."""
+        busy = self._busy_cm
+        busy.what = what
+        return busy
 
     # -- choosing ------------------------------------------------------------
 
     def _next_batch(self) -> list[Request] | None:
         table = self._table
         limits = table.limits
+        max_run_ahead, queue_size = limits.max_run_ahead, limits.queue_size
         while True:
-            self._retire()
-            self._offload()
-            with table.cond:
+            with table.lock:
                 while True:
                     if table.stopping:
                         self._flush()
                         return None
-                    if any(r.status.ended for r in table.live.values()):
-                        break  # close and retire ended requests first
-                    runnable = [
-                        r
-                        for r in table.live.values()
-                        if r.runnable(max_run_ahead=limits.max_run_ahead, queue_size=limits.queue_size)
-                    ]
-                    batch = list(pick_batch(runnable, self._batch_limits))
+                    # One pass over the table (this runs once a step): the
+                    # runnable requests, unless some request first needs its
+                    # state closed (it ended) or moved to the host (paused).
+                    runnable: list[Request] = []
+                    chores = False
+                    for r in table.live.values():
+                        if r.status.ended or (r.paused and r.to_host and _movable(r)):
+                            chores = True
+                            break
+                        if r.runnable(max_run_ahead=max_run_ahead, queue_size=queue_size):
+                            runnable.append(r)
+                    if chores:
+                        break  # close and retire ended requests first, outside the lock
+                    batch = runnable if len(runnable) == 1 else list(pick_batch(runnable, self._batch_limits))
                     if batch:
                         self._seq += 1
                         # The moment each gets the device, stamped here where it
@@ -190,6 +189,8 @@ class Producer:
                         table.cond.wait()
                     finally:
                         table.producer_waiting = False
+            self._retire()
+            self._offload()
 
     def _retire(self) -> None:
         """Close the model state of ended requests and drop them from the table."""
@@ -207,11 +208,8 @@ class Producer:
 
         A model that cannot snapshot keeps the state where it is (the pause holds anyway).
         """
-        with self._table.cond:
-            moving = [
-                r for r in self._table.live.values()
-                if r.paused and r.to_host and r.started and not r.closed and r.state is not None
-            ]
+        with self._table.lock:
+            moving = [r for r in self._table.live.values() if r.paused and r.to_host and _movable(r)]
         for r in moving:
             try:
                 with self._busy((r.id,)):
@@ -298,7 +296,7 @@ class Producer:
             # their buffers. One lock round for the whole batch (hot path).
             if tickets:
                 now = time.monotonic()
-                with self._table.cond:
+                with self._table.lock:
                     for t in tickets:
                         if t.error is None:
                             t.request.issued = t.step
@@ -362,7 +360,7 @@ class Producer:
         self.batch_sizes[len(batch)] = self.batch_sizes.get(len(batch), 0) + 1
         # The states have advanced: a bad output fails its request, and
         # nothing is ever stepped twice.
-        if not isinstance(outs, Sequence) or len(outs) != len(batch):
+        if not (type(outs) is list or isinstance(outs, Sequence)) or len(outs) != len(batch):
             got = len(outs) if isinstance(outs, Sequence) else type(outs).__name__
             err = TypeError(f"model.step returned {got} frames for {len(batch)} states")
             return [(r, None, err, compute_s) for r in batch]
@@ -476,6 +474,36 @@ class Producer:
             held.error = err
             return held
         return CopyTicket(request=r, step=n, error=err)
+
+
+def _movable(r: Request) -> bool:
+    """Whether a request paused ``to_host`` has a device state to move (the producer's part)."""
+    return r.started and not r.closed and r.state is not None
+
+
+class _Busy:
+    """``with producer._busy(what)``: the thread is inside model code, for health's stall check.
+
+    One instance per producer, reused (the producer is one thread and busy
+    blocks do not nest): a class, not ``contextlib.contextmanager``, whose
+    generator and wrapper would be built again on every step.
+    """
+
+    __slots__ = ("_producer", "what")
+
+    def __init__(self, producer: Producer) -> None:
+        self._producer = producer
+        self.what: tuple[str, ...] = ()
+
+    def __enter__(self) -> None:
+        producer = self._producer
+        # Model code may run long: what is computed goes to the loop first.
+        producer._flush()
+        producer.busy_with = self.what
+        producer.busy_since = time.monotonic()
+
+    def __exit__(self, *exc: object) -> None:
+        self._producer.busy_since = None
 
 
 class _Emitter:

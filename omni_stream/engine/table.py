@@ -1,6 +1,9 @@
 """The live-request table the producer thread and the event loop share.
 
-One ``threading.Condition`` guards it. The loop holds it only for counter
+One lock guards it, with a ``threading.Condition`` on that lock for the
+producer's waits: ``with table.lock`` where nothing waits or notifies (the
+hot path: the lock's own C ``__enter__``, not the condition's Python one),
+``with table.cond`` around a ``wait``/``notify``. The loop holds it only for counter
 updates (microseconds); the producer holds it to pick a batch and never
 while a model or device call runs, so neither side can stall the other.
 """
@@ -30,7 +33,9 @@ class Limits:
 @dataclass(eq=False)
 class RequestTable:
     limits: Limits
-    cond: threading.Condition = field(default_factory=threading.Condition)
+    #: Re-entrant, as a Condition's default lock is: the loop's ``end`` may run under it.
+    lock: threading.RLock = field(default_factory=threading.RLock)
+    cond: threading.Condition = field(init=False)
     live: dict[int, Request] = field(default_factory=dict)  # by arrival
     #: Set (under cond) to make the producer return.
     stopping: bool = False
@@ -41,6 +46,9 @@ class RequestTable:
     #: ``Request.handed_at`` with it, the reader's wait reads it. Replaceable
     #: (tests drive it by hand); it must be monotonic.
     clock: Callable[[], float] = time.monotonic
+
+    def __post_init__(self) -> None:
+        self.cond = threading.Condition(self.lock)
 
     def wake_producer(self) -> None:
         """Call with ``cond`` held after a change that may make a request runnable."""
