@@ -10,9 +10,13 @@ What differs is what we add to uvicorn's wire handling (``http11.py``,
 ``ws_protocol.py``), which reaches into uvicorn's protocol classes and has
 no hypercorn equivalent. Under hypercorn its own settings take their place:
 
-* a header block is bounded in bytes (``h11_max_incomplete_size``, 16 KiB)
-  and a connection that sends nothing for ``body_timeout_s`` is closed
-  (``read_timeout``), where uvicorn gets our header and body deadlines;
+* a header block is bounded in bytes (``h11_max_incomplete_size``, 16 KiB),
+  but not in time: uvicorn gets our header and body deadlines, hypercorn
+  only its idle keep-alive bound. Its ``read_timeout`` is no substitute:
+  it bounds every read on a connection, so a websocket or event-stream
+  client that only listens to a long render would be cut off; it stays
+  unset. Behind a reverse proxy (which bounds slow headers itself) this
+  does not matter; exposed directly, prefer asyncio (uvicorn);
 * a websocket message is bounded by ``max_message_bytes``
   (``websocket_max_message_size``), as uvicorn's ``ws_max_size``;
 * a graceful stop gives connections ``close_timeout_s`` (``graceful_timeout``).
@@ -79,7 +83,7 @@ class HypercornServer:
         config.errorlog = logger
         config.include_server_header = False
         config.websocket_max_message_size = limits.max_message_bytes
-        config.read_timeout = max(1, int(limits.body_timeout_s))
+        # Not read_timeout (the module docstring): it would cut off listeners.
         config.graceful_timeout = max(1.0, float(limits.close_timeout_s))
         return config
 

@@ -107,6 +107,33 @@ def test_trio_server_shuts_down_gracefully_mid_render() -> None:
     anyio.run(main, backend="trio")
 
 
+def test_a_quiet_listener_outlives_the_body_deadline_under_trio() -> None:
+    """A websocket client that only listens, longer than body_timeout_s, is not cut off.
+
+    (hypercorn's read_timeout would do it: it bounds every read, a listener's too.)
+    """
+
+    def listen(url: str) -> list[str]:
+        from websockets.sync.client import connect
+
+        kinds: list[str] = []
+        with connect(url, open_timeout=20) as ws:
+            ws.send(json.dumps({"type": "generate", "id": "slow", "params": {
+                "shape": [3, 8, 8], "work": 0, "steps": 3, "hang_at": 2, "hang_s": 2.5}}))
+            while not kinds or kinds[-1] not in ("done", "error", "cancelled"):
+                data = ws.recv(timeout=30)
+                if isinstance(data, str):
+                    kinds.append(json.loads(data)["type"])
+        return kinds
+
+    async def main() -> list[str]:
+        async with Server(Synthetic(), port=0, device="cpu", body_timeout_s=1.0) as server:
+            return await anyio.to_thread.run_sync(listen, server.url)
+
+    kinds = anyio.run(main, backend="trio")
+    assert kinds[0] == "accepted" and kinds[-1] == "done", kinds
+
+
 def test_serve_loop_trio_in_a_real_process() -> None:
     with omni_stream_serve("--model", "synthetic", "--device", "cpu", "--loop", "trio") as (proc, lines, url):
         assert _http_json(url + "/health")["ok"] is True
