@@ -16,7 +16,9 @@ runs it; ``docs/performance.md`` explains each figure. The figures, by name:
 ``diffusers_batching``  4 and 16 concurrent requests on that pipeline, batched, unbatched, one at a time
 ``diffusers_models``  switching between two models under max_loaded=1; num_images=4 against 4 requests
 ``checkpoints``  what a checkpoint every 10 steps costs a request, and a resumed request's first frame
+``crash``      kill -9 of a real ``serve --state-dir`` mid-render: steps redone, restart to the first resumed frame
 ``scheduling``  short requests among long ones under round-robin, fcfs and preemptive scheduling
+``server_scheduling``  the same through a real server whose places long renders hold: the gate's preemption
 ``openai_door``  POST /v1/images/generations against POST /v1/generations, the same image; streamed partials
 """
 
@@ -44,4 +46,6 @@ FIGURES: dict[str, str] = {
     "openai_door": "benchmarks.openai_door",
     "scheduling": "benchmarks.scheduling",
     "checkpoints": "benchmarks.checkpoints",
+    "crash": "benchmarks.crash",
+    "server_scheduling": "benchmarks.server_scheduling",
 }

@@ -16,7 +16,7 @@ from typing import TYPE_CHECKING, Any, Generic, Literal, TypeVar
 from ..errors import ClientError, ProtocolError
 from ..protocol.frames import PreviewFrame
 from ..protocol.inbox import Inbox
-from ..protocol.server_messages import Progress
+from ..protocol.server_messages import Progress, Restarted
 
 if TYPE_CHECKING:
     from .connection import Client
@@ -111,6 +111,12 @@ class RequestStream(Generic[T]):
     def paused(self) -> bool:
         """True while the server says the request is paused (``paused`` came, no ``resumed`` since)."""
         return self._inbox.paused
+
+    @property
+    def restarted(self) -> Restarted | None:
+        """The server's ``restarted`` once it came (it restarted, a crash or a deploy, and runs the
+        request again: ``from_step``, the steps not redone, and ``reason``); None before."""
+        return self._inbox.restarted
 
     @property
     def dropped(self) -> int:

@@ -31,13 +31,18 @@ from ..models.inputs import ImageHeader, decode_image, read_data_url
 from .limits import ServerLimits
 
 __all__ = [
-    "IMAGE_PARAM_NAMES", "PendingImage", "Sized", "check_images", "decode_images", "image_params",
-    "with_images",
+    "IMAGE_PARAM_NAMES", "SOURCE_INFO", "PendingImage", "Sized", "check_images", "decode_images",
+    "image_params", "source_of", "with_images",
 ]
 
 #: Params with these names (declared as strings) are input images; a model
 #: may list its own in an ``image_params`` attribute instead.
 IMAGE_PARAM_NAMES: Final = frozenset({"image", "mask_image", "control_image"})
+#: Where a decoded image keeps the file it was decoded from (its ``info``): the
+#: state directory writes those bytes down as given, so a restart decodes the
+#: same pixels from the same JPEG (a PNG of the pixels would be larger, and a
+#: JPEG encoded again would not decode to the same pixels).
+SOURCE_INFO: Final = "omni_stream.source"
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
@@ -112,10 +117,26 @@ def decode_images(pending: list[PendingImage], *, request_id: str | None) -> dic
     out: dict[str, Any] = {}
     for image in pending:
         try:
-            out[image.name] = decode_image(image.data, field=image.name)
+            decoded = decode_image(image.data, field=image.name)
         except ParamsError as exc:
             raise MessageError("bad_params", exc.message, field=image.name, request_id=request_id) from None
+        # (Encoded, already bounded by the message's size: no copy beyond the one the message held.)
+        decoded.info[SOURCE_INFO] = (image.header.kind, image.data)
+        out[image.name] = decoded
     return out
+
+
+def source_of(image: Any) -> tuple[str, bytes] | None:
+    """The (``PNG`` / ``JPEG``, file bytes) ``image`` was decoded from by :func:`decode_images`;
+    None for an image that came another way."""
+    info = getattr(image, "info", None)
+    source = info.get(SOURCE_INFO) if isinstance(info, dict) else None
+    if (
+        isinstance(source, tuple) and len(source) == 2
+        and isinstance(source[0], str) and isinstance(source[1], bytes)
+    ):
+        return source[0], source[1]
+    return None
 
 
 def with_images(params: Mapping[str, Any], decoded: Mapping[str, Any]) -> dict[str, Any]:

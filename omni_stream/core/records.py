@@ -84,6 +84,9 @@ class RequestRecord:
         self.loading = False
         #: Paused (Rules.pause): no step runs until it is resumed.
         self.paused = False
+        #: The ``restarted`` message (serialized) when the server brought it back after a restart
+        #: (server/state.py): kept for every later ``attach``, whatever progress comes after it.
+        self.restarted: str | None = None
         #: Its step when it (re)entered the engine: a preemption waits for a quantum past it.
         self.entered_step = 0
         #: Callers waiting for its end without watching its steps (HTTP ``?wait=true``).
@@ -148,6 +151,8 @@ class RequestRecord:
         is lost or sent twice between the replay and the live messages.
         """
         outbox.put(self.accepted_message(attached=attached), "accepted")
+        if self.restarted is not None:
+            outbox.put(self.restarted, "restarted")
         if self._latest_progress is not None:
             outbox.put(self._latest_progress, "progress", latest_key=(self.id, "progress"))
         pin = (self.id, "progress")
@@ -187,6 +192,20 @@ class RequestRecord:
         """Say the request runs again: ``resumed`` to every watcher; its next progress replaces it."""
         self.paused = False
         self._publish_state(protocol.dumps(protocol.resumed(self.id, step=self.latest_step)), "resumed")
+
+    def publish_restarted(self, from_step: int, reason: str) -> None:
+        """Say the server restarted and runs the request again from ``from_step`` (protocol.RESTART_REASONS
+        says why there): ``restarted`` to every watcher, kept for every later ``attach``; its progress
+        goes on from that step. Said again only when it changed (a checkpoint the model refused
+        once the request was let in). Raises ValueError for an unknown reason."""
+        text = protocol.dumps(protocol.restarted(self.id, from_step=from_step, reason=reason))
+        if text == self.restarted:
+            return
+        self.restarted = text
+        self.latest_step = from_step
+        self._recount()
+        for outbox in self._watchers.values():
+            outbox.put(text, "restarted")
 
     def _publish_state(self, text: str, kind: str) -> None:
         self._latest_progress = text
@@ -329,6 +348,7 @@ class RequestRecord:
             len(self._latest_preview or b"")
             + sum(len(r) for r in self._results)
             + len(self._latest_progress or "")
+            + len(self.restarted or "")
             + len(self._terminal[0] if self._terminal else "")
         )
 

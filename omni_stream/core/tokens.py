@@ -195,6 +195,11 @@ class Tokens:
     def names(self) -> tuple[str, ...]:
         return tuple(g.name for g in self._grants)
 
+    def named(self, name: str) -> TokenGrant | None:
+        """The configured token called ``name``; None when there is none (a request resumed after a
+        restart finds its token's grant here: server/state.py)."""
+        return next((g for g in self._grants if g.name == name), None)
+
     def identify(self, headers: Mapping[str, str], query: str) -> TokenGrant | None:
         """The grant of the token presented as ``Authorization: Bearer TOKEN`` or ``?token=TOKEN``.
 

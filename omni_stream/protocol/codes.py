@@ -23,6 +23,7 @@ __all__ = [
     "MIN_PRIORITY",
     "REJECTION_CODES",
     "REQUEST_ENDING_CODES",
+    "RESTART_REASONS",
 ]
 
 #: ``error`` codes that reject one client message; nothing was started or changed.
@@ -48,6 +49,12 @@ REQUEST_ENDING_CODES: Final = frozenset(
     {"step_failed", "step_timeout", "engine_error", "preview_failed", "internal"}
 )
 CANCEL_REASONS: Final = frozenset({"client", "disconnect", "shutdown", "engine"})
+#: Why a request the server brought back after a restart starts where it does
+#: (``restarted``): from its last ``checkpoint``; from step 0 because none was
+#: written yet (``no_checkpoint``), the one written could not be used (torn,
+#: tampered, of an older format, refused by the model: ``checkpoint_unusable``),
+#: or its model cannot snapshot a request, or its engine resume one (``cannot_resume``).
+RESTART_REASONS: Final = frozenset({"checkpoint", "no_checkpoint", "checkpoint_unusable", "cannot_resume"})
 #: ``generate``'s ``priority`` range (the engine scheduler's, restated: the
 #: protocol must not import the engine).
 MIN_PRIORITY: Final = -10

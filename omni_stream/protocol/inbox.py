@@ -17,7 +17,17 @@ from ..errors import ClientError, ProtocolError, RemoteCancelledError
 from .client import Event, server_error
 from .codes import REJECTION_CODES
 from .frames import PreviewFrame
-from .server_messages import Accepted, Cancelled, Done, ErrorMessage, Loading, Paused, Progress, Resumed
+from .server_messages import (
+    Accepted,
+    Cancelled,
+    Done,
+    ErrorMessage,
+    Loading,
+    Paused,
+    Progress,
+    Restarted,
+    Resumed,
+)
 
 __all__ = ["Inbox"]
 
@@ -39,6 +49,9 @@ class Inbox:
         self.loading: Loading | None = None
         #: Paused (a ``paused`` arrived, no ``resumed`` since).
         self.paused = False
+        #: The server restarted and runs the request again (from which step, and why); None
+        #: while it has not.
+        self.restarted: Restarted | None = None
         self.final_seen = False
         self.finals = 0  # results arrived: one per image
         self.final_images = 1  # how many results the request has (their headers say)
@@ -72,6 +85,10 @@ class Inbox:
             self.loading = event
         elif isinstance(event, (Paused, Resumed)):
             self.paused = isinstance(event, Paused)
+        elif isinstance(event, Restarted):
+            # Runs again in a new server process: whatever paused it there is gone.
+            self.restarted = event
+            self.paused = False
         elif isinstance(event, Progress):
             self.loading = None
             self.last_progress = event

@@ -42,9 +42,20 @@ from .codes import (
     MIN_PRIORITY,
     REJECTION_CODES,
     REQUEST_ENDING_CODES,
+    RESTART_REASONS,
 )
 from .frames import PreviewHeader, pack_preview, unpack_preview
-from .server_messages import Accepted, Cancelled, Done, ErrorMessage, Loading, Paused, Progress, Resumed
+from .server_messages import (
+    Accepted,
+    Cancelled,
+    Done,
+    ErrorMessage,
+    Loading,
+    Paused,
+    Progress,
+    Restarted,
+    Resumed,
+)
 
 # MessageError is defined in errors.py with every other error; re-exported here,
 # where the wire's rules raise it.
@@ -63,6 +74,7 @@ __all__ = [
     "MIN_PRIORITY",
     "REJECTION_CODES",
     "REQUEST_ENDING_CODES",
+    "RESTART_REASONS",
     "Attach",
     "Cancel",
     "ClientMessage",
@@ -82,6 +94,7 @@ __all__ = [
     "loading",
     "pack_preview",
     "paused",
+    "restarted",
     "resumed",
     "parse_client_message",
     "parse_client_object",
@@ -116,6 +129,12 @@ def paused(request_id: str, *, step: int) -> dict[str, Any]:
 def resumed(request_id: str, *, step: int) -> dict[str, Any]:
     """``resumed`` (:meth:`Resumed.build`): the paused request runs again."""
     return Resumed.build(request_id, step=step).to_dict()
+
+
+def restarted(request_id: str, *, from_step: int, reason: str) -> dict[str, Any]:
+    """``restarted`` (:meth:`Restarted.build`): brought back after a restart, it runs again from
+    ``from_step``; raises ValueError for a reason outside RESTART_REASONS."""
+    return Restarted.build(request_id, from_step=from_step, reason=reason).to_dict()
 
 
 def loading(request_id: str, *, model: str) -> dict[str, Any]:

@@ -1,8 +1,8 @@
 """The server's text messages, one class each: the server builds them, the client parses them (pure).
 
 Each of :class:`Accepted`, :class:`Loading`, :class:`Progress`, :class:`Done`,
-:class:`Cancelled` and :class:`ErrorMessage` is one frozen record of what
-goes on the wire, with
+:class:`Cancelled`, :class:`ErrorMessage`, :class:`Paused`, :class:`Resumed` and
+:class:`Restarted` is one frozen record of what goes on the wire, with
 
 - ``build(...)``: the server's constructor, which applies the server's rules
   (rounding, clipping what a client sent, refusing undocumented codes and
@@ -26,7 +26,7 @@ from typing import Any, ClassVar, Final, TypeVar
 
 from ..errors import ProtocolError
 from .codec import clip, dumps, load_object, optional, require, require_id, require_steps
-from .codes import CANCEL_REASONS, MAX_ERROR_MESSAGE, REJECTION_CODES, REQUEST_ENDING_CODES
+from .codes import CANCEL_REASONS, MAX_ERROR_MESSAGE, REJECTION_CODES, REQUEST_ENDING_CODES, RESTART_REASONS
 
 __all__ = [
     "SERVER_MESSAGES",
@@ -37,6 +37,7 @@ __all__ = [
     "Loading",
     "Paused",
     "Progress",
+    "Restarted",
     "Resumed",
     "ServerMessage",
     "parse_server_message",
@@ -353,20 +354,56 @@ class Resumed(_ServerMessage):
         return cls(require_id(obj, where), require(obj, "step", "int", where))
 
 
-ServerMessage = Accepted | Loading | Progress | Done | Cancelled | ErrorMessage | Paused | Resumed
+@dataclass(frozen=True, slots=True)
+class Restarted(_ServerMessage):
+    """``restarted``: the server restarted (a crash, ``kill -9``, a deploy) and runs the request
+    again from ``from_step`` (the steps done that are not redone: its checkpoint's, else 0);
+    ``reason`` is one of RESTART_REASONS (a parser takes a newer server's others)."""
+
+    TYPE: ClassVar[str] = "restarted"
+
+    id: str
+    from_step: int
+    reason: str
+
+    @classmethod
+    def build(cls, request_id: str, *, from_step: int, reason: str) -> Restarted:
+        """``restarted`` as the server sends it; raises ValueError for a reason outside
+        RESTART_REASONS, or a negative step."""
+        if reason not in RESTART_REASONS:
+            raise ValueError(f"restart reason must be one of {sorted(RESTART_REASONS)}, got {reason!r}")
+        if from_step < 0:
+            raise ValueError(f"from_step must be >= 0, got {from_step}")
+        return cls(request_id, from_step, reason)
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"type": self.TYPE, "id": self.id, "from_step": self.from_step, "reason": self.reason}
+
+    @classmethod
+    def _read(cls, obj: Mapping[str, Any], where: str) -> Restarted:
+        step = require(obj, "from_step", "int", where)
+        if step < 0:
+            raise ProtocolError(f"{where} has a negative from_step {step}")
+        return cls(require_id(obj, where), step, require(obj, "reason", "str", where))
+
+
+ServerMessage = (
+    Accepted | Loading | Progress | Done | Cancelled | ErrorMessage | Paused | Resumed | Restarted
+)
 
 #: Every server text message class by its ``type``.
 SERVER_MESSAGES: Final[
     Mapping[
         str,
         type[Accepted] | type[Loading] | type[Progress] | type[Done] | type[Cancelled] | type[ErrorMessage]
-        | type[Paused] | type[Resumed],
+        | type[Paused] | type[Resumed] | type[Restarted],
     ]
 ] = {
     Accepted.TYPE: Accepted,
     Loading.TYPE: Loading,
     Paused.TYPE: Paused,
     Resumed.TYPE: Resumed,
+    Restarted.TYPE: Restarted,
     Progress.TYPE: Progress,
     Done.TYPE: Done,
     Cancelled.TYPE: Cancelled,

@@ -15,7 +15,10 @@ rules (``core/rules.py``) through the rules' hooks, and owns nothing else:
   job) is deleted, so the folder stays bounded by the server's own rules;
 - on start, every request that ended in retention comes back as an ended
   record that serves its results, and every unfinished one is admitted
-  again, detached, under its id, from its last checkpoint (else step 0).
+  again, detached, under its id, with the cross-principal priority it had,
+  from its last checkpoint (else step 0), and says so to whoever watches
+  it: ``restarted`` with the step it goes on from and why (for an
+  ``attach``, SSE and ``GET /v1/generations/{id}``), not only in the log.
 
 Who waits on whom: nothing here blocks the event loop or the producer. The
 producer hands a checkpoint over in a dict under a lock and one
@@ -50,6 +53,7 @@ import anyio.to_thread
 
 from .. import config, protocol
 from .._backend import ThreadsafeLoop, running_loop
+from ..core import inputs
 from ..core.principal import Principal
 from ..core.records import RequestRecord
 from ..core.rules import Admitted, Client
@@ -195,9 +199,12 @@ class StateKeeper:
         self._last_taken: dict[str, float] = {}
         self._closed = False
         # Restored requests (already recorded), the checkpoints they resume from,
+        # why they start where they do until they go into the engine (a
+        # RESTART_REASONS word: "checkpoint", "no_checkpoint", "checkpoint_unusable"),
         # and the requests a shutdown cancelled, kept running for the next start.
         self._restoring: set[str] = set()
         self._resume: dict[str, Checkpoint] = {}
+        self._restarts: dict[str, str] = {}
         self._kept: set[str] = set()
         self._last_prune = -math.inf
         take = {"checkpoint_every", "on_checkpoint"}
@@ -275,6 +282,11 @@ class StateKeeper:
         rid = record.id
         if rid in self._restoring:
             self._restoring.discard(rid)  # recorded in the run before
+            if rid in self._restarts:
+                # It waits in the gate: say now where it will start (said again,
+                # only if that changed, when it goes into the engine).
+                resume = self._resume.get(rid)
+                self._publish_restart(admitted, resume if self._resumable else None, self._restarts[rid])
             return
         principal = record.principal
         accepted = json.loads(record.accepted_message(attached=False))
@@ -290,11 +302,14 @@ class StateKeeper:
             "webhook": msg.webhook,
         }
         created_at = time.time()
+        # What its priority counts against other principals' (its token's grant
+        # applied): a restart gives it back (_principal), capped by the token then.
+        cross = admitted.cross_priority
 
         def write() -> None:
+            recorded = {"generate": _wire(message), "accepted": accepted, "cross_priority": cross}
             entry = RequestEntry(
-                rid, principal, admitted.model, {"generate": _wire(message), "accepted": accepted},
-                created_at, record.total, record.seed,
+                rid, principal, admitted.model, recorded, created_at, record.total, record.seed
             )
             try:
                 saved = self._open_store().record_request(entry)
@@ -305,28 +320,61 @@ class StateKeeper:
 
         self._queue(rid, write, "recording the request", new=True)
 
+    @property
+    def _resumable(self) -> bool:
+        """The engine takes a checkpoint to resume from."""
+        return "resume" in self.rules.stream_keywords
+
     def _stream_options(self, admitted: Admitted) -> dict[str, Any]:
         rid = admitted.record.id
         options: dict[str, Any] = {}
         resume = self._resume.pop(rid, None)
         if resume is not None:
-            if "resume" in self.rules.stream_keywords:
+            if self._resumable:
                 options["resume"] = resume
             else:
                 logger.warning(
                     "request %s: the engine cannot resume from a checkpoint: it starts again from step 0",
                     rid,
                 )
-        model = self.rules.models[admitted.model]
-        try:
-            snapshots = self._takes_checkpoints and model.can_snapshot(admitted.checked)
-        except Exception:  # noqa: BLE001 - a model's own hook: no checkpoints rather than no request
-            logger.exception("request %s: %s.can_snapshot failed; not checkpointed", rid, model.name)
-            snapshots = False
+        snapshots = self._snapshots(admitted)
         if snapshots:
             options["checkpoint_every"] = self.options.checkpoint_every
             options["on_checkpoint"] = self._on_checkpoint
+        restart = self._restarts.pop(rid, None)
+        if restart is not None:
+            # It goes into the engine now: where it starts is decided (unless the
+            # model refuses the checkpoint: _resume_refused says so again).
+            self._publish_restart(admitted, options.get("resume"), restart, snapshots=snapshots)
         return options
+
+    def _snapshots(self, admitted: Admitted) -> bool:
+        """Whether ``admitted``'s model can snapshot it and the engine takes checkpoints."""
+        model = self.rules.models[admitted.model]
+        try:
+            return self._takes_checkpoints and bool(model.can_snapshot(admitted.checked))
+        except Exception:  # noqa: BLE001 - a model's own hook: no checkpoints rather than no request
+            logger.exception(
+                "request %s: %s.can_snapshot failed; not checkpointed", admitted.record.id, model.name
+            )
+            return False
+
+    def _publish_restart(
+        self, admitted: Admitted, resume: Checkpoint | None, reason: str, *, snapshots: bool | None = None
+    ) -> None:
+        """Tell ``admitted``'s watchers (and later ones) the step it goes on from after the restart,
+        and why: from ``resume``'s step, else from 0 (``reason`` from the folder, or that its
+        model or engine cannot resume it)."""
+        if resume is not None:
+            admitted.record.publish_restarted(resume.step, "checkpoint")
+            return
+        if snapshots is None:
+            snapshots = self._snapshots(admitted)
+        if reason == "checkpoint" and not self._resumable:
+            reason = "cannot_resume"  # a checkpoint the engine cannot take
+        elif reason == "no_checkpoint" and not snapshots:
+            reason = "cannot_resume"  # none was written because none could be
+        admitted.record.publish_restarted(0, reason)
 
     def _resume_refused(self, record: RequestRecord, exc: CheckpointError) -> None:
         logger.warning(
@@ -334,6 +382,7 @@ class StateKeeper:
         )
         self.checkpoint_steps.pop(record.id, None)
         rid = record.id
+        record.publish_restarted(0, "checkpoint_unusable")
         self._queue(rid, lambda: self._open_store().discard_checkpoint(rid), "dropping a checkpoint")
 
     def _finished(self, record: RequestRecord, message: dict[str, Any]) -> None:
@@ -511,28 +560,33 @@ class StateKeeper:
         for entry in await self._run(store.unfinished):
             rid = entry.request_id
             checkpoint = None
+            reason = "no_checkpoint"
             if entry.checkpoint_step is not None:
                 # A torn or refused file: None, and the store says so (one WARNING).
                 checkpoint = await self._run(functools.partial(store.load_checkpoint, rid))
                 if checkpoint is None:
+                    reason = "checkpoint_unusable"
                     logger.info("request %s: resumed from step 0 (its checkpoint could not be read)", rid)
+                else:
+                    reason = "checkpoint"
             else:
                 logger.warning("request %s: no checkpoint was written: it starts again from step 0", rid)
-            if self._readmit(entry, checkpoint):
+            if self._readmit(entry, checkpoint, reason):
                 count += 1
         return count
 
-    def _readmit(self, entry: RequestEntry, checkpoint: Checkpoint | None) -> bool:
+    def _readmit(self, entry: RequestEntry, checkpoint: Checkpoint | None, reason: str) -> bool:
         rid = entry.request_id
         generate = dict(entry.message.get("generate") or {})
         generate["detach"] = True  # its client is gone; the id gets it back (attach, GET)
         if generate.get("webhook") is not None and self.rules.webhooks is None:
             logger.warning("request %s: resumed without its webhook (this server sends none)", rid)
             generate.pop("webhook")
-        principal = _principal(entry.principal, rid)
+        principal = _principal(entry.principal, rid, grant=self._grant_of(entry))
         client = Client(f"{_RESTART_DOOR}:{rid}", principal, _RESTART_DOOR)
         if checkpoint is not None:
             self._resume[rid] = checkpoint
+        self._restarts[rid] = reason
         self._restoring.add(rid)
         self._lanes.setdefault(rid, _Lane())
         try:
@@ -543,6 +597,7 @@ class StateKeeper:
         except protocol.MessageError as exc:
             self._restoring.discard(rid)
             self._resume.pop(rid, None)
+            self._restarts.pop(rid, None)
             logger.warning("request %s: could not be resumed after the restart: %s", rid, exc.message)
             terminal = protocol.error(
                 "engine_error", f"the server restarted and could not resume this request: {exc.message}",
@@ -557,6 +612,17 @@ class StateKeeper:
         if checkpoint is not None:
             self.checkpoint_steps[rid] = checkpoint.step
         return True
+
+    def _grant_of(self, entry: RequestEntry) -> int:
+        """The priority grant ``entry``'s request is resumed with: what it carried against other
+        principals when it was accepted, never more than its token grants on this server (0 for a
+        token no longer configured, and for a principal that is not a token)."""
+        kind, _, name = entry.principal.partition(":")
+        recorded = entry.message.get("cross_priority")
+        if kind != "token" or isinstance(recorded, bool) or not isinstance(recorded, int):
+            return 0  # (a folder written before the grant was recorded: none)
+        token = self.rules.tokens.named(name)
+        return max(0, min(recorded, token.priority if token is not None else 0))
 
     # -- plumbing ------------------------------------------------------------------
 
@@ -591,15 +657,13 @@ class StateKeeper:
             )
 
 
-def _principal(key: str, request_id: str) -> Principal:
-    """The principal of ``key`` (``kind:name``), counted as it was before the restart.
-
-    A token's priority grant is not recorded: a resumed request ranks
-    against other principals' at priority 0 of its grant.
-    """
+def _principal(key: str, request_id: str, *, grant: int = 0) -> Principal:
+    """The principal of ``key`` (``kind:name``), counted as it was before the restart; a token's
+    with ``grant`` (:meth:`StateKeeper._grant_of`), so the request ranks against other
+    principals' as it did."""
     kind, _, name = key.partition(":")
     if kind == "token":
-        return Principal("token", name)
+        return Principal("token", name, priority_grant=grant)
     if kind == "address":
         return Principal("address", name)
     return Principal.of_connection(name or request_id)
@@ -614,11 +678,12 @@ def _pack(entry: RequestEntry, result: StoredResult) -> bytes:
 
 
 def _wire(message: dict[str, Any]) -> dict[str, Any]:
-    """``message`` as JSON can carry it: a decoded input image back to a PNG ``data:`` URL.
+    """``message`` as JSON can carry it: a decoded input image back to a ``data:`` URL.
 
-    (Worker thread: encoding an image is the whole cost.) The pixels are the
-    decoded ones, so the request restarts on the same image; a JPEG comes
-    back as the PNG of its pixels.
+    (Worker thread.) An image decoded from what the client sent goes back as
+    those bytes, a JPEG as the same JPEG (core/inputs.py keeps them on the
+    image), so a restart decodes the same pixels; one that came another way
+    (a model's own param object) as the PNG of its pixels.
     """
     params = message.get("params")
     if not isinstance(params, Mapping):
@@ -626,7 +691,12 @@ def _wire(message: dict[str, Any]) -> dict[str, Any]:
     out = dict(params)
     for name, value in params.items():
         if hasattr(value, "save") and hasattr(value, "size") and hasattr(value, "mode"):  # a PIL image
-            buffer = io.BytesIO()
-            value.save(buffer, format="PNG")
-            out[name] = "data:image/png;base64," + base64.b64encode(buffer.getvalue()).decode()
+            source = inputs.source_of(value)
+            if source is not None:
+                kind, data = source
+            else:
+                buffer = io.BytesIO()
+                value.save(buffer, format="PNG")
+                kind, data = "PNG", buffer.getvalue()
+            out[name] = f"data:image/{kind.lower()};base64," + base64.b64encode(data).decode()
     return {**message, "params": out}

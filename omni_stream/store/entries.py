@@ -33,8 +33,10 @@ class RequestEntry:
 
     What ``record_request`` takes: ``request_id``; ``principal``, the key of
     who sent it (``core/principal.py``); ``model``, the served model's name;
-    ``message``, the ``generate`` message as JSON (params, preview, output,
-    priority, detach, webhook: what the server needs to start it again);
+    ``message``, what the server needs to start it again, as JSON (the
+    server's: ``generate``, the message with params, preview, output,
+    priority, detach, webhook; ``accepted``; ``cross_priority``, what its
+    token granted);
     ``created_at``, wall time (``time.time()``) of its acceptance; ``total``,
     its step count; ``seed``, the seed it runs with (drawn ones included, so
     a restart renders the same picture), None for a model without one.

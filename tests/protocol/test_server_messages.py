@@ -17,6 +17,7 @@ from omni_stream.protocol.server_messages import (
     ErrorMessage,
     Loading,
     Progress,
+    Restarted,
     ServerMessage,
     parse_server_message,
 )
@@ -47,6 +48,10 @@ PREVIEW = {"every": 1, "format": "jpeg", "max_size": 512, "quality": 85, "decode
         ),
         (Loading.build("r-1", model="sd"), '{"type":"loading","id":"r-1","model":"sd"}'),
         (
+            Restarted.build("r-1", from_step=10, reason="checkpoint"),
+            '{"type":"restarted","id":"r-1","from_step":10,"reason":"checkpoint"}',
+        ),
+        (
             Progress.build("r-1", step=12, total=30, eta_s=1.23456),
             '{"type":"progress","id":"r-1","step":12,"total":30,"eta_s":1.235}',
         ),
@@ -73,8 +78,8 @@ PREVIEW = {"every": 1, "format": "jpeg", "max_size": 512, "quality": 85, "decode
             '{"type":"error","code":"bad_params","message":"caf\\u00e9 \\u4e2d","field":"prompt"}',
         ),
     ],
-    ids=["accepted", "accepted-no-output", "accepted-model", "loading", "progress", "done", "cancelled", "error-busy", "error-field",
-         "error-non-ascii"],
+    ids=["accepted", "accepted-no-output", "accepted-model", "loading", "restarted", "progress", "done",
+         "cancelled", "error-busy", "error-field", "error-non-ascii"],
 )
 def test_the_wire_bytes_are_pinned(message: ServerMessage, text: str) -> None:
     assert message.serialize() == text
@@ -91,6 +96,8 @@ def test_the_wire_bytes_are_pinned(message: ServerMessage, text: str) -> None:
         Accepted.build("r", total=1, detach=False, attached=True, preview={}),
         Accepted.build("r", total=1, detach=False, attached=False, preview={}, model="mix"),
         Loading.build("r", model="mix"),
+        Restarted.build("r", from_step=0, reason="no_checkpoint"),
+        Restarted.build("r", from_step=0, reason="cannot_resume"),
         Progress.build("r", step=2, total=3, eta_s=0.5),
         Progress.build("r", step=3, total=3, eta_s=0),
         Done.build("r", total=3, elapsed_s=2),
@@ -108,8 +115,8 @@ def test_what_the_server_builds_the_client_parses_back_equal(message: ServerMess
 
 def test_every_type_is_registered_under_its_own_name() -> None:
     assert {name: cls.TYPE for name, cls in SERVER_MESSAGES.items()} == {
-        name: name for name in ("accepted", "loading", "paused", "resumed", "progress", "done", "cancelled",
-                                 "error")
+        name: name for name in ("accepted", "loading", "paused", "resumed", "restarted", "progress", "done",
+                                 "cancelled", "error")
     }
 
 
@@ -204,3 +211,22 @@ def test_the_client_accepts_what_a_newer_server_may_add() -> None:
 def test_from_dict_parses_one_type_only() -> None:
     with pytest.raises(ProtocolError, match="expected a 'done' message, got 'cancelled'"):
         Done.from_dict({"type": "cancelled", "id": "a", "reason": "client"})
+
+
+def test_restarted_is_built_with_a_documented_reason_and_a_step_of_0_or_more() -> None:
+    with pytest.raises(ValueError, match="restart reason"):
+        Restarted.build("r", from_step=3, reason="because")
+    with pytest.raises(ValueError, match="from_step"):
+        Restarted.build("r", from_step=-1, reason="checkpoint")
+
+
+def test_restarted_is_parsed_strictly_but_takes_a_newer_servers_reason() -> None:
+    newer = parse_server_message('{"type":"restarted","id":"r","from_step":4,"reason":"moved"}')
+    assert newer == Restarted("r", 4, "moved")
+    for text, field in (
+        ('{"type":"restarted","id":"r","reason":"checkpoint"}', "from_step"),
+        ('{"type":"restarted","id":"r","from_step":-2,"reason":"checkpoint"}', "from_step"),
+        ('{"type":"restarted","id":"r","from_step":1}', "reason"),
+    ):
+        with pytest.raises(ProtocolError, match=field):
+            parse_server_message(text)

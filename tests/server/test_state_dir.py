@@ -7,7 +7,10 @@ are skipped where ``Engine.stream`` does not take them yet.
 
 from __future__ import annotations
 
+import base64
 import inspect
+import io
+import json
 import logging
 import os
 import signal
@@ -19,6 +22,8 @@ import pytest
 from websockets.asyncio.client import connect
 
 from omni_stream.engine import Engine
+from omni_stream.errors import CheckpointError
+from omni_stream.models.inputs import decode_image, load_image
 from omni_stream.server.state import StateOptions
 from omni_stream.store import Store
 
@@ -50,12 +55,17 @@ async def _uninterrupted(params: dict[str, Any]) -> bytes:
         return await _result(await until_end(ws, "ref"))
 
 
-async def _run_until_checkpoint(folder: Path, rid: str, params: dict[str, Any], at_least: int) -> int:
+async def _run_until_checkpoint(
+    folder: Path, rid: str, params: dict[str, Any], at_least: int, *, url_query: str = "", **generate: Any
+) -> int:
     """Start ``rid`` detached on a server over ``folder``, shut it down once a checkpoint of at
-    least ``at_least`` steps is written; that checkpoint's step."""
+    least ``at_least`` steps is written; that checkpoint's step. ``url_query``: the websocket
+    URL's (a token), ``generate``: more of the message's fields; ``tokens_file`` is the server's."""
     options = {"state_dir": str(folder), "checkpoint_every": 3}
-    async with running(Slow(0.05), **options) as server, connect(server.url) as ws:
-        await send(ws, type="generate", id=rid, params=params, detach=True)
+    if "tokens_file" in generate:
+        options["tokens_file"] = generate.pop("tokens_file")
+    async with running(Slow(0.05), **options) as server, connect(server.url + url_query) as ws:
+        await send(ws, type="generate", id=rid, params=params, detach=True, **generate)
         keeper = server.service.state
         await wait_for(lambda: keeper.checkpoint_steps.get(rid, 0) >= at_least, what="a checkpoint")
         step: int = keeper.checkpoint_steps[rid]
@@ -163,17 +173,25 @@ async def test_a_second_server_on_the_same_folder_does_not_start(tmp_path) -> No
 @pytest.mark.asyncio
 async def test_a_restart_resumes_from_the_checkpoint_to_the_same_result(tmp_path) -> None:
     expected = await _uninterrupted(PARAMS)
-    step = await _run_until_checkpoint(tmp_path, "r1", PARAMS, at_least=6)
+    await _run_until_checkpoint(tmp_path, "r1", PARAMS, at_least=6)
     with _open(tmp_path) as store:
         entry = store.get("r1")
         assert entry is not None and entry.status == "running" and entry.checkpoint_step is not None
+        step = entry.checkpoint_step  # the latest written before the shutdown
     async with running(Slow(0.0), state_dir=str(tmp_path)) as server, connect(server.url) as ws:
         await send(ws, type="attach", id="r1")
         msgs = await until_end(ws, "r1")
+        status = json.loads((await http_get(server, "/v1/generations/r1")).body)
+        events = (await http_get(server, "/v1/generations/r1/events")).body.decode()
     steps = [m["step"] for m in msgs if m["type"] == "progress"]
     assert steps and min(steps) > step >= 6
     assert msgs[-1]["type"] == "done"
     assert await _result(msgs) == expected
+    # Said to every reader, not only in the log: where it went on from, and why.
+    notice = {"type": "restarted", "id": "r1", "from_step": step, "reason": "checkpoint"}
+    assert msgs[1] == notice, msgs[:3]  # right after accepted, before any progress
+    assert status["restarted"] == {"from_step": step, "reason": "checkpoint"}
+    assert f"event: restarted\ndata: {json.dumps(notice, separators=(',', ':'))}\n" in events
 
 
 @needs_engine_resume
@@ -191,6 +209,7 @@ async def test_a_torn_checkpoint_restarts_from_step_0_with_one_warning(tmp_path,
     warnings = [r for r in caplog.records if r.levelno >= logging.WARNING and "torn" in r.getMessage()]
     assert len(warnings) == 1, [r.getMessage() for r in warnings]
     assert msgs[-1]["type"] == "done" and await _result(msgs) == expected
+    assert _restarts(msgs) == [(0, "checkpoint_unusable")]
 
 
 @pytest.mark.asyncio
@@ -207,6 +226,159 @@ async def test_a_request_without_a_checkpoint_restarts_from_step_0_and_finishes(
             msgs = await until_end(ws, "zero")
     assert any("step 0" in r.getMessage() and "zero" in r.getMessage() for r in caplog.records)
     assert msgs[-1]["type"] == "done" and await _result(msgs) == expected
+    assert _restarts(msgs) == [(0, "no_checkpoint")]
+
+
+class CannotSnapshot(Slow):
+    """Slow whose requests cannot be snapshot (as callback mode or a from_generator model)."""
+
+    def can_snapshot(self, params: Any) -> bool:
+        return False
+
+
+class RefusesCheckpoints(Slow):
+    """Slow that refuses every checkpoint it is asked to resume from (another version of a model)."""
+
+    def restored_params(self, checkpoint: Any) -> dict[str, Any]:
+        raise CheckpointError("written by another version of this model")
+
+
+@pytest.mark.asyncio
+async def test_a_model_that_cannot_snapshot_says_its_request_restarts_from_step_0(tmp_path) -> None:
+    async with running(CannotSnapshot(0.05), state_dir=str(tmp_path)) as server, connect(server.url) as ws:
+        await send(ws, type="generate", id="nosnap", params=PARAMS, detach=True)
+        await until(ws, lambda m: m.get("type") == "progress" and m["step"] >= 4)
+    async with running(CannotSnapshot(0.0), state_dir=str(tmp_path)) as server, connect(server.url) as ws:
+        await send(ws, type="attach", id="nosnap")
+        msgs = await until_end(ws, "nosnap")
+        status = json.loads((await http_get(server, "/v1/generations/nosnap")).body)
+    assert msgs[-1]["type"] == "done" and _restarts(msgs) == [(0, "cannot_resume")]
+    assert status["restarted"] == {"from_step": 0, "reason": "cannot_resume"}
+
+
+@needs_engine_resume
+@pytest.mark.asyncio
+async def test_a_checkpoint_the_model_refuses_is_said_to_restart_from_step_0(tmp_path) -> None:
+    expected = await _uninterrupted(PARAMS)
+    await _run_until_checkpoint(tmp_path, "refused", PARAMS, at_least=3)
+    async with running(RefusesCheckpoints(0.0), state_dir=str(tmp_path)) as server, connect(server.url) as ws:
+        await send(ws, type="attach", id="refused")
+        msgs = await until_end(ws, "refused")
+    assert msgs[-1]["type"] == "done" and await _result(msgs) == expected
+    assert _restarts(msgs) == [(0, "checkpoint_unusable")]
+
+
+@needs_engine_resume
+@pytest.mark.asyncio
+async def test_a_request_waiting_for_a_place_after_a_restart_says_where_it_will_start(tmp_path) -> None:
+    # Two requests in the folder (the second run resumes "older" and writes "newer" down).
+    await _run_until_checkpoint(tmp_path, "older", {**PARAMS, "steps": 400}, at_least=3)
+    await _run_until_checkpoint(tmp_path, "newer", PARAMS, at_least=3)
+    older, newer = (_checkpoint_step(tmp_path, rid) for rid in ("older", "newer"))
+    assert older is not None and newer is not None
+    async with running(Slow(0.05), state_dir=str(tmp_path), max_active=1) as server:
+        # "older" comes back first and takes the one place; "newer" waits in the gate,
+        # not in the engine yet, and says already where it will start.
+        waiting = json.loads((await http_get(server, "/v1/generations/newer")).body)
+        assert waiting["status"] == "queued", waiting
+        assert waiting["restarted"] == {"from_step": newer, "reason": "checkpoint"}
+        async with connect(server.url) as ws:
+            await send(ws, type="attach", id="newer")
+            msgs = await until(ws, lambda m: m.get("type") == "restarted")
+    assert msgs == {"type": "restarted", "id": "newer", "from_step": newer, "reason": "checkpoint"}
+
+
+@pytest.mark.asyncio
+async def test_the_python_client_sees_that_its_request_restarted(tmp_path) -> None:
+    from omni_stream import client as omc
+    from omni_stream.protocol import Restarted
+
+    async with running(Slow(0.05), state_dir=str(tmp_path), checkpoint_every=1000) as server:
+        async with connect(server.url) as ws:
+            await send(ws, type="generate", id="py", params=PARAMS, detach=True)
+            await until(ws, lambda m: m.get("type") == "progress" and m["step"] >= 2)
+    async with running(Slow(0.0), state_dir=str(tmp_path)) as server, omc.connect(server.url) as client:
+        stream = client.attach("py")
+        async with stream:
+            results = [frame async for frame in stream if frame.final]
+        assert stream.restarted == Restarted("py", 0, "no_checkpoint")
+    assert len(results) == 1
+
+
+def _restarts(msgs: list[dict[str, Any]]) -> list[tuple[int, str]]:
+    return [(m["from_step"], m["reason"]) for m in msgs if m["type"] == "restarted"]
+
+
+# -- what a request keeps across a restart ---------------------------------------------------
+
+
+@needs_engine_resume
+@pytest.mark.asyncio
+@pytest.mark.parametrize(
+    ("grant_after", "expected"), [(5, 5), (2, 2), (None, 0)],
+    ids=["kept", "capped-by-the-token-now", "token-gone"],
+)
+async def test_a_resumed_request_keeps_its_tokens_priority_grant(
+    tmp_path, grant_after: int | None, expected: int
+) -> None:
+    tokens = tmp_path / "tokens"
+    tokens.write_text("ops=s3cret priority=5\nother=0ther\n")
+    folder = tmp_path / "state"
+    await _run_until_checkpoint(
+        folder, "granted", {**PARAMS, "steps": 400}, at_least=3, url_query="?token=s3cret", priority=7,
+        tokens_file=str(tokens),
+    )
+    with _open(folder) as store:
+        entry = store.get("granted")
+        assert entry is not None and entry.message["cross_priority"] == 5  # 7, as far as granted
+    granted = "" if grant_after is None else f"ops=s3cret priority={grant_after}\n"
+    tokens.write_text(granted + "other=0ther\n")
+    async with running(Slow(0.05), state_dir=str(folder), tokens_file=str(tokens)) as server:
+        record = server.service.rules.registry.get("granted")
+        assert record is not None and not record.ended
+        # What ranks it against other principals, in the gate and in the engine.
+        assert (record.priority, record.cross_priority) == (7, expected)
+        assert server.engine._by_id["granted"].priority == expected
+
+
+@pytest.mark.asyncio
+async def test_a_jpeg_input_image_is_written_down_as_the_jpeg_it_came_as(tmp_path) -> None:
+    picture = io.BytesIO()
+    from PIL import Image
+
+    Image.new("RGB", (24, 16), (200, 30, 90)).save(picture, format="JPEG", quality=70)
+    jpeg = picture.getvalue()
+    url = "data:image/jpeg;base64," + base64.b64encode(jpeg).decode()
+    params = {**PARAMS, "image": url}
+    async with running(TakesImage(0.0), state_dir=str(tmp_path)) as server, connect(server.url) as ws:
+        await send(ws, type="generate", id="jpg", params=params, detach=True)
+        msgs = await until_end(ws, "jpg")
+        await server.service.state.flush()
+    assert msgs[-1]["type"] == "done"
+    with _open(tmp_path) as store:
+        entry = store.get("jpg")
+        assert entry is not None
+        stored = entry.message["generate"]["params"]["image"]
+    # The bytes as given: the same JPEG (not the PNG of its pixels), so a restart decodes
+    # the same pixels.
+    assert stored == url
+    assert decode_image(base64.b64decode(stored.split(",", 1)[1])).tobytes() == decode_image(jpeg).tobytes()
+
+
+class TakesImage(Slow):
+    """Slow with an input image (decoded by the server's door, or a data: URL after a restart)."""
+
+    image_params = ("image",)
+
+    def validate(self, params: Any) -> dict[str, Any]:
+        rest = dict(params or {})
+        image = rest.pop("image", None)
+        out = super().validate(rest)
+        out["image"] = None if image is None else load_image(image, allow_paths=False)
+        return out
+
+    def can_snapshot(self, params: Any) -> bool:
+        return False  # an image is no checkpoint value
 
 
 # -- kill -9 of a real process ---------------------------------------------------------------------
@@ -253,6 +425,8 @@ async def test_kill_9_mid_render_then_restart_completes_the_request_from_its_che
     # Redone: at most one checkpoint interval (what came after `step` before the kill).
     assert progress and min(progress) > step
     assert await _result(msgs) == expected
+    # And the client is told so: it goes on from the checkpoint's step.
+    assert _restarts(msgs) == [(step, "checkpoint")]
 
 
 def _checkpoint_step(folder: Path, rid: str) -> int | None:
