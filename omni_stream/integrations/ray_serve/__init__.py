@@ -18,9 +18,11 @@ The modules, one job each::
     deploy.py     deploy / undeploy / build_app / app_builder: the Serve application
     replica.py    EngineReplica: the deployment's class (owner task, per-request pump, health)
     remote.py     RemoteEngine: the front door's EngineLike over a DeploymentHandle
-    stream.py     RemoteStream: one request's frames, acknowledged, cancelled, errors translated
+    stream.py     RemoteStream: one request's frames, acknowledged, cancelled, handed over, errors translated
+    handover.py   a lost replica's requests go on on another: checkpoints kept, the decision (pure)
     board.py      ReplicaBoard: the deployment actor relaying acknowledgements and reports
-    wire.py       what crosses Ray: Description; per request Submit, Header, WireFrame, WireBatch, WireError
+    wire.py       what crosses Ray: Description; per request Submit, Header, WireFrame, WireBatch,
+                  WireCheckpoint, WireError
     report.py     replica reports, and health / statistics made of them (pure)
     card.py       ModelCard: the model's metadata, the front door's stand-in for it (pure)
     translate.py  Ray's errors to this project's, at one boundary
@@ -42,6 +44,7 @@ except ImportError as exc:  # pragma: no cover - exercised without the extra
 
 from .card import ModelCard
 from .deploy import DEPLOYMENT, app_builder, build_app, deploy, undeploy
+from .handover import CheckpointKeeper, Handover, HandoverSettings
 from .remote import DEFAULT_WINDOW, RemoteEngine, connect_ray
 from .replica import BOARD, EngineReplica, ModelSource, ModelSources, ReplicaSettings
 from .report import ReplicaReport, ReplicaView
@@ -51,7 +54,10 @@ __all__ = [
     "BOARD",
     "DEFAULT_WINDOW",
     "DEPLOYMENT",
+    "CheckpointKeeper",
     "EngineReplica",
+    "Handover",
+    "HandoverSettings",
     "ModelCard",
     "ModelSource",
     "ModelSources",

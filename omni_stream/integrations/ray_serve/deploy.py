@@ -33,6 +33,12 @@ from ...errors import ParamsError
 from ...model import StepModel
 from ...params import positive_int
 from .board import ReplicaBoard
+from .handover import (
+    DEFAULT_CHECKPOINT_EVERY,
+    DEFAULT_CHECKPOINT_MAX_BYTES,
+    DEFAULT_MAX_HANDOVERS,
+    HandoverSettings,
+)
 from .remote import DEFAULT_WINDOW, RemoteEngine, connect_ray
 from .replica import BOARD, EngineReplica, ModelSources, ReplicaSettings
 
@@ -168,6 +174,9 @@ def deploy(
     window: int = DEFAULT_WINDOW,
     ray_actor_options: Mapping[str, Any] | None = None,
     settings: ReplicaSettings | None = None,
+    checkpoint_every: int | None = DEFAULT_CHECKPOINT_EVERY,
+    max_handovers: int = DEFAULT_MAX_HANDOVERS,
+    checkpoint_max_bytes: int = DEFAULT_CHECKPOINT_MAX_BYTES,
     **deployment_options: Any,
 ) -> RemoteEngine:
     """Run the Serve application ``name`` (one Engine per replica) and return a connected RemoteEngine.
@@ -179,10 +188,15 @@ def deploy(
     it connects). Starts Serve without its HTTP
     proxy unless Serve runs already (the front door is omni_stream's own
     server). Replaces an application of the same name. Arguments as
-    :func:`build_app`; ``address`` as :func:`connect_ray`; ``window`` as
-    RemoteEngine's; ``settings`` the replicas' (ReplicaSettings). Raises ParamsError for bad options, and what
+    :func:`build_app`; ``address`` as :func:`connect_ray`; ``window``,
+    ``checkpoint_every``, ``max_handovers`` and ``checkpoint_max_bytes`` as
+    RemoteEngine's (a request whose replica dies goes on on another from its
+    newest checkpoint: handover.py); ``settings`` the replicas'
+    (ReplicaSettings). Raises ParamsError for bad options, and what
     ``serve.run`` raises when the replicas fail to start.
     """
+    # Checked before anything is deployed.
+    HandoverSettings(checkpoint_every, max_handovers, checkpoint_max_bytes)
     app = build_app(
         model,
         max_models_per_replica=max_models_per_replica,
@@ -198,7 +212,10 @@ def deploy(
     connect_ray(address)
     serve.start(proxy_location="Disabled")
     serve.run(app, name=name, route_prefix=None)
-    engine = RemoteEngine(name, address=address, window=window)
+    engine = RemoteEngine(
+        name, address=address, window=window, checkpoint_every=checkpoint_every,
+        max_handovers=max_handovers, checkpoint_max_bytes=checkpoint_max_bytes,
+    )
     if not _in_running_loop():
         engine.connect()
     return engine

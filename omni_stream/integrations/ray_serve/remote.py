@@ -28,7 +28,16 @@ request on its replica (dropping the generator or cancelling the task that
 reads it lets the replica run every remaining step), so every way a stream
 can end early calls it: ``cancel(id)``, ``aclose()``, leaving ``async
 with``, a ``break`` (the dropped stream's ``__del__``), the reader's own
-cancellation or timeout, and any error while reading.
+cancellation or timeout, and any error while reading. Each also acknowledges
+``CANCELLED_SEQ`` through the board: a cancel that lands while Serve is
+still assigning the request (just after a submit or a hand-over) is best
+effort in Serve, and the replica then ends the request itself.
+
+A lost replica's requests are handed over (handover.py): each replica
+sends its requests' checkpoints, ``checkpoints`` keeps the newest of each,
+and a RemoteStream that Ray tells its replica died submits its request
+again (``_submit``) from it, on another replica, reading on without a gap
+or a repeated frame.
 
 ``health()``, ``statistics()`` and ``max_batch_size`` are synchronous and
 read the replicas' latest reports, which a background task fetches every
@@ -73,6 +82,13 @@ from ...lifecycle import Lifecycle
 from ...params import pin_drawn
 from ...preview.remote import RenderRequest
 from .card import ModelCard
+from .handover import (
+    DEFAULT_CHECKPOINT_EVERY,
+    DEFAULT_CHECKPOINT_MAX_BYTES,
+    DEFAULT_MAX_HANDOVERS,
+    CheckpointKeeper,
+    HandoverSettings,
+)
 from .report import ReplicaReport, ReplicaView, sum_statistics, summarize, view
 from .stream import RemoteStream, cancel_response
 from .wire import Description, Item, Submit
@@ -115,6 +131,12 @@ class RemoteEngine:
     ``dead_after_s`` makes ``health()`` dead; ``renders_frames``: a server
     in front asks the replicas for encoded previews and results instead of
     raw frames (``RendersFrames``; True by default, False for raw frames).
+    ``checkpoint_every``, ``max_handovers``, ``checkpoint_max_bytes``: a
+    request whose replica dies goes on on another from its newest
+    checkpoint, which its replica sends every ``checkpoint_every`` steps
+    and this front door keeps (at most ``checkpoint_max_bytes`` of them),
+    at most ``max_handovers`` times (0: it fails with EngineDeadError);
+    see handover.py and :class:`HandoverSettings`.
 
     Connect with :meth:`connect` (blocking) or by entering it (``async
     with``), which also starts the reports' poller; ``model`` and
@@ -132,9 +154,18 @@ class RemoteEngine:
         stale_after_s: float = 3.0,
         dead_after_s: float = 30.0,
         renders_frames: bool = True,
+        checkpoint_every: int | None = DEFAULT_CHECKPOINT_EVERY,
+        max_handovers: int = DEFAULT_MAX_HANDOVERS,
+        checkpoint_max_bytes: int = DEFAULT_CHECKPOINT_MAX_BYTES,
     ) -> None:
         if isinstance(window, bool) or not isinstance(window, int) or window < 1:
             raise ParamsError(f"window must be a positive int, got {window!r}", field="window")
+        self.handover = HandoverSettings(
+            checkpoint_every=checkpoint_every, max_handovers=max_handovers,
+            checkpoint_max_bytes=checkpoint_max_bytes,
+        )
+        #: Each request's newest checkpoint from its replica, for a hand-over (handover.py).
+        self.checkpoints = CheckpointKeeper(checkpoint_max_bytes)
         self._name = name
         self._address = address
         self._window = window
@@ -363,20 +394,18 @@ class RemoteEngine:
             window=max(self._window, RENDERED_WINDOW) if render is not None else self._window,
             render=render,
             model=name,
+            checkpoint_every=self.handover.checkpoint_every if self.handover.sends_checkpoints else None,
         )
-        handle = self._model_handles.get(name, self._stream_handle)
-        assert handle is not None  # connected: _check_open passed
         # Whether the request will wait for its model to load: decided now, with
         # the reports at hand (the server asks as soon as stream() returns).
         loading = self._model_handles != {} and name not in (self.loaded or ())
         # The replica checks the params again: with the seed drawn here (the
-        # one stream.params reports), not a second draw.
-        response = handle.stream.remote(pin_drawn(card.params, params, checked.params), submit)
-        # options(stream=True): Serve returns a generator (typed as either).
-        assert isinstance(response, DeploymentResponseGenerator), type(response)
+        # one stream.params reports), not a second draw. A hand-over sends the same.
+        sent = pin_drawn(card.params, params, checked.params)
+        response = self._submit(sent, submit)
         stream = RemoteStream(
             self, response, key=submit.key, request_id=request_id, total=checked.total, params=checked.params,
-            model=name, loading=loading,
+            model=name, loading=loading, resubmit=(sent, submit),
         )
         with self._lock:
             self._streams[request_id] = weakref.ref(stream)
@@ -400,6 +429,15 @@ class RemoteEngine:
                 preview_every=preview_every, priority=priority, model=model,
             )
         )
+
+    def _submit(self, params: Mapping[str, Any] | None, submit: Submit) -> DeploymentResponseGenerator[Item]:
+        """``submit`` sent to a replica (Serve picks it; routed by model where replicas load on demand)."""
+        handle = self._model_handles.get(submit.model or "", self._stream_handle)
+        assert handle is not None  # connected: _check_open passed
+        response = handle.stream.remote(params, submit)
+        # options(stream=True): Serve returns a generator (typed as either).
+        assert isinstance(response, DeploymentResponseGenerator), type(response)
+        return response
 
     def _model_for(self, name: str | None, request_id: str) -> tuple[str, ModelCard]:
         """The served model a request naming ``name`` runs on (None: the default), with its card;
@@ -448,6 +486,7 @@ class RemoteEngine:
             ref = self._streams.get(stream.request_id)
             if ref is not None and ref() in (stream, None):
                 del self._streams[stream.request_id]
+                self.checkpoints.discard(stream.request_id)
 
     def _ack(self, key: str, seq: int) -> None:
         self._board.ack.remote(key, seq)  # fire and forget

@@ -27,6 +27,16 @@ CancelledError at the generator's current await (taking a batch never
 waits, rendering one awaits per frame); leaving ``async with frames`` then
 cancels the engine request, which stops within one step.
 
+Checkpoints (handover.py). A Submit with ``checkpoint_every`` asks for
+the request's checkpoints: the engine snapshots it every N steps on its
+producer thread and ``on_checkpoint`` hands each to this loop (never
+waiting there), where the newest waits in the request's flow; it goes out
+as a WireCheckpoint (its bytes made in a worker thread) right after a frame
+of its step or later has been yielded, so the front door never holds a
+checkpoint ahead of its reader. A model that cannot snapshot the request
+runs it without (the Header says so). A Submit with ``resume`` (a
+hand-over) goes on from that checkpoint: its frames start after its step.
+
 Several models. Given ``{name: source}``, a replica serves them with a
 :class:`~omni_stream.engine.router.ModelRouter` (one Engine per model,
 each entered and left by its own task, as the owner task does here) and a
@@ -54,6 +64,7 @@ to wait out Serve's graceful shutdown (20 s by default).
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import copy
 import logging
 import os
@@ -69,9 +80,11 @@ import ray
 from ray import serve
 from ray.exceptions import RayActorError
 
+from ...checkpoint import Checkpoint
 from ...engine import Engine, FrameStreamLike
 from ...engine.router import ModelRouter
 from ...errors import (
+    CheckpointError,
     EngineDeadError,
     EngineError,
     OmniStreamError,
@@ -84,7 +97,17 @@ from ...model import StepModel
 from ...preview import Previewer, PreviewSpec, RenderRequest, render_frame
 from .card import ModelCard
 from .report import ReplicaReport
-from .wire import Description, Header, Item, Submit, WireBatch, WireError, WireFrame
+from .wire import (
+    CANCELLED_SEQ,
+    Description,
+    Header,
+    Item,
+    Submit,
+    WireBatch,
+    WireCheckpoint,
+    WireError,
+    WireFrame,
+)
 
 __all__ = ["BOARD", "EngineReplica", "ModelSource", "ModelSources", "ReplicaSettings", "take_ready"]
 
@@ -142,6 +165,8 @@ class _Flow:
     acked: int = 0
     #: Set when the replica ends the request itself (it is being replaced).
     failure: OmniStreamError | None = None
+    #: The newest checkpoint not sent yet (the engine's on_checkpoint; handover.py).
+    checkpoint: Checkpoint | None = None
 
 
 def take_ready(frames: FrameStreamLike, first: Frame, *, room: int, latest: bool) -> list[Frame]:
@@ -282,16 +307,22 @@ class EngineReplica:
         return Description(dict(self._cards), self._board, self._replica, routed=self._hold is not None)
 
     async def stream(self, params: Mapping[str, Any] | None, submit: Submit) -> AsyncIterator[Item]:
-        """One request's items: Header, WireFrames, or a WireError (see the module docstring)."""
+        """One request's items: Header, WireFrames, WireCheckpoints, or a WireError (module docstring)."""
+        flow = _Flow(submit.key, submit.request_id, min(max(1, submit.window), self._settings.max_window))
         try:
             self._check_owner()
             name = self._model_name(submit)
-            frames = self._open(params, submit, name)
+            resume = None
+            if submit.resume is not None:
+                # Checked (sha256) and read off the loop: a few MiB for a large model.
+                resume = await anyio.to_thread.run_sync(Checkpoint.from_bytes, submit.resume)
+            frames, checkpoints = self._open(params, submit, name, resume, flow)
             spec = submit.render.spec() if submit.render is not None else None
         except OmniStreamError as exc:
+            if exc.request_id is None:  # Checkpoint.from_bytes knows no request
+                exc.request_id = submit.request_id
             yield WireError.of(exc)
             return
-        flow = _Flow(submit.key, frames.request_id, min(max(1, submit.window), self._settings.max_window))
         self._flows[flow.key] = flow
         try:
             async with frames:
@@ -299,7 +330,8 @@ class EngineReplica:
                 if self._hold is not None:
                     await self._hold(name)
                 yield Header(
-                    self._replica, frames.request_id, frames.total, loading=loading, window=flow.window
+                    self._replica, frames.request_id, frames.total, loading=loading, window=flow.window,
+                    checkpoints=checkpoints, step=0 if resume is None else resume.step,
                 )
                 latest = submit.policy == "latest"
                 while True:
@@ -333,6 +365,14 @@ class EngineReplica:
                     yield wired[0] if len(wired) == 1 else WireBatch(wired)
                     if batch[-1].final:
                         return
+                    ready = flow.checkpoint
+                    # Only behind the frame of its step: a front door resuming from it
+                    # has every frame before it (handover.py).
+                    if ready is not None and ready.step <= batch[-1].step:
+                        flow.checkpoint = None
+                        # The bytes (torch.save, sha256) off the loop: the other requests' frames go on.
+                        data = await anyio.to_thread.run_sync(ready.to_bytes)
+                        yield WireCheckpoint(ready.step, data)
         finally:
             del self._flows[flow.key]
             self._board.forget.remote(flow.key)  # fire and forget
@@ -351,17 +391,63 @@ class EngineReplica:
             )
         return name
 
-    def _open(self, params: Mapping[str, Any] | None, submit: Submit, name: str) -> FrameStreamLike:
+    def _open(
+        self,
+        params: Mapping[str, Any] | None,
+        submit: Submit,
+        name: str,
+        resume: Checkpoint | None,
+        flow: _Flow,
+    ) -> tuple[FrameStreamLike, bool]:
+        """The request submitted to the engine, and whether it sends checkpoints (it was asked to
+        and its model can snapshot it). Raises what ``Engine.stream`` raises (CheckpointError for
+        a ``resume`` the model refuses)."""
         options: dict[str, Any] = {
             "request_id": submit.request_id,
             "policy": submit.policy,
             "timeout": submit.timeout,
             "preview_every": submit.preview_every,
             "priority": submit.priority,
+            "resume": resume,
         }
+        if submit.checkpoint_every is not None:
+            try:
+                frames = self._submit(
+                    params, name,
+                    {**options, "checkpoint_every": submit.checkpoint_every,
+                     "on_checkpoint": self._checkpointer(flow)},
+                )
+                return frames, True
+            except CheckpointError:
+                if resume is not None:
+                    raise  # the checkpoint itself is refused: the front door's to handle
+                # Its model cannot snapshot this request (checked before anything was
+                # submitted): it runs without checkpoints, and a hand-over restarts it from 0.
+        return self._submit(params, name, options), False
+
+    def _submit(
+        self, params: Mapping[str, Any] | None, name: str, options: dict[str, Any]
+    ) -> FrameStreamLike:
         if isinstance(self._engine, ModelRouter):
             return self._engine.stream(params, model=name, **options)
         return self._engine.stream(params, **options)
+
+    def _checkpointer(self, flow: _Flow) -> Callable[[str, Checkpoint], None]:
+        """The engine's ``on_checkpoint`` for ``flow``'s request."""
+        loop = asyncio.get_running_loop()
+
+        def keep(checkpoint: Checkpoint) -> None:
+            # (The loop.) The newest wins: only one waits for the next frame to go out.
+            if flow.checkpoint is None or checkpoint.step > flow.checkpoint.step:
+                flow.checkpoint = checkpoint
+
+        def on_checkpoint(request_id: str, checkpoint: Checkpoint) -> None:
+            # The producer thread: hand it to the loop and return (engine.py's contract).
+            # RuntimeError: the loop is closed; the replica is going, and the checkpoint with it.
+            with contextlib.suppress(RuntimeError):
+                loop.call_soon_threadsafe(keep, checkpoint)
+
+        return on_checkpoint
 
     async def _render(
         self, frame: Frame, request: RenderRequest, spec: PreviewSpec, model: str, params: Mapping[str, Any]
@@ -385,7 +471,8 @@ class EngineReplica:
         """Return once fewer than ``flow.window`` frames are unacknowledged.
 
         Sets ``flow.failure`` (RequestCancelledError) when the reader has
-        acknowledged nothing for ``reader_timeout_s``.
+        acknowledged nothing for ``reader_timeout_s``, or acknowledged
+        ``CANCELLED_SEQ`` (it cancelled the stream).
         """
         progress = time.monotonic()
         while flow.sent - flow.acked >= flow.window and flow.failure is None:
@@ -406,6 +493,11 @@ class EngineReplica:
                 # the reader re-sends its latest ack while it waits.
                 await self._refresh_board()
                 continue
+            if acked >= CANCELLED_SEQ:
+                flow.failure = RequestCancelledError(
+                    f"replica {self._replica}: its reader cancelled it", request_id=flow.request_id
+                )
+                return
             if acked > flow.acked:
                 flow.acked = int(acked)
                 progress = time.monotonic()

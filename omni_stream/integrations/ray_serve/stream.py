@@ -4,23 +4,34 @@ It reads the items of the replica's Ray streaming generator (wire.py),
 unpacks a batch into a local queue (which ``poll()`` reads without
 waiting), acknowledges the frames its reader takes (the replica's window),
 and ends early only one way: ``DeploymentResponseGenerator.cancel()``, the one
-thing that stops the request on its replica. Ray's errors are translated
+thing that stops the request on its replica (with an acknowledgement of
+``CANCELLED_SEQ`` behind it, for a request Serve was still assigning to a
+replica, where its cancel is best effort). Ray's errors are translated
 here (translate.py); the reader's own cancellation never is.
+
+It keeps the checkpoints its replica sends (in the RemoteEngine's
+CheckpointKeeper) and, when Ray says the replica is gone, submits the
+request again from the newest one and reads on from the new replica,
+dropping the frames it makes again that the reader had already
+(handover.py): ``handovers`` lists each.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import time
+import uuid
 from collections import deque
 from collections.abc import AsyncIterator, Mapping
 from types import TracebackType
 from typing import TYPE_CHECKING, Any
 
-from ...errors import EngineError, OmniStreamError
+from ...errors import CheckpointError, EngineDeadError, EngineError, OmniStreamError, RequestCancelledError
 from ...frame import Frame
+from .handover import Handover, redone, should_hand_over
 from .translate import LOST, translate
-from .wire import Header, Item, WireBatch, WireError, WireFrame
+from .wire import CANCELLED_SEQ, Header, Item, Submit, WireBatch, WireCheckpoint, WireError, WireFrame
 
 if TYPE_CHECKING:
     from ray.serve.handle import DeploymentResponseGenerator
@@ -58,6 +69,7 @@ class RemoteStream:
         params: Mapping[str, Any],
         model: str | None = None,
         loading: bool = False,
+        resubmit: tuple[Mapping[str, Any] | None, Submit] | None = None,
     ) -> None:
         self._engine = engine
         self._response = response
@@ -80,6 +92,15 @@ class RemoteStream:
         self._acked_at = time.monotonic()
         self._done = False
         self._ending: OmniStreamError | None = None  # set by the engine closing under it
+        #: What was sent (params, Submit), sent again on a hand-over; None: never handed over.
+        self._resubmit = resubmit
+        #: The highest step received from any replica (taken or in ``_pending``): a new
+        #: replica's frames up to it are dropped (handover.py).
+        self._received = 0
+        self._cancelled = False  # its reader (or the engine) cancelled it: never handed over
+        self._checkpointed = False  # the replica's Header said it sends checkpoints
+        self._resumed_from: int | None = None  # the checkpoint step the current replica resumed after
+        self._handovers: list[Handover] = []
 
     @property
     def request_id(self) -> str:
@@ -111,58 +132,168 @@ class RemoteStream:
         """The replica running the request, once known (its first item arrived)."""
         return self._replica
 
+    @property
+    def handovers(self) -> tuple[Handover, ...]:
+        """Each time the request went on on another replica, its replica lost (handover.py)."""
+        return tuple(self._handovers)
+
     def __aiter__(self) -> AsyncIterator[Frame]:
         return self
 
     async def __anext__(self) -> Frame:
         if self._done:
             raise StopAsyncIteration
-        try:
-            item = await self._next_item()
-        except StopAsyncIteration:
-            if self._done:
-                raise
-            self._end(cancel=False)
-            raise EngineError(
-                f"replica {self._replica} ended the stream before its final frame",
-                request_id=self._request_id,
-            ) from None
-        except BaseException as exc:
-            self._end(cancel=True)
-            if not isinstance(exc, Exception):
-                raise  # the reader's own cancellation (or an exit): never translated
-            if self._ending is not None:
-                raise self._ending from exc
-            if isinstance(exc, LOST) and self._replica is not None:
-                self._engine._mark_lost(self._replica)
-            # No `from exc`: translate() sets __cause__ itself, and may return
-            # exc or the error Ray wrapped, whose own cause chain must stay.
-            raise translate(  # noqa: B904
-                exc, request_id=self._request_id, replica=self._replica, step=self._step
+        while True:
+            try:
+                item = await self._next_item()
+            except StopAsyncIteration:
+                if self._done:
+                    raise
+                self._end(cancel=False)
+                raise EngineError(
+                    f"replica {self._replica} ended the stream before its final frame",
+                    request_id=self._request_id,
+                ) from None
+            except BaseException as exc:
+                if not isinstance(exc, Exception):
+                    self._end(cancel=True)
+                    raise  # the reader's own cancellation (or an exit): never translated
+                if self._ending is None and self._hand_over(exc):
+                    continue
+                self._end(cancel=True)
+                # No `from exc`: _failed() sets __cause__ itself (translate() may return
+                # the error Ray wrapped, whose own cause chain must stay).
+                raise self._failed(exc)  # noqa: B904
+            if isinstance(item, WireError):
+                error = item.error()
+                if isinstance(error, CheckpointError) and self._resumed_from and self._restart(error):
+                    continue
+                self._end(cancel=False)
+                raise error
+            return self._took(item)
+
+    def _failed(self, exc: Exception) -> OmniStreamError:
+        """What the reader gets for ``exc`` raised while reading (the stream has ended)."""
+        if self._ending is not None:
+            self._ending.__cause__ = exc
+            return self._ending
+        if isinstance(exc, LOST) and self._replica is not None:
+            self._engine._mark_lost(self._replica)
+        if isinstance(exc, LOST) and self._cancelled:
+            # Cancelled, then its replica died before the cancel landed: a cancel all the same.
+            error: OmniStreamError = RequestCancelledError("cancelled", request_id=self._request_id)
+            error.__cause__ = exc
+            return error
+        error = translate(exc, request_id=self._request_id, replica=self._replica, step=self._step)
+        if isinstance(error, EngineDeadError) and self._handovers:
+            limit = self._engine.handover.max_handovers
+            error.message += (
+                f"; not handed over again: handed over {len(self._handovers)} times already (max_handovers "
+                f"{limit}): the request may be what kills its replicas"
             )
-        if isinstance(item, WireError):
-            self._end(cancel=False)
-            raise item.error()
-        return self._took(item)
+        return error
+
+    def _hand_over(self, exc: Exception) -> bool:
+        """Submit the request again from its newest checkpoint when ``exc`` says its replica is gone
+        (handover.py); False when it is not handed over (then ``exc`` ends it)."""
+        settings = self._engine.handover
+        if self._resubmit is None or self._done or not should_hand_over(
+            exc, cancelled=self._cancelled, handovers=len(self._handovers), limit=settings.max_handovers
+        ):
+            return False
+        lost = self._replica
+        if lost is not None:
+            self._engine._mark_lost(lost)
+        kept = self._engine.checkpoints.get(self._request_id)
+        # A checkpoint is sent behind its frame, so never ahead of the reader; checked all the same.
+        if kept is not None and kept.step > self._received:
+            kept = None
+        step = 0 if kept is None else kept.step
+        self._handovers.append(Handover(lost, step, self._received))
+        if kept is not None:
+            logger.warning(
+                "request %s: replica %s was lost (%s); it goes on on another replica after step %d "
+                "(hand-over %d of at most %d; %d steps made again, not sent again)",
+                self._request_id, lost, type(exc).__name__, step, len(self._handovers),
+                settings.max_handovers, self._received - step,
+            )
+        else:
+            why = (
+                "its replica sent no checkpoints of it (its model cannot snapshot it, or none were asked)"
+                if lost is not None and not self._checkpointed
+                else "no checkpoint of it had arrived yet"
+            )
+            logger.warning(
+                "request %s: replica %s was lost (%s) and %s: it starts again from step 0 on another "
+                "replica (hand-over %d of at most %d; the %d frames its reader has are not sent again)",
+                self._request_id, lost, type(exc).__name__, why, len(self._handovers),
+                settings.max_handovers, self._received,
+            )
+        self._send_again(None if kept is None else kept.data, step)
+        return True
+
+    def _restart(self, error: CheckpointError) -> bool:
+        """The new replica refused the checkpoint (another version of the model, say): start the
+        request again from step 0, once; False when it cannot be."""
+        if self._resubmit is None or self._cancelled or self._done:
+            return False
+        logger.warning(
+            "request %s: replica %s refused its checkpoint (%s): it starts again from step 0",
+            self._request_id, self._replica, error.message,
+        )
+        self._engine.checkpoints.discard(self._request_id)
+        self._send_again(None, 0)
+        return True
+
+    def _send_again(self, resume: bytes | None, step: int) -> None:
+        assert self._resubmit is not None
+        params, submit = self._resubmit
+        # Whatever Ray said, the old request must not run on: a replica only
+        # unreachable for a while would otherwise stream it twice.
+        cancel_response(self._response)
+        submit = dataclasses.replace(submit, key=uuid.uuid4().hex, resume=resume)
+        self._response = self._engine._submit(params, submit)
+        self._key = submit.key
+        self._replica = None
+        self._checkpointed = False
+        self._resumed_from = step
+        # The new replica's window starts afresh. (Nothing is pending: the
+        # response is read, and so found dead, only once every frame it sent was taken.)
+        assert not self._pending, "a hand-over with frames still pending"
+        self._seq = self._acked = 0
+        self._acked_at = time.monotonic()
 
     async def _next_item(self) -> WireFrame | WireError:
-        if self._pending:
-            return self._pending.popleft()
         while True:
+            if self._pending:
+                return self._pending.popleft()
             item = await self._response.__anext__()
             if isinstance(item, Header):
                 self._replica = item.replica
                 self._total = item.total
                 self._loading = item.loading
+                self._checkpointed = item.checkpoints
                 # At most half the window taken unacked: the replica is never
                 # out of credit while the reader keeps up.
                 self._ack_every = max(1, item.window // 2)
                 continue
-            if isinstance(item, WireBatch):
-                self._pending.extend(item.frames[1:])
-                return item.frames[0]
-            assert isinstance(item, (WireFrame, WireError)), type(item)
-            return item
+            if isinstance(item, WireCheckpoint):
+                self._engine.checkpoints.put(self._request_id, item.step, item.data)
+                continue
+            if isinstance(item, WireError):
+                return item
+            frames = item.frames if isinstance(item, WireBatch) else (item,)
+            assert all(isinstance(f, WireFrame) for f in frames), type(item)
+            if self._handovers:
+                # Made again by the replica it was handed over to: the reader has them.
+                fresh, dropped = redone(frames, self._received)
+                if dropped:
+                    self._seq = max(self._seq, dropped)
+                    self._ack()
+                frames = tuple(fresh)
+            if frames:
+                self._received = max(self._received, frames[-1].step)
+                self._pending.extend(frames)
 
     def _took(self, item: WireFrame) -> Frame:
         frame = item.frame(self._request_id)
@@ -222,17 +353,27 @@ class RemoteStream:
             return False
         if ending is not None:
             self._ending = ending
+        self._cancelled = True
         # Not _end(): the reader, if waiting, must wake to the cancellation
         # and raise it; the stream ends there.
-        cancel_response(self._response)
+        self._stop_on_replica()
         return True
+
+    def _stop_on_replica(self) -> None:
+        """Cancel the request on its replica: Serve's cancel, and the board's word (CANCELLED_SEQ)
+        for a request Serve was still assigning, where its cancel is best effort."""
+        cancel_response(self._response)
+        try:
+            self._engine._ack(self._key, CANCELLED_SEQ)
+        except Exception:  # noqa: BLE001 - Ray gone (shutting down): nothing runs to stop
+            logger.debug("telling the replica of a cancel failed", exc_info=True)
 
     def _end(self, *, cancel: bool) -> None:
         if self._done:
             return
         self._done = True
         if cancel:
-            cancel_response(self._response)
+            self._stop_on_replica()
         self._engine._forget(self)
 
     def __del__(self) -> None:

@@ -8,6 +8,8 @@ A RemoteStream calls a replica's ``stream(params, Submit)``, which yields, in or
                                loads, the window it grants
     (WireFrame | WireBatch)*   seq 1, 2, ...: a step's frame, or the frames that were ready together
                                (the final one last)
+    WireCheckpoint*            between them, when asked (``Submit.checkpoint_every``): the request's
+                               newest checkpoint, after the frame of its step (handover.py)
     WireError                  instead of the rest: how the request ended badly
 
 and then returns. A batch exists because each item through Serve's
@@ -43,7 +45,17 @@ from ...preview.encode import EncodedImage
 from ...preview.remote import RenderRequest
 from .card import ModelCard
 
-__all__ = ["Description", "Header", "Item", "Submit", "WireBatch", "WireError", "WireFrame"]
+__all__ = [
+    "CANCELLED_SEQ", "Description", "Header", "Item", "Submit", "WireBatch", "WireCheckpoint", "WireError",
+    "WireFrame",
+]
+
+#: An acknowledgement of this seq (through the board) says the reader cancelled the stream.
+#: Serve's own cancel is best effort while it is still assigning the request to a replica
+#: (a cancel just after a submit, as during a hand-over: it cancels the assignment task,
+#: which may have sent the request already): the replica, out of credit, sees this one
+#: and ends the request itself.
+CANCELLED_SEQ = 1 << 62
 
 
 @dataclass(frozen=True, slots=True)
@@ -72,6 +84,9 @@ class Submit:
     asks the replica to send previews and the result encoded, not tensors.
     ``model``: the served model that runs it, for a replica of several
     (None: the default; the front door also routes by it, deploy.py).
+    ``checkpoint_every``: send a checkpoint every N steps, where the model
+    can snapshot the request; ``resume``: a checkpoint's bytes to go on
+    from (a hand-over: its frames start after its step; handover.py).
     """
 
     key: str
@@ -83,6 +98,8 @@ class Submit:
     window: int
     render: RenderRequest | None = None
     model: str | None = None
+    checkpoint_every: int | None = None
+    resume: bytes | None = None
 
 
 @dataclass(frozen=True, slots=True)
@@ -92,7 +109,9 @@ class Header:
     ``loading``: its model was not on the replica's device when it started
     (its first frame waits for the load). ``window``: the frames the
     replica lets be in transit (the reader's ask, capped by the replica);
-    the reader paces its acknowledgements by it.
+    the reader paces its acknowledgements by it. ``checkpoints``: the
+    replica will send the request's checkpoints (asked, and its model can
+    snapshot it); ``step``: the step it resumes after (0: from the start).
     """
 
     replica: str
@@ -100,6 +119,8 @@ class Header:
     total: int
     loading: bool = False
     window: int = 1
+    checkpoints: bool = False
+    step: int = 0
 
 
 @dataclass(frozen=True, slots=True)
@@ -162,6 +183,24 @@ class WireBatch:
 
 
 @dataclass(frozen=True, slots=True)
+class WireCheckpoint:
+    """The request's checkpoint after ``step``, as ``Checkpoint.to_bytes()`` wrote it.
+
+    Sent only after the frame of ``step`` (or a later one): the front door
+    never holds a checkpoint ahead of what its reader received. It takes no
+    window credit: at most one follows each frame item, so the window
+    bounds them too (and only the newest waits on the replica).
+    """
+
+    step: int
+    data: bytes
+
+    @property
+    def nbytes(self) -> int:
+        return len(self.data)
+
+
+@dataclass(frozen=True, slots=True)
 class WireError:
     """The request's ending error, pickled with its cause chain."""
 
@@ -178,4 +217,4 @@ class WireError:
 
 
 #: Anything a replica's ``stream`` yields.
-Item = Header | WireFrame | WireBatch | WireError
+Item = Header | WireFrame | WireBatch | WireCheckpoint | WireError

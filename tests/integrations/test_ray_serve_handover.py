@@ -1,0 +1,348 @@
+"""Hand-over without a cluster: the checkpoints kept, the decision, and a RemoteStream moving on.
+
+The RemoteStream here reads scripted responses (what a replica would
+yield, then what Ray raises when it dies); the cluster runs are in
+test_ray_serve_handover_cluster.py.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Mapping, Sequence
+from typing import Any
+
+import anyio
+import pytest
+import torch
+
+pytest.importorskip("ray.serve", reason="needs Ray Serve: pip install 'omni-stream[ray]'")
+
+from ray import exceptions as ray_errors  # noqa: E402
+
+import omni_stream as om  # noqa: E402
+from omni_stream.checkpoint import Checkpoint  # noqa: E402
+from omni_stream.integrations.ray_serve import RemoteEngine  # noqa: E402
+from omni_stream.integrations.ray_serve.handover import (  # noqa: E402
+    DEFAULT_CHECKPOINT_EVERY,
+    DEFAULT_MAX_HANDOVERS,
+    CheckpointKeeper,
+    Handover,
+    HandoverSettings,
+    redone,
+    should_hand_over,
+)
+from omni_stream.integrations.ray_serve.replica import EngineReplica, ReplicaSettings, _Flow  # noqa: E402
+from omni_stream.integrations.ray_serve.stream import RemoteStream  # noqa: E402
+from omni_stream.integrations.ray_serve.wire import (  # noqa: E402
+    CANCELLED_SEQ,
+    Header,
+    Item,
+    Submit,
+    WireBatch,
+    WireCheckpoint,
+    WireError,
+    WireFrame,
+)
+
+pytestmark = pytest.mark.ray
+
+ASYNCIO = pytest.mark.asyncio(loop_factories=["asyncio"])
+
+TOTAL = 10
+
+
+def _wired(steps: Sequence[int], first_seq: int) -> tuple[WireFrame, ...]:
+    return tuple(
+        WireFrame.of(
+            om.Frame("r", s, TOTAL, torch.full((1,), float(s)), om.StepTimings(0, 0, 0, 1, 0), False),
+            first_seq + i,
+        )
+        for i, s in enumerate(steps)
+    )
+
+
+# -- the checkpoints kept ------------------------------------------------------------------
+
+
+def test_the_keeper_holds_the_newest_checkpoint_per_request_and_forgets_it() -> None:
+    keeper = CheckpointKeeper(max_bytes=100)
+    assert keeper.put("a", 5, b"x" * 10) and keeper.put("a", 10, b"y" * 20)
+    assert not keeper.put("a", 10, b"z")  # not newer: a late one never replaces the newest
+    kept = keeper.get("a")
+    assert kept is not None and (kept.step, kept.data) == (10, b"y" * 20)
+    assert keeper.nbytes == 20 and len(keeper) == 1
+    keeper.discard("a")
+    keeper.discard("a")  # twice: no error
+    assert keeper.get("a") is None and keeper.nbytes == 0
+
+
+def test_the_keeper_stays_within_its_bytes_dropping_the_oldest_to_arrive() -> None:
+    keeper = CheckpointKeeper(max_bytes=100)
+    for rid in ("a", "b", "c"):
+        keeper.put(rid, 1, b"x" * 40)
+    assert keeper.nbytes <= 100 and keeper.get("a") is None  # the oldest made room
+    assert keeper.get("b") is not None and keeper.get("c") is not None
+    keeper.put("b", 2, b"x" * 40)  # b's newer one: now c is the oldest to arrive
+    keeper.put("d", 1, b"x" * 40)
+    assert keeper.get("c") is None and keeper.get("b") is not None and keeper.nbytes == 80
+    assert not keeper.put("huge", 1, b"x" * 101) and keeper.get("huge") is None  # alone over the bound
+    assert keeper.nbytes == 80
+
+
+# -- the decision ----------------------------------------------------------------------------
+
+
+def test_only_a_lost_replica_hands_over_uncancelled_and_under_the_limit() -> None:
+    lost = ray_errors.ActorDiedError()
+    assert should_hand_over(lost, cancelled=False, handovers=0, limit=2)
+    assert should_hand_over(ray_errors.ActorUnavailableError("gone", None), cancelled=False,
+                            handovers=1, limit=2)
+    assert not should_hand_over(lost, cancelled=False, handovers=2, limit=2)  # the limit
+    assert not should_hand_over(lost, cancelled=True, handovers=0, limit=2)  # its reader cancelled it
+    assert not should_hand_over(lost, cancelled=False, handovers=0, limit=0)  # hand-overs off
+    # A request failing on its own (its model raised) or cancelled by Ray is not a lost replica.
+    assert not should_hand_over(om.StepFailedError("boom", request_id="r", step=3), cancelled=False,
+                                handovers=0, limit=2)
+    assert not should_hand_over(ray_errors.TaskCancelledError(), cancelled=False, handovers=0, limit=2)
+
+
+def test_frames_the_reader_has_are_dropped_and_their_seq_acknowledged() -> None:
+    fresh, dropped = redone(_wired([4, 5, 6, 7], 1), received=5)
+    assert [f.step for f in fresh] == [6, 7] and dropped == 2
+    fresh, dropped = redone(_wired([8], 3), received=5)
+    assert [f.step for f in fresh] == [8] and dropped == 0
+
+
+def test_settings_refuse_bad_values_naming_the_field() -> None:
+    s = HandoverSettings()
+    assert (s.checkpoint_every, s.max_handovers) == (DEFAULT_CHECKPOINT_EVERY, DEFAULT_MAX_HANDOVERS)
+    assert s.sends_checkpoints
+    assert not HandoverSettings(checkpoint_every=None).sends_checkpoints
+    assert not HandoverSettings(max_handovers=0).sends_checkpoints
+    bad: tuple[tuple[str, Any], ...] = (
+        ("checkpoint_every", 0), ("max_handovers", -1), ("checkpoint_max_bytes", 1.5),
+    )
+    for field, value in bad:
+        with pytest.raises(om.ParamsError, match=field) as err:
+            HandoverSettings(**{field: value})
+        assert err.value.field == field
+    with pytest.raises(om.ParamsError, match="max_handovers"):
+        RemoteEngine("x", max_handovers=True)
+    assert Handover("rep", 5, 7).redone == 2 and Handover(None, 0, 0).redone == 0
+
+
+# -- a RemoteStream moving on (scripted replicas) ------------------------------------------------
+
+
+class _Response:
+    """A replica's items, then what Ray raises (``then``); ``hang`` waits for a cancel instead."""
+
+    def __init__(self, items: Sequence[Item], then: BaseException | None = None, hang: bool = False) -> None:
+        self.items = list(items)
+        self.then = then
+        self.hang = hang
+        self.cancelled = anyio.Event()
+
+    async def __anext__(self) -> Item:
+        if self.items:
+            return self.items.pop(0)
+        if self.hang:
+            await self.cancelled.wait()
+            raise ray_errors.TaskCancelledError()
+        if self.then is not None:
+            raise self.then
+        raise StopAsyncIteration
+
+    def cancel(self) -> None:
+        self.cancelled.set()
+
+
+class _Engine:
+    """The RemoteEngine's side a RemoteStream calls: acks, submits, the kept checkpoints."""
+
+    def __init__(self, responses: Sequence[_Response], **settings: Any) -> None:
+        self.handover = HandoverSettings(**settings)
+        self.checkpoints = CheckpointKeeper(1 << 20)
+        self.responses = list(responses)
+        self.submitted: list[tuple[Mapping[str, Any] | None, Submit]] = []
+        self.acks: list[tuple[str, int]] = []
+        self.lost: list[str] = []
+
+    def _ack(self, key: str, seq: int) -> None:
+        self.acks.append((key, seq))
+
+    def _forget(self, stream: Any) -> None:
+        self.checkpoints.discard(stream.request_id)
+
+    def _mark_lost(self, replica: str) -> None:
+        self.lost.append(replica)
+
+    def _submit(self, params: Mapping[str, Any] | None, submit: Submit) -> _Response:
+        self.submitted.append((params, submit))
+        return self.responses.pop(0)
+
+
+SUBMIT = Submit(
+    key="k0", request_id="r", policy="all", timeout=None, preview_every=None, priority=0, window=2,
+    checkpoint_every=5,
+)
+CKPT = Checkpoint("Synthetic", 1, 5, TOTAL, {"steps": TOTAL}, {"x": torch.zeros(2)}).to_bytes()
+
+
+def _stream(engine: _Engine, first: _Response) -> RemoteStream:
+    return RemoteStream(
+        engine, first, key="k0", request_id="r", total=TOTAL, params={},  # type: ignore[arg-type]
+        resubmit=({"steps": TOTAL}, SUBMIT),
+    )
+
+
+@ASYNCIO
+async def test_a_lost_replicas_request_goes_on_from_its_checkpoint_no_frame_missing_or_repeated(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    caplog.set_level(logging.WARNING, logger="omni_stream.ray_serve")
+    a = _Response(
+        [Header("A", "r", TOTAL, window=2, checkpoints=True), *_wired([1, 2, 3, 4, 5], 1),
+         WireCheckpoint(5, CKPT), WireBatch(_wired([6, 7], 6))],
+        then=ray_errors.ActorDiedError(),
+    )
+    b = _Response([Header("B", "r", TOTAL, window=2, checkpoints=True, step=5), WireBatch(_wired([6, 7], 1)),
+                   *_wired([8, 9, 10], 3)])
+    engine = _Engine([b])
+    stream = _stream(engine, a)
+    frames = [f async for f in stream]
+    assert [f.step for f in frames] == list(range(1, 11))
+    assert [float(f.data[0]) for f in frames] == [float(s) for s in range(1, 11)]
+    assert stream.handovers == (Handover("A", 5, 7),) and stream.replica == "B" and engine.lost == ["A"]
+    ((params, submit),) = engine.submitted
+    assert params == {"steps": TOTAL} and submit.resume == CKPT and submit.key not in ("k0", "")
+    # The frames B made again are acknowledged to B (its window), under B's key.
+    assert (submit.key, 2) in engine.acks and all(seq <= 5 for key, seq in engine.acks if key == submit.key)
+    assert a.cancelled.is_set()  # the lost request is cancelled whatever Ray said
+    assert len(engine.checkpoints) == 0  # dropped as the request ended
+    assert "goes on on another replica after step 5" in caplog.text
+
+
+@ASYNCIO
+async def test_without_a_checkpoint_the_request_starts_again_from_step_0_with_a_warning(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    caplog.set_level(logging.WARNING, logger="omni_stream.ray_serve")
+    a = _Response([Header("A", "r", TOTAL, window=2), *_wired([1, 2, 3], 1)],
+                  then=ray_errors.ActorDiedError())
+    b = _Response([Header("B", "r", TOTAL, window=2), WireBatch(_wired(range(1, 11), 1))])
+    engine = _Engine([b])
+    stream = _stream(engine, a)
+    assert [f.step async for f in stream] == list(range(1, 11))
+    assert stream.handovers == (Handover("A", 0, 3),)
+    assert engine.submitted[0][1].resume is None
+    assert "starts again from step 0" in caplog.text and "sent no checkpoints" in caplog.text
+
+
+@ASYNCIO
+async def test_a_request_failing_on_its_own_is_not_handed_over() -> None:
+    error = om.StepFailedError("the model raised", request_id="r", step=3)
+    a = _Response([Header("A", "r", TOTAL, window=2), *_wired([1, 2], 1), WireError.of(error)])
+    engine = _Engine([])
+    stream = _stream(engine, a)
+    with pytest.raises(om.StepFailedError, match="the model raised"):
+        async for _ in stream:
+            pass
+    assert stream.handovers == () and engine.submitted == []
+
+
+@ASYNCIO
+async def test_the_limit_ends_the_request_with_engine_dead_error_naming_it() -> None:
+    responses = [
+        _Response([Header(name, "r", TOTAL, window=2), *_wired([1], 1)], then=ray_errors.ActorDiedError())
+        for name in ("B", "C")
+    ]
+    a = _Response([Header("A", "r", TOTAL, window=2)], then=ray_errors.ActorDiedError())
+    engine = _Engine(responses, max_handovers=2)
+    stream = _stream(engine, a)
+    with pytest.raises(om.EngineDeadError, match="handed over 2 times already") as err:
+        async for _ in stream:
+            pass
+    assert err.value.request_id == "r" and len(stream.handovers) == 2 and engine.lost == ["A", "B", "C"]
+
+
+@ASYNCIO
+async def test_a_checkpoint_the_new_replica_refuses_restarts_the_request_from_step_0() -> None:
+    a = _Response([Header("A", "r", TOTAL, window=2, checkpoints=True), *_wired([1, 2, 3, 4, 5], 1),
+                   WireCheckpoint(5, CKPT)], then=ray_errors.ActorDiedError())
+    refused = om.CheckpointError("the checkpoint is of another model", request_id="r")
+    b = _Response([WireError.of(refused)])
+    c = _Response([Header("C", "r", TOTAL, window=2), WireBatch(_wired(range(1, 11), 1))])
+    engine = _Engine([b, c])
+    stream = _stream(engine, a)
+    assert [f.step async for f in stream] == list(range(1, 11))
+    assert [s.resume for _, s in engine.submitted] == [CKPT, None]
+    assert len(stream.handovers) == 1  # the restart is the same hand-over
+
+
+@ASYNCIO
+@pytest.mark.parametrize("when", ["before the death is seen", "during the hand-over"])
+async def test_a_cancel_ends_the_request_with_request_cancelled_error_and_no_further_hand_over(
+    when: str,
+) -> None:
+    a = _Response([Header("A", "r", TOTAL, window=2, checkpoints=True), *_wired([1, 2, 3, 4, 5], 1),
+                   WireCheckpoint(5, CKPT)], then=ray_errors.ActorDiedError())
+    b = _Response([], hang=True)  # restoring: no item yet
+    engine = _Engine([b])
+    stream = _stream(engine, a)
+    assert [(await stream.__anext__()).step for _ in range(5)] == [1, 2, 3, 4, 5]
+    if when == "before the death is seen":
+        assert stream._cancel()
+        with pytest.raises(om.RequestCancelledError) as err:
+            await stream.__anext__()
+        assert engine.submitted == [] and stream.handovers == ()
+    else:
+        async with anyio.create_task_group() as tg:
+
+            async def cancel_once_handed_over() -> None:
+                while not stream.handovers:
+                    await anyio.sleep(0)
+                assert stream._cancel()
+
+            tg.start_soon(cancel_once_handed_over)
+            with pytest.raises(om.RequestCancelledError) as err:
+                await stream.__anext__()
+        assert b.cancelled.is_set() and len(engine.submitted) == 1
+        # Serve's cancel can miss a request it is still assigning: the board tells the replica too.
+        assert (engine.submitted[0][1].key, CANCELLED_SEQ) in engine.acks
+    assert err.value.request_id == "r"
+    assert not stream._cancel()  # ended
+
+
+class _Board:
+    """The ReplicaBoard's ``wait_acked`` as a replica calls it (``.remote`` returns an awaitable)."""
+
+    def __init__(self, acked: int) -> None:
+        self.acked = acked
+        self.wait_acked = self
+
+    async def remote(self, key: str, at_least: int, timeout_s: float) -> int:
+        return self.acked
+
+
+class _BareReplica(EngineReplica):
+    """An EngineReplica never started (no Serve): only what ``_credit`` reads is set."""
+
+    def __del__(self) -> None:  # type: ignore[override]  # nothing to shut down
+        pass
+
+
+@ASYNCIO
+async def test_a_replica_out_of_credit_ends_a_request_its_reader_cancelled_through_the_board() -> None:
+    replica = object.__new__(_BareReplica)
+    replica._settings = ReplicaSettings()
+    replica._replica = "rep"
+    flow = _Flow("k", "r", window=2, sent=2)
+    replica._board = _Board(CANCELLED_SEQ)
+    await replica._credit(flow)
+    assert isinstance(flow.failure, om.RequestCancelledError) and flow.failure.request_id == "r"
+    assert flow.acked == 0  # not taken for credit: the window still holds
+    flow = _Flow("k", "r", window=2, sent=2)
+    replica._board = _Board(1)
+    await replica._credit(flow)
+    assert flow.failure is None and flow.acked == 1
