@@ -112,6 +112,14 @@ class Gate:
     def __contains__(self, request_id: object) -> bool:
         return request_id in self._waiting
 
+    def items(self) -> list[Waiting]:
+        """The waiting requests, in no particular order (:meth:`order` ranks them)."""
+        return list(self._waiting.values())
+
+    def get(self, request_id: str) -> Waiting | None:
+        """The waiting request ``request_id``; None if it is not waiting."""
+        return self._waiting.get(request_id)
+
     # -- moving requests ------------------------------------------------------------
 
     def entered(self, owner: str, cost: int = 1) -> None:

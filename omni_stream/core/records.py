@@ -89,6 +89,8 @@ class RequestRecord:
         self.restarted: str | None = None
         #: Its step when it (re)entered the engine: a preemption waits for a quantum past it.
         self.entered_step = 0
+        #: Called after each published step while it runs (the rules' preemption retry), or None.
+        self.on_step: Callable[[RequestRecord], None] | None = None
         #: Callers waiting for its end without watching its steps (HTTP ``?wait=true``).
         self.waiters = 0
         self.cancel_reason: str | None = None
@@ -227,6 +229,8 @@ class RequestRecord:
             outbox.put(text, "progress", latest_key=(self.id, "progress"))
         if self.webhook is not None:
             self.webhook.progressed(step, self.total, self.latest_eta_s)
+        if self.on_step is not None:
+            self.on_step(self)
 
     def wants_preview(self) -> bool:
         """Whether a new intermediate preview would reach anyone.

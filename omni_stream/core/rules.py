@@ -611,8 +611,27 @@ class Rules:
         record = admitted.record
         record.entered_step = record.latest_step
         self.gate.entered(record.principal, record.total)
+        if self._preempts():
+            record.on_step = self._stepped
         assert self.on_start is not None  # _admit checked it
         self.on_start(admitted, stream)
+
+    def _preempts(self) -> bool:
+        """Whether the gate may pause a running request for a waiting one (the preemptive policy)."""
+        return getattr(self.engine, "scheduling", None) == "preemptive" and hasattr(self.engine, "pause")
+
+    def _quantum(self) -> int:
+        return int(getattr(self.engine, "quantum", 1))
+
+    def _victim(self) -> RequestRecord | None:
+        """The running request with the most steps left among those past their quantum since they
+        (re)entered the engine; None when none is."""
+        quantum = self._quantum()
+        running = [
+            r for r in self.registry.running()
+            if r.id not in self.gate and not r.paused and r.latest_step - r.entered_step >= quantum
+        ]
+        return max(running, key=lambda r: r.total - r.latest_step) if running else None
 
     def _preempt_for(self, waiting: RequestRecord) -> None:
         """Pause the running request with the most steps left for ``waiting``, when the engine's
@@ -620,18 +639,48 @@ class Rules:
         ``waiting`` has in all and has run its quantum since it (re)entered. It goes back to the
         gate as a request to resume (its state to the host meanwhile): the gate lets it in again
         as places free, by its remaining steps."""
+        if not self._preempts():
+            return
+        victim = self._victim()
+        if victim is not None and victim.total - victim.latest_step > waiting.total:
+            self._preempt(victim, waiting)
+
+    def _stepped(self, record: RequestRecord) -> None:
+        """``record`` took a step (``RequestRecord.on_step``): try the preemption again.
+
+        An arriving request tries once, when it comes (:meth:`generate`).
+        One that came while every running request was within its quantum
+        would then wait for a place to free, however long that took: so each
+        step of a request past its quantum looks again, for the first fresh
+        request in the gate's order shorter than what that request has left.
+        (Most steps find no waiter, or none short enough: the checks go
+        cheapest first.)
+        """
+        gate = self.gate
+        if not gate.waiting or record.paused or record.id in gate:
+            return
+        left = record.total - record.latest_step
+        if record.latest_step - record.entered_step < self._quantum():
+            return
+        fresh = [w for w in gate.items() if not isinstance(w.payload, _Preempted)]
+        if not fresh or min(w.payload.record.total for w in fresh) >= left:
+            return
+        victim = self._victim()
+        if victim is None:
+            return
+        left = victim.total - victim.latest_step
+        for request_id in gate.order():
+            item = gate.get(request_id)
+            if item is None or isinstance(item.payload, _Preempted):
+                continue
+            if item.payload.record.total < left:
+                self._preempt(victim, item.payload.record)
+                return
+
+    def _preempt(self, victim: RequestRecord, waiting: RequestRecord) -> None:
+        """Pause ``victim`` (to the host) and give its place to ``waiting``, which waits in the gate."""
         pause = getattr(self.engine, "pause", None)
-        if getattr(self.engine, "scheduling", None) != "preemptive" or pause is None:
-            return
-        quantum = int(getattr(self.engine, "quantum", 1))
-        running = [
-            r for r in self.registry.running()
-            if r.id not in self.gate and not r.paused and r.latest_step - r.entered_step >= quantum
-        ]
-        if not running:
-            return
-        victim = max(running, key=lambda r: r.total - r.latest_step)
-        if victim.total - victim.latest_step <= waiting.total or not pause(victim.id, to_host=True):
+        if pause is None or not pause(victim.id, to_host=True):
             return
         victim.publish_paused()
         self.gate.left(victim.principal)

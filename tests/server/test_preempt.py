@@ -78,3 +78,27 @@ async def test_a_preempted_request_cancelled_while_it_waits_frees_its_place_once
             # The place is free for the next one: it runs.
             await send(ws, type="generate", id="next", params=SHORT)
             assert [m["type"] for m in await until_end(ws, "next")][-1] == "done"
+
+
+@pytest.mark.asyncio
+async def test_a_short_request_that_came_within_a_quantum_goes_in_once_it_passes() -> None:
+    """An arrival looks for a request to preempt once; one that came while the running request was
+    still within its quantum takes its place when the quantum passes, not when it ends."""
+    ended: list[str] = []
+    async with running(Slow(0.02), scheduling="preemptive", quantum=20, max_active=1) as server:
+        async with connect(server.url) as ws:
+            await send(ws, type="generate", id="long", params=LONG)
+            await wait_for(lambda: server.service.registry.get("long") is not None)
+            record = server.service.registry.get("long")
+            await wait_for(lambda: record.latest_step >= 1)
+            assert record.latest_step < 20  # within its quantum: nothing to preempt at arrival
+            await send(ws, type="generate", id="short", params=SHORT)
+            kinds: dict[str, list[str]] = {"long": [], "short": []}
+            while len(ended) < 2:
+                m = await recv(ws, timeout=30)
+                if m.get("id") in kinds:
+                    kinds[m["id"]].append(m["type"])
+                if m["type"] in ("done", "error", "cancelled"):
+                    ended.append(m["id"])
+    assert ended == ["short", "long"], kinds
+    assert "paused" in kinds["long"] and kinds["long"][-1] == "done"
