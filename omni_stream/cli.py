@@ -698,6 +698,17 @@ def _door_options(args: argparse.Namespace) -> dict[str, Any]:
     return out
 
 
+def _handover_options(args: argparse.Namespace) -> dict[str, Any]:
+    """deploy()'s hand-over options the command line gave (the rest: deploy's defaults); a
+    _UsageError for one given without --ray, where nothing would read it."""
+    for name in ("max_handovers", "checkpoint_max_bytes"):
+        if getattr(args, name) is not None and not args.ray:
+            option = "--" + name.replace("_", "-")
+            raise _UsageError(f"{option} is for --ray: a lost replica's requests handed over to another")
+    names = ("checkpoint_every", "max_handovers", "checkpoint_max_bytes")
+    return {name: getattr(args, name) for name in names if getattr(args, name) is not None}
+
+
 def _cmd_serve(args: argparse.Namespace) -> int:
     # A server's operator wants its lifecycle lines (the model loaded and its
     # mode, the URL it listens on, shutdown), not only warnings: from before
@@ -714,6 +725,7 @@ def _cmd_serve(args: argparse.Namespace) -> int:
     if args.loop == "trio" and args.ray:
         # Ray's client runs on asyncio only; the engines in this process run on any loop.
         raise _UsageError("--loop trio serves engines in this process; --ray needs asyncio (or uvloop)")
+    handover = _handover_options(args)
 
     def load(spec: str = specs[0][1]) -> Any:
         return _load_model(spec, args.preview_vae, loras, no_batch=args.no_batch,
@@ -738,6 +750,7 @@ def _cmd_serve(args: argparse.Namespace) -> int:
             {name: functools.partial(load, spec) for name, spec in specs},
             max_models_per_replica=args.max_loaded, replicas=args.replicas, num_gpus=args.num_gpus,
             address=args.ray_address, engine_kwargs={"device": args.device, **engine_options},
+            **handover,
         )
     elif specs[0][0]:  # named: a request's `model` picks one
         if names_group(args.device):
@@ -764,7 +777,7 @@ def _cmd_serve(args: argparse.Namespace) -> int:
         # The replicas build the model; this process only serves in front of them.
         model = deploy(
             load, replicas=args.replicas, num_gpus=args.num_gpus, address=args.ray_address,
-            engine_kwargs={"device": args.device, **engine_options},
+            engine_kwargs={"device": args.device, **engine_options}, **handover,
         )
     else:
         # A group builds one model per device with the factory (before it listens).
@@ -936,7 +949,9 @@ def build_parser() -> argparse.ArgumentParser:
                      "docs/reliability.md, The state directory)")
     srv.add_argument("--checkpoint-every", type=_positive_int, metavar="N", default=None,
                      help="with --state-dir: checkpoint a request every N steps, for models that can "
-                     "(default: $OMNI_STREAM_CHECKPOINT_EVERY, else 10)")
+                     "(default: $OMNI_STREAM_CHECKPOINT_EVERY, else 10); with --ray, also the steps between "
+                     "two checkpoints a replica sends the server, from which a lost replica's requests "
+                     "go on on another (default 10)")
     srv.add_argument("--checkpoint-seconds", type=float, metavar="T", default=None,
                      help="with --state-dir: write at most one checkpoint every T seconds per request "
                      "(default: $OMNI_STREAM_CHECKPOINT_SECONDS, else no such floor)")
@@ -956,6 +971,13 @@ def build_parser() -> argparse.ArgumentParser:
                      help="with --ray: replicas")
     srv.add_argument("--num-gpus", type=float, default=0.0, metavar="G",
                      help="with --ray: GPUs per replica; a fraction packs several on one GPU")
+    srv.add_argument("--max-handovers", type=_non_negative_int, metavar="N", default=None,
+                     help="with --ray: the most times one request is handed over to another replica when "
+                     "its replica dies (default 2; 0: never, its requests fail, and no checkpoints are sent)")
+    srv.add_argument("--checkpoint-max-bytes", type=_non_negative_int, metavar="BYTES", default=None,
+                     help="with --ray: the bytes of checkpoints the server keeps for hand-overs, all "
+                     "requests together; past it the oldest are dropped, and theirs start again from "
+                     "step 0 (default 268435456, 256 MiB; 0: none kept, none sent)")
     srv.add_argument("--loop", choices=LOOPS, default=None,
                      help="the event loop: uvloop (the default where installed), asyncio (both serve "
                      "on uvicorn), or trio (served by hypercorn: pip install 'omni-stream[trio]'; "

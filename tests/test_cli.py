@@ -580,3 +580,53 @@ def test_serve_passes_the_scheduling_policy_to_the_engine_it_makes(capsys, fake_
     assert "scheduling" not in calls[1]  # the router's engines took it
     code, _, err = run(capsys, "serve", "--scheduling", "lottery")
     assert code == 2 and "lottery" in err
+
+
+@pytest.fixture
+def fake_ray(monkeypatch):
+    """A stand-in for omni_stream.integrations.ray_serve: deploy() records its arguments (no Ray)."""
+    deployed: list[tuple[object, dict]] = []
+    module = types.ModuleType("omni_stream.integrations.ray_serve")
+
+    def deploy(model, **kwargs):
+        deployed.append((model, kwargs))
+        return "remote engine"
+
+    module.deploy = deploy  # type: ignore[attr-defined]
+    monkeypatch.setitem(sys.modules, "omni_stream.integrations.ray_serve", module)
+    return deployed
+
+
+@pytest.mark.parametrize("models", [("synthetic",), ("a=synthetic", "b=synthetic")], ids=["one", "named"])
+def test_serve_ray_passes_the_hand_over_options_to_deploy(capsys, fake_server, fake_ray, models):
+    _, calls = fake_server
+    argv = [arg for spec in models for arg in ("--model", spec)]
+    code, _, err = run(capsys, "serve", *argv, "--ray", "--device", "cpu", "--checkpoint-every", "4",
+                       "--max-handovers", "0", "--checkpoint-max-bytes", "1048576")
+    assert code == 0, err
+    ((_, kwargs),) = fake_ray
+    assert (kwargs["checkpoint_every"], kwargs["max_handovers"], kwargs["checkpoint_max_bytes"]) == (4, 0, 1 << 20)
+    assert calls[0]["model"] == "remote engine"
+    # Not given: deploy's own defaults apply (none is passed).
+    code, _, err = run(capsys, "serve", *argv, "--ray", "--device", "cpu")
+    assert code == 0, err
+    assert not {"checkpoint_every", "max_handovers", "checkpoint_max_bytes"} & set(fake_ray[1][1])
+
+
+@pytest.mark.parametrize(
+    ("argv", "words"),
+    [
+        (("--ray", "--max-handovers", "-1"), ("--max-handovers", "'-1'")),
+        (("--ray", "--max-handovers", "two"), ("--max-handovers", "'two'")),
+        (("--ray", "--checkpoint-max-bytes", "1.5"), ("--checkpoint-max-bytes", "'1.5'")),
+        (("--ray", "--checkpoint-every", "0"), ("--checkpoint-every", "'0'")),
+        (("--max-handovers", "1"), ("--max-handovers", "--ray")),
+        (("--checkpoint-max-bytes", "100"), ("--checkpoint-max-bytes", "--ray")),
+    ],
+)
+def test_serve_bad_hand_over_options_are_usage_errors_naming_the_option(capsys, fake_server, fake_ray,
+                                                                        argv, words):
+    code, _, err = run(capsys, "serve", "--model", "synthetic", "--device", "cpu", *argv)
+    assert code == 2
+    assert_one_line_error(err, *words)
+    assert fake_ray == [] and fake_server[1] == []

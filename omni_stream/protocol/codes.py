@@ -54,7 +54,11 @@ CANCEL_REASONS: Final = frozenset({"client", "disconnect", "shutdown", "engine"}
 #: written yet (``no_checkpoint``), the one written could not be used (torn,
 #: tampered, of an older format, refused by the model: ``checkpoint_unusable``),
 #: or its model cannot snapshot a request, or its engine resume one (``cannot_resume``).
-RESTART_REASONS: Final = frozenset({"checkpoint", "no_checkpoint", "checkpoint_unusable", "cannot_resume"})
+#: And ``replica_lost``: not the server, the Ray replica running the request died,
+#: and another goes on from the last checkpoint the server received (or step 0).
+RESTART_REASONS: Final = frozenset(
+    {"checkpoint", "no_checkpoint", "checkpoint_unusable", "cannot_resume", "replica_lost"}
+)
 #: ``generate``'s ``priority`` range (the engine scheduler's, restated: the
 #: protocol must not import the engine).
 MIN_PRIORITY: Final = -10

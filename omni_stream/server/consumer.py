@@ -15,6 +15,13 @@ where it makes frames, such as a Ray replica, asked with a RenderRequest)
 are published as they are: the replica rendered the same preview or result
 this module would have, and no tensor crossed the network.
 
+A stream whose request can go on elsewhere mid-run (a Ray replica's,
+``RemoteStream``: its replica died and another resumes it) calls the
+consumer back as it happens, and the record publishes ``restarted``
+(``replica_lost``, from the step resumed after) to the request's watchers
+then, not at the new replica's first frame, which may be long in coming.
+Its progress goes on where it was: the frames made again are dropped there.
+
 A frame with NaN or infinite values has no picture in it (a model that
 diverged): such a preview is skipped (one warning per request), and such a
 final frame fails its request (``step_failed``, saying so) rather than
@@ -35,7 +42,8 @@ from __future__ import annotations
 import functools
 import logging
 import time
-from typing import Any
+from collections.abc import Callable
+from typing import Any, Protocol, runtime_checkable
 
 import anyio
 
@@ -75,6 +83,14 @@ logger = logging.getLogger("omni_stream.server")
 UNREAD_PACE_S = 0.05
 
 
+@runtime_checkable
+class _HandsOver(Protocol):
+    """A stream that calls ``on_handover(from_step)`` when its request goes on elsewhere,
+    resumed after ``from_step`` (0: from the start): a Ray replica's (see the module docstring)."""
+
+    on_handover: Callable[[int], None] | None
+
+
 class _PreviewFailed(Exception):
     """Rendering a frame failed; ``__cause__`` says why."""
 
@@ -107,6 +123,8 @@ async def stream_request(
     unfinished, and releases ``memory`` (see the module docstring).
     """
     rid = record.id
+    if isinstance(stream, _HandsOver):
+        stream.on_handover = functools.partial(_handed_over, record)
     try:
         async with stream:
             async for frame in stream:
@@ -166,6 +184,11 @@ async def stream_request(
         if memory is not None:
             memory.release()
     return protocol.done(rid, total=record.total, elapsed_s=time.monotonic() - record.created_at)
+
+
+def _handed_over(record: RequestRecord, from_step: int) -> None:
+    # Not rewound: the new replica's frames up to the step the watchers have are dropped.
+    record.publish_restarted(from_step, "replica_lost", rewind=False)
 
 
 def _nbytes(frame: Frame) -> int:

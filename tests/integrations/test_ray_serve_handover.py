@@ -2,12 +2,16 @@
 
 The RemoteStream here reads scripted responses (what a replica would
 yield, then what Ray raises when it dies); the cluster runs are in
-test_ray_serve_handover_cluster.py.
+test_ray_serve_handover_cluster.py. The server in front tells the
+request's watchers of a hand-over (``restarted``, ``replica_lost``): its
+consumer is driven here over such a stream, with no socket.
 """
 
 from __future__ import annotations
 
+import json
 import logging
+import time
 from collections.abc import Mapping, Sequence
 from typing import Any
 
@@ -21,6 +25,8 @@ from ray import exceptions as ray_errors  # noqa: E402
 
 import omni_stream as om  # noqa: E402
 from omni_stream.checkpoint import Checkpoint  # noqa: E402
+from omni_stream.core.admission import OutputSpec  # noqa: E402
+from omni_stream.core.records import RequestRecord  # noqa: E402
 from omni_stream.integrations.ray_serve import RemoteEngine  # noqa: E402
 from omni_stream.integrations.ray_serve.handover import (  # noqa: E402
     DEFAULT_CHECKPOINT_EVERY,
@@ -43,6 +49,8 @@ from omni_stream.integrations.ray_serve.wire import (  # noqa: E402
     WireError,
     WireFrame,
 )
+from omni_stream.preview import EncodedImage, Previewer, PreviewSpec  # noqa: E402
+from omni_stream.server.consumer import stream_request  # noqa: E402
 
 pytestmark = pytest.mark.ray
 
@@ -277,7 +285,8 @@ async def test_a_checkpoint_the_new_replica_refuses_restarts_the_request_from_st
     stream = _stream(engine, a)
     assert [f.step async for f in stream] == list(range(1, 11))
     assert [s.resume for _, s in engine.submitted] == [CKPT, None]
-    assert len(stream.handovers) == 1  # the restart is the same hand-over
+    assert len(stream.handovers) == 1  # the restart is the same hand-over, now from step 0
+    assert stream.handovers[0] == Handover("A", 0, 5)
 
 
 @ASYNCIO
@@ -312,6 +321,95 @@ async def test_a_cancel_ends_the_request_with_request_cancelled_error_and_no_fur
         assert (engine.submitted[0][1].key, CANCELLED_SEQ) in engine.acks
     assert err.value.request_id == "r"
     assert not stream._cancel()  # ended
+
+
+# -- the server in front tells the request's watchers ------------------------------------------------
+
+PNG = EncodedImage(b"png", "png", 1, 1, "image/png")
+
+
+def _rendered(steps: Sequence[int], first_seq: int) -> tuple[WireFrame, ...]:
+    """Frames as a replica sends them to a server (rendered there: the consumer renders nothing)."""
+    return tuple(
+        WireFrame(first_seq + i, s, TOTAL, torch.empty(0), (0, 0, 0, 1, 0), False, encoded=PNG)
+        for i, s in enumerate(steps)
+    )
+
+
+class _Watcher:
+    """A watcher's outbox that keeps every text message in order (a real one replaces an unsent
+    progress with the next), with the record's step as each ``restarted`` came."""
+
+    def __init__(self, record: RequestRecord) -> None:
+        self.record = record
+        self.messages: list[dict[str, Any]] = []
+        self.step_at_restarted: list[int] = []
+
+    def put(self, data: str | bytes, kind: str, **_: Any) -> None:
+        if isinstance(data, str):
+            self.messages.append(json.loads(data))
+        if kind == "restarted":
+            self.step_at_restarted.append(self.record.latest_step)
+
+    def held_since(self, key: Any) -> None:
+        return None
+
+    def discard(self, key: Any) -> None:
+        pass
+
+
+class _Metrics:
+    def observe_timings(self, timings: Any) -> None:
+        pass
+
+
+def _shown(messages: Sequence[Mapping[str, Any]]) -> list[Any]:
+    """Each progress as its step, each restarted as (from_step, reason), the others by type."""
+    return [
+        m["step"] if m["type"] == "progress" else
+        (m["from_step"], m["reason"]) if m["type"] == "restarted" else m["type"]
+        for m in messages
+    ]
+
+
+@ASYNCIO
+@pytest.mark.parametrize("case", ["from its checkpoint", "without a checkpoint", "the checkpoint refused"])
+async def test_the_requests_watchers_get_restarted_replica_lost_from_the_step_it_resumes_after(
+    case: str,
+) -> None:
+    header = Header("A", "r", TOTAL, window=2, checkpoints=case != "without a checkpoint")
+    kept = () if case == "without a checkpoint" else (WireCheckpoint(5, CKPT),)
+    a = _Response([header, *_rendered([1, 2, 3, 4, 5], 1), *kept, WireBatch(_rendered([6, 7], 6))],
+                  then=ray_errors.ActorDiedError())
+    b = _Response([Header("B", "r", TOTAL, window=2, checkpoints=True, step=5),
+                   WireBatch(_rendered([6, 7], 1)), *_rendered([8, 9, 10], 3)])
+    responses = [b]
+    if case == "the checkpoint refused":
+        responses = [_Response([WireError.of(om.CheckpointError("another model", request_id="r"))]),
+                     _Response([Header("C", "r", TOTAL, window=2), WireBatch(_rendered(range(1, 11), 1))])]
+    stream = _stream(_Engine(responses), a)
+    record = RequestRecord("r", owner="c", detach=False, total=TOTAL, preview={}, created_at=time.monotonic())
+    watcher = _Watcher(record)
+    record.watch("c", watcher, attached=False)  # type: ignore[arg-type]
+    message = await stream_request(
+        record, stream, PreviewSpec(format="png"), output=OutputSpec("png"), previewer=Previewer(),
+        metrics=_Metrics(), paced=False,  # type: ignore[arg-type]
+    )
+    assert message["type"] == "done"
+    told = {
+        "from its checkpoint": [(5, "replica_lost")],
+        "without a checkpoint": [(0, "replica_lost")],
+        "the checkpoint refused": [(5, "replica_lost"), (0, "replica_lost")],
+    }[case]
+    # Told as the request is handed over, after the last step the watchers had; the steps
+    # made again are not sent again, and the request's step is not wound back meanwhile.
+    assert _shown(watcher.messages) == ["accepted", *range(1, 8), *told, 8, 9, 10]
+    assert watcher.step_at_restarted == [7] * len(told)
+    assert record.latest_step == TOTAL
+    # Kept for an attach (and the HTTP status): the latest, right after accepted.
+    later = _Watcher(record)
+    record.watch("d", later, attached=True)  # type: ignore[arg-type]
+    assert _shown(later.messages)[:3] == ["accepted", told[-1], TOTAL]
 
 
 class _Board:

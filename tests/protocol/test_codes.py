@@ -44,3 +44,11 @@ def test_cancel_reasons_and_priorities_are_the_documented_ones() -> None:
     assert found is not None
     low, high = found.groups()
     assert (int(low), int(high)) == (codes.MIN_PRIORITY, codes.MAX_PRIORITY)
+
+
+def test_restart_reasons_are_the_documented_ones() -> None:
+    lines = DOCS.read_text(encoding="utf-8").splitlines()
+    row = next(line for line in lines if line.startswith("| `restarted` |"))
+    # The reasons, each with its "(why)", listed after `reason`: in the fields column.
+    fields = row.split(" | ")[1].split("`reason`:", 1)[1]
+    assert set(re.findall(r"`([a-z_]+)` \(", fields)) == codes.RESTART_REASONS

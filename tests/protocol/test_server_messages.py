@@ -98,6 +98,7 @@ def test_the_wire_bytes_are_pinned(message: ServerMessage, text: str) -> None:
         Loading.build("r", model="mix"),
         Restarted.build("r", from_step=0, reason="no_checkpoint"),
         Restarted.build("r", from_step=0, reason="cannot_resume"),
+        Restarted.build("r", from_step=5, reason="replica_lost"),
         Progress.build("r", step=2, total=3, eta_s=0.5),
         Progress.build("r", step=3, total=3, eta_s=0),
         Done.build("r", total=3, elapsed_s=2),

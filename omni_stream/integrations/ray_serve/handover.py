@@ -105,8 +105,8 @@ class KeptCheckpoint:
 @dataclass(frozen=True, slots=True)
 class Handover:
     """One hand-over of a request: the replica lost (None: before its Header came), the step the
-    request resumed after (0: from the start) and the last step its reader had received then
-    (``received - step`` steps were made again)."""
+    request resumed after (0: from the start, as when the new replica refused the checkpoint) and
+    the last step its reader had received then (``received - step`` steps were made again)."""
 
     lost: str | None
     step: int

@@ -13,7 +13,10 @@ It keeps the checkpoints its replica sends (in the RemoteEngine's
 CheckpointKeeper) and, when Ray says the replica is gone, submits the
 request again from the newest one and reads on from the new replica,
 dropping the frames it makes again that the reader had already
-(handover.py): ``handovers`` lists each.
+(handover.py): ``handovers`` lists each, and ``on_handover`` (the server's
+consumer sets it) hears of each as it happens, before the new replica's
+first frame (which may be long in coming: Serve may wait for a replacement
+replica, and that replica for its model).
 """
 
 from __future__ import annotations
@@ -23,7 +26,7 @@ import logging
 import time
 import uuid
 from collections import deque
-from collections.abc import AsyncIterator, Mapping
+from collections.abc import AsyncIterator, Callable, Mapping
 from types import TracebackType
 from typing import TYPE_CHECKING, Any
 
@@ -56,7 +59,12 @@ def cancel_response(response: DeploymentResponseGenerator[Item]) -> None:
 
 
 class RemoteStream:
-    """One request's frames from a replica; a FrameStreamLike (see the module docstring)."""
+    """One request's frames from a replica; a FrameStreamLike (see the module docstring).
+
+    ``on_handover(step)``, when set, is called in the reader's task each time the request goes
+    on on another replica, ``step`` the step it resumes after (0: from the start), and again
+    with 0 when the new replica refused the checkpoint; it must not raise.
+    """
 
     def __init__(
         self,
@@ -70,8 +78,10 @@ class RemoteStream:
         model: str | None = None,
         loading: bool = False,
         resubmit: tuple[Mapping[str, Any] | None, Submit] | None = None,
+        on_handover: Callable[[int], None] | None = None,
     ) -> None:
         self._engine = engine
+        self.on_handover = on_handover
         self._response = response
         self._key = key
         self._request_id = request_id
@@ -230,6 +240,8 @@ class RemoteStream:
                 settings.max_handovers, self._received,
             )
         self._send_again(None if kept is None else kept.data, step)
+        if self.on_handover is not None:
+            self.on_handover(step)
         return True
 
     def _restart(self, error: CheckpointError) -> bool:
@@ -243,6 +255,10 @@ class RemoteStream:
         )
         self._engine.checkpoints.discard(self._request_id)
         self._send_again(None, 0)
+        # The same hand-over, from step 0 now.
+        self._handovers[-1] = dataclasses.replace(self._handovers[-1], step=0)
+        if self.on_handover is not None:
+            self.on_handover(0)
         return True
 
     def _send_again(self, resume: bytes | None, step: int) -> None:
