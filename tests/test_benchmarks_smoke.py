@@ -203,3 +203,22 @@ def test_doors_lists_its_attacks_and_refuses_unknown_ones(capsys):
     assert all(f" {a.name} " in out for a in doors.ATTACKS.values())
     with pytest.raises(SystemExit, match="unknown attack"):
         doors.main(["--attacks", "nosuch"])
+
+
+def test_handover_instructions_runs_its_scripts_and_says_when_valgrind_is_missing(monkeypatch, capsys):
+    """The scripts callgrind runs are the ones that stream (run here without valgrind, a few
+    frames); without valgrind the command says so and exits 2."""
+    import os
+    import subprocess
+    import sys
+
+    from benchmarks import handover_instructions as hi
+
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    for script in (hi.ENGINE, hi.PEER):
+        done = subprocess.run([sys.executable, "-c", script, root, "5"], capture_output=True, text=True,
+                              timeout=120, check=False)
+        assert done.returncode == 0, done.stderr[-2000:]
+    monkeypatch.setattr(hi.shutil, "which", lambda name: None)
+    assert hi.main([]) == 2
+    assert "valgrind is not installed" in capsys.readouterr().err
