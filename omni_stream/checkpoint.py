@@ -33,13 +33,13 @@ import json
 import struct
 from collections.abc import Mapping
 from dataclasses import dataclass, field
-from typing import Any, Final
+from typing import Any, Final, Protocol
 
 import torch
 
 from .errors import CheckpointError
 
-__all__ = ["FILE_VERSION", "MAGIC", "Checkpoint", "plain_params"]
+__all__ = ["FILE_VERSION", "MAGIC", "Checkpoint", "CheckpointLike", "plain_params"]
 
 #: The first bytes of every checkpoint.
 MAGIC: Final = b"omni-stream-ckpt"
@@ -48,6 +48,20 @@ FILE_VERSION: Final = 1
 _VERSION = struct.Struct("<I")
 _DIGEST = 32  # sha256
 _HEADER = len(MAGIC) + _VERSION.size + _DIGEST
+
+
+class CheckpointLike(Protocol):
+    """What keeping a checkpoint needs of it: its step and its bytes.
+
+    A :class:`Checkpoint`, or one already in bytes (a Ray replica's, as
+    the front door receives it: integrations/ray_serve/handover.py), which
+    is written as it came without being read.
+    """
+
+    @property
+    def step(self) -> int: ...
+
+    def to_bytes(self) -> bytes: ...
 
 
 @dataclass(frozen=True, eq=False)

@@ -945,7 +945,8 @@ def build_parser() -> argparse.ArgumentParser:
     srv.add_argument("--state-dir", metavar="DIR", default=None,
                      help="write every accepted request, its checkpoints and its results to DIR, and "
                      "after a crash or restart resume the unfinished ones and serve the finished ones "
-                     "(default: $OMNI_STREAM_STATE_DIR; none: nothing survives the process; "
+                     "(default: $OMNI_STREAM_STATE_DIR; none: nothing survives the process; with --ray, "
+                     "the server in front writes the checkpoints its replicas send; "
                      "docs/reliability.md, The state directory)")
     srv.add_argument("--checkpoint-every", type=_positive_int, metavar="N", default=None,
                      help="with --state-dir: checkpoint a request every N steps, for models that can "

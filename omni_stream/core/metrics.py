@@ -97,6 +97,14 @@ class ServerMetrics:
             "omni_stream_preview_encode_seconds", "decode + encode time of one preview",
             buckets=_ENCODE_BUCKETS, registry=r,
         )
+        self.restarts = Counter(
+            "omni_stream_requests_restarted",
+            "restarted messages said: requests run again after their process or replica was lost, "
+            "by reason: checkpoint, no_checkpoint, checkpoint_unusable, cannot_resume (a restart with "
+            "--state-dir; a checkpoint refused as the request goes in is said, and counted, as checkpoint "
+            "then checkpoint_unusable), replica_lost (each Ray hand-over)",
+            ["reason"], registry=r,
+        )
         self.reads_paced = Counter(
             "omni_stream_reads_paced",
             "websocket messages read later because their connection went over max_messages_per_s",

@@ -195,22 +195,24 @@ class RequestRecord:
         self.paused = False
         self._publish_state(protocol.dumps(protocol.resumed(self.id, step=self.latest_step)), "resumed")
 
-    def publish_restarted(self, from_step: int, reason: str, *, rewind: bool = True) -> None:
+    def publish_restarted(self, from_step: int, reason: str, *, rewind: bool = True) -> bool:
         """Say the server restarted and runs the request again from ``from_step`` (protocol.RESTART_REASONS
         says why there): ``restarted`` to every watcher, kept for every later ``attach``; its progress
         goes on from that step. Said again only when it changed (a checkpoint the model refused
         once the request was let in). ``rewind=False``: the steps it makes again are not sent
-        again (a Ray hand-over drops them), so its step stays where its watchers are. Raises
-        ValueError for an unknown reason."""
+        again (a Ray hand-over drops them), so its step stays where its watchers are. Returns
+        whether it was said (False: the same as last time). Raises ValueError for an unknown
+        reason."""
         text = protocol.dumps(protocol.restarted(self.id, from_step=from_step, reason=reason))
         if text == self.restarted:
-            return
+            return False
         self.restarted = text
         if rewind:
             self.latest_step = from_step
         self._recount()
         for outbox in self._watchers.values():
             outbox.put(text, "restarted")
+        return True
 
     def _publish_state(self, text: str, kind: str) -> None:
         self._latest_progress = text

@@ -54,6 +54,7 @@ from ..core.outbox import MemoryReservation
 from ..core.records import RequestRecord
 from ..engine.like import FrameStreamLike
 from ..errors import (
+    CheckpointError,
     EngineError,
     ParamsError,
     RenderFailedError,
@@ -91,6 +92,14 @@ class _HandsOver(Protocol):
     on_handover: Callable[[int], None] | None
 
 
+@runtime_checkable
+class _ResumesLater(Protocol):
+    """A stream that learns only once it runs that its checkpoint was refused (a Ray replica's):
+    with ``on_resume_refused`` set it starts again from step 0 and calls it."""
+
+    on_resume_refused: Callable[[CheckpointError], None] | None
+
+
 class _PreviewFailed(Exception):
     """Rendering a frame failed; ``__cause__`` says why."""
 
@@ -110,11 +119,15 @@ async def stream_request(
     metrics: ServerMetrics,
     memory: MemoryReservation | None = None,
     paced: bool = True,
+    on_resume_refused: Callable[[RequestRecord, CheckpointError], None] | None = None,
 ) -> dict[str, Any]:
     """Publish the request's steps into ``record``; return its terminal message.
 
     ``paced``: take the frames of a request nobody reads at most every
     :data:`UNREAD_PACE_S` (for a stream opened with ``policy="latest"``).
+    ``on_resume_refused(record, error)``: told when a stream that resumes
+    from a checkpoint learns only as it runs that the checkpoint is refused
+    (a Ray replica's: it then starts again from step 0); the rules' hook.
 
     Returns ``done``, ``cancelled`` (reason from ``record.cancel_reason``,
     else ``engine``) or a request-ending ``error`` for the request's own
@@ -124,7 +137,9 @@ async def stream_request(
     """
     rid = record.id
     if isinstance(stream, _HandsOver):
-        stream.on_handover = functools.partial(_handed_over, record)
+        stream.on_handover = functools.partial(_handed_over, record, metrics)
+    if on_resume_refused is not None and isinstance(stream, _ResumesLater):
+        stream.on_resume_refused = functools.partial(on_resume_refused, record)
     try:
         async with stream:
             async for frame in stream:
@@ -186,7 +201,9 @@ async def stream_request(
     return protocol.done(rid, total=record.total, elapsed_s=time.monotonic() - record.created_at)
 
 
-def _handed_over(record: RequestRecord, from_step: int) -> None:
+def _handed_over(record: RequestRecord, metrics: ServerMetrics, from_step: int) -> None:
+    # Counted each time, said only when it changed (two hand-overs from one checkpoint read alike).
+    metrics.restarts.labels("replica_lost").inc()
     # Not rewound: the new replica's frames up to the step the watchers have are dropped.
     record.publish_restarted(from_step, "replica_lost", rewind=False)
 

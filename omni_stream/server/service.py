@@ -410,6 +410,7 @@ class Service:
                 # replaces what the server has not taken); under another
                 # policy the engine would wait on it.
                 paced="policy" in self.rules.stream_keywords,
+                on_resume_refused=self.rules.on_resume_refused,
             )
         except Exception as exc:
             logger.exception("request %s: the server failed while streaming it", record.id)

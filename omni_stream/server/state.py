@@ -20,6 +20,14 @@ rules (``core/rules.py``) through the rules' hooks, and owns nothing else:
   it: ``restarted`` with the step it goes on from and why (for an
   ``attach``, SSE and ``GET /v1/generations/{id}``), not only in the log.
 
+Over Ray (a RemoteEngine) the same holds: the replica snapshots the
+request and sends the checkpoint's bytes, the front door's RemoteStream
+hands them to ``on_checkpoint`` as they arrive (written as they came, not
+read), and a restart resubmits the request with ``resume`` to whichever
+replica Serve picks. A replica that refuses the checkpoint is learnt of
+only once the request runs: the consumer hears it (``on_resume_refused``)
+and the request goes on from step 0, said as ``checkpoint_unusable``.
+
 Who waits on whom: nothing here blocks the event loop or the producer. The
 producer hands a checkpoint over in a dict under a lock and one
 ``call_soon_threadsafe``; every disk write (``Checkpoint.to_bytes()``
@@ -62,7 +70,7 @@ from ..params import positive_int
 from ..store import RequestEntry, Store, StoredResult
 
 if TYPE_CHECKING:
-    from ..checkpoint import Checkpoint
+    from ..checkpoint import Checkpoint, CheckpointLike
     from ..core.rules import Rules
     from ..store import Saved, Status
 
@@ -153,14 +161,14 @@ class _Lane:
     """One request's writes, run in order; at most one checkpoint waiting (latest wins)."""
 
     ops: collections.deque[Callable[[], None]] = dataclasses.field(default_factory=collections.deque)
-    checkpoint: Checkpoint | None = None
+    checkpoint: CheckpointLike | None = None
     running: bool = False
     #: Its end is queued: a checkpoint arriving now would be refused by the store anyway.
     ending: bool = False
     #: Deleted from the store: the lane goes once idle.
     forgotten: bool = False
 
-    def next(self) -> Callable[[], None] | Checkpoint | None:
+    def next(self) -> Callable[[], None] | CheckpointLike | None:
         if self.ops:
             return self.ops.popleft()
         checkpoint, self.checkpoint = self.checkpoint, None
@@ -195,7 +203,7 @@ class StateKeeper:
         # The producer thread's hand-over: checkpoints not yet taken by the loop,
         # and when the last one of each request was taken (checkpoint_seconds).
         self._lock = threading.Lock()
-        self._incoming: dict[str, Checkpoint] = {}
+        self._incoming: dict[str, CheckpointLike] = {}
         self._last_taken: dict[str, float] = {}
         self._closed = False
         # Restored requests (already recorded), the checkpoints they resume from,
@@ -366,7 +374,7 @@ class StateKeeper:
         and why: from ``resume``'s step, else from 0 (``reason`` from the folder, or that its
         model or engine cannot resume it)."""
         if resume is not None:
-            admitted.record.publish_restarted(resume.step, "checkpoint")
+            self._said_restarted(admitted.record, resume.step, "checkpoint")
             return
         if snapshots is None:
             snapshots = self._snapshots(admitted)
@@ -374,7 +382,11 @@ class StateKeeper:
             reason = "cannot_resume"  # a checkpoint the engine cannot take
         elif reason == "no_checkpoint" and not snapshots:
             reason = "cannot_resume"  # none was written because none could be
-        admitted.record.publish_restarted(0, reason)
+        self._said_restarted(admitted.record, 0, reason)
+
+    def _said_restarted(self, record: RequestRecord, from_step: int, reason: str) -> None:
+        if record.publish_restarted(from_step, reason):
+            self.rules.metrics.restarts.labels(reason).inc()
 
     def _resume_refused(self, record: RequestRecord, exc: CheckpointError) -> None:
         logger.warning(
@@ -382,7 +394,7 @@ class StateKeeper:
         )
         self.checkpoint_steps.pop(record.id, None)
         rid = record.id
-        record.publish_restarted(0, "checkpoint_unusable")
+        self._said_restarted(record, 0, "checkpoint_unusable")
         self._queue(rid, lambda: self._open_store().discard_checkpoint(rid), "dropping a checkpoint")
 
     def _finished(self, record: RequestRecord, message: dict[str, Any]) -> None:
@@ -436,8 +448,9 @@ class StateKeeper:
 
     # -- checkpoints: the producer thread hands them over --------------------------------
 
-    def _on_checkpoint(self, request_id: str, checkpoint: Checkpoint) -> None:
-        """The engine's ``on_checkpoint`` (producer thread): hand it to the loop, never wait."""
+    def _on_checkpoint(self, request_id: str, checkpoint: CheckpointLike) -> None:
+        """The engine's ``on_checkpoint`` (its producer thread; a RemoteEngine's: the loop, the
+        checkpoint in bytes as its replica sent it): hand it to the loop, never wait."""
         now = time.monotonic()
         seconds = self.options.checkpoint_seconds
         with self._lock:
@@ -463,7 +476,7 @@ class StateKeeper:
         lane.checkpoint = checkpoint
         self._kick(request_id, lane)
 
-    def _write_checkpoint(self, request_id: str, checkpoint: Checkpoint) -> None:
+    def _write_checkpoint(self, request_id: str, checkpoint: CheckpointLike) -> None:
         # (Worker thread.) The bytes are made here, not on the producer or the loop.
         data = checkpoint.to_bytes()
         saved = self._open_store().save_checkpoint(request_id, checkpoint.step, data)

@@ -9,6 +9,7 @@ consumer is driven here over such a stream, with no socket.
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import logging
 import time
@@ -18,6 +19,7 @@ from typing import Any
 import anyio
 import pytest
 import torch
+from prometheus_client import CollectorRegistry, Counter
 
 pytest.importorskip("ray.serve", reason="needs Ray Serve: pip install 'omni-stream[ray]'")
 
@@ -185,6 +187,9 @@ class _Engine:
     def _mark_lost(self, replica: str) -> None:
         self.lost.append(replica)
 
+    def _cancel_threadsafe(self, response: _Response) -> None:
+        response.cancel()  # a stream dropped unfinished (its __del__)
+
     def _submit(self, params: Mapping[str, Any] | None, submit: Submit) -> _Response:
         self.submitted.append((params, submit))
         return self.responses.pop(0)
@@ -289,6 +294,58 @@ async def test_a_checkpoint_the_new_replica_refuses_restarts_the_request_from_st
     assert stream.handovers[0] == Handover("A", 0, 5)
 
 
+# -- a request resumed from a checkpoint it was submitted with (a restarted server's) -----------------
+
+
+def _resumed(engine: _Engine, first: _Response, **kw: Any) -> RemoteStream:
+    """A stream as RemoteEngine.stream(resume=<CKPT, step 5>) makes it."""
+    submit = dataclasses.replace(SUBMIT, resume=CKPT)
+    engine.checkpoints.put("r", 5, CKPT)
+    return RemoteStream(
+        engine, first, key="k0", request_id="r", total=TOTAL, params={},  # type: ignore[arg-type]
+        resubmit=({"steps": TOTAL}, submit), resumed_from=5, **kw,
+    )
+
+
+@ASYNCIO
+async def test_a_resumed_request_hands_its_checkpoints_to_on_checkpoint_and_over_from_the_resumed_one() -> None:
+    kept: list[tuple[str, int, bytes]] = []
+    newer = CKPT + b"-8"
+    a = _Response([Header("A", "r", TOTAL, window=2, checkpoints=True, step=5), *_wired([6, 7], 1)],
+                  then=ray_errors.ActorDiedError())
+    b = _Response([Header("B", "r", TOTAL, window=2, checkpoints=True, step=5), *_wired([6, 7, 8], 1),
+                   WireCheckpoint(8, newer), *_wired([9, 10], 4)])
+    engine = _Engine([b])
+    stream = _resumed(engine, a, on_checkpoint=lambda rid, c: kept.append((rid, c.step, c.to_bytes())))
+    # Its frames go on after the checkpoint's step; lost before a newer one came, it is handed
+    # over from the one it resumed from (the reader had 7: 6 and 7 are made again, not sent).
+    assert [f.step async for f in stream] == [6, 7, 8, 9, 10]
+    assert stream.handovers == (Handover("A", 5, 7),)
+    assert [s.resume for _, s in engine.submitted] == [CKPT]
+    assert kept == [("r", 8, newer)]  # as it came, in bytes
+
+
+@ASYNCIO
+@pytest.mark.parametrize("told", [True, False])
+async def test_a_checkpoint_refused_at_resume_starts_again_from_0_only_for_a_caller_that_asked(told: bool) -> None:
+    refused = om.CheckpointError("written by another version of this model", request_id="r")
+    a = _Response([WireError.of(refused)])
+    b = _Response([Header("B", "r", TOTAL, window=2), WireBatch(_wired(range(1, 11), 1))])
+    engine = _Engine([b])
+    stream = _resumed(engine, a)
+    heard: list[om.CheckpointError] = []
+    if told:
+        stream.on_resume_refused = heard.append
+        # Every step again: the reader has none of them (they were made before the restart).
+        assert [f.step async for f in stream] == list(range(1, 11))
+        assert [str(e) for e in heard] == [str(refused)] and [s.resume for _, s in engine.submitted] == [None]
+        assert stream.handovers == ()  # not a hand-over: no replica was lost
+    else:
+        with pytest.raises(om.CheckpointError, match="another version"):
+            await stream.__anext__()
+        assert engine.submitted == []
+
+
 @ASYNCIO
 @pytest.mark.parametrize("when", ["before the death is seen", "during the hand-over"])
 async def test_a_cancel_ends_the_request_with_request_cancelled_error_and_no_further_hand_over(
@@ -359,6 +416,10 @@ class _Watcher:
 
 
 class _Metrics:
+    def __init__(self) -> None:
+        # As the server's (core/metrics.py), in a registry of its own.
+        self.restarts = Counter("restarted", "restarts", ["reason"], registry=CollectorRegistry())
+
     def observe_timings(self, timings: Any) -> None:
         pass
 
@@ -391,9 +452,10 @@ async def test_the_requests_watchers_get_restarted_replica_lost_from_the_step_it
     record = RequestRecord("r", owner="c", detach=False, total=TOTAL, preview={}, created_at=time.monotonic())
     watcher = _Watcher(record)
     record.watch("c", watcher, attached=False)  # type: ignore[arg-type]
+    metrics = _Metrics()
     message = await stream_request(
         record, stream, PreviewSpec(format="png"), output=OutputSpec("png"), previewer=Previewer(),
-        metrics=_Metrics(), paced=False,  # type: ignore[arg-type]
+        metrics=metrics, paced=False,  # type: ignore[arg-type]
     )
     assert message["type"] == "done"
     told = {
@@ -405,6 +467,8 @@ async def test_the_requests_watchers_get_restarted_replica_lost_from_the_step_it
     # made again are not sent again, and the request's step is not wound back meanwhile.
     assert _shown(watcher.messages) == ["accepted", *range(1, 8), *told, 8, 9, 10]
     assert watcher.step_at_restarted == [7] * len(told)
+    # Counted on /metrics, once a hand-over (omni_stream_requests_restarted_total{reason="replica_lost"}).
+    assert metrics.restarts.labels("replica_lost")._value.get() == len(told)
     assert record.latest_step == TOTAL
     # Kept for an attach (and the HTTP status): the latest, right after accepted.
     later = _Watcher(record)

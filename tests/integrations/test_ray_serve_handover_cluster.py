@@ -20,6 +20,7 @@ from typing import Any
 
 import anyio
 import pytest
+from websockets.asyncio.client import connect
 
 pytest.importorskip("ray.serve", reason="needs Ray Serve: pip install 'omni-stream[ray]'")
 
@@ -30,7 +31,9 @@ import omni_stream as om  # noqa: E402
 from omni_stream.integrations.ray_serve import RemoteEngine, RemoteStream, deploy  # noqa: E402
 from omni_stream.models import Synthetic  # noqa: E402
 from omni_stream.params import Param  # noqa: E402
+from omni_stream.server import Server  # noqa: E402
 
+from ..server.conftest import http_get, send, until, until_end  # noqa: E402
 from .cluster import start_local_ray  # noqa: E402
 
 pytestmark = pytest.mark.ray
@@ -240,6 +243,54 @@ async def test_a_cancel_during_the_hand_over_stops_the_request_on_the_replica_it
             assert time.monotonic() < deadline, "the handed-over request still runs after its cancel"
             await anyio.sleep(0.1)
     assert len(stream.handovers) == 1
+
+
+def _front_door(engine: RemoteEngine, **options: Any) -> Server:
+    # A short grace at shutdown: the request must still be running when the server goes.
+    return Server(engine, host="127.0.0.1", port=0, shutdown_timeout_s=0.1, close_timeout_s=1.0, **options)
+
+
+def _final_image(msgs: Sequence[Mapping[str, Any]]) -> bytes:
+    (final,) = [m for m in msgs if m["type"] == "preview" and m["final"]]
+    return bytes(final["image"])
+
+
+@ASYNCIO
+async def test_a_server_over_ray_with_a_state_dir_resumes_its_request_from_a_replicas_checkpoint(
+    app: str, tmp_path: Any
+) -> None:
+    params = {**SMALL, "steps": 100, "seed": 15}
+    folder = {"state_dir": str(tmp_path), "checkpoint_every": EVERY}
+    async with RemoteEngine(app, checkpoint_every=EVERY) as engine:
+        await two_replicas(engine)
+        async with _front_door(engine) as server, connect(server.url) as ws:
+            await send(ws, type="generate", id="ref", params=params)
+            expected_image = _final_image(await until_end(ws, "ref"))
+        async with _front_door(engine, **folder) as server:
+            async with connect(server.url) as ws:
+                await send(ws, type="generate", id="kept", params=params, detach=True)
+                await until(ws, lambda m: m.get("type") == "accepted")
+            # Detached, it renders on with nobody watching. The replica's checkpoints, as the
+            # front door received them, are written to the folder:
+            keeper = server.service.state
+            await wait_for(lambda: keeper.checkpoint_steps.get("kept", 0) >= 2 * EVERY, what="a checkpoint")
+        # The server shut down mid-render (as a deploy does): the request stays in the folder.
+    # A new front door (its RemoteEngine too), as after a crash.
+    async with (
+        RemoteEngine(app, checkpoint_every=EVERY) as engine,
+        _front_door(engine, **folder) as server,
+        connect(server.url) as ws,
+    ):
+        await send(ws, type="attach", id="kept")
+        msgs = await until_end(ws, "kept")
+        scraped = (await http_get(server, "/metrics")).body.decode()
+    (restarted,) = [m for m in msgs if m["type"] == "restarted"]
+    step = restarted["from_step"]
+    assert restarted["reason"] == "checkpoint" and step >= 2 * EVERY and step % EVERY == 0, restarted
+    steps = [m["step"] for m in msgs if m["type"] == "progress"]
+    assert steps and min(steps) > step  # went on from the checkpoint, not from step 0
+    assert msgs[-1]["type"] == "done" and _final_image(msgs) == expected_image
+    assert 'omni_stream_requests_restarted_total{reason="checkpoint"} 1.0' in scraped
 
 
 @ASYNCIO

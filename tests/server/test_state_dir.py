@@ -183,6 +183,7 @@ async def test_a_restart_resumes_from_the_checkpoint_to_the_same_result(tmp_path
         msgs = await until_end(ws, "r1")
         status = json.loads((await http_get(server, "/v1/generations/r1")).body)
         events = (await http_get(server, "/v1/generations/r1/events")).body.decode()
+        scraped = (await http_get(server, "/metrics")).body.decode()
     steps = [m["step"] for m in msgs if m["type"] == "progress"]
     assert steps and min(steps) > step >= 6
     assert msgs[-1]["type"] == "done"
@@ -192,6 +193,7 @@ async def test_a_restart_resumes_from_the_checkpoint_to_the_same_result(tmp_path
     assert msgs[1] == notice, msgs[:3]  # right after accepted, before any progress
     assert status["restarted"] == {"from_step": step, "reason": "checkpoint"}
     assert f"event: restarted\ndata: {json.dumps(notice, separators=(',', ':'))}\n" in events
+    assert 'omni_stream_requests_restarted_total{reason="checkpoint"} 1.0' in scraped
 
 
 @needs_engine_resume
@@ -206,10 +208,12 @@ async def test_a_torn_checkpoint_restarts_from_step_0_with_one_warning(tmp_path,
         async with running(Slow(0.0), state_dir=str(tmp_path)) as server, connect(server.url) as ws:
             await send(ws, type="attach", id="torn")
             msgs = await until_end(ws, "torn")
+            scraped = (await http_get(server, "/metrics")).body.decode()
     warnings = [r for r in caplog.records if r.levelno >= logging.WARNING and "torn" in r.getMessage()]
     assert len(warnings) == 1, [r.getMessage() for r in warnings]
     assert msgs[-1]["type"] == "done" and await _result(msgs) == expected
     assert _restarts(msgs) == [(0, "checkpoint_unusable")]
+    assert 'omni_stream_requests_restarted_total{reason="checkpoint_unusable"} 1.0' in scraped
 
 
 @pytest.mark.asyncio
@@ -264,8 +268,12 @@ async def test_a_checkpoint_the_model_refuses_is_said_to_restart_from_step_0(tmp
     async with running(RefusesCheckpoints(0.0), state_dir=str(tmp_path)) as server, connect(server.url) as ws:
         await send(ws, type="attach", id="refused")
         msgs = await until_end(ws, "refused")
+        scraped = (await http_get(server, "/metrics")).body.decode()
     assert msgs[-1]["type"] == "done" and await _result(msgs) == expected
     assert _restarts(msgs) == [(0, "checkpoint_unusable")]
+    # Said twice as it went in (from the checkpoint, then from 0), so counted under both.
+    assert 'omni_stream_requests_restarted_total{reason="checkpoint"} 1.0' in scraped
+    assert 'omni_stream_requests_restarted_total{reason="checkpoint_unusable"} 1.0' in scraped
 
 
 @needs_engine_resume

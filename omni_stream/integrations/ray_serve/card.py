@@ -4,7 +4,9 @@ A replica builds a card from its model (``ModelCard.of(model)``) and the
 front door gets it pickled: the name, ``describe()``, the declared params
 and the attributes the server and the preview code read
 (``produces_video``, ``runs_whole_requests``, ``preview_decoder``,
-``dtype``, ``max_batch_size``). No weights, no tensors: a card of a
+``dtype``, ``max_batch_size``) and whether it can snapshot a request
+(``can_snapshot``: for the default params and each ``sampler``; a state
+directory in front asks for checkpoints by it). No weights, no tensors: a card of a
 diffusers pipeline is a few kilobytes.
 
 A card is a StepModel, so the server's own checks run on it unchanged, but
@@ -73,6 +75,10 @@ class _Facts:
     sampler_rules: dict[str, tuple[int, int]] = field(default_factory=dict)
     #: The LoRAs a request may name (None: the model takes no ``loras``).
     lora_names: tuple[str, ...] | None = None
+    #: Whether the model can snapshot a request of its default params, and the
+    #: ``sampler`` choices for which the answer is the other one.
+    snapshots: bool = False
+    snapshot_samplers: frozenset[str] = frozenset()
 
 
 class ModelCard(StepModel):
@@ -113,6 +119,7 @@ class ModelCard(StepModel):
             has_preview_vae=getattr(model, "preview_vae", None) is not None,
             sampler_rules=_sampler_rules(model, params),
             lora_names=tuple(model.lora_names) if hasattr(model, "lora_names") else None,
+            **_snapshot_facts(model, params),
         )
         return cls(facts)
 
@@ -157,6 +164,14 @@ class ModelCard(StepModel):
 
     def batch_key(self, params: Mapping[str, Any]) -> Hashable | None:
         return None
+
+    def can_snapshot(self, params: Mapping[str, Any]) -> bool:
+        """What the replica's model answers for the default params, or for the request's
+        ``sampler`` (the only param the card tells apart). The replica asks its model for each
+        request and says in its Header whether it sends checkpoints."""
+        sampler = params.get("sampler") if isinstance(params, Mapping) else None
+        differs = isinstance(sampler, str) and sampler in self._facts.snapshot_samplers
+        return self._facts.snapshots != differs
 
     def start(self, params: Mapping[str, Any], device: torch.device) -> Any:
         raise TypeError(f"ModelCard {self.name!r} stands in for a remote model; it cannot run")
@@ -217,6 +232,23 @@ def _sampler_rules(model: StepModel, params: Sequence[Param]) -> dict[str, tuple
         if counts[2] == 12 * a + b and (a, b) != (1, 0):
             rules[name] = (a, b)
     return rules
+
+
+def _snapshot_facts(model: StepModel, params: Sequence[Param]) -> dict[str, Any]:
+    """Whether ``model`` can snapshot a request of its default params, and the samplers that
+    answer otherwise (``can_snapshot`` is cheap: a look at the params)."""
+
+    def can(given: Mapping[str, Any]) -> bool:
+        try:
+            return bool(model.can_snapshot(model.validate(given)))
+        except Exception:  # noqa: BLE001 - a request it cannot check cannot be snapshot either
+            return False
+
+    default = can({})
+    spec = next((p for p in params if p.name == "sampler" and p.choices), None)
+    choices = spec.choices if spec is not None and spec.choices else ()
+    others = frozenset(str(name) for name in choices if can({"sampler": name}) != default)
+    return {"snapshots": default, "snapshot_samplers": others}
 
 
 def _default_total(model: StepModel, params: Sequence[Param]) -> int | None:

@@ -96,10 +96,17 @@ class HandoverSettings:
 
 @dataclass(frozen=True, slots=True)
 class KeptCheckpoint:
-    """A request's newest checkpoint as the replica sent it: its step and ``Checkpoint.to_bytes()``."""
+    """A request's newest checkpoint as the replica sent it: its step and ``Checkpoint.to_bytes()``.
+
+    A :class:`~omni_stream.checkpoint.CheckpointLike`: what a RemoteEngine's
+    ``on_checkpoint`` gets (a state directory writes the bytes as they came).
+    """
 
     step: int
     data: bytes
+
+    def to_bytes(self) -> bytes:
+        return self.data
 
 
 @dataclass(frozen=True, slots=True)

@@ -54,7 +54,7 @@ import threading
 import time
 import uuid
 import weakref
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from types import MappingProxyType, TracebackType
 from typing import TYPE_CHECKING, Any
 
@@ -67,6 +67,7 @@ from ray.exceptions import RayError
 from ray.serve.exceptions import RayServeException
 from ray.serve.handle import DeploymentHandle, DeploymentResponseGenerator
 
+from ...checkpoint import Checkpoint
 from ...engine.group import GroupStatistics
 from ...engine.intake import already_running, check_request, check_request_id
 from ...engine.like import final_frame
@@ -79,7 +80,7 @@ from ...errors import (
 )
 from ...frame import Frame
 from ...lifecycle import Lifecycle
-from ...params import pin_drawn
+from ...params import pin_drawn, positive_int
 from ...preview.remote import RenderRequest
 from .card import ModelCard
 from .handover import (
@@ -88,6 +89,7 @@ from .handover import (
     DEFAULT_MAX_HANDOVERS,
     CheckpointKeeper,
     HandoverSettings,
+    KeptCheckpoint,
 )
 from .report import ReplicaReport, ReplicaView, sum_statistics, summarize, view
 from .stream import RemoteStream, cancel_response
@@ -351,6 +353,9 @@ class RemoteEngine:
         priority: int = 0,
         render: RenderRequest | None = None,
         model: str | None = None,
+        resume: Checkpoint | None = None,
+        checkpoint_every: int | None = None,
+        on_checkpoint: Callable[[str, KeptCheckpoint], None] | None = None,
     ) -> RemoteStream:
         """Submit a request to the deployment (Serve picks the replica); returns its frames.
 
@@ -366,6 +371,21 @@ class RemoteEngine:
 
         ``render``: the replica renders each frame as a server would
         (``RendersFrames``): frames arrive with ``encoded`` set and no tensor.
+
+        ``resume``, ``checkpoint_every`` and ``on_checkpoint`` as
+        ``Engine.stream`` takes them (a server's state directory passes
+        them): the replica resumes the request from ``resume`` (its frames
+        go on at ``resume.step + 1``; ``params`` are checked here against
+        the card, the replica runs the checkpoint's) and sends a checkpoint
+        every ``checkpoint_every`` steps where its model can snapshot the
+        request (the hand-over's interval when not given), which
+        ``on_checkpoint(request_id, checkpoint)`` gets as it arrives, on
+        the reader's task, as its bytes (a ``KeptCheckpoint``: ``step``,
+        ``to_bytes()``); it must not block. A replica that refuses
+        ``resume`` (another model, another version) fails the request
+        with CheckpointError on iteration, unless the stream's
+        ``on_resume_refused`` is set: then it starts again from step 0 and
+        that callback hears why.
         """
         request_id = check_request_id(request_id)
         if render is not None and not isinstance(render, RenderRequest):
@@ -374,6 +394,14 @@ class RemoteEngine:
                 field="render",
                 request_id=request_id,
             )
+        if resume is not None and not isinstance(resume, Checkpoint):
+            raise ParamsError(
+                f"resume must be a Checkpoint or None, got {type(resume).__name__}",
+                field="resume",
+                request_id=request_id,
+            )
+        if checkpoint_every is not None:
+            positive_int(checkpoint_every, "checkpoint_every", request_id=request_id)
         self._check_open(request_id)
         name, card = self._model_for(model, request_id)
         with self._lock:
@@ -394,7 +422,9 @@ class RemoteEngine:
             window=max(self._window, RENDERED_WINDOW) if render is not None else self._window,
             render=render,
             model=name,
-            checkpoint_every=self.handover.checkpoint_every if self.handover.sends_checkpoints else None,
+            checkpoint_every=self._checkpoint_every(checkpoint_every, on_checkpoint),
+            # (The bytes are made here, on the loop: once a request, when a restarted server resumes it.)
+            resume=None if resume is None else resume.to_bytes(),
         )
         # Whether the request will wait for its model to load: decided now, with
         # the reports at hand (the server asks as soon as stream() returns).
@@ -403,13 +433,27 @@ class RemoteEngine:
         # one stream.params reports), not a second draw. A hand-over sends the same.
         sent = pin_drawn(card.params, params, checked.params)
         response = self._submit(sent, submit)
+        if resume is not None and submit.resume is not None and self.handover.sends_checkpoints:
+            # Lost before its first checkpoint of this run, it is handed over from this one.
+            self.checkpoints.put(request_id, resume.step, submit.resume)
         stream = RemoteStream(
             self, response, key=submit.key, request_id=request_id, total=checked.total, params=checked.params,
             model=name, loading=loading, resubmit=(sent, submit),
+            resumed_from=0 if resume is None else resume.step, on_checkpoint=on_checkpoint,
         )
         with self._lock:
             self._streams[request_id] = weakref.ref(stream)
         return stream
+
+    def _checkpoint_every(
+        self, every: int | None, on_checkpoint: Callable[[str, KeptCheckpoint], None] | None
+    ) -> int | None:
+        """The steps between two checkpoints the replica is asked to send: the caller's (for its
+        ``on_checkpoint``, or for hand-overs), else the hand-over's; None: none are wanted."""
+        wanted = on_checkpoint is not None or self.handover.sends_checkpoints
+        if not wanted:
+            return None
+        return every if every is not None else self.handover.checkpoint_every or DEFAULT_CHECKPOINT_EVERY
 
     async def generate(
         self,

@@ -32,7 +32,7 @@ from typing import TYPE_CHECKING, Any
 
 from ...errors import CheckpointError, EngineDeadError, EngineError, OmniStreamError, RequestCancelledError
 from ...frame import Frame
-from .handover import Handover, redone, should_hand_over
+from .handover import Handover, KeptCheckpoint, redone, should_hand_over
 from .translate import LOST, translate
 from .wire import CANCELLED_SEQ, Header, Item, Submit, WireBatch, WireCheckpoint, WireError, WireFrame
 
@@ -79,9 +79,16 @@ class RemoteStream:
         loading: bool = False,
         resubmit: tuple[Mapping[str, Any] | None, Submit] | None = None,
         on_handover: Callable[[int], None] | None = None,
+        resumed_from: int = 0,
+        on_checkpoint: Callable[[str, KeptCheckpoint], None] | None = None,
     ) -> None:
         self._engine = engine
         self.on_handover = on_handover
+        #: Called (in the reader's task) when the replica refused the checkpoint the request was
+        #: submitted to resume from; it then starts again from step 0. None: the reader gets the
+        #: CheckpointError instead. It must not raise.
+        self.on_resume_refused: Callable[[CheckpointError], None] | None = None
+        self._on_checkpoint = on_checkpoint
         self._response = response
         self._key = key
         self._request_id = request_id
@@ -105,11 +112,13 @@ class RemoteStream:
         #: What was sent (params, Submit), sent again on a hand-over; None: never handed over.
         self._resubmit = resubmit
         #: The highest step received from any replica (taken or in ``_pending``): a new
-        #: replica's frames up to it are dropped (handover.py).
-        self._received = 0
+        #: replica's frames up to it are dropped (handover.py). A resumed request's reader
+        #: starts past the checkpoint's step.
+        self._received = resumed_from
         self._cancelled = False  # its reader (or the engine) cancelled it: never handed over
         self._checkpointed = False  # the replica's Header said it sends checkpoints
-        self._resumed_from: int | None = None  # the checkpoint step the current replica resumed after
+        # The checkpoint step the current replica resumed after (None: it started afresh).
+        self._resumed_from: int | None = resumed_from or None
         self._handovers: list[Handover] = []
 
     @property
@@ -245,16 +254,25 @@ class RemoteStream:
         return True
 
     def _restart(self, error: CheckpointError) -> bool:
-        """The new replica refused the checkpoint (another version of the model, say): start the
-        request again from step 0, once; False when it cannot be."""
+        """The replica refused the checkpoint (another version of the model, say): start the
+        request again from step 0, once; False when it cannot be (then ``error`` ends it)."""
         if self._resubmit is None or self._cancelled or self._done:
             return False
+        initial = not self._handovers  # the checkpoint it was submitted with, not a hand-over's
+        if initial and self.on_resume_refused is None:
+            return False  # the caller asked to resume from it: refused is its answer
         logger.warning(
-            "request %s: replica %s refused its checkpoint (%s): it starts again from step 0",
-            self._request_id, self._replica, error.message,
+            "request %s: %s refused its checkpoint (%s): it starts again from step 0",
+            self._request_id, f"replica {self._replica}" if self._replica else "the replica", error.message,
         )
         self._engine.checkpoints.discard(self._request_id)
         self._send_again(None, 0)
+        if initial:
+            # Its reader has none of the steps now made (they were made before a restart).
+            self._received = 0
+            assert self.on_resume_refused is not None
+            self.on_resume_refused(error)
+            return True
         # The same hand-over, from step 0 now.
         self._handovers[-1] = dataclasses.replace(self._handovers[-1], step=0)
         if self.on_handover is not None:
@@ -294,7 +312,10 @@ class RemoteStream:
                 self._ack_every = max(1, item.window // 2)
                 continue
             if isinstance(item, WireCheckpoint):
-                self._engine.checkpoints.put(self._request_id, item.step, item.data)
+                if self._engine.handover.sends_checkpoints:
+                    self._engine.checkpoints.put(self._request_id, item.step, item.data)
+                if self._on_checkpoint is not None:
+                    self._on_checkpoint(self._request_id, KeptCheckpoint(item.step, item.data))
                 continue
             if isinstance(item, WireError):
                 return item
