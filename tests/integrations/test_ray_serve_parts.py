@@ -112,6 +112,27 @@ def test_card_of_a_diffusers_model_counts_each_samplers_steps_and_checks_loras(t
     assert not hasattr(ModelCard.of(Synthetic()), "lora_names")
 
 
+class SnapsButNotAncestral(Synthetic):
+    """Synthetic with a ``sampler`` param, unable to snapshot one choice (as ``dpmpp_sde``)."""
+
+    params = (  # type: ignore[assignment]  # one param more than Synthetic's tuple type
+        *Synthetic.params, om.Param("sampler", "str", "euler", "sampler", choices=("euler", "ancestral", "heun")),
+    )
+
+    def can_snapshot(self, params: Mapping[str, Any]) -> bool:
+        return params.get("sampler") != "ancestral"
+
+
+def test_card_says_whether_the_model_snapshots_a_request_by_its_sampler() -> None:
+    # A server's state directory asks the front door's card whether to ask for checkpoints.
+    card = pickle.loads(pickle.dumps(ModelCard.of(SnapsButNotAncestral())))
+    assert card.can_snapshot(card.validate({}))
+    assert card.can_snapshot(card.validate({"sampler": "heun"}))
+    assert not card.can_snapshot(card.validate({"sampler": "ancestral"}))
+    assert ModelCard.of(Synthetic()).can_snapshot({})
+    assert not ModelCard.of(PlusOne()).can_snapshot({"steps": 3})  # StepModel's default: no
+
+
 def test_card_without_steps_uses_the_default_count() -> None:
     model = om.from_generator(lambda p: iter([torch.zeros(1)] * 4), total=4, name="four")
     card = ModelCard.of(model)

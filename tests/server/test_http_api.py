@@ -169,6 +169,9 @@ async def test_status_while_queued_and_running_then_cancel() -> None:
         assert len(listing["generations"]) == 2
         early = await client.get(f"/v1/generations/{first['id']}/output")
         assert early.status_code == 409 and early.json()["error"] == "not_ready"
+        # A step's progress is published before its preview is rendered (a worker thread): wait for one.
+        record = server.service.registry.get(first["id"])
+        await wait_for(lambda: record.latest_preview() is not None, what="a first preview")
         preview = await client.get(f"/v1/generations/{first['id']}/preview")
         assert preview.status_code == 200 and preview.headers["content-type"] == "image/jpeg"
         assert int(preview.headers["x-omni-stream-step"]) >= 1

@@ -49,6 +49,8 @@ logger = logging.getLogger("omni_stream.ray_serve")
 _TOTALS_BUDGET_S = 0.5
 #: How long a replica spends finding the samplers' step rules, at most.
 _RULES_BUDGET_S = 2.0
+#: How long a replica spends asking its model which samplers it can snapshot, at most.
+_SNAPSHOT_BUDGET_S = 1.0
 #: The largest ``steps`` value the table covers.
 _TOTALS_MAX_STEPS = 250
 
@@ -246,9 +248,17 @@ def _snapshot_facts(model: StepModel, params: Sequence[Param]) -> dict[str, Any]
 
     default = can({})
     spec = next((p for p in params if p.name == "sampler" and p.choices), None)
-    choices = spec.choices if spec is not None and spec.choices else ()
-    others = frozenset(str(name) for name in choices if can({"sampler": name}) != default)
-    return {"snapshots": default, "snapshot_samplers": others}
+    choices = (spec.choices or ()) if spec is not None else ()
+    others: set[str] = set()
+    deadline = time.monotonic() + _SNAPSHOT_BUDGET_S
+    for name in choices:
+        if time.monotonic() > deadline:
+            # The rest are taken to answer as the default does; the replica asks its model per request.
+            logger.info("%s: snapshot facts stopped before sampler %r (time budget)", model.name, name)
+            break
+        if can({"sampler": name}) != default:
+            others.add(str(name))
+    return {"snapshots": default, "snapshot_samplers": frozenset(others)}
 
 
 def _default_total(model: StepModel, params: Sequence[Param]) -> int | None:
