@@ -23,11 +23,19 @@ the first wait after a wake, and dropped by the wake, so an idle Wakeup
 holds none.
 
 ``wait(timeout)`` bounds a wait (a reader's step timeout) without a
-cancel scope: on asyncio a timer handle that wakes the Wakeup when it
-fires (anyio's ``move_on_after`` costs about 6 µs a wait, a timer handle
-about 1.5, and a reader waits once a frame); on trio, trio's own
-``move_on_after``. Either way it returns as a wake does, and the waiter's
-check decides whether anything changed.
+cancel scope: on asyncio one timer per Wakeup that wakes it when it fires
+(anyio's ``move_on_after`` costs about 6 µs a wait, and a reader waits
+once a frame); on trio, trio's own ``move_on_after``. Either way it
+returns as a wake does, and the waiter's check decides whether anything
+changed, its time included. The asyncio timer outlives the wait: a reader
+waits once a frame with a bound minutes long, and the next wait's deadline
+is later than the last's, so the timer armed for the first serves every
+later one (armed again only for an earlier deadline, or once it fired).
+Firing early for a later wait is a spurious wake, which the rule allows:
+the waiter sees its deadline has not come and waits again, arming the
+timer for it. :meth:`disarm` drops the timer when no bounded wait is to
+come (a Delivery that ended), so an ended request leaves nothing in the
+loop's timer heap.
 """
 
 from __future__ import annotations
@@ -53,11 +61,14 @@ class _Event(Protocol):
 class Wakeup:
     """Wakes the tasks waiting on it (see the module docstring); loop-only."""
 
-    __slots__ = ("_event", "_new_event")
+    __slots__ = ("_event", "_new_event", "_timer", "_timer_at")
 
     def __init__(self) -> None:
         self._event: _Event | None = None
         self._new_event: Callable[[], _Event] | None = None
+        # asyncio's timer for bounded waits, and the loop time it fires at.
+        self._timer: asyncio.TimerHandle | None = None
+        self._timer_at = 0.0
 
     async def wait(self, timeout: float | None = None) -> None:
         """Wait for the next :meth:`wake`, or ``timeout`` seconds at most; check the condition again after."""
@@ -70,13 +81,16 @@ class Wakeup:
         if timeout is None:
             await event.wait()
         elif self._new_event is asyncio.Event:
-            handle = asyncio.get_running_loop().call_later(timeout, self._expire, event)
-            try:
-                await event.wait()
-            finally:
-                # Cancelled, the handle is dropped from the loop's timer heap
-                # lazily (asyncio) or at once (uvloop): nothing accumulates.
-                handle.cancel()
+            loop = asyncio.get_running_loop()
+            at = loop.time() + timeout
+            timer = self._timer
+            if timer is None or self._timer_at > at:
+                # None armed, or the one armed fires after this wait's deadline.
+                if timer is not None:
+                    timer.cancel()
+                self._timer = loop.call_at(at, self._expire)
+                self._timer_at = at
+            await event.wait()
         else:
             with sys.modules["trio"].move_on_after(timeout):
                 await event.wait()
@@ -88,14 +102,18 @@ class Wakeup:
             self._event = None
             event.set()
 
-    def _expire(self, event: _Event) -> None:
-        # A timed wait's timer fired: a wake of that wait's event, unless a
-        # wake got there first (then the Wakeup may hold a newer event, for
-        # other waits, which this timer must not touch). Other tasks waiting
-        # on the same event are woken too, as the rule allows: they check.
-        if self._event is event:
-            self._event = None
-        event.set()
+    def disarm(self) -> None:
+        """Drop the bounded waits' timer (no bounded wait is to come); a later one arms it again."""
+        timer, self._timer = self._timer, None
+        if timer is not None:
+            timer.cancel()
+
+    def _expire(self) -> None:
+        # The timer fired: wake whoever waits now. Its wait may have a later
+        # deadline than the one the timer was armed for (see the module
+        # docstring): it checks, and waits again.
+        self._timer = None
+        self.wake()
 
 
 def _event_class() -> Callable[[], _Event]:

@@ -139,3 +139,45 @@ async def test_a_wake_ends_a_timed_wait_before_its_timeout(anyio_backend) -> Non
             await anyio.wait_all_tasks_blocked()
             wakeup.wake()
             await woken.wait()
+
+
+async def test_bounded_waits_share_one_timer_armed_again_only_for_an_earlier_deadline(anyio_backend) -> None:
+    # A reader waits once a frame with a bound of minutes: one timer serves them all, not one a wait.
+    if anyio_backend[0] == "trio":
+        pytest.skip("trio bounds each wait with its own move_on_after")
+    wakeup = Wakeup()
+    waits = 0
+
+    async def reader(timeout: float) -> None:
+        nonlocal waits
+        waits += 1
+        await wakeup.wait(timeout)
+
+    timers = set()
+    with anyio.fail_after(5):
+        for _ in range(20):
+            async with anyio.create_task_group() as tg:
+                tg.start_soon(reader, 60.0)
+                await anyio.wait_all_tasks_blocked()
+                timers.add(id(wakeup._timer))
+                wakeup.wake()
+        assert waits == 20 and len(timers) == 1
+        armed = wakeup._timer
+        assert armed is not None and not armed.cancelled()
+        # An earlier deadline: armed again, and it returns by then with nobody waking it.
+        await wakeup.wait(0.01)
+        assert armed.cancelled()
+    wakeup.disarm()  # nothing bounded to come (an ended Delivery): nothing left in the loop's heap
+    assert wakeup._timer is None
+
+
+async def test_an_ended_delivery_leaves_no_timer(anyio_backend) -> None:
+    from omni_stream.engine.delivery import Delivery
+
+    delivery = Delivery("all")
+    with anyio.move_on_after(0.01):
+        await delivery.wait(60)
+    if anyio_backend[0] != "trio":
+        assert delivery._wakeup._timer is not None
+    delivery.end()
+    assert delivery._wakeup._timer is None

@@ -55,6 +55,7 @@ class Delivery:
         self._frames.append(frame)
         if frame.final:
             self._ended = True
+            self._wakeup.disarm()  # the reader has what it waits for, and will not wait again
         self._wakeup.wake()
         return replaced
 
@@ -70,6 +71,7 @@ class Delivery:
             self._drain = drain
             if not drain:
                 self._frames.clear()
+        self._wakeup.disarm()
         self._wakeup.wake()
 
     def get_nowait(self) -> Frame | None:
