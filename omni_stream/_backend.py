@@ -15,10 +15,10 @@ without uvloop) and trio. Two things anyio does not give cheaply:
   callbacks in the order they were scheduled (the copier relies on it), and
   both raise a RuntimeError (trio's RunFinishedError is one) once the loop
   has finished.
-* **A check for the parts that stay asyncio-only** (the websocket client,
-  the server on uvicorn): :func:`require_asyncio` raises
-  UnsupportedBackendError at their entry, rather than a RuntimeError from
-  deep inside a library.
+* **A check for the parts that stay asyncio-only** (the server on
+  uvicorn; under trio it runs on hypercorn, and the client on an
+  AnyioSocket): :func:`require_asyncio` raises UnsupportedBackendError at
+  their entry, rather than a RuntimeError from deep inside a library.
 
 trio and sniffio are read from ``sys.modules``, never imported: a trio loop
 can only be running if trio (which imports sniffio and marks its tasks with

@@ -6,19 +6,24 @@ several iterations run at once on one connection. A message or frame that
 breaks the protocol closes the connection with 1002 and fails every request
 on it with ProtocolError.
 Websockets' exceptions are translated here and nowhere else.
+
+On asyncio (uvloop included) the connection is websockets' asyncio client;
+under trio it is an :class:`~.anyio_socket.AnyioSocket`, websockets'
+Sans-I/O protocol over anyio's streams, with the same surface and the same
+exceptions, so everything below runs unchanged on both.
 """
 
 from __future__ import annotations
 
-import asyncio
 import contextlib
 import json
 import logging
 import math
+import ssl
 import uuid
 from collections.abc import Mapping
 from types import TracebackType
-from typing import Any, Final, Literal, overload
+from typing import Any, Final, Literal, Protocol, overload
 
 import anyio
 import anyio.abc
@@ -30,7 +35,7 @@ from websockets.exceptions import (
     InvalidURI,
 )
 
-from .._backend import require_asyncio
+from .._backend import ThreadsafeLoop, current_backend, running_loop
 from ..errors import (
     ClientError,
     ConnectError,
@@ -47,6 +52,7 @@ from ..protocol.codes import CLOSE_PROTOCOL_ERROR
 from ..protocol.frames import PreviewFrame, parse_preview_frame
 from ..protocol.inbox import Inbox
 from ..protocol.server_messages import ErrorMessage, Progress, parse_server_message
+from .anyio_socket import AnyioSocket
 from .stream import RequestStream
 
 __all__ = [
@@ -75,6 +81,27 @@ DEFAULT_PING_INTERVAL: Final = 10.0
 DEFAULT_PING_TIMEOUT: Final = 15.0
 DEFAULT_CLOSE_TIMEOUT: Final = 5.0
 
+#: What an AnyioSocket (under trio) takes of websockets' ``connect`` keywords.
+_ANYIO_OPTIONS: Final = frozenset(
+    {"max_size", "open_timeout", "close_timeout", "ping_interval", "ping_timeout", "ssl", "compression"}
+)
+
+
+class _Socket(Protocol):
+    """What the client uses of its connection: websockets' ClientConnection, or an AnyioSocket."""
+
+    @property
+    def close_code(self) -> int | None: ...
+
+    @property
+    def close_reason(self) -> str | None: ...
+
+    async def send(self, message: str) -> None: ...
+
+    async def close(self, code: int = 1000, reason: str = "") -> None: ...
+
+    def __aiter__(self) -> Any: ...
+
 
 class Client:
     """One websocket connection to an omni_stream server; use ``async with``.
@@ -89,8 +116,10 @@ class Client:
     ``websockets.asyncio.client.connect`` (``open_timeout``, ``max_size``
     (default DEFAULT_MAX_SIZE), ``close_timeout``, ...). Entering raises
     ConnectError, and LifecycleError the second time; ParamsError for a bad
-    url, token or option; UnsupportedBackendError under trio (websockets'
-    client runs on asyncio only; uvloop is fine).
+    url, token or option. Runs on anyio's asyncio (uvloop included) and trio
+    backends; under trio the keywords websockets' own client would take are
+    ``max_size``, ``open_timeout``, ``close_timeout``, ``ssl`` (an
+    SSLContext) and ``additional_headers`` (others: ParamsError).
     """
 
     def __init__(
@@ -126,9 +155,9 @@ class Client:
             "ping_timeout": ping_timeout,
             **connect_kwargs,
         }
-        self._ws: ClientConnection | None = None
+        self._ws: _Socket | None = None
         self._tg: anyio.abc.TaskGroup | None = None
-        self._loop: asyncio.AbstractEventLoop | None = None
+        self._loop: ThreadsafeLoop | None = None
         # Cancels of streams closed or dropped early, sent by one task of ours.
         self._cancels_send, self._cancels_receive = anyio.create_memory_object_stream[str](
             math.inf
@@ -140,8 +169,6 @@ class Client:
     # -- lifecycle --
 
     async def __aenter__(self) -> Client:  # noqa: PYI034 - subclasses are not expected
-        # Here, not deep inside websockets' asyncio client with a bare RuntimeError.
-        require_asyncio("the omni_stream client (websockets' asyncio client)")
         if self._state is not Lifecycle.NEW:
             raise LifecycleError("a Client can be entered once; create a new one")
         self._state = Lifecycle.RUNNING
@@ -150,11 +177,15 @@ class Client:
         except BaseException:
             self._state = Lifecycle.CLOSED
             raise
-        self._loop = asyncio.get_running_loop()
+        self._loop = running_loop()
         self._tg = anyio.create_task_group()
         await self._tg.__aenter__()
         self._tg.start_soon(self._read_loop)
         self._tg.start_soon(self._send_queued_cancels)
+        interval = self._connect_kwargs.get("ping_interval")
+        if isinstance(self._ws, AnyioSocket) and interval is not None:
+            # websockets' own client pings by itself.
+            self._tg.start_soon(self._ws.keepalive, interval, self._connect_kwargs.get("ping_timeout"))
         return self
 
     async def __aexit__(
@@ -197,7 +228,7 @@ class Client:
     def close_reason(self) -> str:
         return "" if self._closed is None else self._closed.close_reason
 
-    async def _connect(self) -> ClientConnection:
+    async def _connect(self) -> _Socket:
         kwargs: dict[str, Any] = {
             # The server never negotiates permessage-deflate (previews are
             # already compressed); do not offer it.
@@ -213,7 +244,10 @@ class Client:
         if self._token is not None:
             headers.append(("Authorization", f"Bearer {self._token}"))
         try:
-            return await _ws_connect(self.url, additional_headers=headers, **kwargs)
+            if current_backend() == "trio":
+                return await self._connect_anyio(headers, kwargs)
+            ws: ClientConnection = await _ws_connect(self.url, additional_headers=headers, **kwargs)
+            return ws
         except InvalidStatus as exc:
             raise _refused(exc) from None
         except InvalidURI as exc:
@@ -222,6 +256,25 @@ class Client:
             raise ConnectError(f"timed out connecting to {self.url}") from exc
         except (OSError, InvalidHandshake) as exc:
             raise ConnectError(f"cannot connect to {self.url}: {exc}") from exc
+
+    async def _connect_anyio(self, headers: list[tuple[str, str]], kwargs: dict[str, Any]) -> AnyioSocket:
+        """The connection under trio (an AnyioSocket); ParamsError for a keyword it does not take."""
+        other = sorted(set(kwargs) - _ANYIO_OPTIONS)
+        if other:
+            raise ParamsError(
+                f"under trio the client takes {', '.join(sorted(_ANYIO_OPTIONS))} and additional_headers, "
+                f"not {', '.join(other)} (those are websockets' asyncio client's)",
+                field=other[0],
+            )
+        if kwargs.get("compression") is not None:
+            raise ParamsError("under trio the client sends no compression offer: pass compression=None",
+                              field="compression")
+        ssl_context = kwargs.get("ssl")
+        return await AnyioSocket.open(
+            self.url, headers=headers, max_size=kwargs["max_size"], open_timeout=kwargs["open_timeout"],
+            close_timeout=kwargs["close_timeout"],
+            ssl_context=ssl_context if isinstance(ssl_context, ssl.SSLContext) else None,
+        )
 
     # -- requests --
 
@@ -487,7 +540,7 @@ class Client:
         inbox.feed(event)
 
 
-def _closed_from(ws: ClientConnection) -> ConnectionClosedError:
+def _closed_from(ws: _Socket) -> ConnectionClosedError:
     code = ws.close_code
     reason = ws.close_reason or ""
     if code == 1000:
