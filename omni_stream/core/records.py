@@ -403,6 +403,7 @@ class RequestRecord:
         terminal: Mapping[str, Any],
         results: list[bytes],
         priority: int = 0,
+        restarted: tuple[int, str] | None = None,
     ) -> RequestRecord:
         """An ended, detached record rebuilt from the state directory (server/state.py).
 
@@ -411,7 +412,10 @@ class RequestRecord:
         with; ``results``: its packed final frames, in order (none unless it
         is done). ``attach`` replays ``accepted``, the results and the
         terminal message, as for a request that ended in this process.
-        Raises KeyError or ValueError for an ``accepted`` without id or total.
+        ``restarted``: (from_step, reason) when it had been restarted before
+        it ended (its ``restarted`` message is replayed and shown again).
+        Raises KeyError or ValueError for an ``accepted`` without id or total,
+        ValueError for an unknown restart reason.
         """
         output = accepted.get("output")
         record = cls(
@@ -431,6 +435,9 @@ class RequestRecord:
         if kind == "done":
             record._results = list(results)
             record.latest_step = record.total
+        if restarted is not None:
+            step, reason = restarted
+            record.restarted = protocol.dumps(protocol.restarted(record.id, from_step=step, reason=reason))
         record._terminal = (protocol.dumps(dict(terminal)), kind)
         record.outcome = kind
         record.ended_at = ended_at

@@ -385,8 +385,12 @@ class StateKeeper:
         self._said_restarted(admitted.record, 0, reason)
 
     def _said_restarted(self, record: RequestRecord, from_step: int, reason: str) -> None:
-        if record.publish_restarted(from_step, reason):
-            self.rules.metrics.restarts.labels(reason).inc()
+        if not record.publish_restarted(from_step, reason):
+            return
+        self.rules.metrics.restarts.labels(reason).inc()
+        # Kept with it: a later start that serves its result says it too.
+        rid, notice = record.id, {"from_step": from_step, "reason": reason}
+        self._queue(rid, lambda: self._open_store().annotate(rid, "restarted", notice), "noting the restart")
 
     def _resume_refused(self, record: RequestRecord, exc: CheckpointError) -> None:
         logger.warning(
@@ -550,13 +554,18 @@ class StateKeeper:
             )
             # The registry's clock (monotonic), as far back as the wall clock says it ended.
             now = self.rules.clock()
-            record = RequestRecord.restored(
-                accepted, owner=f"{_RESTART_DOOR}:{entry.request_id}", principal=entry.principal,
-                created_at=now - max(0.0, wall - entry.created_at),
-                ended_at=now - max(0.0, wall - entry.ended_at),
-                terminal=terminal, results=frames,
-                priority=int(entry.message.get("generate", {}).get("priority") or 0),
-            )
+            try:
+                record = RequestRecord.restored(
+                    accepted, owner=f"{_RESTART_DOOR}:{entry.request_id}", principal=entry.principal,
+                    created_at=now - max(0.0, wall - entry.created_at),
+                    ended_at=now - max(0.0, wall - entry.ended_at),
+                    terminal=terminal, results=frames,
+                    priority=int(entry.message.get("generate", {}).get("priority") or 0),
+                    restarted=_restart_notice(entry.message.get("restarted")),
+                )
+            except (KeyError, ValueError) as exc:
+                logger.warning("request %s: not served again after the restart: %r", entry.request_id, exc)
+                continue
             try:
                 self.rules.registry.add(record)
             except protocol.MessageError as exc:
@@ -713,3 +722,13 @@ def _wire(message: dict[str, Any]) -> dict[str, Any]:
                 kind, data = "PNG", buffer.getvalue()
             out[name] = f"data:image/{kind.lower()};base64," + base64.b64encode(data).decode()
     return {**message, "params": out}
+
+
+def _restart_notice(value: Any) -> tuple[int, str] | None:
+    """A recorded restart (``{"from_step", "reason"}``, ``StateKeeper._said_restarted``), else None."""
+    if not isinstance(value, Mapping):
+        return None
+    step, reason = value.get("from_step"), value.get("reason")
+    if isinstance(step, int) and not isinstance(step, bool) and isinstance(reason, str):
+        return step, reason
+    return None

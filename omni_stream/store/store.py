@@ -228,6 +228,29 @@ class Store:
         self._remove_files([*replaced, *room.files])
         return Saved(True, evicted=room.evicted)
 
+    def annotate(self, request_id: str, key: str, value: Any) -> bool:
+        """Set ``key`` to ``value`` (JSON) in a recorded request's message: what the server learns
+        of it later (why it restarted), kept for its next start. Returns False when the request is
+        not recorded. Call it in a worker thread. Raises ValueError for a value that is not JSON.
+        """
+        with self._errors("annotating the request", request_id), self._locked():
+            with self._transaction() as db:
+                row = db.execute(
+                    "SELECT id, message, message_bytes FROM requests WHERE request_id = ?", (request_id,)
+                ).fetchone()
+                if row is None:
+                    return False
+                message = json.loads(row[1])
+                message[key] = value
+                text = _json(message, request_id, "message")
+                size = len(text.encode())
+                db.execute(
+                    "UPDATE requests SET message = ?, message_bytes = ? WHERE id = ?", (text, size, row[0])
+                )
+            # A few bytes either way: counted, not made room for (the bound is checked at every write).
+            self._usage += size - row[2]
+        return True
+
     def mark_ended(
         self, request_id: str, status: Status, ended_at: float, terminal: dict[str, Any] | None = None
     ) -> bool:

@@ -198,6 +198,24 @@ async def test_a_restart_resumes_from_the_checkpoint_to_the_same_result(tmp_path
 
 @needs_engine_resume
 @pytest.mark.asyncio
+async def test_a_finished_request_served_after_another_restart_still_says_it_restarted(tmp_path) -> None:
+    step = await _run_until_checkpoint(tmp_path, "twice", PARAMS, at_least=3)
+    async with running(Slow(0.0), state_dir=str(tmp_path)) as server, connect(server.url) as ws:
+        await send(ws, type="attach", id="twice")
+        assert (await until_end(ws, "twice"))[-1]["type"] == "done"
+        await server.service.state.flush()
+    # A third start serves the finished result, and what happened to it on the way.
+    async with running(Slow(0.0), state_dir=str(tmp_path)) as server, connect(server.url) as ws:
+        status = json.loads((await http_get(server, "/v1/generations/twice")).body)
+        await send(ws, type="attach", id="twice")
+        msgs = await until_end(ws, "twice")
+    assert status["status"] == "done" and status["restarted"]["reason"] == "checkpoint"
+    assert status["restarted"]["from_step"] >= step
+    assert _restarts(msgs) == [(status["restarted"]["from_step"], "checkpoint")] and msgs[-1]["type"] == "done"
+
+
+@needs_engine_resume
+@pytest.mark.asyncio
 async def test_a_torn_checkpoint_restarts_from_step_0_with_one_warning(tmp_path, caplog) -> None:
     expected = await _uninterrupted(PARAMS)
     await _run_until_checkpoint(tmp_path, "torn", PARAMS, at_least=3)

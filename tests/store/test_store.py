@@ -90,6 +90,22 @@ def test_a_recorded_request_reads_back_with_every_field(tmp_path):
     assert not got.ended
 
 
+def test_an_annotation_is_kept_in_the_message_and_counted(tmp_path):
+    with open_store(tmp_path) as store:
+        store.record_request(entry("a"))
+        before = message_bytes(store)
+        assert store.annotate("a", "restarted", {"from_step": 10, "reason": "checkpoint"})
+        assert not store.annotate("nobody", "restarted", {})
+        assert message_bytes(store) > before
+        store.mark_ended("a", "done", 2000.0, terminal={"type": "done", "id": "a"})
+    with open_store(tmp_path) as store:  # kept through the end and a reopening
+        got = store.get("a")
+        assert got is not None and got.message["restarted"] == {"from_step": 10, "reason": "checkpoint"}
+        assert got.message["params"] == entry("a").message["params"]
+        with pytest.raises(ValueError, match="not JSON"):
+            store.annotate("a", "bad", float("nan"))
+
+
 def test_a_checkpoint_round_trips_and_only_the_latest_is_kept(tmp_path):
     with open_store(tmp_path) as store:
         store.record_request(entry("a"))
