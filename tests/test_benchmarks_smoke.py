@@ -222,3 +222,14 @@ def test_handover_instructions_runs_its_scripts_and_says_when_valgrind_is_missin
     monkeypatch.setattr(hi.shutil, "which", lambda name: None)
     assert hi.main([]) == 2
     assert "valgrind is not installed" in capsys.readouterr().err
+
+
+def test_client_backends_reads_through_a_real_serve_on_every_backend(capsys):
+    pytest.importorskip("trio")
+    from benchmarks import client_backends
+
+    out = client_backends.measure(rounds=1, requests=1, steps=4, size=8)
+    assert set(out) == {"asyncio", "uvloop", "trio"}
+    for row in out.values():
+        # accepted, progress and previews, the result, done: at least the final and done.
+        assert row["messages"] >= 3 and row["cpu_us_per_message"] > 0

@@ -154,9 +154,19 @@ class AnyioSocket:
         while not self._messages:
             if self._ended:
                 raise self._closed()
-            async with self._receiving:
-                if not self._messages and not self._ended:
-                    await self._receive()
+            try:
+                # The usual case, the one reader alone: no scheduler pass for the lock (trio's
+                # anyio.Lock.acquire is two), the read itself waits.
+                self._receiving.acquire_nowait()
+            except anyio.WouldBlock:
+                async with self._receiving:
+                    if not self._messages and not self._ended:
+                        await self._receive()
+                continue
+            try:
+                await self._receive()
+            finally:
+                self._receiving.release()
         return self._messages.popleft()
 
     async def send(self, message: str | bytes) -> None:
@@ -232,8 +242,19 @@ class AnyioSocket:
         else:
             protocol.receive_eof()
         self._take(protocol.events_received())
+        # Answer what the protocol has to (a pong, the close frame), taken under the lock so that
+        # bytes go out in the order the protocol made them. No writer: no scheduler pass for it.
         with contextlib.suppress(ConnectionClosed):  # the server is gone: reading will say so
-            await self._flush()
+            try:
+                self._sending.acquire_nowait()
+            except anyio.WouldBlock:
+                async with self._sending:
+                    await self._flush_locked()
+            else:
+                try:
+                    await self._flush_locked()
+                finally:
+                    self._sending.release()
         if not data:
             await self._abort()
 
