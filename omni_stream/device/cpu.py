@@ -28,7 +28,7 @@ class CpuDevice(Device):
         # before its next step (a model may reuse its output tensor), and no
         # pool buffer. With the producer's single torch thread a large clone
         # starts no OpenMP team.
-        if src.device.type != "cpu" or src.layout is not torch.strided:
+        if not src.is_cpu or src.layout is not torch.strided:
             # An output on another device (or sparse) goes the general way:
             # copy_to_host moves it into a dense CPU buffer, or fails its
             # request with the reason.

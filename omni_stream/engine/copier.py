@@ -121,7 +121,9 @@ class Copier:
         decode_s: float = 0.0,
     ) -> CopyTicket:
         """Issue the copy of one step's output; returns at once on async devices."""
-        src = out.detach()
+        # A tensor in an autograd graph is copied as data; one that is not needs no detach (a
+        # torch call a frame the producer would make for nothing).
+        src = out.detach() if out.requires_grad else out
         target = self._device.torch_device
         if src.is_cuda and target.type == "cuda" and src.device != target:
             # The copy must run on our device's copy stream for our event to

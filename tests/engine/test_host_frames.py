@@ -45,6 +45,30 @@ async def test_cpu_frames_are_snapshots_of_a_model_output_reused_in_place():
     assert len({f.data.data_ptr() for f in frames}) == 6
 
 
+class _Grad(_InPlace):
+    """Outputs in an autograd graph (a model run without torch.no_grad)."""
+
+    name = "grad"
+
+    def start(self, params, device):
+        return {"w": torch.ones(4, 8, 8, requires_grad=True), "n": 0}
+
+    def step(self, states):
+        outs = []
+        for s in states:
+            s["n"] += 1
+            outs.append(s["w"] * float(s["n"]))
+        return outs
+
+
+@pytest.mark.asyncio
+async def test_a_frame_of_an_output_in_an_autograd_graph_is_plain_data():
+    async with om.Engine(_Grad(), device="cpu") as engine:
+        frames = [f async for f in engine.stream({"steps": 3})]
+    assert [float(f.data.max()) for f in frames] == [1.0, 2.0, 3.0]
+    assert not any(f.data.requires_grad or f.data.grad_fn is not None for f in frames)
+
+
 @pytest.mark.asyncio
 async def test_cpu_frames_take_no_pool_buffer_and_skip_the_copier_task(monkeypatch):
     model = om.models.Synthetic()
