@@ -31,7 +31,7 @@ from ..device.openmp import set_torch_threads_here
 from ..errors import OmniStreamError, ParamsError, StepFailedError, StepTimeoutError
 from ..model import RequestStopped, StepModel
 from .copier import Copier, CopyTicket
-from .request import Request, Status
+from .request import Request, Status, live
 from .scheduler import BatchLimits, pick_batch
 from .table import RequestTable
 
@@ -160,7 +160,7 @@ class Producer:
                     runnable: list[Request] = []
                     chores = False
                     for r in table.live.values():
-                        if r.status.ended or (r.paused and r.to_host and _movable(r)):
+                        if not live(r.status) or (r.paused and r.to_host and _movable(r)):
                             chores = True
                             break
                         if r.runnable(max_run_ahead=max_run_ahead, queue_size=queue_size):
@@ -262,7 +262,6 @@ class Producer:
                 for r in ready:
                     self._run_whole(r, started_at)
                 return
-            queued = {r.id: started_at - r.ready_at for r in ready}
             for r, out, exc, compute_s in self._step(ready) if ready else ():
                 n = r.issued + 1
                 decoded, decode_s = False, 0.0
@@ -275,7 +274,8 @@ class Producer:
                 if exc is None:
                     try:
                         ticket = self._copier.submit(
-                            r, n, out, queued_s=queued[r.id], compute_s=compute_s,
+                            # (ready_at changes only in the finally below, after every submit.)
+                            r, n, out, queued_s=started_at - r.ready_at, compute_s=compute_s,
                             batch_size=len(ready), decoded=decoded, decode_s=decode_s,
                         )
                     except PoolClosedError:
@@ -338,7 +338,8 @@ class Producer:
     ) -> list[tuple[Request, Any, BaseException | None, float]]:
         t0 = time.monotonic()
         try:
-            with self._busy(tuple(r.id for r in batch)):
+            ids = (batch[0].id,) if len(batch) == 1 else tuple(r.id for r in batch)
+            with self._busy(ids):
                 outs = self._model.step([r.state for r in batch])
         except Exception as exc:
             if len(batch) == 1:

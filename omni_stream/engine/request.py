@@ -20,7 +20,7 @@ from .delivery import Delivery
 if TYPE_CHECKING:
     from ..checkpoint import Checkpoint
 
-__all__ = ["Status", "Request"]
+__all__ = ["Status", "Request", "live"]
 
 
 class Status(enum.Enum):
@@ -34,6 +34,14 @@ class Status(enum.Enum):
     @property
     def ended(self) -> bool:
         return self not in (Status.QUEUED, Status.RUNNING)
+
+
+_QUEUED, _RUNNING = Status.QUEUED, Status.RUNNING
+
+
+def live(status: Status) -> bool:
+    """``not status.ended``, without a property call (the producer's per-step scan)."""
+    return status is _QUEUED or status is _RUNNING
 
 
 class Request:
@@ -140,12 +148,18 @@ class Request:
         return every is not None and step < self.total and step % every == 0
 
     def runnable(self, *, max_run_ahead: int, queue_size: int) -> bool:
-        if self.status.ended or self.issued >= self.total or self.preparing or self.paused:
+        # The producer asks this of every live request once a step: the status by identity and
+        # the counters inline (``ended``, ``in_flight``, ``unconsumed`` are Python calls each).
+        status, issued = self.status, self.issued
+        if (
+            (status is not _QUEUED and status is not _RUNNING)
+            or issued >= self.total or self.preparing or self.paused
+        ):
             return False
-        if self.in_flight >= max_run_ahead:
+        if issued - self.delivered >= max_run_ahead:
             return False
         # "latest" never waits for its reader: newer frames replace older ones.
-        return self.policy == "latest" or self.unconsumed < queue_size
+        return self.policy == "latest" or issued - self.consumed < queue_size
 
 
 def _images(params: Mapping[str, Any]) -> int:
