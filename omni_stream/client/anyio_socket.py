@@ -20,6 +20,11 @@ Keepalive (:meth:`keepalive`, a task of the client's): a ping every
 closing handshake, and drops the TCP connection, so every request on it
 ends with ConnectionClosedError (1006) as with websockets' client.
 
+Once a close frame has gone out (the client's, its answer to the
+server's, or a failure's: 1009, 1007), the server has ``close_timeout`` to
+end the TCP connection, whoever is reading, then the client drops it: a
+server that never does cannot hold a reader.
+
 Messages the server sends in fragments are joined here (websockets'
 Sans-I/O layer hands over frames, not messages); ``max_size`` bounds the
 joined message too (1009, as websockets' client).
@@ -29,6 +34,7 @@ from __future__ import annotations
 
 import contextlib
 import logging
+import math
 import os
 import ssl
 from collections import deque
@@ -72,6 +78,9 @@ class AnyioSocket:
         self._pongs: dict[bytes, anyio.Event] = {}
         #: The TCP connection has ended (read to its end, or dropped by us).
         self._ended = False
+        # When a closing handshake began (``close_expected``): the server has until then to end
+        # the TCP connection, or it is dropped (``close_timeout``), whoever reads.
+        self._close_by: float | None = None
 
     @classmethod
     async def open(
@@ -227,9 +236,14 @@ class AnyioSocket:
     # -- reading ----------------------------------------------------------------------
 
     async def _read(self) -> bytes:
-        """Bytes from the network; b"" at its end (or a connection reset or closed under us)."""
+        """Bytes from the network; b"" at its end (or a connection reset or closed under us, or
+        the closing handshake's time up)."""
         try:
-            return bytes(await self._stream.receive(_READ_SIZE))
+            if self._close_by is None:
+                return bytes(await self._stream.receive(_READ_SIZE))
+            with anyio.move_on_after(max(0.0, self._close_by - anyio.current_time())):
+                return bytes(await self._stream.receive(_READ_SIZE))
+            return b""
         except (anyio.EndOfStream, anyio.BrokenResourceError, anyio.ClosedResourceError, OSError):
             return b""
 
@@ -242,6 +256,10 @@ class AnyioSocket:
         else:
             protocol.receive_eof()
         self._take(protocol.events_received())
+        if self._close_by is None and protocol.close_expected():
+            # A close frame went out (ours, or the answer to the server's, or a failure's).
+            wait = math.inf if self._close_timeout is None else self._close_timeout
+            self._close_by = anyio.current_time() + wait
         # Answer what the protocol has to (a pong, the close frame), taken under the lock so that
         # bytes go out in the order the protocol made them. No writer: no scheduler pass for it.
         with contextlib.suppress(ConnectionClosed):  # the server is gone: reading will say so
