@@ -198,6 +198,10 @@ class Rules:
         self.on_admitted: Callable[[Admitted, protocol.Generate], None] | None = None
         self.stream_options: Callable[[Admitted], Mapping[str, Any]] | None = None
         self.on_resume_refused: Callable[[RequestRecord, CheckpointError], None] | None = None
+        #: Told when a request is handed over to another replica (a Ray front door) and its
+        #: watchers were told so (``restarted``, ``replica_lost``): ``(record, from_step)``.
+        #: The state directory keeps the notice with the request.
+        self.on_handed_over: Callable[[RequestRecord, int], None] | None = None
         self.on_finished: Callable[[RequestRecord, dict[str, Any]], None] | None = None
         #: Set by the shell: started (consumers can run), closing (refuse new
         #: work), letting_in (queued requests may still start: the graceful

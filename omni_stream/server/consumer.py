@@ -120,6 +120,7 @@ async def stream_request(
     memory: MemoryReservation | None = None,
     paced: bool = True,
     on_resume_refused: Callable[[RequestRecord, CheckpointError], None] | None = None,
+    on_handed_over: Callable[[RequestRecord, int], None] | None = None,
 ) -> dict[str, Any]:
     """Publish the request's steps into ``record``; return its terminal message.
 
@@ -128,6 +129,8 @@ async def stream_request(
     ``on_resume_refused(record, error)``: told when a stream that resumes
     from a checkpoint learns only as it runs that the checkpoint is refused
     (a Ray replica's: it then starts again from step 0); the rules' hook.
+    ``on_handed_over(record, from_step)``: told when a hand-over to another
+    replica was said to the watchers (the state directory writes it down).
 
     Returns ``done``, ``cancelled`` (reason from ``record.cancel_reason``,
     else ``engine``) or a request-ending ``error`` for the request's own
@@ -137,7 +140,7 @@ async def stream_request(
     """
     rid = record.id
     if isinstance(stream, _HandsOver):
-        stream.on_handover = functools.partial(_handed_over, record, metrics)
+        stream.on_handover = functools.partial(_handed_over, record, metrics, on_handed_over)
     if on_resume_refused is not None and isinstance(stream, _ResumesLater):
         stream.on_resume_refused = functools.partial(on_resume_refused, record)
     try:
@@ -201,11 +204,17 @@ async def stream_request(
     return protocol.done(rid, total=record.total, elapsed_s=time.monotonic() - record.created_at)
 
 
-def _handed_over(record: RequestRecord, metrics: ServerMetrics, from_step: int) -> None:
+def _handed_over(
+    record: RequestRecord,
+    metrics: ServerMetrics,
+    noted: Callable[[RequestRecord, int], None] | None,
+    from_step: int,
+) -> None:
     # Counted each time, said only when it changed (two hand-overs from one checkpoint read alike).
     metrics.restarts.labels("replica_lost").inc()
     # Not rewound: the new replica's frames up to the step the watchers have are dropped.
-    record.publish_restarted(from_step, "replica_lost", rewind=False)
+    if record.publish_restarted(from_step, "replica_lost", rewind=False) and noted is not None:
+        noted(record, from_step)
 
 
 def _nbytes(frame: Frame) -> int:

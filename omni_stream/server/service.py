@@ -411,6 +411,7 @@ class Service:
                 # policy the engine would wait on it.
                 paced="policy" in self.rules.stream_keywords,
                 on_resume_refused=self.rules.on_resume_refused,
+                on_handed_over=self.rules.on_handed_over,
             )
         except Exception as exc:
             logger.exception("request %s: the server failed while streaming it", record.id)

@@ -220,6 +220,7 @@ class StateKeeper:
         rules.on_admitted = self._admitted
         rules.stream_options = self._stream_options
         rules.on_resume_refused = self._resume_refused
+        rules.on_handed_over = self._handed_over
         rules.on_finished = self._finished
         rules.registry.on_forget = self._forgotten
 
@@ -388,6 +389,14 @@ class StateKeeper:
         if not record.publish_restarted(from_step, reason):
             return
         self.rules.metrics.restarts.labels(reason).inc()
+        self._note_restart(record, from_step, reason)
+
+    def _handed_over(self, record: RequestRecord, from_step: int) -> None:
+        # A Ray replica died and another goes on with the request (the consumer said and counted
+        # it): written down like a restart of ours, so a later start says it too.
+        self._note_restart(record, from_step, "replica_lost")
+
+    def _note_restart(self, record: RequestRecord, from_step: int, reason: str) -> None:
         # Kept with it: a later start that serves its result says it too.
         rid, notice = record.id, {"from_step": from_step, "reason": reason}
         self._queue(rid, lambda: self._open_store().annotate(rid, "restarted", notice), "noting the restart")

@@ -453,9 +453,11 @@ async def test_the_requests_watchers_get_restarted_replica_lost_from_the_step_it
     watcher = _Watcher(record)
     record.watch("c", watcher, attached=False)  # type: ignore[arg-type]
     metrics = _Metrics()
+    noted: list[tuple[str, int]] = []
     message = await stream_request(
         record, stream, PreviewSpec(format="png"), output=OutputSpec("png"), previewer=Previewer(),
         metrics=metrics, paced=False,  # type: ignore[arg-type]
+        on_handed_over=lambda rec, step: noted.append((rec.id, step)),
     )
     assert message["type"] == "done"
     told = {
@@ -467,6 +469,8 @@ async def test_the_requests_watchers_get_restarted_replica_lost_from_the_step_it
     # made again are not sent again, and the request's step is not wound back meanwhile.
     assert _shown(watcher.messages) == ["accepted", *range(1, 8), *told, 8, 9, 10]
     assert watcher.step_at_restarted == [7] * len(told)
+    # Each one said is handed to the rules' hook (a state directory writes it down).
+    assert noted == [("r", step) for step, _ in told]
     # Counted on /metrics, once a hand-over (omni_stream_requests_restarted_total{reason="replica_lost"}).
     assert metrics.restarts.labels("replica_lost")._value.get() == len(told)
     assert record.latest_step == TOTAL

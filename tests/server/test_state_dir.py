@@ -145,6 +145,32 @@ async def test_a_restarted_server_serves_a_finished_result(tmp_path) -> None:
 
 
 @pytest.mark.asyncio
+async def test_a_ray_hand_over_is_written_down_and_said_by_a_later_start(tmp_path) -> None:
+    # The consumer says a hand-over (a Ray replica died, another goes on from step 4) and tells
+    # the rules' hook, as stream_request does for a RemoteStream; here the hook is the folder's.
+    async with running(Slow(0.05), state_dir=str(tmp_path)) as server, connect(server.url) as ws:
+        await send(ws, type="generate", id="moved", params=PARAMS, detach=True)
+        rules = server.service.rules
+        await wait_for(lambda: (r := rules.registry.get("moved")) is not None and r.latest_step >= 5,
+                       what="a few steps")
+        record = rules.registry.get("moved")
+        assert record is not None and rules.on_handed_over is not None
+        assert record.publish_restarted(4, "replica_lost", rewind=False)
+        rules.on_handed_over(record, 4)
+        assert (await until_end(ws, "moved"))[-1]["type"] == "done"
+        await server.service.state.flush()
+    with _open(tmp_path) as store:
+        entry = store.get("moved")
+        assert entry is not None and entry.message["restarted"] == {"from_step": 4, "reason": "replica_lost"}
+    async with running(Slow(0.0), state_dir=str(tmp_path)) as server, connect(server.url) as ws:
+        status = json.loads((await http_get(server, "/v1/generations/moved")).body)
+        await send(ws, type="attach", id="moved")
+        msgs = await until_end(ws, "moved")
+    assert status["status"] == "done" and status["restarted"] == {"from_step": 4, "reason": "replica_lost"}
+    assert _restarts(msgs) == [(4, "replica_lost")] and msgs[-1]["type"] == "done"
+
+
+@pytest.mark.asyncio
 async def test_forgotten_requests_leave_the_folder(tmp_path) -> None:
     async with running(Slow(0.0), state_dir=str(tmp_path), max_retained=1) as server:
         async with connect(server.url) as ws:
