@@ -23,7 +23,9 @@ loop thread and on the thread that steps (``time.thread_time`` in each).
 
 In the suite: ``python -m benchmarks --only handover [--loop asyncio]``.
 Standalone, on every anyio backend (trio included), printed as a table:
-``python -m benchmarks.handover [--backend asyncio uvloop trio] [--reps N] [--quick]``.
+``python -m benchmarks.handover [--backend asyncio uvloop trio] [--reps N] [--quick] [--against TREE]``
+(``--against``: another checkout's engine beside this one, interleaved: ``other/engine`` > 1
+when this one is faster).
 """
 
 from __future__ import annotations
@@ -198,10 +200,39 @@ def _params(step_s: float, n: int, work: int, quick: bool) -> list[dict[str, Any
     return [{"steps": steps, "work": work, "seed": i} for i in range(n)]
 
 
-def _variants(params: list[dict[str, Any]]) -> dict[str, Callable[[], Awaitable[Sample]]]:
+def load_other(tree: str) -> ModuleType:
+    """Another checkout's omni_stream, imported beside this one as ``omni_stream_other``.
+
+    The package imports itself relatively, so a copy under another name is
+    a second, independent engine: ``--against`` runs it interleaved with
+    this one in the same process (the same machine state for both, which
+    a comparison across two runs on a shared machine does not have).
+    """
+    import importlib.util
+    from pathlib import Path
+
+    root = Path(tree, "omni_stream")
+    spec = importlib.util.spec_from_file_location(
+        "omni_stream_other", root / "__init__.py", submodule_search_locations=[str(root)]
+    )
+    if spec is None or spec.loader is None:
+        raise SystemExit(f"no omni_stream package under {tree}")
+    module = importlib.util.module_from_spec(spec)
+    sys.modules["omni_stream_other"] = module
+    spec.loader.exec_module(module)
+    return module
+
+
+def _variants(
+    params: list[dict[str, Any]], other: ModuleType | None = None
+) -> dict[str, Callable[[], Awaitable[Sample]]]:
     async def engine() -> Sample:
         reset_main_thread()
         return await engine_steps(params)
+
+    async def before() -> Sample:
+        reset_main_thread()
+        return await engine_steps(params, package=other)  # type: ignore[arg-type]
 
     async def peer() -> Sample:
         reset_main_thread()
@@ -211,7 +242,10 @@ def _variants(params: list[dict[str, Any]]) -> dict[str, Callable[[], Awaitable[
         reset_main_thread()
         return bare_worker_steps(params)
 
-    return {"engine": engine, "peer": peer, "bare": bare}
+    variants = {"engine": engine, "peer": peer, "bare": bare}
+    if other is not None:
+        variants["other"] = before
+    return variants
 
 
 def summarize(samples: Mapping[str, Sequence[Sample]], frames: int) -> dict[str, dict[str, float]]:
@@ -301,7 +335,12 @@ def main(argv: Sequence[str] | None = None) -> int:
     p.add_argument("--reps", type=int, default=5, help="runs per variant (default 5)")
     p.add_argument("--quick", action="store_true", help="1 ms, 10 ms and 16x1 ms only, shorter runs")
     p.add_argument("--only", nargs="+", metavar="LABEL", help="configs by label (0.5ms ... 16x10ms)")
+    p.add_argument(
+        "--against", metavar="TREE",
+        help="also run another checkout's engine, interleaved (e.g. a `git archive` of the commit before)",
+    )
     args = p.parse_args(argv)
+    other = load_other(args.against) if args.against else None
     ctx = Context(quick=args.quick, reps=args.reps, verbose=False)
     configs = [c for c in CONFIGS if (not args.only or c[0] in args.only)]
     if args.quick and not args.only:
@@ -309,13 +348,13 @@ def main(argv: Sequence[str] | None = None) -> int:
     print(f"omni_stream from {om.__file__}; us per frame: wall (loop CPU / stepping-thread CPU)")
     print(
         f"{'backend':<8} {'config':<9} {'engine':>24} {'peer':>24} {'bare':>10} "
-        f"{'peer/engine':>12} {'engine/bare':>12}"
+        f"{'peer/engine':>12} {'engine/bare':>12}" + (f" {'other/engine':>13}" if other else "")
     )
     for label, step_s, n, _ in configs:
         params = _params(step_s, n, ctx.work_for(step_s), args.quick)
         frames = n * params[0]["steps"]
         for name in args.backend:
-            variants = _variants(params)
+            variants = _variants(params, other)
             samples: dict[str, list[Sample]] = {k: [] for k in variants}
             for rep in range(args.reps):
                 order = list(variants) if rep % 2 == 0 else list(variants)[::-1]
@@ -330,7 +369,8 @@ def main(argv: Sequence[str] | None = None) -> int:
             e, pe, b = (us[k]["wall_us"] for k in ("engine", "peer", "bare"))
             print(
                 f"{name:<8} {label:<9} {cell('engine'):>24} {cell('peer'):>24} {b:>10.1f} "
-                f"{pe / e:>12.3f} {e / b:>12.3f}",
+                f"{pe / e:>12.3f} {e / b:>12.3f}"
+                + (f" {us['other']['wall_us'] / e:>13.3f}" if other else ""),
                 flush=True,
             )
     return 0

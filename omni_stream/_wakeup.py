@@ -13,21 +13,29 @@ lost between a check and a wait: both run on the event loop, with no
 ``await`` between them. Every task waiting at a wake is woken, so a second
 concurrent reader cannot strand the first.
 
-The loop's own event rather than ``anyio.Event``: this is on the per-frame
-path, and anyio's costs a backend look-up each. ``asyncio.Event`` on
-asyncio (uvloop included), ``trio.Event`` on trio (the engine runs on
-both; the client and the server only on asyncio). Which one is decided at
-a Wakeup's first wait, on the loop, and kept: a Wakeup may be made before
-any loop runs (the engine's, in ``Engine.__init__``). The event is made on
-the first wait after a wake, and dropped by the wake, so an idle Wakeup
-holds none.
+On asyncio (uvloop included) a wait is one bare future of the loop's,
+returned by :meth:`wait` for the caller to await: no ``asyncio.Event``
+(its construction, its loop check and its coroutine are three Python
+frames a wait) and no coroutine of ours, because this is on the per-frame
+path: a reader waits once a frame, and every frame of the loop's Python
+holds the GIL the producer's next torch call may be waiting for. Each
+waiter has its own future, so a cancelled waiter (asyncio cancels the
+future a task awaits) never takes another's wake with it; a cancelled
+future is skipped by the wake and dropped by the next wait. On trio a wait
+parks the task (``trio.lowlevel.wait_task_rescheduled``, which a wake
+reschedules): no ``trio.Event`` and its parking lot, and no backend
+look-up a wait (``anyio.Event`` has one). Which one is decided at a
+Wakeup's first wait, on the loop, and kept: a Wakeup may be made before
+any loop runs (the engine's, in ``Engine.__init__``).
 
 ``wait(timeout)`` bounds a wait (a reader's step timeout) without a
-cancel scope: on asyncio one timer per Wakeup that wakes it when it fires
-(anyio's ``move_on_after`` costs about 6 µs a wait, and a reader waits
-once a frame); on trio, trio's own ``move_on_after``. Either way it
-returns as a wake does, and the waiter's check decides whether anything
-changed, its time included. The asyncio timer outlives the wait: a reader
+cancel scope: one timer per Wakeup that wakes it when it fires (anyio's
+``move_on_after`` costs about 6 µs a wait, and a reader waits once a
+frame): the loop's ``call_at`` on asyncio, on trio the run's timers
+(``_trio_timers.py``: trio has only cancel scopes, whose cost a wait
+would pay every frame). It returns as a wake does, and the waiter's check
+decides whether anything changed, its time included. The timer outlives
+the wait: a reader
 waits once a frame with a bound minutes long, and the next wait's deadline
 is later than the last's, so the timer armed for the first serves every
 later one (armed again only for an earlier deadline, or once it fired).
@@ -42,65 +50,108 @@ from __future__ import annotations
 
 import asyncio
 import sys
-from collections.abc import Callable
-from typing import Protocol
+from collections.abc import Awaitable, Callable
+from typing import Any, Protocol
 
 from ._backend import current_backend
 
 __all__ = ["Wakeup"]
 
+_get_running_loop = asyncio.get_running_loop
 
-class _Event(Protocol):
-    """What asyncio.Event and trio.Event share, and all a Wakeup uses of them."""
 
-    async def wait(self) -> object: ...
+class _Timer(Protocol):
+    """What asyncio's TimerHandle and ours on trio share: all a Wakeup uses of them."""
 
-    def set(self) -> None: ...
+    def cancel(self) -> None: ...
 
 
 class Wakeup:
     """Wakes the tasks waiting on it (see the module docstring); loop-only."""
 
-    __slots__ = ("_event", "_new_event", "_timer", "_timer_at")
+    __slots__ = ("_waiters", "_tasks", "_trio", "_timer", "_timer_at")
 
     def __init__(self) -> None:
-        self._event: _Event | None = None
-        self._new_event: Callable[[], _Event] | None = None
-        # asyncio's timer for bounded waits, and the loop time it fires at.
-        self._timer: asyncio.TimerHandle | None = None
+        # asyncio: the futures of the tasks waiting now (a cancelled one until the next wait).
+        self._waiters: list[asyncio.Future[None]] = []
+        # trio: the tasks parked here now.
+        self._tasks: list[Any] = []
+        # Decided at the first wait: None until then.
+        self._trio: bool | None = None
+        # The timer for bounded waits, and the loop time it fires at.
+        self._timer: _Timer | None = None
         self._timer_at = 0.0
 
-    async def wait(self, timeout: float | None = None) -> None:
-        """Wait for the next :meth:`wake`, or ``timeout`` seconds at most; check the condition again after."""
-        event = self._event
-        if event is None:
-            new_event = self._new_event
-            if new_event is None:
-                new_event = self._new_event = _event_class()
-            event = self._event = new_event()
-        if timeout is None:
-            await event.wait()
-        elif self._new_event is asyncio.Event:
-            loop = asyncio.get_running_loop()
+    def wait(self, timeout: float | None = None) -> Awaitable[object]:
+        """Wait for the next :meth:`wake`, or ``timeout`` seconds at most; check the condition again after.
+
+        Returns what to await (a future on asyncio): ``await wakeup.wait()``.
+        """
+        trio = self._trio
+        if trio is None:
+            trio = self._trio = current_backend() == "trio"
+        if trio:
+            if timeout is not None:
+                self._arm_trio(timeout)
+            return self._park()
+        loop = _get_running_loop()
+        waiter: asyncio.Future[None] = loop.create_future()
+        waiters = self._waiters
+        if waiters:
+            # Another task waits too, or a cancelled waiter's future is left over.
+            waiters[:] = [w for w in waiters if not w.done()]
+        waiters.append(waiter)
+        if timeout is not None:
             at = loop.time() + timeout
-            timer = self._timer
-            if timer is None or self._timer_at > at:
+            if self._timer is None or self._timer_at > at:
                 # None armed, or the one armed fires after this wait's deadline.
-                if timer is not None:
-                    timer.cancel()
-                self._timer = loop.call_at(at, self._expire)
-                self._timer_at = at
-            await event.wait()
-        else:
-            with sys.modules["trio"].move_on_after(timeout):
-                await event.wait()
+                self._arm(at, loop.call_at)
+        return waiter
+
+    def _arm(self, at: float, call_at: Callable[[float, Callable[[], None]], _Timer]) -> None:
+        timer = self._timer
+        if timer is not None:
+            timer.cancel()
+        self._timer = call_at(at, self._expire)
+        self._timer_at = at
+
+    def _arm_trio(self, timeout: float) -> None:
+        trio = sys.modules["trio"]
+        at = trio.current_time() + timeout
+        if self._timer is None or self._timer_at > at:
+            from ._trio_timers import timers  # only under trio: trio is imported
+
+            self._arm(at, timers().call_at)
+
+    async def _park(self) -> None:
+        lowlevel = sys.modules["trio"].lowlevel
+        task = lowlevel.current_task()
+        tasks = self._tasks
+        tasks.append(task)
+
+        def abort(_: object) -> Any:
+            # Cancelled while parked: no wake may reschedule it any more.
+            if task in tasks:
+                tasks.remove(task)
+            return lowlevel.Abort.SUCCEEDED
+
+        await lowlevel.wait_task_rescheduled(abort)
 
     def wake(self) -> None:
         """Wake every task waiting now; nothing if none is."""
-        event = self._event
-        if event is not None:
-            self._event = None
-            event.set()
+        waiters = self._waiters
+        if waiters:
+            self._waiters = []
+            for waiter in waiters:
+                if not waiter.done():
+                    waiter.set_result(None)
+        tasks = self._tasks
+        if tasks:
+            # (A list of the waiting tasks: each is taken off the list as it is woken, once.)
+            self._tasks = []
+            reschedule = sys.modules["trio"].lowlevel.reschedule
+            for task in tasks:
+                reschedule(task)
 
     def disarm(self) -> None:
         """Drop the bounded waits' timer (no bounded wait is to come); a later one arms it again."""
@@ -114,12 +165,3 @@ class Wakeup:
         # docstring): it checks, and waits again.
         self._timer = None
         self.wake()
-
-
-def _event_class() -> Callable[[], _Event]:
-    """The running loop's event class (asked on the loop)."""
-    if current_backend() == "trio":
-        # Read, not imported: a trio loop runs only where trio was imported.
-        trio_event: Callable[[], _Event] = sys.modules["trio"].Event
-        return trio_event
-    return asyncio.Event

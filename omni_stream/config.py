@@ -150,7 +150,36 @@ def timeout() -> float:
     Never raises: a non-numeric, empty, ``nan``, infinite, zero or negative
     value logs one warning naming the variable and the default applies.
     """
-    return env_float(STEP_TIMEOUT_ENV, DEFAULT_STEP_TIMEOUT_S)
+    # A reader asks once a frame, on the event loop: the variable is looked
+    # up in os.environ's own store (one dict look-up, where os.environ.get is
+    # four Python calls) and parsed again only when its value changed.
+    global _timeout_read
+    data = _ENVIRON_DATA
+    if data is None:
+        return env_float(STEP_TIMEOUT_ENV, DEFAULT_STEP_TIMEOUT_S)
+    raw = data.get(_STEP_TIMEOUT_KEY)
+    last_raw, value = _timeout_read
+    if raw is last_raw:
+        return value
+    value = env_float(STEP_TIMEOUT_ENV, DEFAULT_STEP_TIMEOUT_S)
+    # Keyed on the stored object itself, which this reference keeps alive: a
+    # value set again (even to the same text) is a new object, parsed again.
+    _timeout_read = (raw, value)
+    return value
+
+
+def _environ_store() -> tuple[dict[object, object] | None, object]:
+    """os.environ's backing dict and the step timeout's key in it; (None, None) where not CPython's."""
+    data = getattr(os.environ, "_data", None)
+    encodekey = getattr(os.environ, "encodekey", None)
+    if not isinstance(data, dict) or encodekey is None:
+        return None, None
+    return data, encodekey(STEP_TIMEOUT_ENV)
+
+
+_ENVIRON_DATA, _STEP_TIMEOUT_KEY = _environ_store()
+# (the raw value last parsed, its value): None is "unset", the default.
+_timeout_read: tuple[object, float] = (None, DEFAULT_STEP_TIMEOUT_S)
 
 
 def usable_cores() -> int:

@@ -9,6 +9,7 @@ from __future__ import annotations
 import asyncio
 import json
 import math
+import sys
 
 import pytest
 
@@ -233,3 +234,24 @@ def test_client_backends_reads_through_a_real_serve_on_every_backend(capsys):
     for row in out.values():
         # accepted, progress and previews, the result, done: at least the final and done.
         assert row["messages"] >= 3 and row["cpu_us_per_message"] > 0
+
+
+def test_wakeup_cycles_on_every_backend_and_against_another_tree(capsys):
+    # The benchmark's cycle runs N waits to their end on each backend; --against loads a second
+    # copy of the package (this one, here) under another name and runs its Wakeup beside.
+    import anyio
+
+    from benchmarks import handover, wakeup
+    from omni_stream._wakeup import Wakeup
+
+    for backend, options in handover.BACKENDS.values():
+        for timeout in (None, 60.0):
+            assert anyio.run(wakeup.cycle_us, Wakeup, timeout, 50, backend=backend,
+                             backend_options=options) > 0
+    root = str(__import__("pathlib").Path(__file__).resolve().parent.parent)
+    try:
+        other = handover.load_other(root)
+        assert other.__name__ == "omni_stream_other" and other._wakeup.Wakeup is not Wakeup
+    finally:
+        for name in [m for m in sys.modules if m.split(".")[0] == "omni_stream_other"]:
+            del sys.modules[name]

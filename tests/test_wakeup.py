@@ -79,17 +79,17 @@ async def test_a_cancelled_waiter_leaves_the_wakeup_usable(anyio_backend) -> Non
             await woken.wait()
 
 
-async def test_the_event_is_the_loops_own_and_its_kind_is_asked_once(anyio_backend, monkeypatch) -> None:
-    # The per-frame path: a wait after a wake makes a new event, and must not
-    # ask which loop runs each time (anyio.Event would, per event).
+async def test_the_backend_is_asked_once_and_a_wait_is_the_loops_own(anyio_backend, monkeypatch) -> None:
+    # The per-frame path: a wait must not ask which loop runs each time (anyio.Event
+    # would, per event); on asyncio it is a bare future of the running loop.
     asked: list[object] = []
-    pick = _wakeup._event_class
+    real = _wakeup.current_backend
 
     def counting() -> Any:
         asked.append(None)
-        return pick()
+        return real()
 
-    monkeypatch.setattr(_wakeup, "_event_class", counting)
+    monkeypatch.setattr(_wakeup, "current_backend", counting)
     wakeup = Wakeup()
     items: list[int] = []
     kinds: set[type] = set()
@@ -102,17 +102,53 @@ async def test_the_event_is_the_loops_own_and_its_kind_is_asked_once(anyio_backe
         async with anyio.create_task_group() as tg:
             tg.start_soon(reader)
             for i in range(50):
-                await anyio.wait_all_tasks_blocked()  # the reader waits: an event exists
-                kinds.add(type(wakeup._event))
+                await anyio.wait_all_tasks_blocked()  # the reader waits
+                if anyio_backend[0] == "trio":
+                    assert len(wakeup._tasks) == 1  # the reader's task, parked
+                    kinds.add(type(wakeup._tasks[0]))
+                else:
+                    assert len(wakeup._waiters) == 1
+                    kinds.add(type(wakeup._waiters[0]))
+                    assert wakeup._waiters[0].get_loop() is asyncio.get_running_loop()
                 items.append(i)
                 wakeup.wake()
     assert len(asked) == 1
     if anyio_backend[0] == "trio":
         import trio
 
-        assert kinds == {trio.Event}
+        assert kinds == {trio.lowlevel.Task}
     else:
-        assert kinds == {asyncio.Event}
+        assert len(kinds) == 1 and issubclass(kinds.pop(), asyncio.Future)
+
+
+async def test_a_cancelled_waiter_takes_no_other_waiters_wake_and_is_not_kept(anyio_backend) -> None:
+    # asyncio cancels the future a cancelled task awaits: each waiter has its own,
+    # so the other waiter is still woken, and the cancelled one is dropped at the next wait.
+    wakeup = Wakeup()
+    woken: list[str] = []
+
+    async def waiter(name: str) -> None:
+        await wakeup.wait()
+        woken.append(name)
+
+    with anyio.fail_after(5):
+        async with anyio.create_task_group() as tg:
+            with anyio.CancelScope() as doomed:
+                async with anyio.create_task_group() as inner:
+                    inner.start_soon(waiter, "cancelled")
+                    tg.start_soon(waiter, "kept")
+                    await anyio.wait_all_tasks_blocked()
+                    doomed.cancel()
+            await anyio.wait_all_tasks_blocked()
+            wakeup.wake()
+    assert woken == ["kept"]
+    if anyio_backend[0] != "trio":
+        for _ in range(100):  # a waiter cancelled each time, and never a wake between
+            with anyio.move_on_after(0):
+                await wakeup.wait()
+        assert len(wakeup._waiters) <= 1
+    else:
+        assert wakeup._tasks == []  # a cancelled task took itself off
 
 
 async def test_a_timed_wait_returns_after_its_timeout_and_leaves_the_next_wait_waiting(anyio_backend) -> None:
@@ -143,8 +179,6 @@ async def test_a_wake_ends_a_timed_wait_before_its_timeout(anyio_backend) -> Non
 
 async def test_bounded_waits_share_one_timer_armed_again_only_for_an_earlier_deadline(anyio_backend) -> None:
     # A reader waits once a frame with a bound of minutes: one timer serves them all, not one a wait.
-    if anyio_backend[0] == "trio":
-        pytest.skip("trio bounds each wait with its own move_on_after")
     wakeup = Wakeup()
     waits = 0
 
@@ -177,7 +211,6 @@ async def test_an_ended_delivery_leaves_no_timer(anyio_backend) -> None:
     delivery = Delivery("all")
     with anyio.move_on_after(0.01):
         await delivery.wait(60)
-    if anyio_backend[0] != "trio":
-        assert delivery._wakeup._timer is not None
+    assert delivery._wakeup._timer is not None
     delivery.end()
     assert delivery._wakeup._timer is None

@@ -202,13 +202,15 @@ class Copier:
 
     def _receive(self, tickets: list[CopyTicket]) -> None:
         deliver = self._deliver
-        if (
-            deliver is not None
-            and self._failure is None
-            and not self._busy
-            and not self._inbox
-            and all(t.lease is None for t in tickets)
-        ):
+        direct = deliver is not None and self._failure is None and not self._busy and not self._inbox
+        if direct:
+            # (A loop, not all() over a generator: this runs once a wake-up.)
+            for t in tickets:
+                if t.lease is not None:
+                    direct = False
+                    break
+        if direct:
+            assert deliver is not None
             # Nothing to wait for (host-resident frames, failed steps) and
             # nothing queued ahead of them: hand them on from this callback.
             # Waking the copier task would cost a task switch a frame, on the

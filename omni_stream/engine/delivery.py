@@ -18,6 +18,7 @@ stale frames then).
 from __future__ import annotations
 
 from collections import deque
+from collections.abc import Awaitable
 
 from .._wakeup import Wakeup
 from ..frame import Frame
@@ -53,7 +54,7 @@ class Delivery:
         if self._latest and self._frames:
             replaced = self._frames.popleft()
         self._frames.append(frame)
-        if frame.final:
+        if frame.step == frame.total:  # frame.final, without a property call a frame
             self._ended = True
             self._wakeup.disarm()  # the reader has what it waits for, and will not wait again
         self._wakeup.wake()
@@ -92,11 +93,13 @@ class Delivery:
                 return frame
             await self._wakeup.wait()
 
-    async def wait(self, timeout: float) -> None:
-        """Wait until a frame is put or the delivery ends, ``timeout`` seconds at most.
+    def wait(self, timeout: float) -> Awaitable[object]:
+        """What to await until a frame is put or the delivery ends, ``timeout`` seconds at most.
 
         Returns either way, and early when another reader took what came:
         call :meth:`get_nowait` after. The bound is a timer, not a cancel
-        scope (``Wakeup.wait``): the reader waits once a frame.
+        scope (``Wakeup.wait``): the reader waits once a frame. Not a
+        coroutine of its own: the Wakeup's awaitable is handed through, one
+        frame of Python fewer on the loop for every frame delivered.
         """
-        await self._wakeup.wait(timeout)
+        return self._wakeup.wait(timeout)

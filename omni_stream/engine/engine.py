@@ -229,7 +229,7 @@ class Engine:
         self._prepare_limiter = anyio.CapacityLimiter(1)
         self._tg = anyio.create_task_group()
         await self._tg.__aenter__()
-        self._tg.start_soon(self._supervised, "copier", self._copier.run, self._output.copied.extend)
+        self._tg.start_soon(self._supervised, "copier", self._copier.run, self._output.deliver)
         self._tg.start_soon(self._supervised, "producer", self._run_producer)
         # Let the tasks start (the producer thread with them) before returning.
         # The copier's loop is bound above, not in its task: trio runs new

@@ -3,10 +3,10 @@
 The loop-side half of the data path, between the copier and the readers
 (``docs/design.md`` draws it)::
 
-    copier ──ticket batches──▶ copied.extend ──dispatch──▶ Delivery ──▶ FrameStream
+    copier ──ticket batches──▶ deliver ──dispatch──▶ Delivery ──▶ FrameStream
                                                                      (consumed, abandon,
                                                                       step_timeout,
-                                                                      step_deadline,
+                                                                      time_left,
                                                                       time_out)
 
 ``Engine`` (the facade) and every ``FrameStream`` hold the same
@@ -56,18 +56,6 @@ class ProducerActivity(Protocol):
     busy_with: tuple[str, ...]
 
 
-class _Copied:
-    """The copier's ``deliver`` (``copied.extend``): every batch dispatched at once (loop-only)."""
-
-    __slots__ = ("_output",)
-
-    def __init__(self, output: OutputProcessor) -> None:
-        self._output = output
-
-    def extend(self, tickets: list[CopyTicket]) -> None:
-        self._output.deliver(tickets)
-
-
 class OutputProcessor:
     """Hands copied frames to their requests' readers and finalises requests; see the module docstring."""
 
@@ -85,11 +73,6 @@ class OutputProcessor:
         #: The loop ``abandon_threadsafe`` schedules onto (asyncio's or trio's);
         #: set by ``Engine.start``.
         self.loop: ThreadsafeLoop | None = None
-        # Copier -> readers, loop-only: the copier's ``deliver`` is
-        # ``copied.extend``, which dispatches the batch there and then. It
-        # used to queue the batch for a consumer task: one more task switch,
-        # and one more pass of the loop holding the GIL, for every frame.
-        self.copied = _Copied(self)
 
     def set_model(self, model: StepModel) -> None:
         """The model, once built on the producer thread (before any request runs)."""
@@ -98,7 +81,12 @@ class OutputProcessor:
     # -- frames to their readers --------------------------------------------------
 
     def deliver(self, tickets: list[CopyTicket]) -> None:
-        """Dispatch every ticket in order; never raises for one request's failure."""
+        """Dispatch every ticket in order; never raises for one request's failure.
+
+        The copier's ``deliver``, called with each batch there and then (loop-only). It
+        used to queue the batch for a consumer task: one more task switch, and
+        one more pass of the loop holding the GIL, for every frame.
+        """
         for t in tickets:
             try:
                 self.dispatch(t)
@@ -146,7 +134,7 @@ class OutputProcessor:
         if replaced is not None:
             self.frames_dropped += 1
             self.consumed(r)
-        if frame.final:
+        if t.step == r.total:  # frame.final
             self.end(r, Status.FINISHED, None)
 
     # -- request endings ---------------------------------------------------------
@@ -229,6 +217,20 @@ class OutputProcessor:
         if handed_at is None:
             return None
         return max(waiting_since, handed_at) + bound
+
+    def time_left(self, r: Request, waiting_since: float, bound: float) -> float:
+        """Seconds the reader of ``r``, waiting since ``waiting_since``, may still wait; <= 0: it timed out.
+
+        ``step_deadline`` measured from now, and ``bound`` while no bound
+        runs (queued behind a whole run, or paused). The reader asks once a
+        frame: a plain stepped request, the common case, is answered here
+        without ``step_deadline``'s call.
+        """
+        model = self._model
+        if r.paused or r.resumed_at is not None or model is None or model.runs_whole_requests:
+            deadline = self.step_deadline(r, waiting_since, bound)
+            return bound if deadline is None else deadline - self._table.clock()
+        return waiting_since + bound - self._table.clock()
 
     def time_out(self, r: Request, bound: float) -> StepTimeoutError:
         """End ``r`` as timed out after ``bound`` seconds without a frame; returns the error to raise."""

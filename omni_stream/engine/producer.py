@@ -31,7 +31,7 @@ from ..device.openmp import set_torch_threads_here
 from ..errors import OmniStreamError, ParamsError, StepFailedError, StepTimeoutError
 from ..model import RequestStopped, StepModel
 from .copier import Copier, CopyTicket
-from .request import Request, Status, live
+from .request import _QUEUED, _RUNNING, Request, Status
 from .scheduler import BatchLimits, pick_batch
 from .table import RequestTable
 
@@ -75,6 +75,11 @@ class Producer:
         if model is not None:
             self._batch_limits = self._limits_for(model)
         self._seq = 0
+        # The device's after-step hook, None where it is the default that does nothing
+        # (a Python call a step saved on the CPU and CUDA devices).
+        self._after_step: Callable[[], None] | None = (
+            None if type(device).after_step is Device.after_step else device.after_step
+        )
         # Tickets of the last batch, posted to the loop at the next flush
         # (see _flush): before any model code runs or the thread waits.
         self._unposted: list[CopyTicket] = []
@@ -160,10 +165,13 @@ class Producer:
                     runnable: list[Request] = []
                     chores = False
                     for r in table.live.values():
-                        if not live(r.status) or (r.paused and r.to_host and _movable(r)):
+                        status = r.status  # not status.ended, written out: once per request a step
+                        if (status is not _QUEUED and status is not _RUNNING) or (
+                            r.paused and r.to_host and _movable(r)
+                        ):
                             chores = True
                             break
-                        if r.runnable(max_run_ahead=max_run_ahead, queue_size=queue_size):
+                        if r.runnable(max_run_ahead, queue_size):
                             runnable.append(r)
                     if chores:
                         break  # close and retire ended requests first, outside the lock
@@ -268,7 +276,7 @@ class Producer:
                 if exc is None and n == r.total and r.params.get("output") == "image":
                     out, decoded, exc, decode_s = self._decode(r, out, self._model.decode)
                     compute_s += decode_s
-                elif exc is None and r.previewed(n):
+                elif exc is None and r.preview_every is not None and r.previewed(n):
                     out, decoded, exc, decode_s = self._decode(r, out, self._model.decode_preview)
                     compute_s += decode_s
                 if exc is None:
@@ -336,11 +344,17 @@ class Producer:
     def _step(
         self, batch: list[Request]
     ) -> list[tuple[Request, Any, BaseException | None, float]]:
+        single = len(batch) == 1
         t0 = time.monotonic()
         try:
-            ids = (batch[0].id,) if len(batch) == 1 else tuple(r.id for r in batch)
-            with self._busy(ids):
-                outs = self._model.step([r.state for r in batch])
+            # The busy mark (``_busy``) written out: this runs once a step.
+            self._flush()
+            self.busy_with = (batch[0].id,) if single else tuple(r.id for r in batch)
+            self.busy_since = t0
+            try:
+                outs = self._model.step([batch[0].state] if single else [r.state for r in batch])
+            finally:
+                self.busy_since = None
         except Exception as exc:
             if len(batch) == 1:
                 return [(batch[0], None, exc, 0.0)]
@@ -354,17 +368,23 @@ class Producer:
                 results.extend(self._step([r]))
             return results
         # A device error here is the machinery's, not a request's: propagate.
-        self._device.after_step()
+        if self._after_step is not None:
+            self._after_step()
         compute_s = time.monotonic() - t0
-        self.steps += len(batch)
+        n = len(batch)
+        self.steps += n
         self.batches += 1
-        self.batch_sizes[len(batch)] = self.batch_sizes.get(len(batch), 0) + 1
+        self.batch_sizes[n] = self.batch_sizes.get(n, 0) + 1
         # The states have advanced: a bad output fails its request, and
         # nothing is ever stepped twice.
-        if not (type(outs) is list or isinstance(outs, Sequence)) or len(outs) != len(batch):
+        if not (type(outs) is list or isinstance(outs, Sequence)) or len(outs) != n:
             got = len(outs) if isinstance(outs, Sequence) else type(outs).__name__
-            err = TypeError(f"model.step returned {got} frames for {len(batch)} states")
+            err = TypeError(f"model.step returned {got} frames for {n} states")
             return [(r, None, err, compute_s) for r in batch]
+        if single:
+            out = outs[0]
+            bad = None if isinstance(out, torch.Tensor) else self._check_output(out)
+            return [(batch[0], out, bad, compute_s)]
         return [(r, out, self._check_output(out), compute_s) for r, out in zip(batch, outs, strict=True)]
 
     def _decode(
@@ -384,7 +404,8 @@ class Producer:
             return None, False, exc, time.monotonic() - t0
         if out is frame or out is None:
             return frame, False, None, 0.0
-        self._device.after_step()
+        if self._after_step is not None:
+            self._after_step()
         decode_s = time.monotonic() - t0
         if not isinstance(out, torch.Tensor):
             err = TypeError(f"{decode.__name__} must return a tensor, got {type(out).__name__}")
@@ -433,7 +454,7 @@ class Producer:
             while True:
                 if table.stopping or r.status.ended:
                     return "stop"
-                if r.runnable(max_run_ahead=limits.max_run_ahead, queue_size=limits.queue_size):
+                if r.runnable(limits.max_run_ahead, limits.queue_size):
                     return "go"
                 left = deadline - time.monotonic()
                 if left <= 0:
@@ -554,7 +575,8 @@ class _Emitter:
                         f"model.decode_preview must return a tensor or None, got {type(pixels).__name__}"
                     )
                 frame, decoded, decode_s = pixels, True, time.monotonic() - t0
-        producer._device.after_step()
+        if producer._after_step is not None:
+            producer._after_step()
         now = time.monotonic()
         compute_s = now - self._last
         producer.steps += 1

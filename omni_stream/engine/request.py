@@ -20,7 +20,7 @@ from .delivery import Delivery
 if TYPE_CHECKING:
     from ..checkpoint import Checkpoint
 
-__all__ = ["Status", "Request", "live"]
+__all__ = ["Status", "Request"]
 
 
 class Status(enum.Enum):
@@ -36,12 +36,9 @@ class Status(enum.Enum):
         return self not in (Status.QUEUED, Status.RUNNING)
 
 
+# The live statuses, compared by identity on the producer's per-step scan (``not status.ended``
+# without its property call).
 _QUEUED, _RUNNING = Status.QUEUED, Status.RUNNING
-
-
-def live(status: Status) -> bool:
-    """``not status.ended``, without a property call (the producer's per-step scan)."""
-    return status is _QUEUED or status is _RUNNING
 
 
 class Request:
@@ -147,7 +144,7 @@ class Request:
         every = self.preview_every
         return every is not None and step < self.total and step % every == 0
 
-    def runnable(self, *, max_run_ahead: int, queue_size: int) -> bool:
+    def runnable(self, max_run_ahead: int, queue_size: int) -> bool:
         # The producer asks this of every live request once a step: the status by identity and
         # the counters inline (``ended``, ``in_flight``, ``unconsumed`` are Python calls each).
         status, issued = self.status, self.issued

@@ -6,7 +6,8 @@ that moment. Time the reader spends elsewhere does not count; time the step
 spends queued, computing or copying does, except queued behind another
 request's whole run (a ``runs_whole_requests`` model): there the bound
 starts when the producer hands this request the device, a moment the
-producer stamps on the request (``OutputProcessor.step_deadline``).
+producer stamps on the request (``OutputProcessor.step_deadline``,
+read through ``time_left``).
 
 Cleanup is deterministic with ``async with``; a plain ``async for`` that
 breaks out drops the last reference to the stream, and ``__del__`` then
@@ -70,8 +71,7 @@ class FrameStream:
                 while frame is None:
                     # Decided on the producer's clock, from what it stamped:
                     # the timer below only says when to look again.
-                    deadline = output.step_deadline(request, since, bound)
-                    left = bound if deadline is None else deadline - output.clock()
+                    left = output.time_left(request, since, bound)
                     if left <= 0:
                         raise output.time_out(request, bound)
                     # Returns on a put, the end, or after ``left``: a timer,
@@ -90,7 +90,7 @@ class FrameStream:
     def _took(self, frame: Frame) -> Frame:
         """Count ``frame`` as read (the producer's backpressure) and note the end."""
         self._output.consumed(self._request)
-        if frame.final:
+        if frame.step == frame.total:  # frame.final, without its property call (once a frame)
             self._done = True
         return frame
 

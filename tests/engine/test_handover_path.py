@@ -99,7 +99,7 @@ async def test_a_frame_reaches_its_reader_without_the_consumer_task(anyio_backen
     copier = _copier()
     copier.loop = _backend.running_loop()
     async with anyio.create_task_group() as tg:
-        tg.start_soon(copier.run, out.copied.extend)
+        tg.start_soon(copier.run, out.deliver)
         await anyio.wait_all_tasks_blocked()
         threading.Thread(
             target=copier.post,

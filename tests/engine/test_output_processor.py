@@ -368,7 +368,7 @@ async def test_a_delivery_that_fails_ends_its_request_only() -> None:
     broken.delivery = BrokenDelivery("all")
     fine = request(out, "fine", total=1)
     # Dispatched in the call that receives them: no task runs between (_handover.py).
-    out.copied.extend([ticket(broken, 1), ticket(fine, 1)])
+    out.deliver([ticket(broken, 1), ticket(fine, 1)])
     assert fine.finalized
     assert broken.status is Status.FAILED and fine.status is Status.FINISHED
     with pytest.raises(om.OmniStreamError, match="delivering step 1 failed") as info:
