@@ -1,4 +1,5 @@
-"""Every async test runs twice: under asyncio's default loop and under uvloop.
+"""Every async test runs twice: under asyncio's default loop and under uvloop
+(once, under asyncio's, when marked ``one_loop``: it tests a server in another process).
 
 Also what tests in several folders share: ``one_torch_thread``, the ``Slow``
 model and a ``running`` server (tests/server/conftest.py has the server
@@ -24,6 +25,9 @@ from omni_stream.models import Synthetic
 @pytest.hookimpl(optionalhook=True)
 def pytest_asyncio_loop_factories(config, item) -> Mapping[str, object]:
     factories: dict[str, object] = {"asyncio": asyncio.new_event_loop}
+    if item.get_closest_marker("one_loop") is not None:
+        # What it tests runs in another process (a real serve): a second loop here tests nothing more.
+        return factories
     try:
         import uvloop
     except ImportError:  # pragma: no cover - uvloop is a dependency off Windows

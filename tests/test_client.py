@@ -597,7 +597,9 @@ async def fake_server(script: Script) -> AsyncIterator[str]:
         await script(ws, message)
         await ws.wait_closed()
 
-    async with ws_serve(handler, "127.0.0.1", 0) as server:
+    # close_timeout: a script may leave the server unable to finish a closing handshake (a
+    # frozen server stops reading); its shutdown then waits this long, not websockets' 10 s.
+    async with ws_serve(handler, "127.0.0.1", 0, close_timeout=0.5) as server:
         port = next(iter(server.sockets)).getsockname()[1]
         yield f"ws://127.0.0.1:{port}/ws"
 

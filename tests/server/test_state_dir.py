@@ -451,6 +451,7 @@ async def _ws_run(url: str, message: dict[str, Any], rid: str) -> list[dict[str,
 
 
 @needs_engine_resume
+@pytest.mark.one_loop
 @pytest.mark.asyncio
 async def test_kill_9_mid_render_then_restart_completes_the_request_from_its_checkpoint(tmp_path) -> None:
     folder = tmp_path / "state"
