@@ -182,3 +182,27 @@ def test_save_mp4_without_pyav_names_the_extra(tmp_path, monkeypatch):
     monkeypatch.setitem(sys.modules, "av", None)
     with pytest.raises(ImportError, match=r'pip install "omni-stream\[video\]"'):
         _video().save(tmp_path / "out.mp4")
+
+
+def test_the_engines_fast_frame_is_the_dataclasses_own_field_for_field_and_as_frozen() -> None:
+    import dataclasses
+
+    import torch
+
+    from omni_stream.frame import Frame, StepTimings, engine_frame
+
+    data = torch.arange(6.0).view(1, 2, 3)
+    fast = engine_frame("r", 3, 9, data, 0.25, 0.5, 0.125, 4, 0.0625, True, 2)
+    slow = Frame("r", 3, 9, data, StepTimings(0.25, 0.5, 0.125, 4, 0.0625), True, None, 2)
+    # A field added to either class and not set by engine_frame is missing (AttributeError) or
+    # differs here: every field is compared, by name.
+    for cls, a, b in ((Frame, fast, slow), (StepTimings, fast.timings, slow.timings)):
+        for field in dataclasses.fields(cls):
+            assert getattr(a, field.name) is getattr(b, field.name) or getattr(a, field.name) == getattr(
+                b, field.name
+            ), field.name
+    assert fast == slow and hash(fast.timings) == hash(slow.timings)
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        fast.step = 4  # type: ignore[misc]
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        fast.timings.copy_s = 1.0  # type: ignore[misc]

@@ -195,6 +195,14 @@ class RequestRecord:
         self.paused = False
         self._publish_state(protocol.dumps(protocol.resumed(self.id, step=self.latest_step)), "resumed")
 
+    def restart_view(self) -> dict[str, Any] | None:
+        """The restart last said (``{"from_step", "reason"}``), None if it did not restart: what
+        the HTTP status and an OpenAI video job show of it."""
+        if self.restarted is None:
+            return None
+        message = json.loads(self.restarted)
+        return {"from_step": message["from_step"], "reason": message["reason"]}
+
     def publish_restarted(self, from_step: int, reason: str, *, rewind: bool = True) -> bool:
         """Say the server restarted and runs the request again from ``from_step`` (protocol.RESTART_REASONS
         says why there): ``restarted`` to every watcher, kept for every later ``attach``; its progress

@@ -35,7 +35,7 @@ from typing import Protocol
 from .._backend import ThreadsafeLoop
 from ..config import STEP_TIMEOUT_ENV, timeout as default_timeout
 from ..errors import OmniStreamError, RequestCancelledError, StepFailedError, StepTimeoutError
-from ..frame import Frame, StepTimings
+from ..frame import engine_frame
 from ..model import StepModel
 from .copier import CopyTicket
 from .request import Request, Status
@@ -120,14 +120,9 @@ class OutputProcessor:
                 table.cond.notify()
         if t.data is None or r.finalized:
             return  # the request ended while its copy was in flight
-        frame = Frame(
-            request_id=r.id,
-            step=t.step,
-            total=r.total,
-            data=t.data,
-            timings=StepTimings(t.queued_s, t.compute_s, t.copy_s, t.batch_size, t.decode_s),
-            decoded=t.decoded,
-            image_count=r.images,
+        frame = engine_frame(
+            r.id, t.step, r.total, t.data, t.queued_s, t.compute_s, t.copy_s, t.batch_size, t.decode_s,
+            t.decoded, r.images,
         )
         replaced = r.delivery.put(frame)
         self.frames_delivered += 1

@@ -155,8 +155,10 @@ def video_object(
     seconds: str,
     size: str,
     error: Mapping[str, Any] | None = None,
+    restarted: Mapping[str, Any] | None = None,
 ) -> dict[str, Any]:
-    """OpenAI's ``Video`` object."""
+    """OpenAI's ``Video`` object, and ``restarted`` (ours: ``{"from_step", "reason"}`` when the job
+    was run again after its server or replica was lost, else null; OpenAI's clients ignore it)."""
     return {
         "id": video_id,
         "object": "video",
@@ -171,6 +173,7 @@ def video_object(
         "size": size,
         "remixed_from_video_id": None,
         "error": None if error is None else {"code": error.get("code"), "message": error.get("message")},
+        "restarted": None if restarted is None else dict(restarted),
     }
 
 

@@ -19,7 +19,6 @@ buffer, never copied per call (responses.BufferResponse).
 
 from __future__ import annotations
 
-import json
 import math
 import time
 from collections.abc import Callable
@@ -109,7 +108,7 @@ def status_payload(
         # Results once done: one per image (num_images), each at output?index=i.
         "images": record.result_count,
         # The server restarted and runs it again: {"from_step", "reason"} (docs/protocol.md).
-        "restarted": _restart_view(record),
+        "restarted": record.restart_view(),
         "error": None,
     }
     terminal = record.terminal_message()
@@ -119,13 +118,6 @@ def status_payload(
         # Its URL and how each delivery went (docs/webhooks.md); only to who may see the id.
         out["webhook"] = record.webhook.view()
     return out
-
-
-def _restart_view(record: RequestRecord) -> dict[str, Any] | None:
-    if record.restarted is None:
-        return None
-    message = json.loads(record.restarted)
-    return {"from_step": message["from_step"], "reason": message["reason"]}
 
 
 class HttpApi:

@@ -229,6 +229,7 @@ class OpenAIVideos:
             seconds=job.seconds,
             size=job.size,
             error=error,
+            restarted=record.restart_view(),
         )
 
     def _prune(self) -> None:

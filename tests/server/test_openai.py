@@ -216,6 +216,14 @@ async def test_video_jobs_are_created_followed_downloaded_listed_and_deleted() -
         with anyio.fail_after(120):
             while (job := await ann.videos.retrieve(job.id)).status not in ("completed", "failed"):
                 await anyio.sleep(0.05)
+        # Ours beside OpenAI's fields (its clients ignore it): null, or the restart said, as a job
+        # handed over from a lost Ray replica, or resumed after a restart, shows it.
+        assert job.model_extra is not None and job.model_extra["restarted"] is None
+        record = server.service.rules.registry.get(job.id)
+        assert record is not None and record.publish_restarted(1, "replica_lost", rewind=False)
+        moved = await ann.videos.retrieve(job.id)
+        assert moved.model_extra is not None
+        assert moved.model_extra["restarted"] == {"from_step": 1, "reason": "replica_lost"}
         content = await ann.videos.download_content(job.id)
         thumbnail = await ann.videos.download_content(job.id, variant="thumbnail")
         listed = [v.id async for v in ann.videos.list()]
