@@ -111,7 +111,15 @@ class Checkpoint:
         return sum(t.nbytes for t in self.tensors.values())
 
     def to_bytes(self) -> bytes:
-        """The checkpoint as bytes (see the module docstring); :meth:`from_bytes` reads them."""
+        """The checkpoint as bytes (see the module docstring); :meth:`from_bytes` reads them.
+
+        A checkpoint read by :meth:`from_bytes` gives back the bytes it was read from, not an
+        encoding made again: a server over Ray that resumes its requests after a restart reads
+        each from its folder (in a worker thread) and sends the bytes on, from the event loop.
+        """
+        source: bytes | None = self.__dict__.get("_source")
+        if source is not None:
+            return source
         return _encode(self, FILE_VERSION)
 
     @classmethod
@@ -140,12 +148,15 @@ class Checkpoint:
             loaded = torch.load(io.BytesIO(data[_HEADER:]), map_location="cpu", weights_only=True)
             meta = json.loads(loaded["meta"])
             tensors = loaded["tensors"]
-            return cls(
+            checkpoint = cls(
                 model=meta["model"], format=meta["format"], step=meta["step"], total=meta["total"],
                 params=meta["params"], values=meta["values"], tensors=tensors,
             )
         except Exception as exc:  # noqa: BLE001 - a well-summed payload of the wrong shape: still ours to name
             raise CheckpointError(f"checkpoint payload cannot be read: {exc!r:.200}") from exc
+        # Its own bytes, for to_bytes (not a field: equality, repr and fields() are the data's).
+        object.__setattr__(checkpoint, "_source", data)
+        return checkpoint
 
 
 def _encode(checkpoint: Checkpoint, version: int) -> bytes:

@@ -38,6 +38,23 @@ def test_bytes_round_trip_every_field() -> None:
     assert checkpoint.nbytes == 4 * 2 + 3
 
 
+def test_a_checkpoint_read_from_bytes_gives_those_bytes_back_without_encoding_again(monkeypatch) -> None:
+    # A server over Ray resuming after a restart reads each checkpoint from its folder and sends
+    # its bytes on from the event loop: encoding them again there would stall the loop.
+    data = synthetic_checkpoint().to_bytes()
+    read = Checkpoint.from_bytes(bytearray(data))
+
+    def no_encoding(*_: object) -> bytes:
+        raise AssertionError("encoded again")
+
+    monkeypatch.setattr(ckpt_module, "_encode", no_encoding)
+    assert read.to_bytes() == data
+    assert read == read and "_source" not in repr(read)
+    made = synthetic_checkpoint()  # one made by a model is encoded, as before
+    with pytest.raises(AssertionError, match="encoded again"):
+        made.to_bytes()
+
+
 def test_a_torn_or_tampered_checkpoint_raises() -> None:
     data = synthetic_checkpoint().to_bytes()
     for cut in (0, 10, len(ckpt_module.MAGIC) + 20, len(data) // 2, len(data) - 1):

@@ -423,7 +423,8 @@ class RemoteEngine:
             render=render,
             model=name,
             checkpoint_every=self._checkpoint_every(checkpoint_every, on_checkpoint),
-            # (The bytes are made here, on the loop: once a request, when a restarted server resumes it.)
+            # (A checkpoint read from bytes, as a restarted server's from its folder, gives those
+            # back; one made in this process is encoded here, on the loop.)
             resume=None if resume is None else resume.to_bytes(),
         )
         # Whether the request will wait for its model to load: decided now, with
