@@ -31,6 +31,9 @@ CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
 
 # Step phases span sub-millisecond (copies, tiny models) to minutes (video
 # models on one GPU): log-spaced buckets cover both ends.
+# A restart's time to its first frame: a hand-over from a checkpoint in tenths of a second, a
+# resume behind a loading model or a replacement replica in seconds to minutes.
+_RESTART_BUCKETS = (0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120.0, 300.0, 600.0)
 _STEP_BUCKETS = (
     0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5,
     1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 300.0,
@@ -104,6 +107,12 @@ class ServerMetrics:
             "--state-dir; a checkpoint refused as the request goes in is said, and counted, as checkpoint "
             "then checkpoint_unusable), replica_lost (each Ray hand-over)",
             ["reason"], registry=r,
+        )
+        self.restart_first_frame = Histogram(
+            "omni_stream_restart_first_frame_seconds",
+            "from a restarted message said (a request readmitted after a restart with --state-dir, or a "
+            "Ray hand-over beginning) to the request's first frame after it, by reason",
+            ["reason"], buckets=_RESTART_BUCKETS, registry=r,
         )
         self.reads_paced = Counter(
             "omni_stream_reads_paced",

@@ -87,6 +87,8 @@ class RequestRecord:
         #: The ``restarted`` message (serialized) when the server brought it back after a restart
         #: (server/state.py): kept for every later ``attach``, whatever progress comes after it.
         self.restarted: str | None = None
+        # Why and when the last restart was said, until its first frame (restart_settled).
+        self._restart_pending: tuple[str, float] | None = None
         #: Its step when it (re)entered the engine: a preemption waits for a quantum past it.
         self.entered_step = 0
         #: Called after each published step while it runs (the rules' preemption retry), or None.
@@ -195,6 +197,14 @@ class RequestRecord:
         self.paused = False
         self._publish_state(protocol.dumps(protocol.resumed(self.id, step=self.latest_step)), "resumed")
 
+    def restart_settled(self) -> tuple[str, float] | None:
+        """``(reason, seconds)`` from the restart said last to now, once: the consumer asks at each
+        frame, and the first frame after a restart gets it (``/metrics``' time to first frame)."""
+        pending, self._restart_pending = self._restart_pending, None
+        if pending is None:
+            return None
+        return pending[0], time.monotonic() - pending[1]
+
     def restart_view(self) -> dict[str, Any] | None:
         """The restart last said (``{"from_step", "reason"}``), None if it did not restart: what
         the HTTP status and an OpenAI video job show of it."""
@@ -215,6 +225,7 @@ class RequestRecord:
         if text == self.restarted:
             return False
         self.restarted = text
+        self._restart_pending = (reason, time.monotonic())
         if rewind:
             self.latest_step = from_step
         self._recount()

@@ -351,6 +351,9 @@ def _encode_finite(frame: Frame, *args: Any, **kwargs: Any) -> list[EncodedImage
 
 def _progress(record: RequestRecord, frame: Frame, metrics: ServerMetrics) -> None:
     metrics.observe_timings(frame.timings)
+    settled = record.restart_settled()
+    if settled is not None:  # the first frame since a restart was said: how long it took
+        metrics.restart_first_frame.labels(settled[0]).observe(settled[1])
     elapsed = time.monotonic() - record.created_at
     eta = elapsed / frame.step * (frame.total - frame.step)
     record.publish_progress(

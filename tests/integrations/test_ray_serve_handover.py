@@ -19,7 +19,7 @@ from typing import Any
 import anyio
 import pytest
 import torch
-from prometheus_client import CollectorRegistry, Counter
+from prometheus_client import CollectorRegistry, Counter, Histogram
 
 pytest.importorskip("ray.serve", reason="needs Ray Serve: pip install 'omni-stream[ray]'")
 
@@ -418,7 +418,9 @@ class _Watcher:
 class _Metrics:
     def __init__(self) -> None:
         # As the server's (core/metrics.py), in a registry of its own.
-        self.restarts = Counter("restarted", "restarts", ["reason"], registry=CollectorRegistry())
+        registry = CollectorRegistry()
+        self.restarts = Counter("restarted", "restarts", ["reason"], registry=registry)
+        self.restart_first_frame = Histogram("first", "first frame", ["reason"], registry=registry)
 
     def observe_timings(self, timings: Any) -> None:
         pass
@@ -473,6 +475,9 @@ async def test_the_requests_watchers_get_restarted_replica_lost_from_the_step_it
     assert noted == [("r", step) for step, _ in told]
     # Counted on /metrics, once a hand-over (omni_stream_requests_restarted_total{reason="replica_lost"}).
     assert metrics.restarts.labels("replica_lost")._value.get() == len(told)
+    # And the time from the (last) hand-over said to the first frame after it, once.
+    observed = metrics.restart_first_frame.labels("replica_lost")
+    assert observed._sum.get() > 0 and sum(b.get() for b in observed._buckets) == 1
     assert record.latest_step == TOTAL
     # Kept for an attach (and the HTTP status): the latest, right after accepted.
     later = _Watcher(record)

@@ -220,6 +220,8 @@ async def test_a_restart_resumes_from_the_checkpoint_to_the_same_result(tmp_path
     assert status["restarted"] == {"from_step": step, "reason": "checkpoint"}
     assert f"event: restarted\ndata: {json.dumps(notice, separators=(',', ':'))}\n" in events
     assert 'omni_stream_requests_restarted_total{reason="checkpoint"} 1.0' in scraped
+    # Its time from being said restarted to its first frame after, once.
+    assert 'omni_stream_restart_first_frame_seconds_count{reason="checkpoint"} 1.0' in scraped
 
 
 @needs_engine_resume
