@@ -573,6 +573,9 @@ class _Record:
     def publish_progress(self, step: int, message: Any) -> None:
         pass
 
+    def restart_settled(self) -> None:
+        return None  # never restarted
+
     def publish_preview(self, frame: bytes, *, final: bool) -> None:
         if final:
             self.reserved_at_result = self.budget.reserved
