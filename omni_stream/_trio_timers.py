@@ -27,9 +27,10 @@ import heapq
 import itertools
 import logging
 import math
-import sys
 from collections.abc import Callable
 from typing import Any
+
+import trio
 
 __all__ = ["TimerHandle", "Timers", "timers"]
 
@@ -54,7 +55,7 @@ class TimerHandle:
     def cancel(self) -> None:
         if not self._done:
             self._done = True
-            self._timers._cancelled_one()
+            self._timers._cancelled_one(self)
 
     def cancelled(self) -> bool:
         """Cancelled or fired (asyncio's TimerHandle has the same method)."""
@@ -85,10 +86,20 @@ class Timers:
         """Timers in the heap, cancelled ones not yet dropped included (for tests)."""
         return len(self._heap)
 
-    def _cancelled_one(self) -> None:
+    def _cancelled_one(self, handle: TimerHandle) -> None:
         self._cancelled += 1
         heap = self._heap
-        if len(heap) >= _COMPACT_MIN and self._cancelled * 2 > len(heap):
+        if heap and heap[0][2] is handle:
+            # The earliest: drop it (and any cancelled ones under it), and let the task sleep
+            # until the next timer rather than wake for nothing (a disarmed 600 s bound would
+            # otherwise wake it in 600 s, and jump a test's autojumping clock that far).
+            while heap and heap[0][2]._done:
+                heapq.heappop(heap)
+                self._cancelled -= 1
+            scope = self._scope
+            if scope is not None:
+                scope.deadline = heap[0][0] if heap else math.inf
+        elif len(heap) >= _COMPACT_MIN and self._cancelled * 2 > len(heap):
             heap[:] = [entry for entry in heap if not entry[2]._done]
             heapq.heapify(heap)
             self._cancelled = 0
@@ -97,6 +108,17 @@ class Timers:
         """The system task: fire what is due, sleep until the next, forever (until the run ends)."""
         trio = self._trio
         heap = self._heap
+        try:
+            await self._serve(trio, heap)
+        finally:
+            # The run ends (its system tasks are cancelled): no timer here will fire, so none
+            # may look armed to a Wakeup waited on in a later run (whose clock is another).
+            for _, _, handle in heap:
+                handle._done = True
+            heap.clear()
+            self._cancelled = 0
+
+    async def _serve(self, trio: Any, heap: list[tuple[float, int, TimerHandle]]) -> None:
         while True:
             now = trio.current_time()
             while heap and (heap[0][2]._done or heap[0][0] <= now):
@@ -115,21 +137,19 @@ class Timers:
             self._scope = None
 
 
-_run_var: Any = None
+# Made at import, once (this module is imported only under a trio run, or by its tests).
+_run_var: Any = trio.lowlevel.RunVar("omni_stream.timers")
 
 
 def timers() -> Timers:
     """The running trio run's timers, started at the first call (in the run's thread)."""
-    global _run_var
-    trio = sys.modules["trio"]  # a trio run is going on: trio was imported
-    if _run_var is None:
-        _run_var = trio.lowlevel.RunVar("omni_stream.timers")
     try:
         found: Timers = _run_var.get()
         return found
     except LookupError:
         pass
     made = Timers(trio)
-    _run_var.set(made)
+    # Spawned first: a run that cannot take a system task any more (it is ending) gets none.
     trio.lowlevel.spawn_system_task(made.run, name="omni_stream timers")
+    _run_var.set(made)
     return made

@@ -65,11 +65,13 @@ class _Timer(Protocol):
 
     def cancel(self) -> None: ...
 
+    def cancelled(self) -> bool: ...
+
 
 class Wakeup:
     """Wakes the tasks waiting on it (see the module docstring); loop-only."""
 
-    __slots__ = ("_waiters", "_tasks", "_trio", "_timer", "_timer_at")
+    __slots__ = ("_waiters", "_tasks", "_trio", "_timer", "_timer_at", "_timer_loop")
 
     def __init__(self) -> None:
         # asyncio: the futures of the tasks waiting now (a cancelled one until the next wait).
@@ -81,6 +83,9 @@ class Wakeup:
         # The timer for bounded waits, and the loop time it fires at.
         self._timer: _Timer | None = None
         self._timer_at = 0.0
+        # The asyncio loop the timer is on: a Wakeup waited on again under another loop arms
+        # a timer there (the old one would never fire, and its time is another loop's clock).
+        self._timer_loop: object = None
 
     def wait(self, timeout: float | None = None) -> Awaitable[object]:
         """Wait for the next :meth:`wake`, or ``timeout`` seconds at most; check the condition again after.
@@ -103,9 +108,10 @@ class Wakeup:
         waiters.append(waiter)
         if timeout is not None:
             at = loop.time() + timeout
-            if self._timer is None or self._timer_at > at:
-                # None armed, or the one armed fires after this wait's deadline.
+            if self._timer is None or self._timer_at > at or self._timer_loop is not loop:
+                # None armed, the one armed fires after this wait's deadline, or it is another loop's.
                 self._arm(at, loop.call_at)
+                self._timer_loop = loop
         return waiter
 
     def _arm(self, at: float, call_at: Callable[[float, Callable[[], None]], _Timer]) -> None:
@@ -118,7 +124,9 @@ class Wakeup:
     def _arm_trio(self, timeout: float) -> None:
         trio = sys.modules["trio"]
         at = trio.current_time() + timeout
-        if self._timer is None or self._timer_at > at:
+        timer = self._timer
+        # (cancelled(): also a timer of a trio run that has ended, whose clock was another.)
+        if timer is None or self._timer_at > at or timer.cancelled():
             from ._trio_timers import timers  # only under trio: trio is imported
 
             self._arm(at, timers().call_at)

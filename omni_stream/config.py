@@ -102,7 +102,13 @@ def env_float(
     name: str, default: float, *, positive: bool = True, finite: bool = True
 ) -> float:
     """Read a float knob; a malformed value warns once and gives ``default``."""
-    raw = os.environ.get(name)
+    return _parse_float(name, os.environ.get(name), default, positive=positive, finite=finite)
+
+
+def _parse_float(
+    name: str, raw: str | None, default: float, *, positive: bool = True, finite: bool = True
+) -> float:
+    """``env_float`` of a value already read (``raw``; None: unset)."""
     if raw is None:
         return default
     try:
@@ -155,15 +161,18 @@ def timeout() -> float:
     # four Python calls) and parsed again only when its value changed.
     global _timeout_read
     data = _ENVIRON_DATA
-    if data is None:
+    if data is None or os.environ is not _ENVIRON:
+        # Not CPython's store, or os.environ was replaced (a test's patch): the plain read.
         return env_float(STEP_TIMEOUT_ENV, DEFAULT_STEP_TIMEOUT_S)
     raw = data.get(_STEP_TIMEOUT_KEY)
     last_raw, value = _timeout_read
     if raw is last_raw:
         return value
-    value = env_float(STEP_TIMEOUT_ENV, DEFAULT_STEP_TIMEOUT_S)
-    # Keyed on the stored object itself, which this reference keeps alive: a
-    # value set again (even to the same text) is a new object, parsed again.
+    # The value read is the one parsed (a second read could see another thread's newer
+    # value and cache it under this one's key), and kept with the object itself, which this
+    # reference keeps alive: a value set again is looked at again unless it is that object.
+    text = None if raw is None else _DECODE(raw)
+    value = _parse_float(STEP_TIMEOUT_ENV, text, DEFAULT_STEP_TIMEOUT_S)
     _timeout_read = (raw, value)
     return value
 
@@ -172,12 +181,15 @@ def _environ_store() -> tuple[dict[object, object] | None, object]:
     """os.environ's backing dict and the step timeout's key in it; (None, None) where not CPython's."""
     data = getattr(os.environ, "_data", None)
     encodekey = getattr(os.environ, "encodekey", None)
-    if not isinstance(data, dict) or encodekey is None:
+    if not isinstance(data, dict) or encodekey is None or not hasattr(os.environ, "decodevalue"):
         return None, None
     return data, encodekey(STEP_TIMEOUT_ENV)
 
 
+_ENVIRON = os.environ
 _ENVIRON_DATA, _STEP_TIMEOUT_KEY = _environ_store()
+# How os.environ turns a stored value into the str it returns (bytes -> str on POSIX).
+_DECODE: Callable[[Any], str] = getattr(os.environ, "decodevalue", str)
 # (the raw value last parsed, its value): None is "unset", the default.
 _timeout_read: tuple[object, float] = (None, DEFAULT_STEP_TIMEOUT_S)
 

@@ -206,3 +206,26 @@ def test_every_server_limit_variable_is_documented() -> None:
     text = (Path(__file__).parent.parent / "docs" / "configuration.md").read_text()
     missing = [env for env, _ in _ENV.values() if f"`{env}`" not in text]
     assert missing == [], f"docs/configuration.md lacks {missing}"
+
+
+def test_the_step_timeout_parses_the_value_it_read_and_follows_a_replaced_environ(monkeypatch) -> None:
+    import os
+    from unittest import mock
+
+    from omni_stream import config
+
+    monkeypatch.setenv("OMNI_STREAM_STEP_TIMEOUT", "7")
+
+    def racing_read(*_: object, **__: object) -> float:
+        # Another thread sets the variable between two reads: a second read here would be
+        # cached under the first value's key, and kept while that value stands.
+        os.environ["OMNI_STREAM_STEP_TIMEOUT"] = "6"
+        return 6.0
+
+    monkeypatch.setattr(config, "env_float", racing_read)
+    assert config.timeout() == 7.0  # what it read, not a second read
+    monkeypatch.undo()
+    monkeypatch.setenv("OMNI_STREAM_STEP_TIMEOUT", "6")
+    assert config.timeout() == 6.0
+    with mock.patch("os.environ", {"OMNI_STREAM_STEP_TIMEOUT": "5"}):
+        assert config.timeout() == 5.0  # a test's replaced os.environ is read, not the store

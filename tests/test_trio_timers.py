@@ -76,3 +76,28 @@ def test_each_run_has_its_own_timers_and_the_task_ends_with_the_run() -> None:
     trio.run(main)  # returns: the system task was cancelled with the run
     trio.run(main)
     assert len(seen) == 2 and seen[0] is not seen[1]
+
+
+def test_cancelling_the_earliest_timer_lets_the_task_sleep_until_the_next() -> None:
+    import math
+
+    async def main() -> None:
+        t = timers()
+        await trio.sleep(0)  # the task sleeps in its scope
+        handle = t.call_at(trio.current_time() + 600, lambda: None)  # a reader's bound
+        assert t._scope is not None and t._scope.deadline < math.inf
+        handle.cancel()  # its request ended: nothing is due, and nothing should wake the task
+        assert t._scope.deadline == math.inf and len(t) == 0
+
+    trio.run(main)
+
+
+def test_a_runs_timers_read_as_done_once_it_ended() -> None:
+    # A Wakeup waited on again in a later run must not take a dead run's timer for an armed one.
+    kept: list[_trio_timers.TimerHandle] = []
+
+    async def main() -> None:
+        kept.append(timers().call_at(trio.current_time() + 600, lambda: None))
+
+    trio.run(main)
+    assert kept[0].cancelled()

@@ -214,3 +214,37 @@ async def test_an_ended_delivery_leaves_no_timer(anyio_backend) -> None:
     assert delivery._wakeup._timer is not None
     delivery.end()
     assert delivery._wakeup._timer is None
+
+
+@pytest.mark.parametrize("backend", ["asyncio", "trio"])
+def test_a_bounded_wait_in_a_second_run_is_bounded(backend: str) -> None:
+    # A Wakeup waited on under one loop (its timer armed, then woken) and again under another:
+    # the first timer will never fire (its loop is gone), so the second wait arms its own.
+    wakeup = Wakeup()
+
+    async def waiter() -> None:
+        await wakeup.wait(0.05)
+
+    async def first() -> None:
+        async with anyio.create_task_group() as tg:
+            tg.start_soon(waiter)
+            await anyio.wait_all_tasks_blocked()
+            wakeup.wake()
+
+    async def second() -> bool:
+        with anyio.move_on_after(5) as scope:
+            await wakeup.wait(0.5)
+        return not scope.cancelled_caught
+
+    if backend == "trio":
+        import trio.testing
+
+        # Clocks that start alike, so the first run's deadline is earlier than the second's.
+        def clock() -> dict[str, object]:
+            return {"clock": trio.testing.MockClock(autojump_threshold=0)}
+
+        anyio.run(first, backend="trio", backend_options=clock())
+        assert anyio.run(second, backend="trio", backend_options=clock())
+    else:
+        anyio.run(first, backend="asyncio")
+        assert anyio.run(second, backend="asyncio")
