@@ -43,7 +43,8 @@ Firing early for a later wait is a spurious wake, which the rule allows:
 the waiter sees its deadline has not come and waits again, arming the
 timer for it. :meth:`disarm` drops the timer when no bounded wait is to
 come (a Delivery that ended), so an ended request leaves nothing in the
-loop's timer heap.
+loop's timer heap. A timer of another loop (or of a trio run that ended)
+is never taken for an armed one: it would never fire.
 """
 
 from __future__ import annotations
