@@ -82,11 +82,8 @@ class Handover(Generic[T]):
         return items
 
     def _drain(self) -> None:
-        # On the loop, once a wake-up: ``take`` written out (one call fewer).
-        # Swapping the list (not copying it) keeps the lock held for a few
-        # bytecodes: the producer may be waiting on it to post.
-        with self._lock:
-            items, self._items = self._items, []
-            self._scheduled = False
+        # On the loop. Swapping the list (not copying it) keeps the lock held
+        # for a few bytecodes: the producer may be waiting on it to post.
+        items = self.take()
         if items:
             self._receive(items)

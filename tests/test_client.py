@@ -558,28 +558,33 @@ async def test_token_and_refused_connections_raise_connect_error() -> None:
             pass
 
 
+async def watch_until_shutdown(
+    url: str, seen: dict[str, Any], *, task_status: anyio.abc.TaskStatus[None]
+) -> None:
+    """Run a long request on ``url`` and note in ``seen`` how a server shutdown ends it: the
+    cancel's reason, the close code, and the code a later request on the connection fails with.
+    (Also tests/test_client_trio.py's, under trio.)"""
+    async with omc.connect(url) as client:
+        stream = client.generate(dict(SMALL, steps=1000))
+        await stream.__anext__()
+        task_status.started()
+        with pytest.raises(RemoteCancelledError) as info:
+            async for _ in stream:
+                pass
+        seen["reason"] = info.value.reason
+        await _eventually(lambda: client.closed, "the close")
+        seen["code"] = client.close_code
+        with pytest.raises(ConnectionClosedError) as closed:
+            await client.generate(dict(SMALL, steps=1)).result()
+        seen["later"] = closed.value.close_code
+
+
 @pytest.mark.asyncio
 async def test_server_shutdown_cancels_with_reason_and_closes() -> None:
     seen: dict[str, Any] = {}
-
-    async def watch(url: str, *, task_status: anyio.abc.TaskStatus[None]) -> None:
-        async with omc.connect(url) as client:
-            stream = client.generate(dict(SMALL, steps=1000))
-            await stream.__anext__()
-            task_status.started()
-            with pytest.raises(RemoteCancelledError) as info:
-                async for _ in stream:
-                    pass
-            seen["reason"] = info.value.reason
-            await _eventually(lambda: client.closed, "the close")
-            seen["code"] = client.close_code
-            with pytest.raises(ConnectionClosedError) as closed:
-                await client.generate(dict(SMALL, steps=1)).result()
-            seen["later"] = closed.value.close_code
-
     # The server shuts down (leaving `async with`) while the request runs.
     async with anyio.create_task_group() as tg, running(Slow(0.02)) as server:
-        await tg.start(watch, server.url)
+        await tg.start(watch_until_shutdown, server.url, seen)
     assert seen == {"reason": "shutdown", "code": 1001, "later": 1001}
 
 

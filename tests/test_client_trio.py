@@ -28,12 +28,13 @@ from websockets.server import ServerProtocol  # noqa: E402
 
 import omni_stream as om  # noqa: E402
 from omni_stream import client as omc  # noqa: E402
-from omni_stream.client import ConnectError, ConnectionClosedError, RemoteCancelledError  # noqa: E402
+from omni_stream.client import ConnectError, ConnectionClosedError  # noqa: E402
 from omni_stream.client.anyio_socket import AnyioSocket  # noqa: E402
 from omni_stream.models import Synthetic  # noqa: E402
 from omni_stream.server import Server  # noqa: E402
 
 from .conftest import Slow  # noqa: E402
+from .test_client import watch_until_shutdown  # noqa: E402
 
 pytestmark = pytest.mark.anyio
 
@@ -113,24 +114,9 @@ async def test_leaving_early_cancels_and_attach_picks_up_a_detached_request_unde
 
 async def test_a_server_shutdown_ends_the_request_and_the_connection_under_trio() -> None:
     seen: dict[str, Any] = {}
-
-    async def watch(url: str, *, task_status: anyio.abc.TaskStatus[None]) -> None:
-        async with omc.connect(url) as client:
-            stream = client.generate(dict(SMALL, steps=1000))
-            await stream.__anext__()
-            task_status.started()
-            with pytest.raises(RemoteCancelledError) as info:
-                async for _ in stream:
-                    pass
-            seen["reason"] = info.value.reason
-            await _eventually(lambda: client.closed, "the close")
-            seen["code"] = client.close_code
-            with pytest.raises(ConnectionClosedError):
-                await client.generate(dict(SMALL, steps=1)).result()
-
     async with anyio.create_task_group() as tg, serving(Slow(0.02)) as server:
-        await tg.start(watch, server.url)
-    assert seen == {"reason": "shutdown", "code": 1001}
+        await tg.start(watch_until_shutdown, server.url, seen)
+    assert seen == {"reason": "shutdown", "code": 1001, "later": 1001}
 
 
 async def test_options_websockets_asyncio_client_alone_takes_are_refused_under_trio() -> None:

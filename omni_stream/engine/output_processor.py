@@ -216,16 +216,11 @@ class OutputProcessor:
     def time_left(self, r: Request, waiting_since: float, bound: float) -> float:
         """Seconds the reader of ``r``, waiting since ``waiting_since``, may still wait; <= 0: it timed out.
 
-        ``step_deadline`` measured from now, and ``bound`` while no bound
-        runs (queued behind a whole run, or paused). The reader asks once a
-        frame: a plain stepped request, the common case, is answered here
-        without ``step_deadline``'s call.
+        ``step_deadline`` measured from now (the reader asks once a frame, in one call), and
+        ``bound`` while no bound runs (queued behind a whole run, or paused).
         """
-        model = self._model
-        if r.paused or r.resumed_at is not None or model is None or model.runs_whole_requests:
-            deadline = self.step_deadline(r, waiting_since, bound)
-            return bound if deadline is None else deadline - self._table.clock()
-        return waiting_since + bound - self._table.clock()
+        deadline = self.step_deadline(r, waiting_since, bound)
+        return bound if deadline is None else deadline - self._table.clock()
 
     def time_out(self, r: Request, bound: float) -> StepTimeoutError:
         """End ``r`` as timed out after ``bound`` seconds without a frame; returns the error to raise."""
