@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import trio
+import trio.testing
 
 from omni_stream import _trio_timers
 from omni_stream._trio_timers import timers
@@ -83,7 +84,7 @@ def test_cancelling_the_earliest_timer_lets_the_task_sleep_until_the_next() -> N
 
     async def main() -> None:
         t = timers()
-        await trio.sleep(0)  # the task sleeps in its scope
+        await trio.testing.wait_all_tasks_blocked()  # the timers' task sleeps in its scope
         handle = t.call_at(trio.current_time() + 600, lambda: None)  # a reader's bound
         assert t._scope is not None and t._scope.deadline < math.inf
         handle.cancel()  # its request ended: nothing is due, and nothing should wake the task
