@@ -5,7 +5,10 @@
 ``benchmarks.image_model:ImageSynthetic`` imports), with the limits given as
 their ``OMNI_STREAM_*`` environment variables (the process's own
 environment's are removed first: the defaults are the defaults) and,
-optionally, a lower ``RLIMIT_NOFILE`` (set in the child before it runs).
+optionally, a lower ``RLIMIT_NOFILE``, set by the child's own first line of
+Python (:func:`omni_stream_argv`), not by a ``preexec_fn``: Python code run
+between fork and exec is unsafe in a parent with threads, and a test process
+that has run Ray still has gRPC's (a child of one died of SIGABRT before exec).
 It learns the port from the server's ``listening on`` log line, keeps
 reading the log (a full pipe would block the server), counts its WARNING
 and ERROR lines, and reads the process's RSS and peak RSS from ``/proc``;
@@ -19,7 +22,6 @@ import asyncio
 import collections
 import os
 import re
-import resource
 import signal
 import sys
 from collections.abc import Mapping
@@ -27,9 +29,30 @@ from typing import Any
 
 from .stress_common import ROOT, proc_cpu_s, proc_status
 
-__all__ = ["ServeProcess"]
+__all__ = ["ServeProcess", "omni_stream_argv"]
 
 _LISTENING = re.compile(r"listening on (http://127\.0\.0\.1:(\d+))")
+
+# Lowers the soft (and, when asked, the hard) descriptor limit, then runs
+# ``python -m omni_stream.cli ARGS`` in this same process.
+_LIMITED = (
+    "import resource, runpy, sys\n"
+    "soft, hard = int(sys.argv[1]), int(sys.argv[2])\n"
+    "hard = hard if hard >= 0 else resource.getrlimit(resource.RLIMIT_NOFILE)[1]\n"
+    "resource.setrlimit(resource.RLIMIT_NOFILE, (soft, hard))\n"
+    "sys.argv = ['omni-stream', *sys.argv[3:]]\n"
+    "runpy.run_module('omni_stream.cli', run_name='__main__', alter_sys=True)\n"
+)
+
+
+def omni_stream_argv(*args: str, nofile: int | None = None, hard: bool = False) -> list[str]:
+    """``python -m omni_stream.cli ARGS`` as a command line, ``RLIMIT_NOFILE`` lowered to ``nofile`` first.
+
+    ``hard`` lowers the hard limit too. Without ``nofile`` it is the plain command.
+    """
+    if nofile is None:
+        return [sys.executable, "-m", "omni_stream.cli", *args]
+    return [sys.executable, "-c", _LIMITED, str(nofile), str(nofile if hard else -1), *args]
 
 
 class ServeProcess:
@@ -63,16 +86,14 @@ class ServeProcess:
         child_env["PYTHONPATH"] = os.pathsep.join(p for p in paths if p)
         child_env.setdefault("PYTHONUNBUFFERED", "1")
 
-        def limit_descriptors() -> None:
-            if nofile is not None:
-                _, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
-                resource.setrlimit(resource.RLIMIT_NOFILE, (nofile, hard))
-
+        argv = omni_stream_argv(
+            "serve", "--model", model, "--host", "127.0.0.1", "--port", "0", "--device", device,
+            nofile=nofile,
+        )
         proc = await asyncio.create_subprocess_exec(
-            sys.executable, "-m", "omni_stream", "serve", "--model", model, "--host", "127.0.0.1",
-            "--port", "0", "--device", device,
+            *argv,
             cwd=ROOT, env=child_env, stdin=asyncio.subprocess.DEVNULL, stdout=asyncio.subprocess.DEVNULL,
-            stderr=asyncio.subprocess.PIPE, preexec_fn=limit_descriptors if nofile else None, limit=1 << 20,
+            stderr=asyncio.subprocess.PIPE, limit=1 << 20,
         )
         log: collections.deque[str] = collections.deque(maxlen=200)
         assert proc.stderr is not None

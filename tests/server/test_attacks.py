@@ -17,10 +17,8 @@ import json
 import os
 import queue
 import re
-import resource
 import socket
 import subprocess
-import sys
 import threading
 import time
 import urllib.error
@@ -30,6 +28,8 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+
+from benchmarks.serve_process import omni_stream_argv
 
 ROOT = str(Path(__file__).resolve().parents[2])
 MIB = 1 << 20
@@ -92,15 +92,13 @@ class Serve:
 def serve(*args: str, env: dict[str, str] | None = None, nofile: int | None = None) -> Iterator[Serve]:
     """``python -m omni_stream.cli serve --port 0 --device cpu ARGS`` until the block ends."""
 
-    def limit_files() -> None:
-        if nofile is not None:
-            resource.setrlimit(resource.RLIMIT_NOFILE, (nofile, nofile))
-
+    # The limit is set by the child itself: a preexec_fn runs Python between
+    # fork and exec, which a parent with threads (gRPC's, once a Ray test ran
+    # in this process) can crash: CI saw the child die of SIGABRT before exec.
     environ = {**os.environ, "PYTHONUNBUFFERED": "1", "PYTHONPATH": ROOT, **(env or {})}
     proc = subprocess.Popen(
-        [sys.executable, "-m", "omni_stream.cli", "serve", "--port", "0", "--device", "cpu", *args],
+        omni_stream_argv("serve", "--port", "0", "--device", "cpu", *args, nofile=nofile, hard=True),
         stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=environ, cwd=ROOT,
-        preexec_fn=limit_files,
     )
     lines: queue.Queue[str] = queue.Queue()
 
@@ -122,6 +120,10 @@ def serve(*args: str, env: dict[str, str] | None = None, nofile: int | None = No
             seen.append(line)
             if match := re.search(r"listening on (http://127\.0\.0\.1:\d+)", line):
                 break
+        if nofile is not None:
+            # The tests below are about this limit: check that the server runs under it.
+            limits = Path(f"/proc/{proc.pid}/limits").read_text()
+            assert re.search(rf"Max open files\s+{nofile}\s+{nofile}\s", limits), limits
         yield Serve(proc, match.group(1), lines)
     finally:
         proc.terminate()
