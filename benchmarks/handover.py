@@ -70,19 +70,42 @@ SAMPLE_S = 0.4
 
 @dataclass(slots=True)
 class Sample:
-    """One run: wall seconds, and CPU seconds on the loop thread and on the stepping thread."""
+    """One run: wall seconds, CPU seconds on the loop thread and on the stepping thread, and how
+    many times the stepping thread blocked (its voluntary context switches; NaN without /proc).
+
+    A stepping thread that blocks is mostly one that finished a torch call (which drops the
+    GIL) while the loop held the GIL: it sleeps until the loop lets go, then waits to be
+    scheduled again. That is where the loop's Python costs the producer wall time.
+    """
 
     wall: float
     loop_cpu: float = 0.0
     step_cpu: float = 0.0
+    step_blocks: float = math.nan
 
 
 @dataclass(slots=True)
 class _Timed:
-    """Where the stepping thread records itself (its id) and its CPU clock."""
+    """Where the stepping thread records itself (its ids) and its CPU clock."""
 
     ident: int | None = None
+    native: int | None = None
     cpu: list[float] = field(default_factory=list)
+    blocks: list[float] = field(default_factory=list)
+
+
+def thread_blocks(native_id: int | None) -> float:
+    """The thread's voluntary context switches so far (Linux ``/proc``); NaN where unknown."""
+    if native_id is None:
+        return math.nan
+    try:
+        with open(f"/proc/self/task/{native_id}/status") as status:
+            for line in status:
+                if line.startswith("voluntary_ctxt_switches:"):
+                    return float(line.split()[1])
+    except OSError:
+        pass
+    return math.nan
 
 
 def _checked(model: om.StepModel, params: Sequence[Mapping[str, Any]]) -> list[dict[str, Any]]:
@@ -139,12 +162,14 @@ async def peer_steps(params: Sequence[Mapping[str, Any]]) -> Sample:
     def denoise() -> None:
         with torch_threads(1):
             model.load(cpu)
-            c0 = time.thread_time()
+            me = threading.get_native_id()
+            c0, b0 = time.thread_time(), thread_blocks(me)
             states = [model.start(p, cpu) for p in checked]
             for _ in range(total):
                 for put, x in zip(puts, model.step(states), strict=True):
                     call(put, x.clone())
             timed.cpu.append(time.thread_time() - c0)
+            timed.blocks.append(thread_blocks(me) - b0)
 
     async def read(get: Callable[[], Awaitable[torch.Tensor]]) -> None:
         for _ in range(total):
@@ -159,7 +184,7 @@ async def peer_steps(params: Sequence[Mapping[str, Any]]) -> Sample:
             tg.start_soon(read, get)
     wall, loop_cpu = time.perf_counter() - t0, time.thread_time() - c0
     await anyio.to_thread.run_sync(thread.join)
-    return Sample(wall, loop_cpu, timed.cpu[0])
+    return Sample(wall, loop_cpu, timed.cpu[0], timed.blocks[0])
 
 
 async def engine_steps(params: Sequence[Mapping[str, Any]], *, package: ModuleType = om) -> Sample:
@@ -174,6 +199,7 @@ async def engine_steps(params: Sequence[Mapping[str, Any]], *, package: ModuleTy
     class Noted(package.models.Synthetic):  # type: ignore[misc, name-defined]
         def load(self, device: torch.device) -> None:
             timed.ident = threading.get_ident()  # load runs on the producer thread
+            timed.native = threading.get_native_id()
             super().load(device)
 
     async with package.Engine(Noted(), device="cpu", max_batch_size=max(1, len(params))) as engine:
@@ -185,13 +211,15 @@ async def engine_steps(params: Sequence[Mapping[str, Any]], *, package: ModuleTy
             async for _ in stream:
                 pass
 
+        b0 = thread_blocks(timed.native)
         p0, c0, t0 = time.clock_gettime(producer_clock), time.thread_time(), time.perf_counter()
         streams = [engine.stream(p) for p in params]
         async with anyio.create_task_group() as tg:
             for s in streams:
                 tg.start_soon(read, s)
         wall, loop_cpu = time.perf_counter() - t0, time.thread_time() - c0
-        return Sample(wall, loop_cpu, time.clock_gettime(producer_clock) - p0)
+        step_cpu, blocks = time.clock_gettime(producer_clock) - p0, thread_blocks(timed.native) - b0
+        return Sample(wall, loop_cpu, step_cpu, blocks)
 
 
 def _params(step_s: float, n: int, work: int, quick: bool) -> list[dict[str, Any]]:
@@ -249,12 +277,14 @@ def _variants(
 
 
 def summarize(samples: Mapping[str, Sequence[Sample]], frames: int) -> dict[str, dict[str, float]]:
-    """Medians per variant, in microseconds per frame: wall, loop CPU, stepping-thread CPU."""
+    """Medians per variant, in microseconds per frame: wall, loop CPU, stepping-thread CPU;
+    and the stepping thread's blocks per frame."""
     return {
         name: {
             "wall_us": median([s.wall for s in got]) / frames * 1e6,
             "loop_cpu_us": median([s.loop_cpu for s in got]) / frames * 1e6,
             "step_cpu_us": median([s.step_cpu for s in got]) / frames * 1e6,
+            "step_blocks": median([s.step_blocks for s in got]) / frames,
         }
         for name, got in samples.items()
     }
@@ -345,10 +375,12 @@ def main(argv: Sequence[str] | None = None) -> int:
     configs = [c for c in CONFIGS if (not args.only or c[0] in args.only)]
     if args.quick and not args.only:
         configs = [c for c in configs if c[0] in ("1ms", "10ms", "16x1ms")]
-    print(f"omni_stream from {om.__file__}; us per frame: wall (loop CPU / stepping-thread CPU)")
+    print(f"omni_stream from {om.__file__}; us per frame: wall (loop CPU / stepping-thread CPU); "
+          "blocks: the stepping thread's blocks a frame, engine/peer")
     print(
         f"{'backend':<8} {'config':<9} {'engine':>24} {'peer':>24} {'bare':>10} "
-        f"{'peer/engine':>12} {'engine/bare':>12}" + (f" {'other/engine':>13}" if other else "")
+        f"{'peer/engine':>12} {'engine/bare':>12} {'blocks':>11}"
+        + (f" {'other/engine':>13}" if other else "")
     )
     for label, step_s, n, _ in configs:
         params = _params(step_s, n, ctx.work_for(step_s), args.quick)
@@ -369,7 +401,8 @@ def main(argv: Sequence[str] | None = None) -> int:
             e, pe, b = (us[k]["wall_us"] for k in ("engine", "peer", "bare"))
             print(
                 f"{name:<8} {label:<9} {cell('engine'):>24} {cell('peer'):>24} {b:>10.1f} "
-                f"{pe / e:>12.3f} {e / b:>12.3f}"
+                f"{pe / e:>12.3f} {e / b:>12.3f} "
+                f"{us['engine']['step_blocks']:>5.2f}/{us['peer']['step_blocks']:<5.2f}"
                 + (f" {us['other']['wall_us'] / e:>13.3f}" if other else ""),
                 flush=True,
             )

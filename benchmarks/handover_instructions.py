@@ -21,7 +21,16 @@ hand-overs or the waits between threads; benchmarks/handover.py measures
 those. Needs valgrind; about a minute and a half per run (torch's import
 dominates), four runs.
 
-``python -m benchmarks.handover_instructions [--tree PATH] [--frames N1 N2]``
+``--pace MS`` sleeps that long before each step, on the stepping thread: the
+loop then drains every frame before the next is made, one wake-up a frame
+for the engine and the peer alike, as at the step times of
+benchmarks/handover.py. Without it (``work=0``, a near-free step) the
+stepping thread runs ahead of the loop, a wake-up carries several frames,
+and the peer, whose queue is unbounded, batches more than the engine (whose
+producer waits for delivery after ``max_run_ahead`` frames). Under callgrind
+the loop's work for a frame takes a few milliseconds: pace by 10 ms or more.
+
+``python -m benchmarks.handover_instructions [--tree PATH] [--frames N1 N2] [--pace MS]``
 """
 
 from __future__ import annotations
@@ -38,29 +47,34 @@ from pathlib import Path
 
 __all__ = ["ENGINE", "PEER", "per_frame", "main"]
 
-#: The engine's run: ``sys.argv``: the checkout's path, the frame count.
+#: The engine's run: ``sys.argv``: the checkout's path, the frame count, the pace (seconds).
 ENGINE = """
-import sys
+import sys, time
 sys.path.insert(0, sys.argv[1])
 import anyio
 import omni_stream as om
-N = int(sys.argv[2])
+N, PACE = int(sys.argv[2]), float(sys.argv[3])
 PARAMS = {"work": 0, "shape": [4, 8, 8]}
+class Paced(om.models.Synthetic):
+    def step(self, states):
+        if PACE:
+            time.sleep(PACE)
+        return super().step(states)
 async def main():
-    async with om.Engine(om.models.Synthetic(), device="cpu") as engine:
+    async with om.Engine(Paced(), device="cpu") as engine:
         await engine.generate(dict(PARAMS, steps=2))
         async for _ in engine.stream(dict(PARAMS, steps=N)):
             pass
 anyio.run(main)
 """
 
-#: The hand-written peer: ``sys.argv``: a checkout (for the model), the frame count.
+#: The hand-written peer: ``sys.argv``: a checkout (for the model), the frame count, the pace.
 PEER = """
-import sys, threading, asyncio
+import sys, threading, asyncio, time
 sys.path.insert(0, sys.argv[1])
 import torch
 import omni_stream as om
-N = int(sys.argv[2])
+N, PACE = int(sys.argv[2]), float(sys.argv[3])
 async def main():
     model = om.models.Synthetic()
     cpu = torch.device("cpu")
@@ -72,6 +86,8 @@ async def main():
         torch.set_num_threads(1)
         state = model.start(params, cpu)
         for _ in range(N):
+            if PACE:
+                time.sleep(PACE)
             loop.call_soon_threadsafe(queue.put_nowait, model.step([state])[0].clone())
     thread = threading.Thread(target=work)
     thread.start()
@@ -82,12 +98,12 @@ asyncio.run(main())
 """
 
 
-def _counts(script: str, tree: str, frames: int, workdir: Path) -> dict[int, int]:
+def _counts(script: str, tree: str, frames: int, workdir: Path, pace_s: float = 0.0) -> dict[int, int]:
     """Instructions per thread (callgrind's thread number -> count) of one run."""
     out = workdir / f"cg.{frames}.{abs(hash(script)) % 10**8}"
     cmd = [
         "valgrind", "--tool=callgrind", "--separate-threads=yes", f"--callgrind-out-file={out}.%p",
-        sys.executable, "-c", script, tree, str(frames),
+        sys.executable, "-c", script, tree, str(frames), repr(pace_s),
     ]
     done = subprocess.run(cmd, capture_output=True, text=True, check=False)
     if done.returncode != 0:
@@ -102,7 +118,7 @@ def _counts(script: str, tree: str, frames: int, workdir: Path) -> dict[int, int
     return counts
 
 
-def per_frame(script: str, tree: str, frames: tuple[int, int]) -> dict[str, float]:
+def per_frame(script: str, tree: str, frames: tuple[int, int], pace_s: float = 0.0) -> dict[str, float]:
     """Instructions one more frame costs: on the loop (callgrind's thread 1, the main thread) and
     on the stepping thread (of the others, the one whose count grows most with the frames).
 
@@ -110,7 +126,7 @@ def per_frame(script: str, tree: str, frames: tuple[int, int]) -> dict[str, floa
     callgrind's numbers for them do not line up between the two runs: they are left out.
     """
     with tempfile.TemporaryDirectory(prefix="omni-cg-") as tmp:
-        low, high = (_counts(script, tree, n, Path(tmp)) for n in frames)
+        low, high = (_counts(script, tree, n, Path(tmp), pace_s) for n in frames)
     span = frames[1] - frames[0]
     growth = {t: (high.get(t, 0) - low.get(t, 0)) / span for t in high}
     loop = growth.pop(1, 0.0)
@@ -123,16 +139,19 @@ def main(argv: Sequence[str] | None = None) -> int:
     p.add_argument("--tree", default=str(Path(__file__).resolve().parent.parent),
                    help="the checkout whose omni_stream the engine runs (default: this one)")
     p.add_argument("--frames", type=int, nargs=2, default=(200, 1200), metavar=("N1", "N2"))
+    p.add_argument("--pace", type=float, default=0.0, metavar="MS",
+                   help="sleep this long before each step: one wake-up of the loop a frame (10 or more)")
     args = p.parse_args(argv)
     if shutil.which("valgrind") is None:
         print("valgrind is not installed (apt install valgrind)", file=sys.stderr)
         return 2
     tree = os.path.abspath(args.tree)
     frames = (args.frames[0], args.frames[1])
-    print(f"instructions per frame, engine from {tree}; frames {frames[0]} and {frames[1]}")
+    pace = f"; paced by {args.pace:g} ms a step" if args.pace else ""
+    print(f"instructions per frame, engine from {tree}; frames {frames[0]} and {frames[1]}{pace}")
     print(f"{'variant':<8} {'loop':>10} {'stepping':>10}")
     for name, script in (("engine", ENGINE), ("peer", PEER)):
-        got = per_frame(script, tree, frames)
+        got = per_frame(script, tree, frames, args.pace / 1e3)
         print(f"{name:<8} {got['loop']:>10.0f} {got['stepping']:>10.0f}", flush=True)
     return 0
 

@@ -82,8 +82,11 @@ class Handover(Generic[T]):
         return items
 
     def _drain(self) -> None:
-        # On the loop. Swapping the list (not copying it) keeps the lock held
-        # for a few bytecodes: the producer may be waiting on it to post.
-        items = self.take()
+        # On the loop: ``take`` written out (this runs once a wake-up). Swapping
+        # the list (not copying it) keeps the lock held for a few bytecodes:
+        # the producer may be waiting on it to post.
+        with self._lock:
+            items, self._items = self._items, []
+            self._scheduled = False
         if items:
             self._receive(items)

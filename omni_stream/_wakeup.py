@@ -16,8 +16,10 @@ concurrent reader cannot strand the first.
 On asyncio (uvloop included) a wait is one bare future of the loop's,
 returned by :meth:`wait` for the caller to await: no ``asyncio.Event``
 (its construction, its loop check and its coroutine are three Python
-frames a wait) and no coroutine of ours, because this is on the per-frame
-path: a reader waits once a frame, and every frame of the loop's Python
+frames a wait) and no coroutine of ours, and on asyncio's own loops
+neither ``loop.create_future`` nor ``loop.time`` (each a Python frame
+around a C call: the C calls are made directly, chosen once per loop),
+because this is on the per-frame path: a reader waits once a frame, and every frame of the loop's Python
 holds the GIL the producer's next torch call may be waiting for. Each
 waiter has its own future, so a cancelled waiter (asyncio cancels the
 future a task awaits) never takes another's wake with it; a cancelled
@@ -50,7 +52,9 @@ is never taken for an armed one: it would never fire.
 from __future__ import annotations
 
 import asyncio
+import functools
 import sys
+import time
 from collections.abc import Awaitable, Callable
 from typing import Any, Protocol
 
@@ -59,6 +63,27 @@ from ._backend import current_backend
 __all__ = ["Wakeup"]
 
 _get_running_loop = asyncio.get_running_loop
+_Future = asyncio.Future
+_BASE_CREATE_FUTURE = asyncio.BaseEventLoop.create_future
+_BASE_TIME = asyncio.BaseEventLoop.time
+
+
+_NewFuture = Callable[[], "asyncio.Future[None]"]
+
+
+def _loop_calls(loop: asyncio.AbstractEventLoop) -> tuple[_NewFuture, Callable[[], float]]:
+    """``loop.create_future`` and ``loop.time``, as C calls where they are asyncio's own Python methods.
+
+    asyncio's ``create_future`` is ``Future(loop=self)`` and its ``time`` is
+    ``time.monotonic()``; a loop that overrides either (uvloop's are C
+    already, a test's clock) keeps its own.
+    """
+    cls = type(loop)
+    new_future: _NewFuture = loop.create_future
+    if cls.create_future is _BASE_CREATE_FUTURE:
+        new_future = functools.partial(_Future, loop=loop)
+    now = time.monotonic if cls.time is _BASE_TIME else loop.time
+    return new_future, now
 
 
 class _Timer(Protocol):
@@ -72,7 +97,9 @@ class _Timer(Protocol):
 class Wakeup:
     """Wakes the tasks waiting on it (see the module docstring); loop-only."""
 
-    __slots__ = ("_waiters", "_tasks", "_trio", "_timer", "_timer_at", "_timer_loop")
+    __slots__ = (
+        "_waiters", "_tasks", "_trio", "_timer", "_timer_at", "_timer_loop", "_loop", "_new_future", "_now",
+    )
 
     def __init__(self) -> None:
         # asyncio: the futures of the tasks waiting now (a cancelled one until the next wait).
@@ -87,6 +114,10 @@ class Wakeup:
         # The asyncio loop the timer is on: a Wakeup waited on again under another loop arms
         # a timer there (the old one would never fire, and its time is another loop's clock).
         self._timer_loop: object = None
+        # The asyncio loop of the last wait, and its create_future and time (``_loop_calls``).
+        self._loop: object = None
+        self._new_future: _NewFuture | None = None
+        self._now: Callable[[], float] = time.monotonic
 
     def wait(self, timeout: float | None = None) -> Awaitable[object]:
         """Wait for the next :meth:`wake`, or ``timeout`` seconds at most; check the condition again after.
@@ -101,14 +132,18 @@ class Wakeup:
                 self._arm_trio(timeout)
             return self._park()
         loop = _get_running_loop()
-        waiter: asyncio.Future[None] = loop.create_future()
+        new_future = self._new_future
+        if loop is not self._loop or new_future is None:
+            new_future, self._now = _loop_calls(loop)
+            self._new_future, self._loop = new_future, loop
+        waiter = new_future()
         waiters = self._waiters
         if waiters:
             # Another task waits too, or a cancelled waiter's future is left over.
             waiters[:] = [w for w in waiters if not w.done()]
         waiters.append(waiter)
         if timeout is not None:
-            at = loop.time() + timeout
+            at = self._now() + timeout
             if self._timer is None or self._timer_at > at or self._timer_loop is not loop:
                 # None armed, the one armed fires after this wait's deadline, or it is another loop's.
                 self._arm(at, loop.call_at)

@@ -217,7 +217,7 @@ def test_handover_instructions_runs_its_scripts_and_says_when_valgrind_is_missin
 
     root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
     for script in (hi.ENGINE, hi.PEER):
-        done = subprocess.run([sys.executable, "-c", script, root, "5"], capture_output=True, text=True,
+        done = subprocess.run([sys.executable, "-c", script, root, "5", "0.001"], capture_output=True, text=True,
                               timeout=120, check=False)
         assert done.returncode == 0, done.stderr[-2000:]
     monkeypatch.setattr(hi.shutil, "which", lambda name: None)

@@ -248,3 +248,56 @@ def test_a_bounded_wait_in_a_second_run_is_bounded(backend: str) -> None:
     else:
         anyio.run(first, backend="asyncio")
         assert anyio.run(second, backend="asyncio")
+
+
+def test_a_loop_with_its_own_clock_and_futures_has_them_used() -> None:
+    # On asyncio's own loop a wait makes its future and reads the time with C calls,
+    # not the loop's Python methods; a loop that overrides them (a test clock, a
+    # loop with futures of its own) must keep its own: a timer armed on the
+    # monotonic clock of a loop whose clock runs 1000 s ahead would fire at once.
+    made: list[asyncio.Future[None]] = []
+
+    class Ahead(asyncio.SelectorEventLoop):
+        def time(self) -> float:
+            return super().time() + 1000.0
+
+        def create_future(self) -> asyncio.Future[Any]:
+            future = super().create_future()
+            made.append(future)
+            return future
+
+    async def main() -> tuple[bool, bool]:
+        wakeup = Wakeup()
+        waiter = wakeup.wait(5.0)
+        own = any(waiter is f for f in made)
+        task = asyncio.ensure_future(_awaited(waiter))
+        await asyncio.sleep(0.1)
+        early = task.done()  # the timer is 5 s away on this loop's clock
+        wakeup.wake()
+        await task
+        return early, own
+
+    loop = Ahead()
+    try:
+        early, own_futures = loop.run_until_complete(main())
+    finally:
+        loop.close()
+    assert not early
+    assert own_futures
+
+    # And asyncio's own loop: a future of that loop, a timer on its clock.
+    async def plain() -> bool:
+        wakeup = Wakeup()
+        waiter = wakeup.wait(5.0)
+        assert isinstance(waiter, asyncio.Future) and waiter.get_loop() is asyncio.get_running_loop()
+        assert wakeup._timer is not None
+        deadline = wakeup._timer.when()  # type: ignore[attr-defined]
+        wakeup.wake()
+        await waiter
+        return abs(deadline - (asyncio.get_running_loop().time() + 5.0)) < 1.0
+
+    assert asyncio.run(plain())
+
+
+async def _awaited(awaitable: Any) -> None:
+    await awaitable

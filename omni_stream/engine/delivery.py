@@ -18,7 +18,7 @@ stale frames then).
 from __future__ import annotations
 
 from collections import deque
-from collections.abc import Awaitable
+from collections.abc import Awaitable, Callable
 
 from .._wakeup import Wakeup
 from ..frame import Frame
@@ -31,7 +31,7 @@ POLICIES = ("all", "latest")
 class Delivery:
     """One request's frames on their way to its reader."""
 
-    __slots__ = ("_latest", "_frames", "_error", "_drain", "_ended", "_wakeup")
+    __slots__ = ("_latest", "_frames", "_error", "_drain", "_ended", "_wakeup", "wait")
 
     def __init__(self, policy: str) -> None:
         if policy not in POLICIES:
@@ -42,6 +42,13 @@ class Delivery:
         self._drain = True
         self._ended = False
         self._wakeup = Wakeup()
+        #: ``wait(timeout)``: what to await until a frame is put or the delivery ends,
+        #: ``timeout`` seconds at most. Returns either way, and early when another
+        #: reader took what came: call :meth:`get_nowait` after. The bound is a
+        #: timer, not a cancel scope (``Wakeup.wait``): the reader waits once a
+        #: frame. The Wakeup's own method, not a method of ours around it: one
+        #: Python call fewer on the loop for every frame delivered.
+        self.wait: Callable[[float], Awaitable[object]] = self._wakeup.wait
 
     def put(self, frame: Frame) -> Frame | None:
         """Queue ``frame``; returns the frame it replaced ("latest"), else None.
@@ -92,14 +99,3 @@ class Delivery:
             if frame is not None:
                 return frame
             await self._wakeup.wait()
-
-    def wait(self, timeout: float) -> Awaitable[object]:
-        """What to await until a frame is put or the delivery ends, ``timeout`` seconds at most.
-
-        Returns either way, and early when another reader took what came:
-        call :meth:`get_nowait` after. The bound is a timer, not a cancel
-        scope (``Wakeup.wait``): the reader waits once a frame. Not a
-        coroutine of its own: the Wakeup's awaitable is handed through, one
-        frame of Python fewer on the loop for every frame delivered.
-        """
-        return self._wakeup.wait(timeout)

@@ -347,8 +347,11 @@ class Producer:
         single = len(batch) == 1
         t0 = time.monotonic()
         try:
-            # The busy mark (``_busy``) written out: this runs once a step.
-            self._flush()
+            # ``_flush`` and the busy mark (``_busy``) written out: this runs once a step.
+            unposted = self._unposted
+            if unposted:
+                self._unposted = []
+                self._copier.post(unposted)
             self.busy_with = (batch[0].id,) if single else tuple(r.id for r in batch)
             self.busy_since = t0
             try:

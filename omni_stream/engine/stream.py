@@ -62,12 +62,18 @@ class FrameStream:
             raise StopAsyncIteration
         request = self._request
         delivery = request.delivery
-        output = self._output
         try:
             frame = delivery.get_nowait()
             if frame is None:
+                output = self._output
                 bound = output.step_timeout(request)
                 since = output.clock()
+                # The first wait is for the whole bound: the deadline is never
+                # earlier than since + bound (a pause, a resume or a queue
+                # behind a whole run only moves it later), so there is
+                # nothing to look up yet. This runs once a frame.
+                await delivery.wait(bound)
+                frame = delivery.get_nowait()
                 while frame is None:
                     # Decided on the producer's clock, from what it stamped:
                     # the timer below only says when to look again.
@@ -85,12 +91,16 @@ class FrameStream:
             self._done = True
             self._output.abandon(request)
             raise
-        return self._took(frame)
+        # What ``_took`` does, written out (once a frame).
+        self._output.consumed(request)
+        if frame.step == frame.total:
+            self._done = True
+        return frame
 
     def _took(self, frame: Frame) -> Frame:
         """Count ``frame`` as read (the producer's backpressure) and note the end."""
         self._output.consumed(self._request)
-        if frame.step == frame.total:  # frame.final, without its property call (once a frame)
+        if frame.step == frame.total:  # frame.final, without its property call
             self._done = True
         return frame
 

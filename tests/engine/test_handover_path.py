@@ -8,6 +8,7 @@ switch), and tickets posted no later than the next step begins.
 from __future__ import annotations
 
 import threading
+import time
 
 import anyio
 import pytest
@@ -125,3 +126,31 @@ async def test_a_cancel_while_frames_wait_to_be_posted_stops_the_request_within_
             final = await engine.generate({"steps": 5, "work": 0, "shape": [4, 8, 8], "seed": 2})
         assert final.step == 5
         assert engine.statistics().cancelled == 1
+
+
+class _StagedCpu(CpuDevice):
+    """The CPU, but through a pool buffer and a copy event: the path of a real accelerator."""
+
+    def copy_owned(self, src: torch.Tensor) -> torch.Tensor | None:
+        return None
+
+
+@pytest.mark.parametrize("device", [CpuDevice, _StagedCpu], ids=["host-resident", "staged"])
+def test_a_submitted_ticket_carries_every_field_it_was_given(device: type[CpuDevice]) -> None:
+    # submit builds its ticket positionally (cheaper, once a frame): a field added to
+    # CopyTicket or moved would shift the others silently, so each is checked here.
+    dev = device()
+    copier = Copier(dev, PinnedBufferPool(dev.host_buffer, max_buffers=4))
+    r = _request()
+    out = torch.arange(6, dtype=torch.float32).reshape(2, 3)
+    t = copier.submit(r, 3, out, queued_s=0.25, compute_s=0.5, batch_size=7, decoded=True, decode_s=0.125)
+    assert (t.request, t.step, t.queued_s, t.compute_s, t.batch_size) == (r, 3, 0.25, 0.5, 7)
+    assert (t.decoded, t.decode_s, t.error) == (True, 0.125, None)
+    assert 0 < t.issued_at <= time.monotonic()
+    if device is CpuDevice:
+        assert t.src is None and t.lease is None and t.copy_s >= 0
+        assert t.data is not None and torch.equal(t.data, out) and t.data.data_ptr() != out.data_ptr()
+    else:
+        assert t.src is out and t.lease is not None and t.data is None and t.copy_s == 0.0
+        copier._complete([t])
+        assert t.data is not None and torch.equal(t.data, out) and t.lease is None
