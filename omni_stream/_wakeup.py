@@ -19,8 +19,9 @@ returned by :meth:`wait` for the caller to await: no ``asyncio.Event``
 frames a wait) and no coroutine of ours, and on asyncio's own loops
 neither ``loop.create_future`` nor ``loop.time`` (each a Python frame
 around a C call: the C calls are made directly, chosen once per loop),
-because this is on the per-frame path: a reader waits once a frame, and every frame of the loop's Python
-holds the GIL the producer's next torch call may be waiting for. Each
+because this is on the per-frame path: a reader waits once a frame, and
+every frame of the loop's Python holds the GIL the producer's next torch
+call may be waiting for. Each
 waiter has its own future, so a cancelled waiter (asyncio cancels the
 future a task awaits) never takes another's wake with it; a cancelled
 future is skipped by the wake and dropped by the next wait. On trio a wait
