@@ -123,15 +123,22 @@ class Checkpoint:
         return _encode(self, FILE_VERSION)
 
     @classmethod
-    def from_bytes(cls, data: bytes | bytearray | memoryview) -> Checkpoint:
+    def from_bytes(cls, data: bytes | bytearray | memoryview, *, keep_bytes: bool = True) -> Checkpoint:
         """The checkpoint ``to_bytes`` wrote.
 
-        Raises CheckpointError for bytes that are not a checkpoint, are torn
-        (truncated) or tampered with (checksum), or are of a version this
-        omni_stream does not read.
+        ``keep_bytes``: keep ``data`` for :meth:`to_bytes` to give back (a
+        checkpoint that will be sent on as bytes: no encoding again). Without
+        it the checkpoint holds only its tensors, half the memory, and
+        ``to_bytes`` encodes them again. Raises CheckpointError for bytes that
+        are not a checkpoint, are torn (truncated) or tampered with
+        (checksum), or are of a version this omni_stream does not read.
         """
-        data = bytes(data)
-        if len(data) < _HEADER or not data.startswith(MAGIC):
+        # No copy of the payload on the way (a video model's state can be large, and a
+        # restarted server reads every unfinished request's): the checksum is fed views,
+        # and torch.load reads the payload in place (_Window). Slices of bytes are copies.
+        if keep_bytes:
+            data = bytes(data)  # (a copy only of a mutable buffer: bytes stay as they are)
+        if len(data) < _HEADER or bytes(memoryview(data)[: len(MAGIC)]) != MAGIC:
             what = "too short" if len(data) < _HEADER else "without the checkpoint marker"
             raise CheckpointError(f"not an omni_stream checkpoint ({len(data)} bytes, {what})")
         (version,) = _VERSION.unpack_from(data, len(MAGIC))
@@ -139,13 +146,17 @@ class Checkpoint:
             raise CheckpointError(
                 f"checkpoint format version {version} is not one this omni_stream reads ({FILE_VERSION})"
             )
-        digest = data[len(MAGIC) + _VERSION.size : _HEADER]
-        if hashlib.sha256(data[len(MAGIC) : len(MAGIC) + _VERSION.size] + data[_HEADER:]).digest() != digest:
+        view = memoryview(data)
+        digest = view[len(MAGIC) + _VERSION.size : _HEADER]
+        summed = hashlib.sha256(view[len(MAGIC) : len(MAGIC) + _VERSION.size])
+        summed.update(view[_HEADER:])
+        if summed.digest() != digest:
             raise CheckpointError(
                 f"checkpoint checksum mismatch ({len(data)} bytes): the file is torn or was modified"
             )
         try:
-            loaded = torch.load(io.BytesIO(data[_HEADER:]), map_location="cpu", weights_only=True)
+            payload = io.BufferedReader(_Window(view[_HEADER:]))
+            loaded = torch.load(payload, map_location="cpu", weights_only=True)
             meta = json.loads(loaded["meta"])
             tensors = loaded["tensors"]
             checkpoint = cls(
@@ -154,9 +165,39 @@ class Checkpoint:
             )
         except Exception as exc:  # noqa: BLE001 - a well-summed payload of the wrong shape: still ours to name
             raise CheckpointError(f"checkpoint payload cannot be read: {exc!r:.200}") from exc
-        # Its own bytes, for to_bytes (not a field: equality, repr and fields() are the data's).
-        object.__setattr__(checkpoint, "_source", data)
+        if keep_bytes:
+            # Its own bytes, for to_bytes (not a field: equality, repr and fields() are the data's).
+            object.__setattr__(checkpoint, "_source", data)
         return checkpoint
+
+
+class _Window(io.RawIOBase):
+    """A read-only, seekable file over a memoryview, read in place (no copy of the whole)."""
+
+    def __init__(self, view: memoryview) -> None:
+        super().__init__()
+        self._view = view
+        self._pos = 0
+
+    def readable(self) -> bool:
+        return True
+
+    def seekable(self) -> bool:
+        return True
+
+    def readinto(self, buffer: Any) -> int:
+        n = max(0, min(len(buffer), len(self._view) - self._pos))
+        buffer[:n] = self._view[self._pos : self._pos + n]
+        self._pos += n
+        return n
+
+    def seek(self, offset: int, whence: int = io.SEEK_SET) -> int:
+        base = {io.SEEK_SET: 0, io.SEEK_CUR: self._pos, io.SEEK_END: len(self._view)}[whence]
+        self._pos = max(0, base + offset)
+        return self._pos
+
+    def tell(self) -> int:
+        return self._pos
 
 
 def _encode(checkpoint: Checkpoint, version: int) -> bytes:

@@ -55,6 +55,43 @@ def test_a_checkpoint_read_from_bytes_gives_those_bytes_back_without_encoding_ag
         made.to_bytes()
 
 
+@pytest.mark.parametrize("kind", [bytes, bytearray, memoryview])
+def test_a_checkpoint_read_without_its_bytes_holds_only_its_tensors(kind: type) -> None:
+    # A restarted server over a local engine never sends a checkpoint on: keeping the file's
+    # bytes beside the tensors held each unfinished request's state twice until it resumed.
+    original = synthetic_checkpoint()
+    data = original.to_bytes()
+    read = Checkpoint.from_bytes(kind(data), keep_bytes=False)
+    assert "_source" not in read.__dict__
+    assert read.step == original.step and read.params == original.params
+    assert all(torch.equal(read.tensors[k], original.tensors[k]) for k in original.tensors)
+    again = read.to_bytes()  # encoded again, and as good
+    assert Checkpoint.from_bytes(again).tensors.keys() == original.tensors.keys()
+
+
+def test_reading_a_checkpoint_makes_no_copy_of_its_bytes() -> None:
+    # The checksum was taken over a concatenation of two slices and torch.load read a third
+    # slice: three transient copies of the payload (bytes slices copy), on top of the bytes
+    # and the tensors, for every unfinished request a restarted server reads. tracemalloc
+    # sees Python's allocations (the copies), not torch's storage (the tensors).
+    import tracemalloc
+
+    big = Checkpoint(
+        model="m", format=1, step=1, total=2, params={},
+        tensors={"x": torch.arange(2_000_000, dtype=torch.float32)},
+    )
+    data = big.to_bytes()
+    tracemalloc.start()
+    try:
+        tracemalloc.reset_peak()
+        read = Checkpoint.from_bytes(data)
+        _, peak = tracemalloc.get_traced_memory()
+    finally:
+        tracemalloc.stop()
+    assert torch.equal(read.tensors["x"], big.tensors["x"])
+    assert peak < len(data) // 4, f"{peak} bytes allocated reading {len(data)}"
+
+
 def test_a_torn_or_tampered_checkpoint_raises() -> None:
     data = synthetic_checkpoint().to_bytes()
     for cut in (0, 10, len(ckpt_module.MAGIC) + 20, len(data) // 2, len(data) - 1):

@@ -35,6 +35,7 @@ __all__ = [
     "final_frame",
     "looks_like_engine",
     "missing_stream_members",
+    "resumes_from_bytes",
     "server_stream_keywords",
 ]
 
@@ -173,6 +174,18 @@ class EngineLike(Protocol):
         exc: BaseException | None,
         tb: TracebackType | None,
     ) -> None: ...
+
+
+def resumes_from_bytes(engine: object) -> bool:
+    """Whether ``engine`` sends a ``resume=`` checkpoint on as its bytes (``Checkpoint.to_bytes``).
+
+    An engine says so with ``resume_as_bytes = True`` (a Ray ``RemoteEngine``
+    does: its replica reads the bytes). A server that resumes requests from
+    checkpoints it read then keeps the bytes beside them, so none is encoded
+    again on its event loop; for any other engine it keeps the tensors alone,
+    half the memory.
+    """
+    return getattr(engine, "resume_as_bytes", False) is True
 
 
 @runtime_checkable

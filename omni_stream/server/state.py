@@ -65,6 +65,7 @@ from ..core import inputs
 from ..core.principal import Principal
 from ..core.records import RequestRecord
 from ..core.rules import Admitted, Client
+from ..engine.like import resumes_from_bytes
 from ..errors import CheckpointError, LifecycleError, ParamsError, StoreError
 from ..params import positive_int
 from ..store import RequestEntry, Store, StoredResult
@@ -587,6 +588,7 @@ class StateKeeper:
 
     async def _resume_unfinished(self) -> int:
         store = self._open_store()
+        keep_bytes = resumes_from_bytes(self.rules.engine)
         count = 0
         for entry in await self._run(store.unfinished):
             rid = entry.request_id
@@ -594,7 +596,12 @@ class StateKeeper:
             reason = "no_checkpoint"
             if entry.checkpoint_step is not None:
                 # A torn or refused file: None, and the store says so (one WARNING).
-                checkpoint = await self._run(functools.partial(store.load_checkpoint, rid))
+                # With its file's bytes only for an engine that sends them on (a Ray
+                # front door's): otherwise the tensors alone, half the memory, held
+                # until the request goes into the engine.
+                checkpoint = await self._run(
+                    functools.partial(store.load_checkpoint, rid, keep_bytes=keep_bytes)
+                )
                 if checkpoint is None:
                     reason = "checkpoint_unusable"
                     logger.info("request %s: resumed from step 0 (its checkpoint could not be read)", rid)

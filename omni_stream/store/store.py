@@ -426,8 +426,11 @@ class Store:
             self._remove_files([self._checkpoints / row[4]])
         return Saved(True, evicted=room.evicted)
 
-    def load_checkpoint(self, request_id: str) -> Checkpoint | None:
+    def load_checkpoint(self, request_id: str, *, keep_bytes: bool = True) -> Checkpoint | None:
         """The request's latest checkpoint, or None when there is none to resume from.
+
+        ``keep_bytes``: as ``Checkpoint.from_bytes`` (keep the file's bytes
+        beside the tensors, for a checkpoint sent on as bytes).
 
         A file that is missing, torn, tampered with or of a format this
         omni_stream does not read (``CheckpointError``) gives None and one
@@ -444,7 +447,7 @@ class Store:
             return None
         name, step = row
         try:
-            return Checkpoint.from_bytes((self._checkpoints / name).read_bytes())
+            return Checkpoint.from_bytes((self._checkpoints / name).read_bytes(), keep_bytes=keep_bytes)
         except (OSError, CheckpointError) as exc:
             logger.warning(
                 "request %s: its checkpoint of step %d (%s) cannot be used; it starts again from step 0: %s",

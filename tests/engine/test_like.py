@@ -193,3 +193,18 @@ def test_an_engine_is_told_from_a_model_or_factory_without_touching_it():
     assert not looks_like_engine(om.models.Synthetic)  # a factory (a class)
     assert not looks_like_engine(lambda: om.models.Synthetic())
     assert server_stream_keywords(Unconnected()) == {"policy"}
+
+
+def test_an_engine_says_it_resumes_from_bytes_only_with_true() -> None:
+    from omni_stream.engine.like import resumes_from_bytes
+    from omni_stream.integrations.ray_serve.remote import RemoteEngine
+
+    class Says:
+        resume_as_bytes = True
+
+    class Truthy:
+        resume_as_bytes = "yes"  # not the True it must be
+
+    assert resumes_from_bytes(Says()) and resumes_from_bytes(RemoteEngine)
+    assert not resumes_from_bytes(Truthy()) and not resumes_from_bytes(object())
+    assert not resumes_from_bytes(om.Engine)

@@ -324,7 +324,13 @@ async def test_a_checkpoint_the_model_refuses_is_said_to_restart_from_step_0(tmp
 
 @needs_engine_resume
 @pytest.mark.asyncio
-async def test_a_request_waiting_for_a_place_after_a_restart_says_where_it_will_start(tmp_path) -> None:
+@pytest.mark.parametrize("as_bytes", [False, True], ids=["local-engine", "engine-sends-bytes"])
+async def test_a_request_waiting_for_a_place_after_a_restart_says_where_it_will_start(
+    tmp_path, monkeypatch, as_bytes: bool
+) -> None:
+    if as_bytes:
+        # An engine that sends a checkpoint on as bytes (a Ray front door's RemoteEngine says so).
+        monkeypatch.setattr(Engine, "resume_as_bytes", True, raising=False)
     # Two requests in the folder (the second run resumes "older" and writes "newer" down).
     await _run_until_checkpoint(tmp_path, "older", {**PARAMS, "steps": 400}, at_least=3)
     await _run_until_checkpoint(tmp_path, "newer", PARAMS, at_least=3)
@@ -336,6 +342,11 @@ async def test_a_request_waiting_for_a_place_after_a_restart_says_where_it_will_
         waiting = json.loads((await http_get(server, "/v1/generations/newer")).body)
         assert waiting["status"] == "queued", waiting
         assert waiting["restarted"] == {"from_step": newer, "reason": "checkpoint"}
+        # Its checkpoint waits with it as tensors alone where the engine is never sent bytes
+        # (the file's bytes kept beside them held every such state twice); with its bytes
+        # where the engine sends them on, so that none is encoded again on the loop.
+        kept = server.service.state._resume["newer"]
+        assert kept.step == newer and ("_source" in kept.__dict__) is as_bytes
         async with connect(server.url) as ws:
             await send(ws, type="attach", id="newer")
             msgs = await until(ws, lambda m: m.get("type") == "restarted")

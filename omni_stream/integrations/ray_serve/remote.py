@@ -146,6 +146,10 @@ class RemoteEngine:
     and leave it from one task.
     """
 
+    #: ``stream(resume=...)`` sends the checkpoint on as its bytes (``engine.like.resumes_from_bytes``):
+    #: a server keeps the bytes it read one from, and none is encoded again on its loop.
+    resume_as_bytes = True
+
     def __init__(
         self,
         name: str = "omni_stream",
