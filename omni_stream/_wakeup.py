@@ -76,14 +76,17 @@ def _loop_calls(loop: asyncio.AbstractEventLoop) -> tuple[_NewFuture, Callable[[
     """``loop.create_future`` and ``loop.time``, as C calls where they are asyncio's own Python methods.
 
     asyncio's ``create_future`` is ``Future(loop=self)`` and its ``time`` is
-    ``time.monotonic()``; a loop that overrides either (uvloop's are C
-    already, a test's clock) keeps its own.
+    ``time.monotonic()``; a loop that overrides either, in its class or on
+    the instance (uvloop's are C already, a test's clock), keeps its own.
     """
-    cls = type(loop)
+    # The bound methods are looked at, not the class's: a loop may have its clock
+    # replaced on the instance (a fake-clock fixture's ``loop.time = ...``).
     new_future: _NewFuture = loop.create_future
-    if cls.create_future is _BASE_CREATE_FUTURE:
+    if getattr(new_future, "__func__", None) is _BASE_CREATE_FUTURE:
         new_future = functools.partial(_Future, loop=loop)
-    now = time.monotonic if cls.time is _BASE_TIME else loop.time
+    now: Callable[[], float] = loop.time
+    if getattr(now, "__func__", None) is _BASE_TIME:
+        now = time.monotonic
     return new_future, now
 
 

@@ -136,9 +136,12 @@ class Checkpoint:
         # No copy of the payload on the way (a video model's state can be large, and a
         # restarted server reads every unfinished request's): the checksum is fed views,
         # and torch.load reads the payload in place (_Window). Slices of bytes are copies.
-        if keep_bytes:
-            data = bytes(data)  # (a copy only of a mutable buffer: bytes stay as they are)
-        if len(data) < _HEADER or bytes(memoryview(data)[: len(MAGIC)]) != MAGIC:
+        # bytes(data) copies only a buffer that is not bytes already: what is checked and
+        # what is loaded must be one snapshot (a bytearray written to meanwhile could get
+        # a payload loaded that the checksum never saw), and bytes are counted in bytes
+        # whatever the view's item size or layout.
+        data = bytes(data)
+        if len(data) < _HEADER or not data.startswith(MAGIC):
             what = "too short" if len(data) < _HEADER else "without the checkpoint marker"
             raise CheckpointError(f"not an omni_stream checkpoint ({len(data)} bytes, {what})")
         (version,) = _VERSION.unpack_from(data, len(MAGIC))
@@ -192,8 +195,17 @@ class _Window(io.RawIOBase):
         return n
 
     def seek(self, offset: int, whence: int = io.SEEK_SET) -> int:
-        base = {io.SEEK_SET: 0, io.SEEK_CUR: self._pos, io.SEEK_END: len(self._view)}[whence]
-        self._pos = max(0, base + offset)
+        if whence == io.SEEK_SET:
+            base = 0
+        elif whence == io.SEEK_CUR:
+            base = self._pos
+        elif whence == io.SEEK_END:
+            base = len(self._view)
+        else:
+            raise ValueError(f"invalid whence ({whence!r})")
+        if base + offset < 0:
+            raise ValueError(f"negative seek position {base + offset}")
+        self._pos = base + offset
         return self._pos
 
     def tell(self) -> int:

@@ -55,6 +55,22 @@ def test_a_checkpoint_read_from_bytes_gives_those_bytes_back_without_encoding_ag
         made.to_bytes()
 
 
+def test_a_checkpoint_is_read_from_any_buffer_whatever_its_item_size_or_layout() -> None:
+    # Bytes are counted as bytes: a view that is not contiguous is read as the bytes it
+    # holds (it raised BufferError where a view was used as it came), and a view of 4-byte
+    # items is checked byte for byte (its length counted items: "not a checkpoint").
+    original = synthetic_checkpoint()
+    data = original.to_bytes()
+    doubled = bytes(b for pair in zip(data, data, strict=True) for b in pair)
+    strided = memoryview(doubled)[::2]
+    assert not strided.c_contiguous
+    assert Checkpoint.from_bytes(strided, keep_bytes=False).step == original.step
+    # Padded to whole items: the padding is not the checkpoint's, and the checksum says so.
+    wide = memoryview(data + b"\0" * (4 - len(data) % 4)).cast("I")
+    with pytest.raises(CheckpointError, match="checksum"):
+        Checkpoint.from_bytes(wide, keep_bytes=False)
+
+
 @pytest.mark.parametrize("kind", [bytes, bytearray, memoryview])
 def test_a_checkpoint_read_without_its_bytes_holds_only_its_tensors(kind: type) -> None:
     # A restarted server over a local engine never sends a checkpoint on: keeping the file's

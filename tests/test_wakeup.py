@@ -285,6 +285,25 @@ def test_a_loop_with_its_own_clock_and_futures_has_them_used() -> None:
     assert not early
     assert own_futures
 
+    # A clock replaced on the instance (a fake-clock fixture's way) is the loop's clock too.
+    loop = asyncio.new_event_loop()
+    real_time = loop.time
+    loop.time = lambda: real_time() + 1000.0  # type: ignore[method-assign]
+
+    async def patched() -> bool:
+        wakeup = Wakeup()
+        task = asyncio.ensure_future(_awaited(wakeup.wait(5.0)))
+        await asyncio.sleep(0.1)
+        early = task.done()
+        wakeup.wake()
+        await task
+        return early
+
+    try:
+        assert not loop.run_until_complete(patched())
+    finally:
+        loop.close()
+
     # And asyncio's own loop: a future of that loop, a timer on its clock.
     async def plain() -> bool:
         wakeup = Wakeup()
