@@ -38,10 +38,13 @@ frame): the loop's ``call_at`` on asyncio, on trio the run's timers
 (``_trio_timers.py``: trio has only cancel scopes, whose cost a wait
 would pay every frame). It returns as a wake does, and the waiter's check
 decides whether anything changed, its time included. The timer outlives
-the wait: a reader
-waits once a frame with a bound minutes long, and the next wait's deadline
-is later than the last's, so the timer armed for the first serves every
-later one (armed again only for an earlier deadline, or once it fired).
+the wait: a reader waits once a frame with a bound minutes long, and the
+next wait's deadline is later than the last's, so the timer armed for the
+first serves every later one (armed again only for an earlier deadline,
+or once it fired). A wait whose bound is no shorter than the one the
+timer was armed with does not even read the clock: the timer was armed
+no later than now, so it fires no later than this wait's deadline (on
+trio the clock is three Python calls, paid once a frame otherwise).
 Firing early for a later wait is a spurious wake, which the rule allows:
 the waiter sees its deadline has not come and waits again, arming the
 timer for it. :meth:`disarm` drops the timer when no bounded wait is to
@@ -102,7 +105,8 @@ class Wakeup:
     """Wakes the tasks waiting on it (see the module docstring); loop-only."""
 
     __slots__ = (
-        "_waiters", "_tasks", "_trio", "_timer", "_timer_at", "_timer_loop", "_loop", "_new_future", "_now",
+        "_waiters", "_tasks", "_trio", "_timer", "_timer_at", "_timer_bound", "_timer_loop",
+        "_loop", "_new_future", "_now",
     )
 
     def __init__(self) -> None:
@@ -115,6 +119,10 @@ class Wakeup:
         # The timer for bounded waits, and the loop time it fires at.
         self._timer: _Timer | None = None
         self._timer_at = 0.0
+        # The bound of the wait that armed the timer. It was armed at ``_timer_at - _timer_bound``,
+        # no later than now, so it fires no later than now plus that bound: a wait for at least
+        # as long (a reader's next frame, the same bound) keeps it without reading the clock.
+        self._timer_bound = 0.0
         # The asyncio loop the timer is on: a Wakeup waited on again under another loop arms
         # a timer there (the old one would never fire, and its time is another loop's clock).
         self._timer_loop: object = None
@@ -146,30 +154,37 @@ class Wakeup:
             # Another task waits too, or a cancelled waiter's future is left over.
             waiters[:] = [w for w in waiters if not w.done()]
         waiters.append(waiter)
-        if timeout is not None:
+        if timeout is not None and (
+            self._timer is None or timeout < self._timer_bound or self._timer_loop is not loop
+        ):
+            # (A timer armed on this loop for a bound no longer than this one fires in time
+            # without reading the clock: see _timer_bound.)
             at = self._now() + timeout
             if self._timer is None or self._timer_at > at or self._timer_loop is not loop:
                 # None armed, the one armed fires after this wait's deadline, or it is another loop's.
-                self._arm(at, loop.call_at)
+                self._arm(at, timeout, loop.call_at)
                 self._timer_loop = loop
         return waiter
 
-    def _arm(self, at: float, call_at: Callable[[float, Callable[[], None]], _Timer]) -> None:
+    def _arm(self, at: float, bound: float, call_at: Callable[[float, Callable[[], None]], _Timer]) -> None:
         timer = self._timer
         if timer is not None:
             timer.cancel()
         self._timer = call_at(at, self._expire)
         self._timer_at = at
+        self._timer_bound = bound
 
     def _arm_trio(self, timeout: float) -> None:
+        timer = self._timer
+        # (cancelled(): fired, or a timer of a trio run that has ended, whose clock was another.)
+        if timer is not None and timeout >= self._timer_bound and not timer.cancelled():
+            return  # it fires in time (see _timer_bound): no clock read (three Python calls on trio)
         trio = sys.modules["trio"]
         at = trio.current_time() + timeout
-        timer = self._timer
-        # (cancelled(): also a timer of a trio run that has ended, whose clock was another.)
         if timer is None or self._timer_at > at or timer.cancelled():
             from ._trio_timers import timers  # only under trio: trio is imported
 
-            self._arm(at, timers().call_at)
+            self._arm(at, timeout, timers().call_at)
 
     async def _park(self) -> None:
         lowlevel = sys.modules["trio"].lowlevel

@@ -205,6 +205,50 @@ async def test_bounded_waits_share_one_timer_armed_again_only_for_an_earlier_dea
     assert wakeup._timer is None
 
 
+async def test_a_wait_no_shorter_than_the_armed_timers_bound_reads_no_clock(anyio_backend, monkeypatch) -> None:
+    # A reader waits once a frame with the same bound: the timer armed by an earlier wait
+    # fires no later than this one's deadline, so the wait keeps it without reading the
+    # clock (on trio three Python calls a frame). A shorter bound still looks.
+    wakeup = Wakeup()
+
+    async def woken_wait(bound: float) -> None:
+        # A bounded wait ended by a wake (no cancel scope: anyio's read the clock too).
+        async with anyio.create_task_group() as tg:
+            tg.start_soon(_awaited, wakeup.wait(bound))
+            await anyio.wait_all_tasks_blocked()
+            wakeup.wake()
+
+    await woken_wait(60.0)
+    armed = wakeup._timer
+    assert armed is not None
+    reads = 0
+
+    def counted(clock: Any) -> Any:
+        def read() -> float:
+            nonlocal reads
+            reads += 1
+            return float(clock())
+
+        return read
+
+    if anyio_backend[0] == "trio":
+        import trio
+
+        monkeypatch.setattr(trio, "current_time", counted(trio.current_time))
+    else:
+        wakeup._now = counted(wakeup._now)
+    await woken_wait(60.0)
+    await woken_wait(120.0)
+    assert reads == 0 and wakeup._timer is armed and not armed.cancelled()
+    await woken_wait(30.0)  # its deadline is earlier than the armed timer's: armed again
+    assert reads == 1 and armed.cancelled()
+    again = wakeup._timer
+    assert again is not None and not again.cancelled()
+    await woken_wait(45.0)  # no shorter than the bound it was armed with: kept, unread
+    assert reads == 1 and wakeup._timer is again
+    wakeup.disarm()
+
+
 async def test_an_ended_delivery_leaves_no_timer(anyio_backend) -> None:
     from omni_stream.engine.delivery import Delivery
 
