@@ -255,3 +255,25 @@ def test_wakeup_cycles_on_every_backend_and_against_another_tree(capsys):
     finally:
         for name in [m for m in sys.modules if m.split(".")[0] == "omni_stream_other"]:
             del sys.modules[name]
+
+
+@pytest.mark.parametrize("backend", ["asyncio", "uvloop", "trio"])
+def test_handover_calls_counts_each_variants_loop_on_every_backend(backend, capsys):
+    # Each variant's profile is of the loop thread while frames arrive: the engine's
+    # reader and the peer's queue (or channel) are in it once a frame, the other's not.
+    if backend == "trio":
+        pytest.importorskip("trio")
+    from benchmarks import handover_calls
+
+    engine = handover_calls.count("engine", backend, 20, 0.001)
+    peer = handover_calls.count("peer", backend, 20, 0.001)
+    engine_calls = {where: n for n, where in engine.per_function}
+    peer_calls = {where: n for n, where in peer.per_function}
+    assert any("stream.py" in w and "__anext__" in w for w in engine_calls)
+    assert not any("stream.py" in w for w in peer_calls)
+    getter = " receive" if backend == "trio" else " get"
+    assert any(w.endswith(getter) for w in peer_calls) and not any(w.endswith(getter) for w in engine_calls)
+    assert engine.calls > 1 and peer.calls > 1
+    handover_calls.main(["--backend", backend, "--frames", "10", "--pace", "1", "--top", "3"])
+    out = capsys.readouterr().out
+    assert f"{backend} engine:" in out and f"{backend} peer:" in out
