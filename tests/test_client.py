@@ -3,7 +3,6 @@ against the real server (om.models.Synthetic, tiny frames) and a scripted fake s
 
 from __future__ import annotations
 
-import dataclasses
 import io
 import json
 import math
@@ -36,7 +35,6 @@ from omni_stream.client import (
     parse_preview_frame,
 )
 from omni_stream.protocol import client as wire
-from omni_stream.protocol.inbox import Inbox
 
 from .conftest import Slow, running
 
@@ -185,112 +183,6 @@ def test_text_parser_rejects_malformed_messages(text: str, message: str) -> None
 
 def test_text_parser_ignores_unknown_types() -> None:
     assert wire.parse_message('{"type": "hello", "id": "a"}') is None
-
-
-# ---- the per-request inbox (no I/O) -----------------------------------------------
-
-
-def _accepted(rid: str = RID) -> wire.Accepted:
-    return wire.Accepted(rid, 5, False, False, {"format": "png"})
-
-
-def _preview(step: int, *, final: bool = False) -> PreviewFrame:
-    return PreviewFrame(RID, step, 5, final, "raw", 1, 1, b"\x00\x00\x00")
-
-
-async def _drain(inbox: Inbox) -> list[Any]:
-    items: list[Any] = []
-    with anyio.fail_after(5):
-        while True:
-            try:
-                items.append(await inbox.get())
-            except StopAsyncIteration:
-                return items
-
-
-@pytest.mark.asyncio
-async def test_inbox_keeps_finals_and_drops_oldest_intermediates_when_behind() -> None:
-    inbox = Inbox(RID, want_progress=True, max_buffered=3)
-    inbox.feed(_accepted())
-    for step in range(1, 5):
-        inbox.feed(Progress(RID, step, 5, 1.0))
-        inbox.feed(_preview(step))
-    inbox.feed(Progress(RID, 5, 5, 0.0))
-    inbox.feed(_preview(5, final=True))
-    inbox.feed(wire.Done(RID, 5, 0.5))
-    items = await _drain(inbox)
-    # Ten items arrived unread; the seven oldest intermediates made room.
-    assert items == [_preview(4), Progress(RID, 5, 5, 0.0), _preview(5, final=True)]
-    assert inbox.dropped == 7
-
-
-@pytest.mark.asyncio
-async def test_inbox_without_progress_only_records_the_latest() -> None:
-    inbox = Inbox(RID, want_progress=False, max_buffered=64)
-    inbox.feed(_accepted())
-    inbox.feed(Progress(RID, 5, 5, 0.0))
-    inbox.feed(_preview(5, final=True))
-    inbox.feed(wire.Done(RID, 5, 0.5))
-    assert await _drain(inbox) == [_preview(5, final=True)]
-    assert inbox.last_progress == Progress(RID, 5, 5, 0.0)
-
-
-@pytest.mark.asyncio
-@pytest.mark.parametrize(
-    ("events", "error", "match"),
-    [
-        ([_preview(1)], ProtocolError, "before 'accepted'"),
-        ([_accepted(), _accepted()], ProtocolError, "second 'accepted'"),
-        ([_accepted(), _preview(4), wire.Done(RID, 5, 1.0)], ProtocolError, "without a final"),
-        # A request of three images ended after two of its results.
-        ([_accepted(), dataclasses.replace(_preview(5, final=True), index=0, images=3),
-          dataclasses.replace(_preview(5, final=True), index=1, images=3), wire.Done(RID, 5, 1.0)],
-         ProtocolError, "after 2 of the request's 3 results"),
-        ([wire.ErrorMessage("bad_params", "steps must be >= 1", RID, "steps")], ParamsRejectedError,
-         "steps"),
-        ([wire.ErrorMessage("duplicate_id", "in use", RID, None)], RequestRejectedError, "in use"),
-        ([_accepted(), wire.ErrorMessage("step_failed", "boom", RID, None)], RequestFailedError, "boom"),
-        ([_accepted(), wire.ErrorMessage("brand_new_code", "?", RID, None)], RequestFailedError, r"\?"),
-        ([_accepted(), wire.Cancelled(RID, "shutdown")], RemoteCancelledError, "shutdown"),
-    ],
-)
-async def test_inbox_outcomes(events: list[Any], error: type[Exception], match: str) -> None:
-    inbox = Inbox(RID, want_progress=False, max_buffered=8)
-    for event in events:
-        inbox.feed(event)
-    with pytest.raises(error, match=match) as info:
-        await _drain(inbox)
-    assert info.value.request_id == RID  # type: ignore[attr-defined]
-    # The outcome is raised once; the stream is then simply over.
-    assert await _drain(inbox) == []
-
-
-@pytest.mark.asyncio
-async def test_inbox_keeps_every_result_of_several_images_and_a_loading_note() -> None:
-    inbox = Inbox(RID, want_progress=False, max_buffered=2)
-    inbox.feed(_accepted())
-    inbox.feed(wire.Loading(RID, "sd"))
-    assert inbox.loading == wire.Loading(RID, "sd")
-    inbox.feed(Progress(RID, 5, 5, 0.0))
-    assert inbox.loading is None
-    finals = [dataclasses.replace(_preview(5, final=True), index=i, images=3) for i in range(3)]
-    for final in finals:
-        inbox.feed(final)
-    inbox.feed(wire.Done(RID, 5, 0.5))
-    # max_buffered=2, but results are never dropped.
-    assert await _drain(inbox) == finals
-
-
-@pytest.mark.asyncio
-async def test_inbox_ignores_a_rejection_about_a_running_request() -> None:
-    # A cancel racing the request's end is answered not_found: that rejects
-    # the cancel message, not the request, whose 'done' follows.
-    inbox = Inbox(RID, want_progress=False, max_buffered=8)
-    inbox.feed(_accepted())
-    inbox.feed(wire.ErrorMessage("not_found", "no such request", RID, None))
-    inbox.feed(_preview(5, final=True))
-    inbox.feed(wire.Done(RID, 5, 0.1))
-    assert await _drain(inbox) == [_preview(5, final=True)]
 
 
 def test_error_classes_are_also_the_engine_errors() -> None:
