@@ -21,6 +21,20 @@ import torch
 from omni_stream.models import Synthetic
 
 
+#: The anyio backends the engine, its streams and the client run on, as anyio's plugin takes them.
+ANYIO_BACKENDS = [
+    pytest.param(("asyncio", {}), id="asyncio"),
+    pytest.param(("asyncio", {"use_uvloop": True}), id="uvloop"),
+    pytest.param(("trio", {}), id="trio"),
+]
+
+
+@pytest.fixture(params=ANYIO_BACKENDS)
+def anyio_backend(request: pytest.FixtureRequest) -> tuple[str, dict[str, Any]]:
+    """A test marked ``anyio`` runs on each of them (a module may narrow it with its own fixture)."""
+    return request.param  # type: ignore[no-any-return]
+
+
 # optionalhook: the GPU machine runs the GPU tests without pytest-asyncio.
 @pytest.hookimpl(optionalhook=True)
 def pytest_asyncio_loop_factories(config, item) -> Mapping[str, object]:

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import threading
-from typing import Any
 
 import anyio
 import pytest
@@ -11,16 +10,9 @@ import pytest
 from omni_stream import _backend
 from omni_stream._handover import Handover
 
-BACKENDS = [
-    pytest.param(("asyncio", {}), id="asyncio"),
-    pytest.param(("asyncio", {"use_uvloop": True}), id="uvloop"),
-    pytest.param(("trio", {}), id="trio"),
-]
+from .conftest import ANYIO_BACKENDS
 
-
-@pytest.fixture(params=BACKENDS)
-def anyio_backend(request: pytest.FixtureRequest) -> tuple[str, dict[str, Any]]:
-    return request.param  # type: ignore[no-any-return]
+BACKENDS = ANYIO_BACKENDS
 
 
 @pytest.mark.anyio

@@ -19,17 +19,6 @@ from omni_stream._wakeup import Wakeup
 pytestmark = pytest.mark.anyio
 
 
-@pytest.fixture(
-    params=[
-        pytest.param(("asyncio", {}), id="asyncio"),
-        pytest.param(("asyncio", {"use_uvloop": True}), id="uvloop"),
-        pytest.param(("trio", {}), id="trio"),
-    ]
-)
-def anyio_backend(request: pytest.FixtureRequest) -> tuple[str, dict[str, Any]]:
-    return request.param  # type: ignore[no-any-return]
-
-
 async def test_a_wake_with_nobody_waiting_is_not_remembered(anyio_backend) -> None:
     wakeup = Wakeup()
     wakeup.wake()
@@ -205,7 +194,9 @@ async def test_bounded_waits_share_one_timer_armed_again_only_for_an_earlier_dea
     assert wakeup._timer is None
 
 
-async def test_a_wait_no_shorter_than_the_armed_timers_bound_reads_no_clock(anyio_backend, monkeypatch) -> None:
+async def test_a_wait_no_shorter_than_the_armed_timers_bound_reads_no_clock(
+    anyio_backend, monkeypatch
+) -> None:
     # A reader waits once a frame with the same bound: the timer armed by an earlier wait
     # fires no later than this one's deadline, so the wait keeps it without reading the
     # clock (on trio three Python calls a frame). A shorter bound still looks.

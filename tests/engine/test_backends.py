@@ -20,24 +20,12 @@ import pytest
 import torch
 
 import omni_stream as om
-from omni_stream import errors
 from omni_stream.config import STEP_TIMEOUT_ENV
 from omni_stream.models import Synthetic
 
 from .conftest import make_device, params, settled, wait_for
 
 pytestmark = pytest.mark.anyio
-
-
-@pytest.fixture(
-    params=[
-        pytest.param(("asyncio", {}), id="asyncio"),
-        pytest.param(("asyncio", {"use_uvloop": True}), id="uvloop"),
-        pytest.param(("trio", {}), id="trio"),
-    ]
-)
-def anyio_backend(request: pytest.FixtureRequest) -> tuple[str, dict[str, Any]]:
-    return request.param  # type: ignore[no-any-return]
 
 
 def running_on(anyio_backend: tuple[str, dict[str, Any]]) -> str:

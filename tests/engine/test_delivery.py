@@ -17,17 +17,6 @@ from omni_stream.errors import RequestCancelledError, StepFailedError
 from omni_stream.frame import Frame, engine_frame
 
 
-@pytest.fixture(
-    params=[
-        pytest.param(("asyncio", {}), id="asyncio"),
-        pytest.param(("asyncio", {"use_uvloop": True}), id="uvloop"),
-        pytest.param(("trio", {}), id="trio"),
-    ]
-)
-def anyio_backend(request: pytest.FixtureRequest) -> tuple[str, dict[str, Any]]:
-    return request.param  # type: ignore[no-any-return]
-
-
 def frame(step: int, total: int = 5) -> Frame:
     return engine_frame("r", step, total, torch.zeros(1), 0.0, 0.0, 0.0, 1, 0.0, False, 1)
 

@@ -25,17 +25,6 @@ from omni_stream.engine.request import Request
 pytestmark = pytest.mark.anyio
 
 
-@pytest.fixture(
-    params=[
-        pytest.param(("asyncio", {}), id="asyncio"),
-        pytest.param(("asyncio", {"use_uvloop": True}), id="uvloop"),
-        pytest.param(("trio", {}), id="trio"),
-    ]
-)
-def anyio_backend(request: pytest.FixtureRequest) -> object:
-    return request.param
-
-
 def _request(request_id: str = "r", total: int = 100) -> Request:
     return Request(
         request_id=request_id, params={}, total=total, batch_key=None, policy="all",

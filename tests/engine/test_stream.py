@@ -23,17 +23,6 @@ from .test_output_processor import make, request, ticket
 pytestmark = pytest.mark.anyio
 
 
-@pytest.fixture(
-    params=[
-        pytest.param(("asyncio", {}), id="asyncio"),
-        pytest.param(("asyncio", {"use_uvloop": True}), id="uvloop"),
-        pytest.param(("trio", {}), id="trio"),
-    ]
-)
-def anyio_backend(request: pytest.FixtureRequest) -> tuple[str, dict[str, Any]]:
-    return request.param  # type: ignore[no-any-return]
-
-
 def stream(total: int = 3, **kw: Any) -> tuple[FrameStream, OutputProcessor, Request]:
     out, _, _ = make()
     r = request(out, total=total, **kw)

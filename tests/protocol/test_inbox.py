@@ -30,17 +30,6 @@ pytestmark = pytest.mark.anyio
 RID = "req-1"
 
 
-@pytest.fixture(
-    params=[
-        pytest.param(("asyncio", {}), id="asyncio"),
-        pytest.param(("asyncio", {"use_uvloop": True}), id="uvloop"),
-        pytest.param(("trio", {}), id="trio"),
-    ]
-)
-def anyio_backend(request: pytest.FixtureRequest) -> tuple[str, dict[str, Any]]:
-    return request.param  # type: ignore[no-any-return]
-
-
 def _accepted(rid: str = RID) -> wire.Accepted:
     return wire.Accepted(rid, 5, False, False, {"format": "png"})
 
