@@ -31,6 +31,7 @@ copy in flight is never handed to anyone else.
 
 from __future__ import annotations
 
+import threading
 import time
 from collections import deque
 from collections.abc import Callable
@@ -109,6 +110,13 @@ class Copier:
         self._busy = False
         # A failure of the inline hand-over, re-raised by ``run``.
         self._failure: BaseException | None = None
+        # The batch a worker thread waits on, from the wait's start until it completed. A
+        # cancelled ``run`` (shutdown) leaves it here for ``drain``: it is in no queue any
+        # more, and its copies may never land (a wedged device).
+        self._waited: list[CopyTicket] | None = None
+        # Who gives a waited batch's leases back, its (abandoned) worker or ``drain``: each
+        # lease is taken off its ticket under this lock, by whichever comes first.
+        self._claim = threading.Lock()
         #: issue time of the oldest copy being waited on, None when not waiting
         #: (read by health: a copy that never completes means a hung device).
         self.waiting_since: float | None = None
@@ -230,6 +238,7 @@ class Copier:
                     self._complete(batch)
                 else:
                     self.waiting_since = min(t.issued_at for t in batch)
+                    self._waited = batch
                     try:
                         # Bounded waits, repeated: a worker never blocks for
                         # long, so shutdown (and interpreter exit) never waits
@@ -241,6 +250,7 @@ class Copier:
                             pass
                     finally:
                         self.waiting_since = None
+                    self._waited = None  # (not on a cancel: drain looks at it then)
                 deliver(batch)
                 self._busy = False
 
@@ -268,8 +278,13 @@ class Copier:
     def _complete(self, batch: list[CopyTicket]) -> None:
         # Runs inline on the loop or on the copier's worker thread. A failure
         # here belongs to one ticket (one request), never to the copier.
-        for t in batch:
-            lease = t.lease
+        with self._claim:
+            # A worker abandoned at shutdown may get here while ``drain`` runs: a lease
+            # already taken by drain is drain's to give back.
+            leases = [t.lease for t in batch]
+            for t in batch:
+                t.lease = None
+        for t, lease in zip(batch, leases, strict=True):
             if lease is None:
                 continue
             try:
@@ -283,7 +298,6 @@ class Copier:
             except Exception as exc:
                 t.error = exc
             finally:
-                t.lease = None
                 t.src = None
                 if lease.in_flight:
                     # synchronize() raised: the copy may still write into
@@ -295,17 +309,23 @@ class Copier:
     def drain(self) -> int:
         """Release the leases of queued tickets whose copies completed; never blocks.
 
-        For shutdown. Returns how many tickets still had a copy in flight:
-        their buffers are abandoned (a late copy may still write into them).
+        For shutdown, after ``run`` was cancelled. Returns how many tickets
+        still had a copy in flight: their buffers are abandoned (a late copy
+        may still write into them). The batch the cancelled ``run`` was
+        waiting on counts too, unless its worker, still finishing its last
+        bounded wait, completed it first.
         """
         stuck = 0
         # Posted tickets the loop never came round to receive count too.
         self._inbox.extend(self._handover.take())
-        for t in self._inbox:
-            lease = t.lease
+        waited, self._waited = self._waited or [], None
+        with self._claim:
+            claimed = [(t, t.lease) for t in (*waited, *self._inbox)]
+            for t, _ in claimed:
+                t.lease = None
+        for t, lease in claimed:
             if lease is None:
                 continue
-            t.lease = None
             t.src = None
             if lease.in_flight:
                 stuck += 1
