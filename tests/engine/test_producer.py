@@ -4,14 +4,21 @@ No engine and no event loop: the producer's methods are plain synchronous
 code, driven here on the test's own thread (and on a second thread where
 the producer must wait on the table). The copier is a recorder that keeps
 what is submitted and posted; the device is the CPU's; the model is a
-small counting one whose states say how often each was stepped.
+small counting one whose states say how often each was stepped. A test
+knows the producer is parked because the table's condition tells it (see
+``parked``): no sleeps, no timing.
+
+Covered elsewhere and not repeated here: the same promises end to end
+through an engine (test_failures.py, test_cancellation.py, test_output.py,
+test_pause.py), the producer's torch threads (test_host_frames.py), the
+scheduling policies themselves (test_scheduler.py).
 """
 
 from __future__ import annotations
 
+import itertools
 import logging
 import threading
-import time
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -136,6 +143,28 @@ def _stop_every_table() -> Any:
     _tables.clear()
 
 
+class _Parking(threading.Condition):
+    """The table's condition, with an event set each time the producer is about to wait on it."""
+
+    def __init__(self, lock: Any) -> None:
+        super().__init__(lock)
+        self.parked = threading.Event()
+
+    def wait(self, timeout: float | None = None) -> bool:
+        self.parked.set()
+        return super().wait(timeout)
+
+
+def parked(table: RequestTable) -> threading.Event:
+    """Set once the producer waits on ``table`` (clear it to see the next wait).
+
+    Set with the lock held, which only the wait gives up: once the test holds
+    the lock the producer is parked, and the test's notify cannot be lost.
+    """
+    assert isinstance(table.cond, _Parking)
+    return table.cond.parked
+
+
 def thread(target: Callable[[], object]) -> threading.Thread:
     t = threading.Thread(target=target, daemon=True)
     t.start()
@@ -149,9 +178,20 @@ def setup(
     table = RequestTable(
         Limits(max_batch_size=max_batch_size, max_run_ahead=max_run_ahead, queue_size=queue_size)
     )
+    table.cond = _Parking(table.lock)
     _tables.append(table)
     copier = Copier()
     producer = Producer(model, CpuDevice(), copier, table)  # type: ignore[arg-type]
+    # A producer that never retired an ended request would go round its choosing loop for
+    # ever, on the test's thread: stopped after many more rounds than any test makes.
+    offload, rounds = producer._offload, itertools.count()
+
+    def counted() -> None:
+        if next(rounds) > 100:
+            table.stopping = True
+        offload()
+
+    producer._offload = counted  # type: ignore[method-assign]
     return producer, table, copier, model
 
 
@@ -189,12 +229,16 @@ def deliver_and_read(table: RequestTable, *requests: Request) -> None:
         table.wake_producer()
 
 
-def wait_until(condition: Callable[[], bool]) -> None:
-    """Poll a condition another thread makes true (a guard of seconds, not a timing check)."""
-    deadline = time.monotonic() + 5
-    while not condition():
-        assert time.monotonic() < deadline, "the producer thread never got there"
-        time.sleep(0.001)
+def refuse_copies(copier: Copier, request_id: str, exc: BaseException) -> None:
+    """Make ``copier.submit`` raise ``exc`` for ``request_id``'s frames."""
+    submit = copier.submit
+
+    def refusing(request: Request, step: int, out: torch.Tensor, **fields: Any) -> CopyTicket:
+        if request.id == request_id:
+            raise exc
+        return submit(request, step, out, **fields)
+
+    copier.submit = refusing  # type: ignore[method-assign]
 
 
 # -- construction ------------------------------------------------------------------
@@ -257,13 +301,58 @@ def test_tickets_are_posted_when_the_next_step_starts_not_when_their_batch_ends(
     assert posted_at_step == [0, 1] and copier.frames() == [("a", 1, "frame")]
 
 
+def test_what_was_computed_is_posted_before_any_model_code_runs_not_only_a_step() -> None:
+    posted_at_start: list[int] = []
+
+    class Starting(Counting):
+        def start(self, params: Any, device: torch.device) -> State:
+            posted_at_start.append(len(copier.frames()))
+            return super().start(params, device)
+
+    producer, table, copier, _ = setup(Starting())
+    add(table, "a")
+    step_once(producer)
+    add(table, "b")  # its start is model code too, and may run long
+    step_once(producer)
+    assert posted_at_start == [0, 1]
+
+
+def test_a_reader_that_lags_holds_back_its_own_request_and_nobody_elses() -> None:
+    producer, table, _, _ = setup(max_run_ahead=8, queue_size=2)
+    slow, fast = add(table, "slow"), add(table, "fast")
+    latest = add(table, "latest", policy="latest")  # newer frames replace unread ones: never waits
+    for _ in range(2):
+        step_once(producer)
+        with table.cond:
+            for r in (slow, fast, latest):
+                r.delivered = r.issued
+            fast.consumed = fast.issued
+    # slow's reader holds queue_size frames it has not taken: slow waits, alone.
+    assert producer._next_batch() == [fast, latest]
+    deliver_and_read(table, slow)
+    assert slow in (producer._next_batch() or [])
+
+
+def test_run_streak_counts_consecutive_rounds_and_starts_again_after_a_missed_one() -> None:
+    # The preemptive policy's quantum reads it (scheduler.py).
+    producer, table, _, _ = setup(max_run_ahead=8)
+    a, b = add(table, "a", total=8), add(table, "b", total=8)
+    streaks = []
+    for b_paused in (False, False, True, False):
+        b.paused = b_paused
+        step_once(producer)
+        streaks.append((a.run_streak, b.run_streak))
+    assert streaks == [(1, 1), (2, 2), (3, 2), (4, 1)]
+    assert (a.last_scheduled, b.last_scheduled) == (4, 4)
+
+
 def test_with_nothing_runnable_it_posts_then_waits_until_a_reader_frees_a_place() -> None:
     producer, table, copier, _ = setup(max_run_ahead=1)
     r = add(table, "a")
     step_once(producer)  # one step in flight: max_run_ahead reached
     chosen: list[Any] = []
     waiting = thread(lambda: chosen.append(producer._next_batch()))
-    wait_until(lambda: table.producer_waiting)
+    assert parked(table).wait(5) and table.producer_waiting
     # Waiting, and what it computed is on its way (else nobody could ever free the place).
     assert copier.frames() == [("a", 1, "frame")] and chosen == []
     deliver_and_read(table, r)
@@ -275,7 +364,7 @@ def test_a_waiting_producer_returns_when_the_table_stops() -> None:
     producer, table, _, _ = setup()
     chosen: list[Any] = []
     waiting = thread(lambda: chosen.append(producer._next_batch()))
-    wait_until(lambda: table.producer_waiting)
+    assert parked(table).wait(5)
     with table.cond:
         table.stopping = True
         table.wake_producer()
@@ -290,9 +379,7 @@ def test_an_ended_request_is_closed_once_and_dropped_before_the_next_batch() -> 
     never_started = add(table, "c")
     never_started.status = Status.CANCELLED  # ended before it ran
     a.status = Status.CANCELLED
-    chosen: list[Any] = []
-    thread(lambda: chosen.append(producer._next_batch())).join(5)  # (a producer that never retires spins)
-    assert chosen == [[b]]
+    assert producer._next_batch() == [b]
     assert model.of("close") == ["a"]  # c had no state: nothing to close
     assert list(table.live.values()) == [b] and a.state is None and a.closed
     producer._close(a)
@@ -329,6 +416,31 @@ def test_busy_marks_the_model_call_for_health_and_clears_after() -> None:
     assert seen == [(True, ("a", "b"))] and producer.busy_since is None
 
 
+def test_the_devices_after_step_follows_each_step_and_each_decode_before_any_copy_reads() -> None:
+    log: list[str] = []
+
+    class Recording(CpuDevice):
+        def after_step(self) -> None:
+            log.append("after_step")
+
+    copier = Copier()
+    submit = copier.submit
+
+    def logged(request: Request, step: int, out: torch.Tensor, **fields: Any) -> CopyTicket:
+        log.append(f"copy {request.id}")
+        return submit(request, step, out, **fields)
+
+    copier.submit = logged  # type: ignore[method-assign]
+    model = Counting()
+    model.during_step = lambda: log.append("step")
+    table = RequestTable(Limits(max_batch_size=8, max_run_ahead=2, queue_size=8))
+    producer = Producer(model, Recording(), copier, table)  # type: ignore[arg-type]
+    add(table, "a", total=1, params={"output": "image"}), add(table, "b", total=2)
+    step_once(producer)
+    # A copy is ordered after the compute queued before it (sim, CUDA): the hook comes first.
+    assert log == ["step", "after_step", "after_step", "copy a", "copy b"]
+
+
 def test_a_batched_step_that_raises_is_retried_alone_and_fails_only_the_request_at_fault() -> None:
     producer, table, copier, model = setup()
     add(table, "a"), add(table, "bad"), add(table, "c")
@@ -362,6 +474,20 @@ def test_an_output_that_is_not_a_tensor_fails_its_own_request_only() -> None:
     producer._flush()
     assert copier.frames() == [("a", 1, "frame"), ("b", 1, "StepFailedError")]
     assert "must return tensors, got str" in str(copier.posted[0][1].error)
+
+
+def test_a_frame_that_cannot_be_copied_fails_its_own_request_and_the_producer_carries_on() -> None:
+    producer, table, copier, model = setup()
+    a, _ = add(table, "a"), add(table, "bad")
+    refuse_copies(copier, "bad", ValueError("sparse tensors cannot be copied"))
+    step_once(producer)
+    producer._flush()
+    assert copier.frames() == [("a", 1, "frame"), ("bad", 1, "StepFailedError")]
+    assert isinstance(copier.posted[0][1].error.__cause__, ValueError)
+    deliver_and_read(table, a)
+    # The next round closes the failed state and steps the others on.
+    assert step_once(producer) == [a]
+    assert model.of("close") == ["bad"] and a.issued == 2
 
 
 def test_a_start_that_raises_fails_that_request_and_the_others_step() -> None:
@@ -448,7 +574,7 @@ def test_a_request_paused_to_the_host_leaves_the_device_and_comes_back_from_its_
     deliver_and_read(table, r)
     r.paused, r.to_host = True, True
     waiting = thread(producer._next_batch)
-    wait_until(lambda: table.producer_waiting)  # moved first, then nothing to run: it waits
+    assert parked(table).wait(5)  # moved first, then nothing to run: it waits
     assert model.of("snapshot") == ["a"] and model.of("close") == ["a"]
     assert r.state is None and not r.started and not r.to_host and r.resume_from == ("checkpoint", "a", 1)
     with table.cond:
@@ -461,6 +587,20 @@ def test_a_request_paused_to_the_host_leaves_the_device_and_comes_back_from_its_
     producer._flush()
     assert model.of("restore") == ["a"] and r.resume_from is None
     assert [t.data.tolist() for t in copier.submitted] == [[1.0, 1.0], [2.0, 2.0]]  # continued, not restarted
+
+
+def test_a_paused_request_is_left_out_and_its_state_stays_on_the_device_unless_sent_to_the_host() -> None:
+    producer, table, copier, model = setup()
+    a, b = add(table, "a"), add(table, "b")
+    step_once(producer)
+    deliver_and_read(table, a, b)
+    a.paused = True
+    assert step_once(producer) == [b]
+    assert model.of("snapshot") == [] and model.of("close") == [] and a.state.steps == 1
+    a.paused = False
+    deliver_and_read(table, a, b)
+    assert step_once(producer) == [a, b]
+    assert [t.data.tolist() for t in copier.submitted if t.request is a] == [[1.0, 1.0], [2.0, 2.0]]
 
 
 def test_a_paused_request_whose_model_cannot_snapshot_keeps_its_state(caplog) -> None:
@@ -533,19 +673,56 @@ def test_when_run_ends_it_posts_what_was_computed_and_closes_every_started_state
 def test_a_pool_closed_under_a_batch_stops_the_producer_and_what_was_issued_still_goes_out() -> None:
     producer, table, copier, model = setup()
     add(table, "a"), add(table, "b")
-    submit = copier.submit
+    refuse_copies(copier, "b", PoolClosedError("the pool is closed"))
+    raised: list[BaseException] = []
 
-    def closing(request: Request, step: int, out: torch.Tensor, **fields: Any) -> CopyTicket:
-        if request.id == "b":
-            raise PoolClosedError("the pool is closed")
-        return submit(request, step, out, **fields)
+    def run() -> None:
+        try:
+            producer.run()
+        except BaseException as exc:
+            raised.append(exc)
 
-    copier.submit = closing  # type: ignore[method-assign]
-    with pytest.raises(PoolClosedError):
-        producer.run()
+    # (On a thread: a producer that took it for b's failure would go on, then wait forever.)
+    thread(run).join(5)
+    assert [type(exc) for exc in raised] == [PoolClosedError]
     # a's copy was issued: the copier must get it, to free its buffer and deliver it.
     assert copier.frames() == [("a", 1, "frame")]
     assert sorted(model.of("close")) == ["a", "b"]
+
+
+def test_a_close_that_raises_is_logged_and_every_other_state_is_still_closed(caplog) -> None:
+    class BadClose(Counting):
+        def close(self, state: State | None) -> None:
+            super().close(state)
+            if getattr(state, "request_id", None) == "a":
+                raise RuntimeError("close failed")
+
+    producer, table, _, model = setup(BadClose())
+    a, _ = add(table, "a"), add(table, "b")
+    step_once(producer)
+    table.stopping = True
+    producer.run()
+    assert model.of("close") == ["a", "b"] and a.closed and a.state is None
+    assert "request a: model.close() raised; ignored" in caplog.text
+
+
+def test_a_machinery_error_with_no_state_left_to_close_still_posts_what_was_computed() -> None:
+    producer, table, copier, model = setup()
+    model.fail_start = {"a"}
+    a, b = add(table, "a", total=1), add(table, "b")
+    a.batch_key = b.batch_key = None  # one at a time: a first, as the shortest
+    stamps = [1.0]
+
+    def clock() -> float:
+        if not stamps:
+            raise RuntimeError("the clock broke")  # as the second batch is stamped
+        return stamps.pop()
+
+    table.clock = clock
+    with pytest.raises(RuntimeError, match="the clock broke"):
+        producer.run()
+    # No model code ran after a's failure (b never started, nothing to close): run's own flush sent it.
+    assert copier.frames() == [("a", 1, "StepFailedError")] and model.of("start") == []
 
 
 def test_a_model_error_outside_any_request_propagates_and_still_closes_the_states() -> None:
@@ -616,7 +793,7 @@ def test_a_whole_run_waiting_for_its_reader_is_not_busy_and_a_cancel_stops_it_wi
     producer, table, copier, _ = setup(WholeCounting(), max_run_ahead=8, queue_size=1)
     r = add(table, "a", total=3, timeout=30.0, params={"steps": 3})
     running = thread(lambda: step_once(producer))
-    wait_until(lambda: table.producer_waiting)
+    assert parked(table).wait(5)
     # Waiting on the reader inside model.run: health must not see a stalled step.
     assert producer.busy_since is None and copier.frames() == [("a", 1, "frame")]
     with table.cond:
@@ -624,3 +801,26 @@ def test_a_whole_run_waiting_for_its_reader_is_not_busy_and_a_cancel_stops_it_wi
         table.wake_producer()
     running.join(5)
     assert not running.is_alive() and copier.frames() == [("a", 1, "frame")]
+
+
+def test_a_whole_run_waiting_for_its_reader_stops_when_the_engine_stops() -> None:
+    producer, table, copier, model = setup(WholeCounting(), max_run_ahead=8, queue_size=1)
+    r = add(table, "a", total=3, timeout=30.0, params={"steps": 3})
+    running = thread(producer.run)
+    assert parked(table).wait(5)  # in emit(1): its reader took nothing
+    with table.cond:
+        table.stopping = True
+        table.wake_producer()
+    running.join(5)
+    # Stopped, not failed: no timeout for a reader that was never going to be served.
+    assert not running.is_alive() and copier.frames() == [("a", 1, "frame")]
+    assert r.status is Status.RUNNING and model.of("close") == ["a"]
+
+
+def test_a_pool_closed_under_a_whole_run_stops_the_producer_and_fails_no_request() -> None:
+    producer, table, copier, _ = setup(WholeCounting(), max_run_ahead=8)
+    refuse_copies(copier, "a", PoolClosedError("the pool is closed"))
+    r = add(table, "a", params={"steps": 3})
+    with pytest.raises(PoolClosedError):
+        step_once(producer)
+    assert r.status is Status.RUNNING and copier.posted == [] and producer._unposted == []
