@@ -58,6 +58,14 @@ def frozen_clock(out: OutputProcessor, start: float = 100.0) -> list[float]:
     return now
 
 
+async def read_into(s: FrameStream, result: list[Any]) -> None:
+    """One ``__anext__``: its frame, or the StepTimeoutError it raised, appended to ``result``."""
+    try:
+        result.append(await s.__anext__())
+    except om.StepTimeoutError as exc:
+        result.append(exc)
+
+
 async def test_it_says_which_request_it_reads(anyio_backend) -> None:
     out, _, _ = make()
     r = request(out, "req-7", total=4)
@@ -167,15 +175,9 @@ async def test_a_timer_that_fires_before_the_deadline_only_makes_the_reader_look
     now = frozen_clock(out)
     result: list[Any] = []
 
-    async def read() -> None:
-        try:
-            result.append(await s.__anext__())
-        except om.StepTimeoutError as exc:
-            result.append(exc)
-
     with anyio.fail_after(5):
         async with anyio.create_task_group() as tg:
-            tg.start_soon(read)
+            tg.start_soon(read_into, s, result)
             await anyio.wait_all_tasks_blocked()
             now[0] = 110.0  # 10 s of the 30 gone
             r.delivery._wakeup.wake()  # as the timer firing early would
@@ -192,15 +194,9 @@ async def test_behind_a_whole_run_no_bound_runs_until_the_producer_hands_it_the_
     now = frozen_clock(out)
     result: list[Any] = []
 
-    async def read() -> None:
-        try:
-            result.append(await s.__anext__())
-        except om.StepTimeoutError as exc:
-            result.append(exc)
-
     with anyio.fail_after(5):
         async with anyio.create_task_group() as tg:
-            tg.start_soon(read)
+            tg.start_soon(read_into, s, result)
             await anyio.wait_all_tasks_blocked()
             now[0] = 200.0  # far past since + bound, queued behind another request's whole run
             r.delivery._wakeup.wake()
