@@ -46,7 +46,11 @@ class Frame:
     """One step's output.
 
     ``data`` is a CPU tensor the caller owns: it stays valid after later
-    frames and after other requests run; it never aliases a pooled buffer.
+    frames and after other requests run, and nothing else writes to it. A
+    large frame from an accelerator is the pinned host buffer its copy
+    landed in, lent by the engine's pool (no second copy on the host): the
+    pool takes it back only once every reference to it (views included) is
+    gone, so keeping the frame keeps the buffer.
     ``step`` is 1-based; ``final`` is True on the last frame only.
     ``decoded`` is True when ``data`` is pixels the model decoded on its
     device: the request's output (an image ``[3, H, W]`` or a video

@@ -51,6 +51,20 @@ def pytest_asyncio_loop_factories(config, item) -> Mapping[str, object]:
     return factories
 
 
+@pytest.fixture(params=["cuda", "sim"])
+def gpu_kind(request: pytest.FixtureRequest) -> str:
+    """A GPU test's two halves: on a real GPU (skipped without one) and on the simulated GPU
+    (``device/simcuda.py``, torch.cuda's API on the CPU), so no GPU test goes unrun in CI."""
+    if request.param == "cuda" and not torch.cuda.is_available():
+        pytest.skip("needs a CUDA device (the sim half of this test ran)")
+    return str(request.param)
+
+
+def gpu_torch_device(kind: str) -> torch.device:
+    """Where a GPU test's tensors go: the GPU, or the simulated GPU's (the CPU)."""
+    return torch.device("cuda") if kind == "cuda" else torch.device("cpu")
+
+
 @pytest.fixture(autouse=True)
 def _omni_stream_logs(caplog):
     caplog.set_level(logging.INFO, logger="omni_stream")

@@ -63,6 +63,7 @@ class _EngineCollector(Collector):
                 s.buffers_in_flight,
             ),
             ("omni_stream_engine_buffers_total", "host buffers allocated", s.buffers_total),
+            ("omni_stream_engine_buffers_lent", "host buffers readers hold as their frames", s.buffers_lent),
         ]
         for name, doc, value in rows:
             yield GaugeMetricFamily(name, doc, value=float(value))

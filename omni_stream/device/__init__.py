@@ -5,10 +5,11 @@ from __future__ import annotations
 import torch
 
 from ..errors import ParamsError
+from . import simcuda
 from .base import CompletedEvent, CopyEvent, Device
 from .cpu import CpuDevice
 from .pool import BufferLease, PinnedBufferPool, PoolClosedError, PoolStatistics
-from .sim import SimDevice, SimEvent
+from .sim import SimDevice
 
 __all__ = [
     "Device",
@@ -16,7 +17,7 @@ __all__ = [
     "CompletedEvent",
     "CpuDevice",
     "SimDevice",
-    "SimEvent",
+    "simcuda",
     "BufferLease",
     "PinnedBufferPool",
     "PoolStatistics",

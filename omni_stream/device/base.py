@@ -1,31 +1,37 @@
 """What the copier needs from an accelerator: streams, events, host buffers.
 
 Three implementations share this interface and the same copier code:
-``cuda`` (real streams and ``torch.cuda.Event(blocking=True)``), ``cpu``
-(frames already on the host: one owned copy on the producer, through
-``copy_owned``) and ``sim`` (worker threads standing in for a compute
-stream and a copy stream, with configurable latencies, so the asynchronous
-path is exercised without a GPU).
+``cuda`` (a side copy stream, pinned buffers, ``torch.cuda.Event(blocking=True)``),
+``sim`` (the same ``CudaDevice`` code driving ``device/simcuda.py``, a
+simulated GPU with torch.cuda's API, so the asynchronous path runs in CI
+without a GPU) and ``cpu`` (frames already on the host: one owned copy on
+the producer, through ``copy_owned``).
 
 Threading: ``prepare_thread``, ``after_step``, ``host_buffer``,
 ``copy_owned`` and ``copy_to_host`` run on the producer thread, the one
-thread that owns the accelerator. ``CopyEvent.query`` and ``CopyEvent.synchronize`` may run on
-any thread (the copier waits on them through ``anyio.to_thread``).
+thread that owns the accelerator. ``CopyEvent.query`` and
+``CopyEvent.synchronize`` may run on any thread: the copier's waiting
+thread blocks in ``synchronize`` (torch releases the GIL there, and a
+``blocking=True`` CUDA event sleeps in the driver instead of spinning).
+A host never waits on a CUDA event any other way: ``Event.wait(stream)``
+is a *device-side* wait of a stream, not a timed host wait.
 """
 
 from __future__ import annotations
 
 import abc
-import time
-from typing import Protocol
+from collections.abc import Callable
+from typing import Any, Protocol, TypeVar
 
 import torch
 
-__all__ = ["CopyEvent", "CompletedEvent", "Device", "wait_event"]
+__all__ = ["CopyEvent", "CompletedEvent", "Device"]
+
+T = TypeVar("T")
 
 
 class CopyEvent(Protocol):
-    """Completion of one device-to-host copy."""
+    """Completion of one device-to-host copy: the part of ``torch.cuda.Event`` a host waits with."""
 
     def query(self) -> bool:
         """True once the copy has landed in its host buffer; never blocks."""
@@ -34,31 +40,6 @@ class CopyEvent(Protocol):
     def synchronize(self) -> None:
         """Block the calling thread until the copy has landed."""
         ...
-
-
-def wait_event(event: CopyEvent, timeout: float) -> bool:
-    """Wait up to ``timeout`` seconds for ``event``; True once it completed.
-
-    Bounded, unlike ``synchronize()``: the copier's worker thread returns to
-    the loop regularly, so a wedged device can neither pin a thread past
-    shutdown nor keep the interpreter from exiting. Events with a timed
-    ``wait`` (the simulator's) use it; others (CUDA) are polled with a short
-    back-off, which releases the GIL while it sleeps.
-    """
-    timed_wait = getattr(event, "wait", None)
-    if timed_wait is not None:
-        return bool(timed_wait(timeout))
-    if event.query():
-        return True
-    deadline = time.monotonic() + timeout
-    pause = 20e-6
-    while not event.query():
-        now = time.monotonic()
-        if now >= deadline:
-            return False
-        time.sleep(min(pause, deadline - now))
-        pause = min(pause * 2, 1e-3)
-    return True
 
 
 class CompletedEvent:
@@ -84,6 +65,11 @@ class Device(abc.ABC):
     #: Where models put their tensors.
     torch_device: torch.device
 
+    #: ``copy_to_host`` returns before the bytes land (CUDA, sim): the copier
+    #: waits for its events on a thread of its own. False where copies are done
+    #: by the time they return (cpu).
+    asynchronous_copies: bool = False
+
     #: The model's compute runs on host cores, so torch threads and OpenMP
     #: teams matter: true for ``cpu`` and ``sim`` (whose kernels are CPU ops).
     computes_on_cpu: bool = False
@@ -103,13 +89,28 @@ class Device(abc.ABC):
         """Allocate one host buffer for the pool (pinned where that exists)."""
 
     @abc.abstractmethod
-    def copy_to_host(self, src: torch.Tensor, dst: torch.Tensor) -> CopyEvent:
+    def copy_to_host(
+        self, src: torch.Tensor, dst: torch.Tensor, event: CopyEvent | None = None
+    ) -> CopyEvent:
         """Start copying ``src`` into ``dst``, ordered after all compute issued so far.
 
         Returns at once on asynchronous devices. The caller must keep ``src``
         referenced and must not read or reuse ``dst`` until the returned
-        event completes.
+        event completes. ``event``: one this device returned for an earlier
+        copy that has completed, recorded again (and returned) instead of a
+        new one being made.
         """
+
+    def decode_aside(
+        self, decode: Callable[[Any, torch.Tensor], T], state: Any, frame: torch.Tensor
+    ) -> T:
+        """``decode(state, frame)``: a preview decoder network (a tiny VAE) on a step's output.
+
+        Producer thread. Here, in line; CUDA queues it on a side stream, so the
+        next step's kernels need not wait for it on the device, and a later
+        ``copy_to_host`` still waits for it.
+        """
+        return decode(state, frame)
 
     def copy_owned(self, src: torch.Tensor) -> torch.Tensor | None:
         """A host tensor of ``src``'s bytes that the caller owns, or None.

@@ -1,94 +1,38 @@
-"""A simulated accelerator: the copier's asynchronous path without a GPU.
+"""The simulated accelerator: ``CudaDevice``'s own code on the simulated GPU of ``simcuda``.
 
-Two worker threads stand in for a CUDA compute stream and a copy stream.
-``after_step`` queues ``compute_s`` of simulated kernel time on the compute
-stream; ``copy_to_host`` queues, on the copy stream, a wait for the compute
-queued so far, ``copy_s`` of transfer time, and only then the real
-``dst.copy_(src)``. So, exactly as on a GPU, a host buffer holds stale bytes
-until its event completes: a copier that read too early, released a buffer
-still in flight, or dropped ``src`` too soon would hand out wrong frames,
-and the tests comparing frames bit for bit would catch it.
+Nothing of the copy path is re-implemented here: the copy stream, the
+events, the wait of the copy stream for the compute stream and the queued
+``copy_`` are ``CudaDevice``'s, driving ``simcuda`` (torch.cuda's API on the
+CPU). This class adds only what a simulation needs to say:
+
+* ``compute_s``: the device time each step's kernels take. ``after_step``
+  keeps this producer's compute stream busy that long (``_sleep``), so a
+  copy issued after the step waits for it, as on a GPU.
+* ``copy_s``: the time each device-to-host transfer takes on the copy stream.
+* Host buffers come only from ``host_buffer`` (the simulated pinned
+  memory), and ``copy_to_host`` refuses any other destination: a check
+  that the copier never copies elsewhere.
+
+So, exactly as on a GPU, a host buffer holds stale bytes until its event
+completes, and a source dropped before its copy ran is read as garbage: a
+copier that read too early, released a buffer still in flight or dropped
+``src`` too soon hands out wrong frames, and the tests comparing frames bit
+for bit catch it.
 """
 
 from __future__ import annotations
 
-import queue
-import threading
-import time
-from collections.abc import Callable
-
 import torch
 
-from .base import CopyEvent, Device
+from . import simcuda
+from .base import CopyEvent
+from .cuda import CudaDevice
 
-__all__ = ["SimDevice", "SimEvent"]
-
-
-class SimEvent:
-    """A CUDA-event stand-in: completes when its stream reaches it."""
-
-    __slots__ = ("_done",)
-
-    def __init__(self) -> None:
-        self._done = threading.Event()
-
-    def query(self) -> bool:
-        return self._done.is_set()
-
-    def synchronize(self) -> None:
-        self._done.wait()
-
-    def wait(self, timeout: float) -> bool:
-        return self._done.wait(timeout)
-
-    def _complete(self) -> None:
-        self._done.set()
+__all__ = ["SimDevice"]
 
 
-class _SimStream:
-    """A FIFO of operations run one after another by one worker thread.
-
-    ``busy(seconds)`` keeps a device clock: back-to-back operations end at
-    ``previous end + latency``, not ``now + latency``, so the sleep's
-    wake-up jitter does not accumulate (a GPU runs queued kernels back to
-    back too).
-    """
-
-    def __init__(self, name: str) -> None:
-        self._clock = 0.0
-        self._ops: queue.SimpleQueue[Callable[[], None] | None] = queue.SimpleQueue()
-        self._thread = threading.Thread(target=self._run, name=name, daemon=True)
-        self._thread.start()
-
-    def busy(self, seconds: float) -> None:
-        """Occupy the stream for ``seconds`` (call from an op on this stream)."""
-        now = time.monotonic()
-        end = max(self._clock, now) + seconds
-        self._clock = end
-        if end > now:
-            time.sleep(end - now)
-
-    def enqueue(self, op: Callable[[], None]) -> None:
-        self._ops.put(op)
-
-    def _run(self) -> None:
-        while True:
-            op = self._ops.get()
-            if op is None:
-                return
-            op()
-
-    def close(self) -> None:
-        self._ops.put(None)
-
-
-class SimDevice(Device):
-    """Simulated device with ``compute_s`` per step and ``copy_s`` per copy.
-
-    Tensors live on the CPU. Host buffers come only from ``host_buffer``
-    (the simulated pinned pool), and ``copy_to_host`` refuses any other
-    destination, as a check that the copier never copies elsewhere.
-    """
+class SimDevice(CudaDevice):
+    """Simulated device with ``compute_s`` of device time per step and ``copy_s`` per copy."""
 
     kind = "sim"
     computes_on_cpu = True
@@ -96,62 +40,57 @@ class SimDevice(Device):
     def __init__(self, *, compute_s: float = 0.0, copy_s: float = 0.0) -> None:
         if compute_s < 0 or copy_s < 0:
             raise ValueError(f"SimDevice latencies must be >= 0, got {compute_s=} {copy_s=}")
-        self.torch_device = torch.device("cpu")
+        self._use(simcuda, torch.device("cpu"))
         self.compute_s = float(compute_s)
         self.copy_s = float(copy_s)
-        self._compute: _SimStream | None = None
-        self._copy: _SimStream | None = None
-        self._last_compute: SimEvent | None = None
-        self._pinned: set[int] = set()
+        self._compute: simcuda.Stream | None = None
+        #: Copies issued (for tests).
         self.copies = 0
+        #: Bytes the device copied to the host (for tests: a frame's one copy).
+        self.copied_bytes = 0
+
+    def __getstate__(self) -> dict[str, object]:
+        state = super().__getstate__()
+        state["_compute"] = None
+        return state
 
     def prepare_thread(self) -> None:
-        self._compute = _SimStream("omni-stream-sim-compute")
-        self._copy = _SimStream("omni-stream-sim-copy")
+        super().prepare_thread()
+        # A compute stream of this device's own, current on the producer thread (a GPU's
+        # compute is queued on the thread's current stream): two simulated devices, as two
+        # GPUs, compute side by side.
+        self._compute = simcuda.Stream()
+        simcuda.set_stream(self._compute)
 
     def after_step(self) -> None:
-        stream = self._compute
-        assert stream is not None, "SimDevice used before prepare_thread()"
-        done = SimEvent()
-        latency = self.compute_s
-
-        def kernel() -> None:
-            if latency:
-                stream.busy(latency)
-            done._complete()
-
-        stream.enqueue(kernel)
-        self._last_compute = done
+        if self.compute_s:
+            simcuda._sleep(round(self.compute_s * simcuda.CLOCK_HZ))
 
     def host_buffer(self, shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
-        buf = torch.empty(shape, dtype=dtype)
-        self._pinned.add(buf.data_ptr())
-        return buf
+        return simcuda.pinned_empty(shape, dtype)
 
-    def copy_to_host(self, src: torch.Tensor, dst: torch.Tensor) -> CopyEvent:
-        stream = self._copy
-        assert stream is not None, "SimDevice used before prepare_thread()"
-        if dst.data_ptr() not in self._pinned:
+    def copy_to_host(
+        self, src: torch.Tensor, dst: torch.Tensor, event: CopyEvent | None = None
+    ) -> CopyEvent:
+        if not simcuda.is_pinned(dst):
             raise RuntimeError("SimDevice: copy destination is not a buffer from host_buffer()")
-        # Like copy_stream.wait_stream(compute): wait for what was queued so far.
-        after = self._last_compute
-        done = SimEvent()
-        latency = self.copy_s
+        event = super().copy_to_host(src, dst, event)
         self.copies += 1
+        self.copied_bytes += dst.numel() * dst.element_size()
+        return event
 
-        def transfer() -> None:
-            if after is not None:
-                after.synchronize()
-            if latency:
-                stream.busy(latency)
-            dst.copy_(src)
-            done._complete()
+    def _keep_for(self, tensor: torch.Tensor, stream: object) -> None:
+        # The simulated GPU's tensors are CPU tensors, freed by reference counting, and its
+        # decodes run on the calling thread: nothing is read after it returns.
+        return None
 
-        stream.enqueue(transfer)
-        return done
+    def _transfer(self, dst: torch.Tensor, src: torch.Tensor) -> None:
+        if self.copy_s:
+            simcuda._sleep(round(self.copy_s * simcuda.CLOCK_HZ))
+        dst.copy_(src, non_blocking=True)
 
     def close(self) -> None:
-        for stream in (self._compute, self._copy):
-            if stream is not None:
-                stream.close()
-        self._compute = self._copy = None
+        super().close()
+        if self._compute is not None:
+            simcuda._reset_stream(self._compute)  # (on the thread that prepared it: tests)
+            self._compute = None

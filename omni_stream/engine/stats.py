@@ -35,6 +35,11 @@ class EngineStatistics:
     frames_delivered: int
     frames_dropped: int
     batch_sizes: dict[int, int] = field(default_factory=dict)
+    #: Host buffers lent to readers as their frames (given back when they drop them).
+    buffers_lent: int = 0
+    #: Frames handed over as lent buffers, and frames cloned on the host after their copy.
+    frames_lent: int = 0
+    frames_cloned: int = 0
 
     def to_dict(self) -> dict[str, Any]:
         out = asdict(self)

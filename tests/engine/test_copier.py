@@ -1,13 +1,16 @@
-"""copier.py: device-to-host copies issued on the producer thread and awaited off the loop.
+"""copier.py: device-to-host copies issued on the producer thread and waited for on a thread of their own.
 
 The promises of the module's docstring, one by one: the cast happens on the
 device and never for decoded pixels; a frame is handed on only after its copy
-landed, in issue order, as a tensor of its own; a buffer goes back to the pool
-only after its copy completed (even for a request that ended); waiting never
-blocks the loop nor borrows anyio's shared threads; a failed hand-over kills the
-copier's task; shutdown drains what was posted. The simulated device stands in
-for an accelerator, its copy stream held shut by a gate for as long as a test
-needs a copy in flight.
+landed, in issue order, and never waits for a later one; a large frame is the
+pool buffer itself, lent to the reader and given back when the reader lets
+it go, a small one a clone; a buffer goes back to the pool only after its
+copy completed (even for a request that ended); waiting never blocks the loop
+and waits on an event only as torch's API means (``query``, ``synchronize``);
+a failed hand-over, or a failure of the waiting thread, kills the copier's
+task; shutdown drains what was posted. The simulated device stands in for an
+accelerator, its copy stream held shut by a gate for as long as a test needs
+a copy in flight.
 
 Covered elsewhere and not repeated here: one wake-up per batch of posts and a
 submitted ticket's fields (test_handover_path.py), the CPU path end to end
@@ -16,6 +19,7 @@ submitted ticket's fields (test_handover_path.py), the CPU path end to end
 
 from __future__ import annotations
 
+import gc
 import threading
 import time
 from collections.abc import AsyncIterator, Callable, Iterator
@@ -27,7 +31,7 @@ import pytest
 import torch
 
 from omni_stream import _backend
-from omni_stream.device import PinnedBufferPool, SimDevice
+from omni_stream.device import PinnedBufferPool, SimDevice, simcuda
 from omni_stream.device.cpu import CpuDevice
 from omni_stream.engine import copier as copier_module
 from omni_stream.engine.copier import Copier, CopyTicket
@@ -44,10 +48,9 @@ class _GatedSim(SimDevice):
         super().__init__()
         self.gate = threading.Event()
 
-    def copy_to_host(self, src: torch.Tensor, dst: torch.Tensor) -> Any:
-        assert self._copy is not None
-        self._copy.enqueue(self.gate.wait)
-        return super().copy_to_host(src, dst)
+    def _transfer(self, dst: torch.Tensor, src: torch.Tensor) -> None:
+        simcuda.current_stream()._enqueue(self.gate.wait)  # the copy stream, current here
+        super()._transfer(dst, src)
 
 
 @pytest.fixture
@@ -60,26 +63,33 @@ def sim() -> Iterator[_GatedSim]:
 
 
 class _Event:
-    """A copy event told what to answer: ``waits`` answers of its timed wait, then ``landed``."""
+    """A copy event with torch's host-side API (``query``, ``synchronize``), told what to answer.
 
-    def __init__(self, *, landed: bool, waits: tuple[bool, ...] = (), fails: bool = False) -> None:
+    ``landed``: what ``query`` says; ``synchronize`` waits for ``release`` (set at once when
+    landed), then raises if ``fails``. Its ``wait`` is torch's: a *stream* waits, device side;
+    a host thread calling it is the bug that killed the engine on its first GPU.
+    """
+
+    def __init__(self, *, landed: bool, fails: bool = False) -> None:
         self.landed = landed
-        self.waits = list(waits)
         self.fails = fails
-        self.timed_waits = 0
+        self.release = threading.Event()
+        if landed:
+            self.release.set()
+        self.synchronized = 0
 
     def query(self) -> bool:
         return self.landed
 
-    def wait(self, timeout: float) -> bool:
-        self.timed_waits += 1
-        if self.waits:
-            return self.waits.pop(0)
-        return self.landed
-
     def synchronize(self) -> None:
+        self.synchronized += 1
+        self.release.wait()
         if self.fails:
             raise RuntimeError("the copy failed on the device")
+        self.landed = True
+
+    def wait(self, stream: Any = None) -> None:
+        raise AssertionError("Event.wait(stream) makes a stream wait; a host never calls it")
 
 
 class _Deliveries:
@@ -105,15 +115,15 @@ class _Deliveries:
                 await self._event.wait()
 
 
-def _request(request_id: str = "r") -> Request:
+def _request(request_id: str = "r", arrival: int = 1) -> Request:
     return Request(
         request_id=request_id, params={}, total=100, batch_key=None, policy="all",
-        timeout=None, arrival=1, delivery=Delivery("all"),
+        timeout=None, arrival=arrival, delivery=Delivery("all"),
     )
 
 
-def _pool(device: Any) -> PinnedBufferPool:
-    return PinnedBufferPool(device.host_buffer, max_buffers=4)
+def _pool(device: Any, **kw: Any) -> PinnedBufferPool:
+    return PinnedBufferPool(device.host_buffer, max_buffers=4, **kw)
 
 
 def _submit(copier: Copier, r: Request, step: int, out: torch.Tensor, **kw: Any) -> CopyTicket:
@@ -132,6 +142,15 @@ def _leased(pool: PinnedBufferPool, r: Request, step: int, event: _Event) -> Cop
     return CopyTicket(request=r, step=step, src=torch.zeros(2), lease=lease, issued_at=time.monotonic())
 
 
+#: A frame large enough to be lent (float32 elements).
+LARGE = copier_module.LEND_MIN_BYTES // 4
+
+
+def _in_buffer(frame: torch.Tensor, buffer: torch.Tensor) -> bool:
+    start = buffer.untyped_storage().data_ptr()
+    return start <= frame.data_ptr() < start + buffer.untyped_storage().nbytes()
+
+
 @asynccontextmanager
 async def _running(copier: Copier, deliver: Callable[[list[CopyTicket]], Any]) -> AsyncIterator[None]:
     copier.loop = _backend.running_loop()
@@ -145,8 +164,18 @@ async def _running(copier: Copier, deliver: Callable[[list[CopyTicket]], Any]) -
 # -- submit (the producer thread) ---------------------------------------------------
 
 
+async def _deliver_one(copier: Copier, t: CopyTicket) -> CopyTicket:
+    deliveries = _Deliveries()
+    async with _running(copier, deliveries):
+        copier.post([t])
+        await deliveries.until(1)
+    return deliveries.batches[0][0]
+
+
 @pytest.mark.parametrize("kind", ["cpu", "sim"])
-def test_frames_are_cast_to_the_frame_dtype_before_the_copy(kind: str, sim: _GatedSim) -> None:
+async def test_frames_are_cast_to_the_frame_dtype_before_the_copy(
+    anyio_backend, kind: str, sim: _GatedSim
+) -> None:
     device = CpuDevice() if kind == "cpu" else sim
     sim.gate.set()
     copier = Copier(device, _pool(device), frame_dtype=torch.float16)
@@ -158,29 +187,29 @@ def test_frames_are_cast_to_the_frame_dtype_before_the_copy(kind: str, sim: _Gat
         # Cast on the device: the copy itself moves float16 into a float16 buffer.
         assert t.src is not None and t.src.dtype == torch.float16
         assert t.lease is not None and t.lease.buffer.dtype == torch.float16
-        copier._complete([t])
+        await _deliver_one(copier, t)
     assert t.data is not None and torch.equal(t.data, out.to(torch.float16))
 
 
 @pytest.mark.parametrize("kind", ["cpu", "sim"])
-def test_decoded_pixels_are_never_cast_to_the_frame_dtype(kind: str, sim: _GatedSim) -> None:
+async def test_decoded_pixels_are_never_cast_to_the_frame_dtype(anyio_backend, kind: str, sim: _GatedSim) -> None:
     device = CpuDevice() if kind == "cpu" else sim
     sim.gate.set()
     copier = Copier(device, _pool(device), frame_dtype=torch.float16)
     pixels = torch.arange(12, dtype=torch.uint8).reshape(2, 2, 3)
     t = _submit(copier, _request(), 1, pixels, decoded=True)
     if t.data is None:
-        copier._complete([t])
+        await _deliver_one(copier, t)
     assert t.data is not None and t.data.dtype == torch.uint8 and torch.equal(t.data, pixels)
 
 
-def test_a_staged_output_in_an_autograd_graph_is_copied_as_plain_data(sim: _GatedSim) -> None:
+async def test_a_staged_output_in_an_autograd_graph_is_copied_as_plain_data(anyio_backend, sim: _GatedSim) -> None:
     sim.gate.set()
     copier = Copier(sim, _pool(sim))
     out = torch.ones(2, 3, requires_grad=True) * 3
     t = _submit(copier, _request(), 1, out)
     assert t.src is not None and not t.src.requires_grad
-    copier._complete([t])
+    await _deliver_one(copier, t)
     assert t.data is not None and not t.data.requires_grad and torch.equal(t.data, out.detach())
 
 
@@ -193,7 +222,41 @@ def test_a_copy_that_cannot_be_issued_gives_its_buffer_back_and_raises(sim: _Gat
     assert pool.statistics().buffers_in_use == 0
 
 
-# -- the loop: receiving, waiting, handing on ------------------------------------------
+def test_a_buffers_event_is_recorded_again_for_its_next_copy(sim: _GatedSim) -> None:
+    sim.gate.set()
+    pool = _pool(sim)
+    copier = Copier(sim, pool)
+    first = _submit(copier, _request(), 1, torch.zeros(4))
+    assert first.lease is not None
+    event = first.lease.event
+    assert isinstance(event, simcuda.Event)
+    event.synchronize()
+    copier._complete(first)
+    second = _submit(copier, _request(), 2, torch.ones(4))  # the same buffer, free again
+    assert second.lease is not None and second.lease.event is event
+    event.synchronize()
+    copier._complete(second)
+    assert second.data is not None and torch.equal(second.data, torch.ones(4))
+
+
+def test_a_device_without_the_event_parameter_gets_a_copy_call_it_understands() -> None:
+    class OldStyle(CpuDevice):
+        def copy_owned(self, src: torch.Tensor) -> torch.Tensor | None:
+            return None
+
+        def copy_to_host(self, src: torch.Tensor, dst: torch.Tensor) -> Any:  # type: ignore[override]
+            dst.copy_(src)
+            return _Event(landed=True)
+
+    device = OldStyle()
+    copier = Copier(device, _pool(device))
+    for step in (1, 2):  # the second reuses the buffer, whose last event it must not pass
+        t = _submit(copier, _request(), step, torch.full((3,), float(step)))
+        copier._complete(t)
+        assert t.data is not None and torch.equal(t.data, torch.full((3,), float(step)))
+
+
+# -- the waiting thread and the loop ----------------------------------------------------
 
 
 async def test_tickets_with_nothing_to_wait_for_are_handed_on_by_the_callback_that_receives_them(
@@ -219,11 +282,14 @@ async def test_a_frame_is_handed_on_only_once_its_copy_landed_and_then_its_buffe
     async with _running(copier, deliveries):
         t = _submit(copier, _request(), 1, out)
         copier.post([t])
-        await anyio.wait_all_tasks_blocked()
+        with anyio.fail_after(5):
+            while copier.waiting_since is None:  # the waiting thread blocks in synchronize()
+                await anyio.sleep(0.001)
+        assert copier.waiting_since == t.issued_at
+        await anyio.sleep(0.05)  # the loop runs on meanwhile; nothing is handed on
         assert deliveries.steps == []
         assert pool.statistics().buffers_in_flight == 1
         assert t.src is out  # kept referenced while the copy may still read it
-        assert copier.waiting_since == t.issued_at
         sim.gate.set()
         await deliveries.until(1)
     assert t.data is not None and torch.equal(t.data, out)
@@ -232,18 +298,41 @@ async def test_a_frame_is_handed_on_only_once_its_copy_landed_and_then_its_buffe
     assert copier.waiting_since is None
 
 
-async def test_waiting_for_a_copy_borrows_no_token_from_anyios_shared_thread_limiter(
-    anyio_backend, sim: _GatedSim
-) -> None:
-    copier = Copier(sim, _pool(sim))
+async def test_the_waiting_thread_waits_on_an_event_only_as_torch_means_it(anyio_backend) -> None:
+    # On CUDA, Event.wait(stream) makes a stream wait: a host thread that calls it to wait
+    # (as the engine once did, with a timeout) dies at the first copy still in flight.
+    class Staged(CpuDevice):
+        asynchronous_copies = True
+
+    device = Staged()
+    pool = _pool(device)
+    copier = Copier(device, pool)
     deliveries = _Deliveries()
+    event = _Event(landed=False)
+    t = _leased(pool, _request(), 1, event)
     async with _running(copier, deliveries):
-        copier.post([_submit(copier, _request(), 1, torch.zeros(4))])
-        await anyio.wait_all_tasks_blocked()  # the loop runs on while the copier waits
-        assert copier._limiter.borrowed_tokens == 1
-        assert anyio.to_thread.current_default_thread_limiter().borrowed_tokens == 0
-        sim.gate.set()
+        copier.post([t])
+        with anyio.fail_after(5):
+            while event.synchronized == 0:
+                await anyio.sleep(0.001)
+        event.release.set()
         await deliveries.until(1)
+    assert t.error is None and t.data is not None and torch.equal(t.data, torch.full((2,), 1.0))
+
+
+async def test_a_frame_never_waits_for_a_later_ones_copy(anyio_backend, sim: _GatedSim) -> None:
+    pool = _pool(sim)
+    copier = Copier(sim, pool)
+    deliveries = _Deliveries()
+    r = _request()
+    landed = _leased(pool, r, 1, _Event(landed=True))
+    async with _running(copier, deliveries):
+        copier.post([landed, _submit(copier, r, 2, torch.zeros(4))])  # step 2 gated
+        await deliveries.until(1)  # step 1 came while step 2 is still in flight
+        assert deliveries.steps == [1]
+        sim.gate.set()
+        await deliveries.until(2)
+    assert deliveries.steps == [1, 2]
 
 
 async def test_a_frame_with_nothing_to_wait_for_never_overtakes_a_copy_in_flight(
@@ -254,29 +343,52 @@ async def test_a_frame_with_nothing_to_wait_for_never_overtakes_a_copy_in_flight
     r = _request()
     async with _running(copier, deliveries):
         copier.post([_submit(copier, r, 1, torch.zeros(4))])
-        await anyio.wait_all_tasks_blocked()  # the copier task is waiting for step 1
         copier.post([_plain(r, 2)])
-        await anyio.wait_all_tasks_blocked()
+        await anyio.sleep(0.05)
         assert deliveries.steps == []
         sim.gate.set()
         await deliveries.until(2)
     assert deliveries.steps == [1, 2]
 
 
-async def test_tickets_received_behind_a_queued_copy_wait_their_turn(anyio_backend) -> None:
+async def test_a_synchronous_devices_copy_still_in_flight_is_waited_for_off_the_loop(anyio_backend) -> None:
+    # A device that says its copies are done when issued, but whose event has not completed:
+    # the loop must not block in synchronize(), and later tickets keep their order.
+    device = CpuDevice()
+    pool = _pool(device)
+    copier = Copier(device, pool)
+    deliveries = _Deliveries()
+    r = _request()
+    event = _Event(landed=False)
+    async with _running(copier, deliveries):
+        copier.post([_plain(r, 1)])
+        copier.post([_leased(pool, r, 2, event)])
+        copier.post([_plain(r, 3)])
+        await deliveries.until(1)
+        await anyio.sleep(0.05)  # the loop is free: this sleep returns
+        assert deliveries.steps == [1]
+        event.release.set()
+        await deliveries.until(3)
+    assert deliveries.steps == [1, 2, 3]
+
+
+async def test_tickets_received_behind_a_queued_one_wait_their_turn(anyio_backend) -> None:
     pool = _pool(CpuDevice())
     copier = Copier(CpuDevice(), pool)
     deliveries = _Deliveries()
     r = _request()
-    async with _running(copier, deliveries):
-        # Two receptions before the copier task runs: the first is still queued.
-        copier._receive([_leased(pool, r, 1, _Event(landed=True))])
-        copier._receive([_plain(r, 2)])
+    copier.loop = _backend.running_loop()
+    # Two receptions before the copier task runs: both queued, then handed on in order.
+    copier._receive([_leased(pool, r, 1, _Event(landed=True))])
+    copier._receive([_plain(r, 2)])
+    async with anyio.create_task_group() as tg:
+        tg.start_soon(copier.run, deliveries)
         await deliveries.until(2)
+        tg.cancel_scope.cancel()
     assert deliveries.steps == [1, 2]
 
 
-async def test_tickets_received_before_the_copier_runs_are_handed_on_once_it_does(
+async def test_tickets_posted_before_the_copier_runs_are_handed_on_once_it_does(
     anyio_backend, sim: _GatedSim
 ) -> None:
     sim.gate.set()
@@ -285,85 +397,103 @@ async def test_tickets_received_before_the_copier_runs_are_handed_on_once_it_doe
     deliveries = _Deliveries()
     r = _request()
     out = torch.arange(4, dtype=torch.float32)
-    # trio may run the producer's task before the copier's: its posts must wait for it,
-    # even those with nothing to wait for.
+    # trio may run the producer's task before the copier's: its posts must wait for it.
     copier.post([_plain(r, 1)])
-    await anyio.wait_all_tasks_blocked()
     copier.post([_submit(copier, r, 2, out), _plain(r, 3)])
-    await anyio.wait_all_tasks_blocked()
-    assert [t.step for t in copier._inbox] == [1, 2, 3]  # received: queued for the task to come
     copier.post([_plain(r, 4)])
+    await anyio.sleep(0.02)
     async with anyio.create_task_group() as tg:
         tg.start_soon(copier.run, deliveries)
         await deliveries.until(4)
         tg.cancel_scope.cancel()
     assert deliveries.steps == [1, 2, 3, 4]
-    staged = deliveries.batches[0][1]
+    staged = [t for batch in deliveries.batches for t in batch][1]
     assert staged.data is not None and torch.equal(staged.data, out)
 
 
-@pytest.mark.parametrize(
-    ("numel", "on_the_loop"),
-    [(16, True), ((copier_module._INLINE_MAX_BYTES // 4) + 1, False)],
-    ids=["few-bytes", "many-bytes"],
-)
-async def test_landed_copies_are_finished_on_the_loop_only_when_their_bytes_are_few(
-    anyio_backend, sim: _GatedSim, numel: int, on_the_loop: bool
-) -> None:
-    sim.gate.set()
-    copier = Copier(sim, _pool(sim))
-    deliveries = _Deliveries()
-    threads: list[int] = []
-    complete = copier._complete
-
-    def recording(batch: list[CopyTicket]) -> None:
-        threads.append(threading.get_ident())
-        complete(batch)
-
-    copier._complete = recording  # type: ignore[method-assign]
-    out = torch.rand(numel)
-    t = _submit(copier, _request(), 1, out)
-    assert t.lease is not None and t.lease.event is not None
-    t.lease.event.synchronize()  # landed before the loop sees it
-    async with _running(copier, deliveries):
-        copier.post([t])
-        await deliveries.until(1)
-    assert (threads == [threading.get_ident()]) is on_the_loop and len(threads) == 1
-    assert t.data is not None and torch.equal(t.data, out)
-
-
-async def test_a_copy_slower_than_one_bounded_wait_is_waited_for_again(anyio_backend) -> None:
-    pool = _pool(CpuDevice())
-    copier = Copier(CpuDevice(), pool)
-    deliveries = _Deliveries()
-    event = _Event(landed=False, waits=(False, False, True))
-    t = _leased(pool, _request(), 1, event)
-    async with _running(copier, deliveries):
-        copier.post([t])
-        await deliveries.until(1)
-    assert event.timed_waits == 3
-    assert t.data is not None and torch.equal(t.data, torch.full((2,), 1.0))
-    assert pool.statistics().buffers_in_use == 0
+# -- lent buffers: a large frame is copied once ------------------------------------------
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.uint8])
-@pytest.mark.parametrize("numel", [64, copier_module._PARALLEL_GRAIN * 2], ids=["small", "large"])
-async def test_a_delivered_frame_is_a_tensor_of_its_own_not_the_pool_buffer_reused_next(
-    anyio_backend, sim: _GatedSim, dtype: torch.dtype, numel: int
+async def test_a_large_frame_is_the_pool_buffer_itself_and_goes_back_when_the_reader_drops_it(
+    anyio_backend, sim: _GatedSim, dtype: torch.dtype
 ) -> None:
     sim.gate.set()
     pool = _pool(sim)
     copier = Copier(sim, pool)
+    numel = copier_module.LEND_MIN_BYTES // torch.empty(0, dtype=dtype).element_size()
+    out = (torch.arange(numel) % 251).reshape(2, -1).to(dtype)
+    t = _submit(copier, _request(), 1, out)
+    assert t.lease is not None
+    buffer = t.lease.buffer
+    await _deliver_one(copier, t)
+    frame = t.data
+    assert frame is not None and frame.dtype == dtype and frame.shape == out.shape and torch.equal(frame, out)
+    # One copy of the frame's bytes in all: the device's, into the buffer the reader now holds.
+    assert _in_buffer(frame, buffer)
+    assert (copier.frames_lent, copier.frames_cloned, copier.host_copy_bytes) == (1, 0, 0)
+    assert sim.copied_bytes == out.numel() * out.element_size()
+    stats = pool.statistics()
+    assert (stats.buffers_lent, stats.buffers_in_use) == (1, 0)
+    # While the reader holds it (or any view of it), the buffer is nobody else's.
+    view = frame[1]
+    t.data = frame = None  # type: ignore[assignment]
+    other = pool.acquire(tuple(out.shape), dtype)
+    other_ptr = other.buffer.data_ptr()
+    assert other_ptr != buffer.data_ptr()
+    other.buffer.fill_(7)
+    assert torch.equal(view, out[1])
+    pool.release(other)
+    del view
+    gc.collect()
+    assert pool.statistics().buffers_lent == 0
+    # Back in the pool: two free buffers of this shape, the lent one reused again.
+    again = [pool.acquire(tuple(out.shape), dtype) for _ in range(2)]
+    assert {a.buffer.data_ptr() for a in again} == {buffer.data_ptr(), other_ptr}
+    assert pool.statistics().buffers_total == 2
+
+
+async def test_a_small_frame_is_a_clone_and_its_buffer_goes_back_at_once(anyio_backend, sim: _GatedSim) -> None:
+    sim.gate.set()
+    pool = _pool(sim)
+    copier = Copier(sim, pool)
+    out = torch.arange(16, dtype=torch.float32)
+    t = _submit(copier, _request(), 1, out)
+    assert t.lease is not None
+    buffer = t.lease.buffer
+    await _deliver_one(copier, t)
+    assert t.data is not None and torch.equal(t.data, out) and not _in_buffer(t.data, buffer)
+    assert (copier.frames_lent, copier.frames_cloned, copier.host_copy_bytes) == (0, 1, 64)
+    assert pool.statistics().buffers_lent == 0
+
+
+async def test_a_reader_keeping_its_frames_gets_clones_past_its_share_and_never_starves_the_pool(
+    anyio_backend, sim: _GatedSim
+) -> None:
+    sim.gate.set()
+    pool = PinnedBufferPool(sim.host_buffer, max_buffers=8, max_lent=3, max_lent_per_owner=2)
+    copier = Copier(sim, pool)
+    hoarder, other = _request("hoarder", arrival=1), _request("other", arrival=2)
     deliveries = _Deliveries()
-    out = torch.arange(numel).reshape(2, -1).to(dtype)
+    kept: list[torch.Tensor] = []
     async with _running(copier, deliveries):
-        copier.post([_submit(copier, _request(), 1, out)])
-        await deliveries.until(1)
-    frame = deliveries.batches[0][0].data
-    assert frame is not None and frame.dtype == dtype and torch.equal(frame, out)
-    reused = pool.acquire(tuple(out.shape), dtype)  # the same buffer, handed to the next step
-    reused.buffer.fill_(7)
-    assert torch.equal(frame, out)
+        for step in range(1, 6):
+            out = torch.full((LARGE,), float(step))
+            copier.post([_submit(copier, hoarder, step, out)])
+            await deliveries.until(step)
+            data = deliveries.batches[-1][0].data
+            assert data is not None and torch.equal(data, out)
+            kept.append(data)
+        # Two lent (its share), three cloned: the pool still has buffers for everyone.
+        assert (copier.frames_lent, copier.frames_cloned) == (2, 3)
+        assert pool.statistics().buffers_lent == 2
+        for step in range(1, 3):
+            out = torch.full((LARGE,), -float(step))
+            copier.post([_submit(copier, other, step, out)])
+            await deliveries.until(5 + step)
+            got = deliveries.batches[-1][0].data
+            assert got is not None and torch.equal(got, out)
+    assert all(torch.equal(k, torch.full((LARGE,), float(i))) for i, k in enumerate(kept, 1))
 
 
 async def test_a_request_that_ended_gets_no_frame_and_its_buffer_still_waits_for_the_copy(
@@ -374,27 +504,32 @@ async def test_a_request_that_ended_gets_no_frame_and_its_buffer_still_waits_for
     deliveries = _Deliveries()
     r = _request()
     async with _running(copier, deliveries):
-        t = _submit(copier, r, 1, torch.zeros(4))
+        t = _submit(copier, r, 1, torch.zeros(LARGE))
         r.finalized = True  # cancelled or timed out while its copy is in flight
         copier.post([t])
-        await anyio.wait_all_tasks_blocked()
+        await anyio.sleep(0.05)
         assert deliveries.steps == [] and pool.statistics().buffers_in_flight == 1
         sim.gate.set()
         await deliveries.until(1)
     assert t.data is None and t.lease is None
     stats = pool.statistics()
-    assert (stats.buffers_in_use, stats.buffers_total) == (0, 1)  # back, for the next request
+    assert (stats.buffers_in_use, stats.buffers_lent, stats.buffers_total) == (0, 0, 1)  # back, for the next
 
 
 @pytest.mark.parametrize("in_flight", [True, False], ids=["still-in-flight", "landed"])
 async def test_a_copy_that_fails_to_complete_fails_only_its_own_frame(anyio_backend, in_flight: bool) -> None:
-    pool = _pool(CpuDevice())
-    copier = Copier(CpuDevice(), pool)
+    device = CpuDevice()
+    pool = _pool(device)
+    copier = Copier(device, pool)
     deliveries = _Deliveries()
     r = _request()
     good = _leased(pool, r, 1, _Event(landed=True))
-    # waits=(True,): the wait returns, then synchronize() raises with the copy still unfinished.
-    bad = _leased(pool, r, 2, _Event(landed=not in_flight, waits=(True,), fails=True))
+    # synchronize() raises, with the copy finished or not.
+    bad_event = _Event(landed=not in_flight, fails=True)
+    bad_event.release.set()
+    bad_event.landed = not in_flight
+    bad = _leased(pool, r, 2, bad_event)
+    bad_event.synchronize = lambda: (_ for _ in ()).throw(RuntimeError("the copy failed"))  # type: ignore[method-assign]
     async with _running(copier, deliveries):
         copier.post([good, bad])
         await deliveries.until(2)
@@ -424,6 +559,25 @@ async def test_a_failed_hand_over_is_raised_from_the_copiers_task(anyio_backend)
             await anyio.sleep_forever()
 
 
+async def test_a_failure_of_the_waiting_thread_is_raised_from_the_copiers_task(
+    anyio_backend, sim: _GatedSim, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    sim.gate.set()
+    copier = Copier(sim, _pool(sim))
+
+    def broken(t: CopyTicket) -> None:
+        raise RuntimeError("injected waiting-thread failure")
+
+    monkeypatch.setattr(copier, "_complete", broken)
+    with (
+        pytest.RaisesGroup(pytest.RaisesExc(RuntimeError, match="injected")),
+        anyio.fail_after(5),
+    ):
+        async with _running(copier, _Deliveries()):
+            copier.post([_submit(copier, _request(), 1, torch.zeros(4))])
+            await anyio.sleep_forever()
+
+
 async def test_nothing_is_handed_on_after_a_failed_hand_over(anyio_backend) -> None:
     copier = Copier(CpuDevice(), _pool(CpuDevice()))
     handed: list[int] = []
@@ -442,44 +596,28 @@ async def test_nothing_is_handed_on_after_a_failed_hand_over(anyio_backend) -> N
     assert handed == [1]
 
 
-async def test_cancelling_the_copier_never_waits_on_a_wedged_device(
-    anyio_backend, sim: _GatedSim, monkeypatch: pytest.MonkeyPatch
-) -> None:
-    # A slice long enough that a cancel waiting for the worker would be seen waiting.
-    monkeypatch.setattr(copier_module, "_WAIT_SLICE_S", 2.0)
+async def test_cancelling_the_copier_never_waits_on_a_wedged_device(anyio_backend, sim: _GatedSim) -> None:
     copier = Copier(sim, _pool(sim))
-    returned: list[bool] = []
-    wait_and_complete = copier._wait_and_complete
-
-    def recording(batch: list[CopyTicket]) -> bool:
-        done = wait_and_complete(batch)
-        returned.append(done)
-        return done
-
-    copier._wait_and_complete = recording  # type: ignore[method-assign]
     with anyio.fail_after(10):
         async with _running(copier, _Deliveries()):
             copier.post([_submit(copier, _request(), 1, torch.zeros(4))])
-            await anyio.wait_all_tasks_blocked()
-            assert copier.waiting_since is not None
-    # The copier's task ended while its worker still waits on the wedged copy.
-    assert returned == []
-    assert copier.waiting_since is None
+            while copier.waiting_since is None:
+                await anyio.sleep(0.001)
+    # The copier's task ended while its waiting thread (a daemon) still waits on the wedged copy.
+    assert copier.waiting_since is not None
+    assert copier._waiter is not None and copier._waiter.daemon and copier._waiter.is_alive()
 
 
-async def test_drain_gives_back_landed_buffers_and_counts_the_copies_still_in_flight(
-    anyio_backend, sim: _GatedSim
-) -> None:
-    pool = _pool(sim)
-    copier = Copier(sim, pool)
+async def test_drain_gives_back_landed_buffers_and_counts_the_copies_still_in_flight(anyio_backend) -> None:
+    device = CpuDevice()
+    pool = _pool(device)
+    copier = Copier(device, pool)
     copier.loop = _backend.running_loop()
     r = _request()
     landed = _leased(pool, r, 1, _Event(landed=True))
-    copier.post([landed])
-    await anyio.wait_all_tasks_blocked()
-    assert list(copier._inbox) == [landed]  # received on the loop: queued, no copier task runs
-    stuck = _submit(copier, r, 2, torch.zeros(4))  # gate shut: in flight
-    copier.post([stuck, _plain(r, 3)])  # posted, not yet received
+    stuck = _leased(pool, r, 2, _Event(landed=False))
+    copier._receive([landed])  # before the copier task runs: completed, queued for it
+    copier._handover.post([stuck, _plain(r, 3)])  # posted, not yet received
     assert copier.drain() == 1
     stats = pool.statistics()
     assert (stats.buffers_in_use, stats.buffers_total) == (0, 1)  # the in-flight buffer is abandoned
@@ -487,46 +625,52 @@ async def test_drain_gives_back_landed_buffers_and_counts_the_copies_still_in_fl
     assert copier.drain() == 0
 
 
-async def test_drain_counts_the_copy_the_cancelled_copier_was_waiting_on(
-    anyio_backend, sim: _GatedSim
-) -> None:
+async def test_drain_counts_the_copies_the_waiting_thread_had_not_finished(anyio_backend, sim: _GatedSim) -> None:
     pool = _pool(sim)
     copier = Copier(sim, pool)
+    r = _request()
     async with _running(copier, _Deliveries()):
-        copier.post([_submit(copier, _request(), 1, torch.zeros(4))])
-        await anyio.wait_all_tasks_blocked()
-    # Engine.aclose: the task group cancelled, then drain; the device never finished the copy.
-    assert copier.drain() == 1
+        copier.post([_submit(copier, r, 1, torch.zeros(4)), _submit(copier, r, 2, torch.zeros(4))])
+        copier.post([_submit(copier, r, 3, torch.zeros(4))])  # queued behind, never picked up
+        while copier.waiting_since is None:
+            await anyio.sleep(0.001)
+    # Engine.aclose: the task group cancelled, then drain; the device never finished the copies.
+    assert copier.drain() == 3
     stats = pool.statistics()
     assert (stats.buffers_in_use, stats.buffers_total) == (0, 0)  # forgotten, never handed out again
 
 
 def _completions(copier: Copier) -> threading.Event:
-    """Set once the copier's ``_complete`` returned (on its worker thread)."""
+    """Set once the copier's ``_complete`` returned (on its waiting thread)."""
     done = threading.Event()
     complete = copier._complete
 
-    def noted(batch: list[CopyTicket]) -> None:
-        complete(batch)
+    def noted(t: CopyTicket) -> None:
+        complete(t)
         done.set()
 
     copier._complete = noted  # type: ignore[method-assign]
     return done
 
 
-@pytest.mark.parametrize("first", ["drain", "worker"])
-async def test_the_abandoned_worker_and_drain_give_a_waited_lease_back_once(
+@pytest.mark.parametrize("first", ["drain", "waiter"])
+async def test_the_waiting_thread_and_drain_give_a_lease_back_once(
     anyio_backend, sim: _GatedSim, first: str
 ) -> None:
-    # At shutdown the worker waiting on a batch is abandoned, not stopped: it finishes its
-    # bounded wait and may complete the batch while or after drain runs. Whichever takes
-    # a lease first gives it back; the other leaves it alone.
+    # At shutdown the waiting thread is not stopped while it waits: it may complete its
+    # ticket while or after drain runs. Whichever takes a lease first gives it back; the
+    # other leaves it alone; and the thread hands nothing on once drained.
     pool = _pool(sim)
     copier = Copier(sim, pool)
     completed = _completions(copier)
-    async with _running(copier, _Deliveries()):
+    deliveries = _Deliveries()
+    async with _running(copier, deliveries):
         copier.post([_submit(copier, _request(), 1, torch.zeros(4))])
-        await anyio.wait_all_tasks_blocked()
+        while copier.waiting_since is None:
+            await anyio.sleep(0.001)
+        if first == "waiter":
+            sim.gate.set()
+            await deliveries.until(1)  # landed, given back, handed on
     if first == "drain":
         assert copier.drain() == 1  # in flight: forgotten
         sim.gate.set()
@@ -534,10 +678,11 @@ async def test_the_abandoned_worker_and_drain_give_a_waited_lease_back_once(
             await anyio.to_thread.run_sync(completed.wait)
         expected = (0, 0)
     else:
-        sim.gate.set()
-        with anyio.fail_after(5):
-            await anyio.to_thread.run_sync(completed.wait)  # the worker landed it and gave it back
+        assert completed.is_set()
         assert copier.drain() == 0
         expected = (0, 1)
     stats = pool.statistics()
     assert (stats.buffers_in_use, stats.buffers_total) == expected
+    assert copier._waiter is not None
+    copier._waiter.join(5)
+    assert not copier._waiter.is_alive()  # told to stop by drain, once it looked again

@@ -141,5 +141,5 @@ def test_a_submitted_ticket_carries_every_field_it_was_given(device: type[CpuDev
         assert t.data is not None and torch.equal(t.data, out) and t.data.data_ptr() != out.data_ptr()
     else:
         assert t.src is out and t.lease is not None and t.data is None and t.copy_s == 0.0
-        copier._complete([t])
+        copier._complete(t)
         assert t.data is not None and torch.equal(t.data, out) and t.lease is None
