@@ -1,6 +1,6 @@
 """Engine chaos: random requests, cancels, timeouts and injected failures, every frame checked.
 
-``python -m benchmarks.chaos [--device cpu|sim] [--requests N] [--seed S] [--concurrency C]``
+``python -m benchmarks.chaos [--device cpu|sim|cuda] [--requests N] [--seed S] [--concurrency C]``
 
 One engine (on the CPU or the simulated accelerator, which drives the real
 copier and buffer pool) serves ``N`` Synthetic requests, at most ``C`` at
@@ -276,7 +276,7 @@ def format_summary(s: dict[str, Any]) -> str:
 
 def main(argv: Sequence[str] | None = None) -> int:
     ap = argparse.ArgumentParser(prog="python -m benchmarks.chaos", description=__doc__.split("\n")[0])
-    ap.add_argument("--device", choices=("cpu", "sim"), default="cpu")
+    ap.add_argument("--device", choices=("cpu", "sim", "cuda"), default="cpu")
     ap.add_argument("--requests", type=int, default=200, help="requests in all (default 200)")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--concurrency", type=int, default=8, help="requests at once (default 8)")
