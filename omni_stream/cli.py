@@ -21,6 +21,7 @@ import subprocess
 import sys
 import time
 from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, NoReturn, TextIO
 
@@ -433,52 +434,96 @@ def _load_model(
     no_batch: bool = False,
     max_images: int | None = None,
 ) -> StepModel:
-    """The model named by ``spec``, with the tiny preview autoencoder and the LoRAs if given;
-    ``no_batch``: one request per model call (a diffusers pipeline's results then equal
-    ``pipe()``'s bit for bit whatever else runs); ``max_images``: the most images a request
-    may ask for (``num_images``)."""
-    from .config import PREVIEW_VAE_ENV, preview_vae as env_preview_vae
-    from .models.registry import load_model
+    """The model named by ``spec``, built now (:class:`_ModelLoader`'s arguments)."""
+    return _ModelLoader.of(spec, preview_vae, loras, no_batch=no_batch, max_images=max_images)()
 
-    try:
-        model = load_model(spec)
-    except OmniStreamError:
-        raise
-    except Exception as exc:  # noqa: BLE001 - a user's factory may raise anything
-        raise ParamsError(
-            f"model {spec!r} failed to load: {type(exc).__name__}: {exc}", field="model"
-        ) from exc
-    flag = "--preview-vae" if preview_vae else PREVIEW_VAE_ENV
-    vae = preview_vae or env_preview_vae()
-    if vae:
-        use = getattr(model, "use_preview_vae", None)
-        if use is None:
-            raise _UsageError(f"{flag}: model {spec!r} has no latents for a tiny autoencoder to decode; "
-                              "it works with diffusers:... models")
+
+@dataclass(frozen=True, slots=True)
+class _ModelLoader:
+    """How to build the model named by ``spec``, with the command line's options: a value.
+
+    ``serve --ray`` sends it to every replica, which calls it to build its
+    model: Ray pickles it there, so it holds only its fields (a closure over
+    the parsed arguments took their logging handler's lock along and failed
+    to pickle). Make it with :meth:`of`, where the command runs: the
+    environment's preview autoencoder is the command's, not a replica's.
+    """
+
+    spec: str
+    #: The tiny preview autoencoder, and the option or variable that named it.
+    preview_vae: str | None = None
+    preview_vae_from: str = "--preview-vae"
+    loras: tuple[tuple[str, str], ...] = ()
+    no_batch: bool = False
+    max_images: int | None = None
+
+    @classmethod
+    def of(
+        cls,
+        spec: str,
+        preview_vae: str | None = None,
+        loras: Mapping[str, str] | None = None,
+        *,
+        no_batch: bool = False,
+        max_images: int | None = None,
+    ) -> _ModelLoader:
+        """``spec`` with the LoRAs (``{name: path}``), ``no_batch`` (one request per model call:
+        a diffusers pipeline's results then equal ``pipe()``'s bit for bit whatever else runs),
+        ``max_images`` (the most images a request may ask for, ``num_images``) and the preview
+        autoencoder, else ``$OMNI_STREAM_PREVIEW_VAE``'s."""
+        from .config import PREVIEW_VAE_ENV, preview_vae as env_preview_vae
+
+        pairs = tuple((loras or {}).items())
+        if preview_vae:
+            return cls(spec, preview_vae, "--preview-vae", pairs, no_batch, max_images)
+        return cls(spec, env_preview_vae(), PREVIEW_VAE_ENV, pairs, no_batch, max_images)
+
+    def __call__(self) -> StepModel:
+        """A new model; raises ParamsError for a spec that does not load, _UsageError for an
+        option the model does not take."""
+        from .models.registry import load_model
+
+        spec = self.spec
         try:
-            use(vae)
-        except (ImportError, ValueError, OSError) as exc:
-            raise _UsageError(f"{flag} {vae!r}: {_describe_error(exc)}") from exc
-    if loras:
-        load = getattr(model, "load_loras", None)
-        if load is None:
-            raise _UsageError(f"--lora: model {spec!r} takes no LoRAs; they work with diffusers:... models")
-        try:
-            load(loras)
-        except (ImportError, ValueError, OSError) as exc:
-            raise _UsageError(f"--lora: {_describe_error(exc)}") from exc
-    if no_batch:
-        model.max_batch_size = 1  # the engine reads it when it starts
-    if max_images is not None:
-        limit = getattr(model, "set_max_images", None)
-        if limit is None:
-            raise _UsageError(f"--max-images: model {spec!r} makes one image a request; "
-                              "diffusers:... image models make several")
-        try:
-            limit(max_images)
-        except ParamsError as exc:
-            raise _UsageError(f"--max-images: {exc}") from None
-    return model
+            model = load_model(spec)
+        except OmniStreamError:
+            raise
+        except Exception as exc:  # noqa: BLE001 - a user's factory may raise anything
+            raise ParamsError(
+                f"model {spec!r} failed to load: {type(exc).__name__}: {exc}", field="model"
+            ) from exc
+        if self.preview_vae:
+            flag, vae = self.preview_vae_from, self.preview_vae
+            use = getattr(model, "use_preview_vae", None)
+            if use is None:
+                raise _UsageError(f"{flag}: model {spec!r} has no latents for a tiny autoencoder to decode; "
+                                  "it works with diffusers:... models")
+            try:
+                use(vae)
+            except (ImportError, ValueError, OSError) as exc:
+                raise _UsageError(f"{flag} {vae!r}: {_describe_error(exc)}") from exc
+        if self.loras:
+            load = getattr(model, "load_loras", None)
+            if load is None:
+                raise _UsageError(
+                    f"--lora: model {spec!r} takes no LoRAs; they work with diffusers:... models"
+                )
+            try:
+                load(dict(self.loras))
+            except (ImportError, ValueError, OSError) as exc:
+                raise _UsageError(f"--lora: {_describe_error(exc)}") from exc
+        if self.no_batch:
+            model.max_batch_size = 1  # the engine reads it when it starts
+        if self.max_images is not None:
+            limit = getattr(model, "set_max_images", None)
+            if limit is None:
+                raise _UsageError(f"--max-images: model {spec!r} makes one image a request; "
+                                  "mixture and diffusers:... image models make several")
+            try:
+                limit(self.max_images)
+            except ParamsError as exc:
+                raise _UsageError(f"--max-images: {exc}") from None
+        return model
 
 
 def _cmd_generate(args: argparse.Namespace) -> int:
@@ -727,9 +772,14 @@ def _cmd_serve(args: argparse.Namespace) -> int:
         raise _UsageError("--loop trio serves engines in this process; --ray needs asyncio (or uvloop)")
     handover = _handover_options(args)
 
-    def load(spec: str = specs[0][1]) -> Any:
-        return _load_model(spec, args.preview_vae, loras, no_batch=args.no_batch,
-                           max_images=args.max_images)
+    # Values, not closures: with --ray they are pickled to every replica, which builds its models.
+    loaders = {
+        name: _ModelLoader.of(
+            spec, args.preview_vae, loras, no_batch=args.no_batch, max_images=args.max_images
+        )
+        for name, spec in specs
+    }
+    load = next(iter(loaders.values()))
 
     # The engine's scheduling (engine/scheduler.py): for the engines made here or in replicas.
     engine_options = {k: getattr(args, k) for k in ("scheduling", "quantum") if getattr(args, k) is not None}
@@ -747,7 +797,7 @@ def _cmd_serve(args: argparse.Namespace) -> int:
         # Each replica builds every model with its factory; --max-loaded bounds
         # those on its device (loaded on demand, Serve routing by model).
         model = deploy(
-            {name: functools.partial(load, spec) for name, spec in specs},
+            loaders,
             max_models_per_replica=args.max_loaded, replicas=args.replicas, num_gpus=args.num_gpus,
             address=args.ray_address, engine_kwargs={"device": args.device, **engine_options},
             **handover,
@@ -762,7 +812,7 @@ def _cmd_serve(args: argparse.Namespace) -> int:
 
         # Every model is built now (host memory; its params known); --max-loaded
         # bounds those on the device at once, loading the others on demand.
-        model = ModelRouter({name: load(spec) for name, spec in specs}, max_loaded=args.max_loaded,
+        model = ModelRouter({name: loader() for name, loader in loaders.items()}, max_loaded=args.max_loaded,
                             device=args.device, **engine_options)
     elif args.ray:
         if names_group(args.device):
@@ -911,8 +961,8 @@ def build_parser() -> argparse.ArgumentParser:
     srv.add_argument("--preview-vae", metavar="PATH|ID", default=None, help=_PREVIEW_VAE_HELP)
     _add_lora_args(srv)
     srv.add_argument("--max-images", type=_positive_int, metavar="N", default=None,
-                     help="the most images one request may ask for with num_images (diffusers models; "
-                     "default 4)")
+                     help="the most images one request may ask for with num_images (diffusers and "
+                     "mixture models; default 4)")
     srv.add_argument("--no-batch", action="store_true",
                      help="run each request alone: no batching across requests (a diffusers model's "
                      "results then equal pipe()'s bit for bit whatever else runs)")
@@ -1067,4 +1117,8 @@ def entry(argv: Sequence[str] | None = None) -> NoReturn:
 
 
 if __name__ == "__main__":  # pragma: no cover
-    entry()
+    # `python -m omni_stream.cli` runs this file as __main__; the command runs from the module
+    # as imported, whose classes (_ModelLoader) pickle by reference to Ray's replicas.
+    from omni_stream.cli import entry as _entry
+
+    _entry()

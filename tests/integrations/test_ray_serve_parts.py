@@ -342,6 +342,22 @@ async def test_a_replica_whose_engine_owner_ended_is_dead() -> None:
     assert isinstance(err.value.__cause__, RuntimeError)
 
 
+@ASYNCIO
+async def test_a_replica_whose_model_failed_to_build_shuts_down_quietly() -> None:
+    from omni_stream.integrations.ray_serve.replica import EngineReplica
+
+    # Serve calls __del__ also on a replica whose __init__ raised before its engine
+    # existed (a model that failed to build): it raised AttributeError there, logged
+    # by Serve as a second failure hiding the first.
+    class Unbuilt(EngineReplica):
+        def __del__(self) -> None:  # the garbage collector's call; the test awaits Serve's
+            pass
+
+    replica = Unbuilt.__new__(Unbuilt)
+    replica._settings = ReplicaSettings()
+    await EngineReplica.__del__(replica)
+
+
 class _SilentBoard:
     """A board whose reader never acknowledges anything."""
 

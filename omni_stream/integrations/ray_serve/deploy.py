@@ -23,7 +23,7 @@ from collections.abc import Mapping
 from typing import Any, cast
 
 import ray
-from ray import serve
+from ray import cloudpickle, serve
 from ray.serve import Application
 from ray.serve.config import DeploymentActorConfig
 from ray.serve.deployment import Deployment
@@ -41,6 +41,7 @@ from .handover import (
 )
 from .remote import DEFAULT_WINDOW, RemoteEngine, connect_ray
 from .replica import BOARD, EngineReplica, ModelSources, ReplicaSettings
+from .translate import startup_failed
 
 __all__ = ["DEPLOYMENT", "app_builder", "build_app", "deploy", "undeploy"]
 
@@ -117,7 +118,26 @@ def build_app(
         ],
         **deployment_options,
     )
-    return deployment.bind(sources, kwargs, settings or ReplicaSettings(), max_models)
+    try:
+        return deployment.bind(sources, kwargs, settings or ReplicaSettings(), max_models)
+    except TypeError as exc:  # Serve pickles the init args here, to send them to every replica
+        raise _unpicklable(sources, kwargs, exc) from exc
+
+
+def _unpicklable(sources: ModelSources, engine_kwargs: Mapping[str, Any], exc: TypeError) -> ParamsError:
+    """ParamsError naming the argument of ``bind`` that Serve could not pickle (``exc``)."""
+    why = str(exc.__cause__ or exc).strip().splitlines()[0]
+    try:
+        cloudpickle.dumps(sources)  # type: ignore[no-untyped-call]  # ray's vendored copy is untyped
+    except Exception:  # noqa: BLE001 - any failure to pickle it is the finding
+        return ParamsError(
+            f"the model cannot be sent to the replicas: Ray could not pickle it ({why}); give a "
+            "registry spec, a StepModel or a picklable factory (a module-level function or class "
+            "instance, not a closure over unpicklable state)",
+            field="model",
+        )
+    return ParamsError(f"engine_kwargs cannot be sent to the replicas: Ray could not pickle them ({why})",
+                       field="engine_kwargs")
 
 
 def _served(model: ModelSources, max_models: int | None) -> tuple[ModelSources, int | None]:
@@ -192,8 +212,10 @@ def deploy(
     ``checkpoint_every``, ``max_handovers`` and ``checkpoint_max_bytes`` as
     RemoteEngine's (a request whose replica dies goes on on another from its
     newest checkpoint: handover.py); ``settings`` the replicas'
-    (ReplicaSettings). Raises ParamsError for bad options, and what
-    ``serve.run`` raises when the replicas fail to start.
+    (ReplicaSettings). Raises ParamsError for bad options or a ``model``
+    that cannot be pickled to the replicas, and EngineDeadError naming what
+    a replica raised when the replicas fail to start (Serve gave up
+    retrying; ``__cause__`` is ``serve.run``'s RuntimeError).
     """
     # Checked before anything is deployed.
     HandoverSettings(checkpoint_every, max_handovers, checkpoint_max_bytes)
@@ -211,7 +233,10 @@ def deploy(
     )
     connect_ray(address)
     serve.start(proxy_location="Disabled")
-    serve.run(app, name=name, route_prefix=None)
+    try:
+        serve.run(app, name=name, route_prefix=None)
+    except RuntimeError as exc:  # DEPLOY_FAILED; the why is only in the deployment's status
+        raise startup_failed(name, exc, _deployment_status(name)) from exc
     engine = RemoteEngine(
         name, address=address, window=window, checkpoint_every=checkpoint_every,
         max_handovers=max_handovers, checkpoint_max_bytes=checkpoint_max_bytes,
@@ -219,6 +244,16 @@ def deploy(
     if not _in_running_loop():
         engine.connect()
     return engine
+
+
+def _deployment_status(name: str) -> str | None:
+    """The status message of application ``name``'s deployment, or None where Serve has none."""
+    try:
+        app = serve.status().applications.get(name)
+    except Exception:  # noqa: BLE001 - the message only explains a failure already raised
+        return None
+    deployment = app.deployments.get(DEPLOYMENT) if app is not None else None
+    return deployment.message if deployment is not None and deployment.message else None
 
 
 def _in_running_loop() -> bool:

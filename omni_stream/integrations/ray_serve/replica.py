@@ -291,6 +291,10 @@ class EngineReplica:
         # Serve's graceful shutdown, after in-flight requests drained (or its
         # graceful_shutdown_timeout_s passed). Requests still open end with
         # EngineClosedError as the engine closes.
+        if not hasattr(self, "_owner"):
+            # Serve calls this also on a replica whose __init__ raised before its
+            # engine started (a model that failed to build): nothing to stop or leave.
+            return
         self._stop.set()
         with anyio.move_on_after(self._settings.shutdown_s):
             await self._closed.wait()

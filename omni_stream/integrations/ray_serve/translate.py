@@ -1,4 +1,5 @@
-"""Ray's errors, translated to this project's at one boundary (the RemoteStream's reads).
+"""Ray's errors, translated to this project's at two boundaries: the RemoteStream's reads, and
+``deploy`` (:func:`startup_failed`: an application whose replicas failed to start).
 
 =====================================================  ==========================================
 what Ray raised                                        what the reader gets
@@ -22,6 +23,8 @@ translated here carries the request's id, and ``__cause__`` is Ray's.
 
 from __future__ import annotations
 
+import re
+
 from ray import exceptions as ray_errors
 from ray.serve import exceptions as serve_errors
 
@@ -34,7 +37,7 @@ from ...errors import (
     StepFailedError,
 )
 
-__all__ = ["LOST", "translate"]
+__all__ = ["LOST", "startup_failed", "translate"]
 
 #: Ray's ways of saying a replica (its process, or its node) is gone.
 LOST: tuple[type[BaseException], ...] = (
@@ -46,6 +49,44 @@ LOST: tuple[type[BaseException], ...] = (
     ray_errors.OwnerDiedError,
     ray_errors.LocalRayletDiedError,
 )
+
+
+#: Terminal colour codes: Ray colours the actor's name in a replica's traceback.
+_ANSI = re.compile(r"\x1b\[[0-9;]*m")
+#: A traceback's frame line; what follows the last one (and its source lines) is the exception.
+_FRAME = re.compile(r"^\s*File \"")
+
+
+def startup_failed(name: str, exc: BaseException, status: str | None) -> EngineDeadError:
+    """EngineDeadError for ``serve.run``'s ``exc``: the application ``name`` failed to deploy.
+
+    ``serve.run`` says only which deployment failed; ``status`` is that
+    deployment's status message (``serve.status()``), which ends with the
+    replica's traceback: the error names the exception that ended it (a
+    model that failed to build, an option its model does not take).
+    """
+    cause = _raised(status) if status else None
+    why = f": a replica raised {cause}" if cause else f": {_first_line(exc)}"
+    err = EngineDeadError(f"the Serve application {name!r} failed to start{why}")
+    err.__cause__ = exc
+    return err
+
+
+def _raised(status: str) -> str | None:
+    """The exception line(s) ending a traceback in ``status`` ("Class: message"), or None."""
+    lines = _ANSI.sub("", status).splitlines()
+    frames = [i for i, line in enumerate(lines) if _FRAME.match(line)]
+    if not frames:
+        return None
+    # After the last frame line: its source line(s), indented, then the exception.
+    rest = lines[frames[-1] + 1 :]
+    while rest and rest[0].startswith("    "):
+        rest = rest[1:]
+    text = " ".join(line.strip() for line in rest if line.strip())
+    if not text:
+        return None
+    # "omni_stream.cli._UsageError: ..." reads as "_UsageError: ...".
+    return re.sub(r"^(?:[A-Za-z_][\w]*\.)+(?=\w+(?::|$))", "", text)
 
 
 def _first_line(exc: BaseException) -> str:
