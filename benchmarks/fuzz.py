@@ -547,9 +547,26 @@ async def _fuzz_connections(url: str, seed: int, conns: Sequence[Sequence[Any]],
     await asyncio.gather(*(guarded(*c) for c in conns))
 
 
+def _import_before_ready() -> None:
+    """What a worker's connections and calls import on their first use: imported before "ready",
+    not on the clock.
+
+    Imported mid-run, ``omni_stream`` (fuzz_http.framing_over reads
+    ``omni_stream.server.http11``, and the package imports torch) held a
+    worker's loop 5 s beside two busy processes: past the server's keep-alive
+    timeout (uvicorn's 5 s), so both its HTTP connections were closed under
+    their next requests (issue #34).
+    """
+    import websockets.asyncio.client  # noqa: F401
+
+    import omni_stream.server.http11  # noqa: F401
+
+    from . import fuzz_http  # noqa: F401
+
+
 async def _worker_main() -> None:
     """A fuzzing process (``python -m benchmarks.fuzz --worker``): config, ready, go, result; JSON lines."""
-    import websockets.asyncio.client  # noqa: F401 - imported before "ready", not on the clock
+    _import_before_ready()
 
     def say(**msg: Any) -> None:
         sys.stdout.write(json.dumps(msg) + "\n")

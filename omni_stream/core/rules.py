@@ -754,7 +754,8 @@ class Rules:
     def pause(self, client: Client, request_id: str, *, to_host: bool = False) -> RequestRecord:
         """Pause a request ``client`` may see, between two steps (``Engine.pause``); its watchers
         get ``paused``. Raises MessageError: ``not_found``, or ``bad_message`` for a request that
-        is not running in the engine (ended, waiting for a place, paused already) or an engine
+        is not running in the engine (ended, waiting for a place, paused already), one whose model
+        cannot stop it between two steps (the engine's ``pause_refusal`` says why), or an engine
         that cannot pause."""
         record = self.lookup(client, request_id)
         pause = getattr(self.engine, "pause", None)
@@ -763,10 +764,14 @@ class Rules:
                 "bad_message", "this server's engine cannot pause requests", request_id=request_id
             )
         if record.ended or record.id in self.gate or not pause(record.id, to_host=to_host):
+            # Its model may refuse it whatever its progress (Engine.pause_refusal): say so, not
+            # that it is not running.
+            refusal = getattr(self.engine, "pause_refusal", None)
+            why = refusal(record.id) if callable(refusal) and not record.ended else None
             raise protocol.MessageError(
                 "bad_message",
-                f"request {record.id} is not running (ended, not started yet, or paused already): "
-                "nothing to pause",
+                why or f"request {record.id} is not running (ended, not started yet, or paused "
+                "already): nothing to pause",
                 request_id=request_id,
             )
         record.publish_paused()

@@ -67,7 +67,7 @@ from .stats import EngineStatistics, Health
 from .stream import FrameStream
 from .table import Limits, RequestTable
 
-__all__ = ["Engine"]
+__all__ = ["Engine", "pause_refusal"]
 
 logger = logging.getLogger("omni_stream.engine")
 
@@ -162,7 +162,15 @@ class Engine:
         self.device = resolve_device(device)
         self._shutdown_timeout = float(shutdown_timeout)
         self._table = RequestTable(limits)
-        self._pool = PinnedBufferPool(self.device.host_buffer, max_buffers=max_buffers)
+        # Frames of large outputs are the pool's buffers themselves, lent to their readers
+        # (device/pool.py): never so many that a batch's copies a run-ahead deep could not get
+        # buffers, and no more to one request than its reader's queue and the frame in hand.
+        self._pool = PinnedBufferPool(
+            self.device.host_buffer,
+            max_buffers=max_buffers,
+            max_lent=max(0, max_buffers - limits.max_batch_size * limits.max_run_ahead),
+            max_lent_per_owner=limits.queue_size + 2,
+        )
         self._copier = Copier(self.device, self._pool, frame_dtype=frame_dtype)
         self._producer = Producer(
             self._model, self.device, self._copier, self._table, torch_threads=torch_threads,
@@ -625,21 +633,33 @@ class Engine:
         it is in (if any) completes, and no next one starts until
         :meth:`resume`. Its state stays on the device, or with ``to_host``
         moves to host memory (a checkpoint, ``model.snapshot``) and comes
-        back when it runs again (a model that cannot snapshot keeps it on the
-        device). The per-step timeout does not count paused time. Resumed,
-        its frames and result equal an uninterrupted run's. Safe from any thread.
+        back when it runs again (a state the model then fails to capture
+        stays on the device). The per-step timeout does not count paused
+        time. Resumed, its frames and result equal an uninterrupted run's.
+
+        False, whatever the request's progress, where its model cannot stop
+        it between two steps (:func:`pause_refusal`; :meth:`pause_refusal`
+        says why). Safe from any thread.
         """
         r = self._by_id.get(request_id)
-        if r is None or r.finalized:
+        if r is None or r.finalized or pause_refusal(self.model, r.params, request_id) is not None:
             return False
         with self._table.cond:
             if r.paused or r.status.ended:
                 return False
             r.paused = True
             r.paused_since = self._table.clock()
-            r.to_host = bool(to_host) and self.model.can_snapshot(r.params)
+            r.to_host = bool(to_host)
             self._table.wake_producer()  # it may have the state to move
         return True
+
+    def pause_refusal(self, request_id: str) -> str | None:
+        """Why :meth:`pause` refuses ``request_id`` whatever its progress (its model cannot stop it
+        between two steps), or None: it can, or no such request is here."""
+        r = self._by_id.get(request_id)
+        if r is None or r.finalized:
+            return None
+        return pause_refusal(self.model, r.params, request_id)
 
     def resume(self, request_id: str) -> bool:
         """Let a paused request run again; True if it was paused. Safe from any thread."""
@@ -751,7 +771,40 @@ class Engine:
             frames_delivered=out.frames_delivered,
             frames_dropped=out.frames_dropped,
             batch_sizes=dict(p.batch_sizes),
+            buffers_lent=pool.buffers_lent,
+            frames_lent=self._copier.frames_lent,
+            frames_cloned=self._copier.frames_cloned,
         )
+
+
+def pause_refusal(model: StepModel, params: Mapping[str, Any], request_id: str) -> str | None:
+    """Why a request of ``model`` with these checked ``params`` cannot be paused; None when it can.
+
+    A pause holds a request between two steps, nothing running for it, until
+    it resumes (its state on the device, or on the host as a checkpoint). A
+    whole-request model (callback mode) cannot stop there: it is inside the
+    library's loop, and could only wait in it holding the device from every
+    other request, until its step bound failed it. A model that cannot
+    snapshot the request (``model.can_snapshot`` false: a ``from_generator``
+    loop, a sampler with hidden state) does not say that its state between
+    two steps is all there is of it: its requests are never paused
+    (model.py, "Snapshot and restore").
+    """
+    if model.runs_whole_requests:
+        return (
+            f"request {request_id} cannot be paused: model {model.name} runs each request in one "
+            "call (runs_whole_requests, callback mode) and cannot stop it between two steps"
+        )
+    try:
+        snapshots = bool(model.can_snapshot(params))
+    except Exception as exc:  # noqa: BLE001 - a model's bug refuses the pause; it fails no request
+        return f"request {request_id} cannot be paused: {model.name}.can_snapshot raised {exc!r}"
+    if not snapshots:
+        return (
+            f"request {request_id} cannot be paused: model {model.name} cannot snapshot its state "
+            "between two steps (StepModel.can_snapshot), and only such a request is paused"
+        )
+    return None
 
 
 def _needs_prepare(model: Any, params: Mapping[str, Any]) -> bool:

@@ -555,6 +555,32 @@ class EngineGroup:
             return False
         return self._members[entry[0]].cancel(request_id)
 
+    def pause(self, request_id: str, *, to_host: bool = False) -> bool:
+        """``Engine.pause`` on the member running the request: False as there, and for an id the
+        group holds no stream of. Safe from any thread."""
+        member = self._member_running(request_id)
+        return member is not None and member.pause(request_id, to_host=to_host)
+
+    def resume(self, request_id: str) -> bool:
+        """``Engine.resume`` on the member running the request. Safe from any thread."""
+        member = self._member_running(request_id)
+        return member is not None and member.resume(request_id)
+
+    def is_paused(self, request_id: str) -> bool:
+        """Whether the request is paused now (``Engine.is_paused`` on its member)."""
+        member = self._member_running(request_id)
+        return member is not None and member.is_paused(request_id)
+
+    def pause_refusal(self, request_id: str) -> str | None:
+        """``Engine.pause_refusal`` on the member running the request (None for an id the group
+        holds no stream of)."""
+        member = self._member_running(request_id)
+        return None if member is None else member.pause_refusal(request_id)
+
+    def _member_running(self, request_id: str) -> Engine | None:
+        index = self.member_of(request_id)
+        return None if index is None else self._members[index]
+
     def member_of(self, request_id: str) -> int | None:
         """The index of the member running ``request_id``, or None if the group holds no such stream."""
         with self._lock:

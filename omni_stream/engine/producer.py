@@ -121,12 +121,30 @@ class Producer:
             while True:
                 batch = self._next_batch()
                 if batch is None:
-                    return
+                    break
                 self._run_batch(batch)
+        except BaseException:
+            self._wind_down(dying=True)
+            raise
+        self._wind_down(dying=False)
+
+    def _wind_down(self, *, dying: bool) -> None:
+        """On the way out of :meth:`run`: post what was computed, then close every started state.
+
+        The states are closed even when the post raises (the loop gone, the
+        copier broken). Dying, the error that killed the thread is the one
+        that propagates, and the post's is logged.
+        """
+        try:
+            try:
+                # Frames computed before a stop or a failure still reach the
+                # copier (it frees their buffers, and readers get them).
+                self._flush()
+            except Exception:
+                if not dying:
+                    raise
+                logger.exception("the producer died, and its last frames could not be posted either")
         finally:
-            # Frames computed before a stop or a failure still reach the
-            # copier (it frees their buffers, and readers get them).
-            self._flush()
             # Stopping or dying: every started state is closed here, on this
             # thread, exactly once ("close" is part of the model contract).
             with self._table.cond:
@@ -222,15 +240,26 @@ class Producer:
             try:
                 with self._busy((r.id,)):
                     checkpoint = self._model.snapshot(r.state)
-                    self._model.close(r.state)
             except Exception as exc:  # noqa: BLE001 - the pause still holds; the state stays on the device
                 logger.warning("request %s: its paused state stays on the device: %s", r.id, exc)
                 r.to_host = False
                 continue
+            # The checkpoint holds the request from here: the device state is
+            # dropped before its close runs, so a close that raises still
+            # counts as its one close (a state kept after it would be closed
+            # again when the request ends, or stepped after its close).
+            state = r.state
             r.state = None
             r.resume_from = checkpoint
             r.started = False
             r.to_host = False
+            try:
+                with self._busy((r.id,)):
+                    self._model.close(state)
+            except Exception:
+                logger.exception(
+                    "request %s: model.close() raised as its state moved to the host; ignored", r.id
+                )
 
     def _close(self, r: Request) -> None:
         if r.started and not r.closed:
@@ -277,7 +306,7 @@ class Producer:
                     out, decoded, exc, decode_s = self._decode(r, out, self._model.decode)
                     compute_s += decode_s
                 elif exc is None and r.preview_every is not None and r.previewed(n):
-                    out, decoded, exc, decode_s = self._decode(r, out, self._model.decode_preview)
+                    out, decoded, exc, decode_s = self._decode(r, out, self._model.decode_preview, aside=True)
                     compute_s += decode_s
                 if exc is None:
                     try:
@@ -391,9 +420,15 @@ class Producer:
         return [(r, out, self._check_output(out), compute_s) for r, out in zip(batch, outs, strict=True)]
 
     def _decode(
-        self, r: Request, frame: torch.Tensor, decode: Callable[[Any, torch.Tensor], Any]
+        self,
+        r: Request,
+        frame: torch.Tensor,
+        decode: Callable[[Any, torch.Tensor], Any],
+        *,
+        aside: bool = False,
     ) -> tuple[Any, bool, BaseException | None, float]:
-        """Run ``model.decode`` (the final frame) or ``model.decode_preview`` here.
+        """Run ``model.decode`` (the final frame) or ``model.decode_preview`` (``aside``: where the
+        device runs preview decodes, beside the next step on a GPU) here.
 
         Returns (frame, decoded, error, seconds). When the model returns the
         frame itself (its frames are pictures already) or None (no preview
@@ -402,7 +437,7 @@ class Producer:
         t0 = time.monotonic()
         try:
             with self._busy((r.id,)):
-                out = decode(r.state, frame)
+                out = self._device.decode_aside(decode, r.state, frame) if aside else decode(r.state, frame)
         except Exception as exc:
             return None, False, exc, time.monotonic() - t0
         if out is frame or out is None:
@@ -448,18 +483,25 @@ class Producer:
         self._copier.post([ticket])
 
     def _wait_runnable(self, r: Request, bound_s: float) -> str:
-        """Block until ``r`` may take its next step: ``"go"``, ``"stop"`` (it ended, or
-        the engine is stopping) or ``"stalled"`` (its reader took nothing for ``bound_s``)."""
+        """Block until ``r``, inside a whole run, may take its next step: ``"go"``, ``"stop"`` (it
+        ended, or the engine is stopping) or ``"stalled"`` (its reader took nothing for ``bound_s``,
+        on the table's clock, as every other step bound is)."""
         table = self._table
         limits = table.limits
-        deadline = time.monotonic() + bound_s
+        clock = table.clock
+        deadline = clock() + bound_s
         with table.cond:
             while True:
                 if table.stopping or r.status.ended:
                     return "stop"
-                if r.runnable(limits.max_run_ahead, limits.queue_size):
+                # Not ``r.runnable``: a whole run cannot hold a pause. It is inside the
+                # model's loop, holding the device for every other request, so Engine.pause
+                # refuses it; one set anyway must neither park everyone behind it until the
+                # bound runs out nor then fail this request with a timeout that blames its
+                # reader. Only the reader and the copies hold it back.
+                if _has_room(r, limits.max_run_ahead, limits.queue_size):
                     return "go"
-                left = deadline - time.monotonic()
+                left = deadline - clock()
                 if left <= 0:
                     return "stalled"
                 table.producer_waiting = True
@@ -499,6 +541,15 @@ class Producer:
             held.error = err
             return held
         return CopyTicket(request=r, step=n, error=err)
+
+
+def _has_room(r: Request, max_run_ahead: int, queue_size: int) -> bool:
+    """Whether ``r``'s copies and reader let it compute its next frame (``Request.runnable``'s
+    bounds, without its status or a pause)."""
+    issued = r.issued
+    if issued - r.delivered >= max_run_ahead:
+        return False
+    return r.policy == "latest" or issued - r.consumed < queue_size
 
 
 def _movable(r: Request) -> bool:
@@ -571,7 +622,7 @@ class _Emitter:
         decode_s = 0.0
         if not decoded and r.previewed(n):
             t0 = time.monotonic()
-            pixels = producer._model.decode_preview(r.state, frame)
+            pixels = producer._device.decode_aside(producer._model.decode_preview, r.state, frame)
             if pixels is not None:
                 if not isinstance(pixels, torch.Tensor):
                     raise TypeError(

@@ -49,7 +49,7 @@ from ..ids import model_name_problem
 from ..lifecycle import Lifecycle
 from ..model import StepModel
 from ..params import positive_int
-from .engine import Engine
+from .engine import Engine, pause_refusal
 from .group import _sum_statistics
 from .intake import CheckedRequest, already_running, check_checkpointed, check_request_id
 from .like import FrameStreamLike, final_frame
@@ -408,10 +408,19 @@ class ModelRouter:
         return True
 
     def pause(self, request_id: str, *, to_host: bool = False) -> bool:
-        """``Engine.pause`` on the engine running the request; False while it waits for its model."""
+        """``Engine.pause`` on the engine running the request; False while it waits for its model,
+        and for one its model cannot stop between two steps (:meth:`pause_refusal`)."""
         stream = self._streams.get(request_id)
         engine = None if stream is None or stream._inner is None else stream._slot.engine
         return engine is not None and engine.pause(request_id, to_host=to_host)
+
+    def pause_refusal(self, request_id: str) -> str | None:
+        """Why :meth:`pause` refuses ``request_id`` whatever its progress (its model cannot stop it
+        between two steps: ``engine.pause_refusal``), or None. Known while it waits for its model."""
+        stream = self._streams.get(request_id)
+        if stream is None:
+            return None
+        return pause_refusal(stream._slot.model, stream.params, request_id)
 
     def resume(self, request_id: str) -> bool:
         """``Engine.resume`` on the engine running the request."""

@@ -44,8 +44,11 @@ from uvicorn.protocols.http.h11_impl import H11Protocol
 __all__ = [
     "FRAMING_ALLOWANCE",
     "HEADER_TIMEOUT_S",
+    "LINGER_IDLE_S",
+    "LINGER_MAX",
     "BoundedSend",
     "DeadlineH11Protocol",
+    "LingerSlots",
     "abort_receive",
     "abort_transport",
     "h11_protocol",
@@ -65,18 +68,32 @@ HEADER_TIMEOUT_S: Final = 10.0
 #: parser events at ~7 us each: under 2 ms of the event loop (16 KiB let it
 #: take 38 ms).
 FRAMING_ALLOWANCE: Final = 1 << 10
-#: Seconds a refused connection is read and dropped before it is closed (see _linger),
-#: at most, and the pause in what it sends that ends that sooner.
+#: Seconds a refused connection is read and dropped before it is closed (see _linger), at
+#: most. httpd and nginx give a lingering close 30 s (MAX_SECS_TO_LINGER; lingering_time);
+#: here what it may send is bounded in bytes too (LINGER_BYTES), and 10 s carries the rest
+#: of a body of max_message_bytes (1 MiB by default) at 1 Mbit/s.
 LINGER_S: Final = 10.0
-LINGER_IDLE_S: Final = 0.1
+#: The silence that ends a lingering close sooner: the longest pause a client still
+#: sending its body may make between two writes. httpd's lingering close waits 2 s for
+#: each read (SECONDS_TO_LINGER, ap_lingering_close), nginx 5 s (lingering_timeout). A
+#: client needs about that: a lost segment stalls its sender for a retransmission timeout
+#: (1 s at first, RFC 6298; 200 ms at least on Linux, doubling each time it is lost
+#: again), and a client process starved of the CPU waits hundreds of milliseconds for it.
+#: 0.1 s reset a client that paused 0.5 s under its answer (tests/server/test_http11.py).
+LINGER_IDLE_S: Final = 2.0
+#: Refused connections of one server lingering at once, at most; past it a refused
+#: connection is closed at once (its client may then read a reset rather than its
+#: answer). Each holds a descriptor for up to LINGER_S: without a cap, a flood of
+#: clients refused while they send would hold as many as it opens (300 stalled POSTs
+#: once used up a server's 256); with it, lingering costs this many beyond
+#: max_connections (64 by default), at most.
+LINGER_MAX: Final = 32
 #: A refused connection lingers only if it had sent this much of its body, or
 #: declared a body of at most this much (see _linger).
 LINGER_MIN_BYTES: Final = 16 << 10
-#: The pause that ends the lingering of a small declared body: a client
-#: sending a few KiB slowly (a phone, a proxy) may pause this long between
-#: writes, and is answered only once it has written all. It lingers for
-#: LINGER_SMALL_S at most, and only for the bytes it declared.
-LINGER_SMALL_IDLE_S: Final = 1.0
+#: How long a small declared body lingers, at most (a client sending a few KiB
+#: slowly, a phone, a proxy, is answered only once it has written all): only
+#: for the bytes it declared, and with the same LINGER_IDLE_S between writes.
 LINGER_SMALL_S: Final = 3.0
 #: A chunked body (and a request's head) is parsed this much at a time, its
 #: framing checked in between: a slice of one-byte chunks is about 170
@@ -93,6 +110,30 @@ _SLICE_BYTES: Final = 1 << 10
 LINGER_BYTES: Final = 256 << 10
 
 
+class LingerSlots:
+    """The refused connections of one server lingering now: at most ``limit`` (:data:`LINGER_MAX`).
+
+    Touched on the server's event loop only: no lock.
+    """
+
+    __slots__ = ("held", "limit")
+
+    def __init__(self, limit: int = LINGER_MAX) -> None:
+        self.limit = limit
+        self.held = 0
+
+    def take(self) -> bool:
+        """One more lingering connection, if there is room; False (nothing taken) when not."""
+        if self.held >= self.limit:
+            return False
+        self.held += 1
+        return True
+
+    def give(self) -> None:
+        """A lingering connection is closed."""
+        self.held -= 1
+
+
 class DeadlineH11Protocol(H11Protocol):
     """:class:`H11Protocol` with the deadlines and wire bounds of the module docstring.
 
@@ -103,6 +144,8 @@ class DeadlineH11Protocol(H11Protocol):
     #: The body's decoded bound (max_message_bytes) and its deadline (body_timeout_s).
     max_body_bytes: int = 1 << 20
     body_timeout_s: float = 30.0
+    #: Shared by every connection of a server (h11_protocol makes one per server).
+    linger_slots: LingerSlots = LingerSlots()
 
     _header_timer: asyncio.TimerHandle | None = None
     _body_timer: asyncio.TimerHandle | None = None
@@ -113,7 +156,7 @@ class DeadlineH11Protocol(H11Protocol):
     _lingering = False
     _linger_left = -1
     _linger_idle: asyncio.TimerHandle | None = None
-    _linger_idle_s = LINGER_IDLE_S
+    _linger_slot = False  # holds one of linger_slots
     _linger_exact = False  # lingering for the rest of a small declared body only
     _declared: int | None = None  # the request's Content-Length, None when chunked or absent
 
@@ -126,6 +169,9 @@ class DeadlineH11Protocol(H11Protocol):
         self._disarm_body_timer()
         if self._linger_idle is not None:
             self._linger_idle.cancel()
+        if self._linger_slot:
+            self._linger_slot = False
+            self.linger_slots.give()
         super().connection_lost(exc)
 
     def data_received(self, data: bytes) -> None:
@@ -279,18 +325,25 @@ class DeadlineH11Protocol(H11Protocol):
         # pause of LINGER_IDLE_S ends it), up to max_message_bytes +
         # LINGER_BYTES, and LINGER_S at most. A small declared body still
         # coming (a refusal at its head of a slow client's few KiB) lingers
-        # too, with pauses of up to LINGER_SMALL_IDLE_S: it would otherwise
-        # never read its answer. One that stalled, or declared much and sent
-        # little, is closed at once: lingering connections must not pile up
-        # and hold descriptors (300 stalled POSTs once used up a server's 256).
+        # too, for LINGER_SMALL_S at most: it would otherwise never read its
+        # answer. One that stalled, or declared much and sent little, is
+        # closed at once, and so is one refused while LINGER_MAX others
+        # linger: lingering connections must not pile up and hold
+        # descriptors (300 stalled POSTs once used up a server's 256).
         if self._lingering:
             return
         small = self._declared is not None and self._declared <= LINGER_MIN_BYTES
         if stalled or (not sending and not small and self._body_wire < LINGER_MIN_BYTES):
             self.transport.close()
             return
+        if not self.linger_slots.take():
+            logger.debug(
+                "closing a refused HTTP connection at once: %d others linger", self.linger_slots.held
+            )
+            self.transport.close()
+            return
+        self._linger_slot = True
         slow_small = small and not sending
-        self._linger_idle_s = LINGER_SMALL_IDLE_S if slow_small else LINGER_IDLE_S
         self._lingering = True
         if slow_small:
             # Only what it declared, and only for a few seconds: a trickle of
@@ -312,7 +365,7 @@ class DeadlineH11Protocol(H11Protocol):
     def _arm_linger_idle(self) -> None:
         if self._linger_idle is not None:
             self._linger_idle.cancel()
-        self._linger_idle = self.loop.call_later(self._linger_idle_s, self.transport.close)
+        self._linger_idle = self.loop.call_later(LINGER_IDLE_S, self.transport.close)
 
     def _close_after_answer(self, cycle: Any) -> None:
         """uvicorn closes a connection after its answer (``Connection: close``): if that request's
@@ -363,12 +416,19 @@ def _json_str(text: str) -> str:
     return json.dumps(text)
 
 
-def h11_protocol(*, max_body_bytes: int, body_timeout_s: float) -> type[DeadlineH11Protocol]:
-    """:class:`DeadlineH11Protocol` with these bounds (a class: uvicorn instantiates it per connection)."""
+def h11_protocol(
+    *, max_body_bytes: int, body_timeout_s: float, max_lingering: int = LINGER_MAX
+) -> type[DeadlineH11Protocol]:
+    """:class:`DeadlineH11Protocol` with these bounds (a class: uvicorn instantiates it per
+    connection), its connections lingering ``max_lingering`` at a time at most."""
     return type(
         "DeadlineH11Protocol",
         (DeadlineH11Protocol,),
-        {"max_body_bytes": max_body_bytes, "body_timeout_s": body_timeout_s},
+        {
+            "max_body_bytes": max_body_bytes,
+            "body_timeout_s": body_timeout_s,
+            "linger_slots": LingerSlots(max_lingering),
+        },
     )
 
 

@@ -654,3 +654,44 @@ async def test_cancelling_the_owner_still_closes_every_member():
             await stream.__anext__()
             await anyio.sleep(10)
     assert [m.health().status for m in group.members] == ["closed", "closed"]
+
+
+@pytest.mark.asyncio
+async def test_pause_and_resume_reach_the_member_running_the_request_and_refuse_as_it_does() -> None:
+    # Issue #34: the group had no pause at all; each door now pauses as Engine.pause does.
+    gate = threading.Event()
+
+    class Held(Synthetic):
+        def step(self, states: Sequence[Any]) -> list[Any]:
+            if any(s.step >= 1 for s in states):
+                gate.wait(10)
+            return super().step(states)
+
+    async with om.EngineGroup(Held, devices="cpu,cpu") as group:
+        first = group.stream(params(steps=3), request_id="on0")
+        second = group.stream(params(steps=3), request_id="on1")
+        assert (first.member, second.member) == (0, 1)
+        assert (await second.__anext__()).step == 1
+        assert group.pause("on1", to_host=True) and group.is_paused("on1") and not group.pause("on1")
+        assert group.members[1].is_paused("on1") and group.pause_refusal("on1") is None
+        gate.set()
+        assert [f.step for f in await read_all(first)] == [1, 2, 3]
+        assert group.resume("on1") and not group.resume("on1") and not group.is_paused("on1")
+        assert [f.step for f in await read_all(second)] == [2, 3]
+        assert not group.pause("on1") and not group.pause("nobody") and not group.resume("nobody")
+
+    looped = threading.Event()
+
+    def loop(params: Any) -> Any:
+        for i in range(1, 4):
+            if i == 2:
+                looped.wait(10)
+            yield torch.full((2,), float(i))
+
+    async with om.EngineGroup(lambda: om.from_generator(loop, total=3, name="loop"), devices="cpu,cpu") as group:
+        stream = group.stream({}, request_id="g")
+        assert (await stream.__anext__()).step == 1  # step 2 waits: it is running
+        assert not group.pause("g") and not group.is_paused("g")
+        assert "request g cannot be paused: model loop cannot snapshot" in (group.pause_refusal("g") or "")
+        looped.set()
+        assert [f.step for f in await read_all(stream)] == [2, 3]

@@ -143,3 +143,94 @@ async def test_pause_and_resume_of_unknown_or_ended_requests_say_false() -> None
         assert not engine.pause("nobody") and not engine.resume("nobody")
         await engine.generate(params(steps=2), request_id="done")
         assert not engine.pause("done") and not engine.is_paused("done")
+
+
+# -- models that cannot stop between steps: refused (issue #34) ------------------------------
+
+
+class WholeRun(om.StepModel):
+    """A library-style loop in one call (callback mode): emits from its per-step callback; its
+    second step waits at a gate, so a test acts while the loop holds the device."""
+
+    name = "whole_run"
+    runs_whole_requests = True
+    params = (om.Param("steps", "int", 4, minimum=1),)
+
+    def __init__(self) -> None:
+        self.gate = threading.Event()
+
+    def total_steps(self, params: Any) -> int:
+        return int(params["steps"])
+
+    def start(self, params: Any, device: torch.device) -> Any:
+        return dict(params)
+
+    def step(self, states: Any) -> list[torch.Tensor]:
+        raise AssertionError("a whole-request model is never stepped")
+
+    def can_snapshot(self, params: Any) -> bool:
+        return True  # said, but a run inside the library's loop still cannot stop there
+
+    def run(self, state: Any, emit: om.Emit) -> None:
+        for i in range(1, state["steps"] + 1):
+            if i == 2:
+                self.gate.wait(10)
+            emit(torch.full((2,), float(i)))
+
+
+def gated_generator() -> tuple[om.GeneratorModel, threading.Event]:
+    gate = threading.Event()
+
+    def loop(params: Any) -> Any:
+        for i in range(1, 5):
+            if i == 2:
+                gate.wait(10)
+            yield torch.full((2,), float(i))
+
+    return om.from_generator(loop, total=4, name="loop"), gate
+
+
+@ASYNC
+async def test_a_request_of_a_model_that_cannot_snapshot_is_not_paused_and_runs_on() -> None:
+    model, gate = gated_generator()
+    async with om.Engine(model, device="cpu") as engine:
+        stream = engine.stream({}, request_id="g")
+        assert (await stream.__anext__()).step == 1  # step 2 waits at the gate: it is running
+        assert not engine.pause("g") and not engine.pause("g", to_host=True) and not engine.is_paused("g")
+        why = engine.pause_refusal("g")
+        assert why is not None and "request g" in why and "loop cannot snapshot" in why
+        gate.set()
+        assert [f.step async for f in stream] == [2, 3, 4]
+        assert engine.pause_refusal("g") is None  # ended: nothing to say of it
+
+
+@ASYNC
+async def test_a_whole_request_is_not_paused_and_ends_without_a_timeout_blaming_its_reader() -> None:
+    # Paused, the run waited inside the library's loop until its step bound ran out, then
+    # failed with a StepTimeoutError saying the reader took no frame.
+    model = WholeRun()
+    async with om.Engine(model, device="cpu") as engine:
+        stream = engine.stream({"steps": 4}, request_id="w", timeout=0.3)
+        assert (await stream.__anext__()).step == 1
+        assert not engine.pause("w") and not engine.is_paused("w")
+        why = engine.pause_refusal("w")
+        assert why is not None and "request w" in why and "runs_whole_requests" in why
+        await anyio.sleep(0.5)  # longer than its bound: it was never paused, its reader waits
+        model.gate.set()
+        assert [f.step async for f in stream] == [2, 3, 4]
+
+
+@ASYNC
+async def test_a_model_whose_can_snapshot_raises_refuses_the_pause_and_fails_nothing() -> None:
+    class Broken(Gated):
+        def can_snapshot(self, params: Any) -> bool:
+            raise RuntimeError("cannot tell")
+
+    model = Broken(hold_at=1)
+    async with om.Engine(model, device="cpu") as engine:
+        stream = engine.stream(params(steps=3), request_id="b")
+        assert (await stream.__anext__()).step == 1  # step 2 waits at the gate
+        assert not engine.pause("b")
+        assert "can_snapshot raised RuntimeError('cannot tell')" in (engine.pause_refusal("b") or "")
+        model.gate.set()
+        assert [f.step async for f in stream] == [2, 3]

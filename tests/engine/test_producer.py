@@ -616,6 +616,33 @@ def test_a_paused_request_whose_model_cannot_snapshot_keeps_its_state(caplog) ->
     assert "request a: its paused state stays on the device" in caplog.text
 
 
+def test_a_state_moved_to_the_host_whose_close_raises_is_closed_once_and_goes_on_from_its_checkpoint(
+    caplog,
+) -> None:
+    class BadClose(Counting):
+        def close(self, state: State | None) -> None:
+            super().close(state)
+            raise RuntimeError("close failed")
+
+    producer, table, copier, model = setup(BadClose())
+    r = add(table, "a", total=3)
+    step_once(producer)
+    deliver_and_read(table, r)
+    r.paused, r.to_host = True, True
+    with caplog.at_level(logging.WARNING, logger="omni_stream.engine"):
+        producer._offload()
+    # Its checkpoint holds it: the closed state is gone, not kept to be closed (or stepped) again.
+    assert r.state is None and not r.started and not r.to_host and r.resume_from == ("checkpoint", "a", 1)
+    assert "request a: model.close() raised as its state moved to the host" in caplog.text
+    r.paused = False
+    step_once(producer)
+    table.stopping = True
+    producer.run()
+    # One close of the moved state, one of the state restored from its checkpoint.
+    assert model.of("restore") == ["a"] and model.of("close") == ["a", "a"]
+    assert [t.data.tolist() for t in copier.submitted] == [[1.0, 1.0], [2.0, 2.0]]
+
+
 # -- the thread's life ---------------------------------------------------------------
 
 
@@ -739,6 +766,31 @@ def test_a_model_error_outside_any_request_propagates_and_still_closes_the_state
     assert model.of("close") == ["a"]
 
 
+def test_a_post_that_raises_as_the_producer_dies_masks_nothing_and_every_state_is_still_closed(caplog) -> None:
+    stamps = [1.0]
+
+    def clock() -> float:
+        if not stamps:
+            raise RuntimeError("the clock broke")  # as the second batch is stamped, before any post
+        return stamps.pop()
+
+    def post(tickets: list[CopyTicket]) -> None:
+        raise RuntimeError("the loop is closed")
+
+    class Breaking(Counting):
+        def load(self, device: torch.device) -> None:
+            table.clock = clock
+            copier.post = post  # type: ignore[method-assign]
+
+    producer, table, copier, model = setup(Breaking())
+    add(table, "a"), add(table, "b")
+    with caplog.at_level(logging.ERROR, logger="omni_stream.engine"):
+        with pytest.raises(RuntimeError, match="the clock broke"):
+            producer.run()
+    assert model.of("close") == ["a", "b"] and table.live == {}
+    assert "its last frames could not be posted either" in caplog.text and "the loop is closed" in caplog.text
+
+
 # -- whole-request models -------------------------------------------------------------
 
 
@@ -824,3 +876,36 @@ def test_a_pool_closed_under_a_whole_run_stops_the_producer_and_fails_no_request
     with pytest.raises(PoolClosedError):
         step_once(producer)
     assert r.status is Status.RUNNING and copier.posted == [] and producer._unposted == []
+
+
+def test_a_whole_run_marked_paused_goes_on_rather_than_fail_with_a_timeout_blaming_its_reader() -> None:
+    # A whole run cannot stop between steps: Engine.pause refuses it (test_pause.py). One
+    # marked paused anyway used to park the producer (and every other request) until the
+    # step bound ran out, then fail with "the reader took no frame".
+    class PausedAfterOne(WholeCounting):
+        def run(self, state: State, emit: om.Emit) -> None:
+            emit(torch.full((2,), 1.0))
+            with table.cond:
+                r.paused = True
+            emit(torch.full((2,), 2.0))
+            emit(torch.full((2,), 3.0))
+
+    producer, table, copier, _ = setup(PausedAfterOne(), max_run_ahead=8)
+    r = add(table, "a", total=3, timeout=0.05, params={"steps": 3})
+    step_once(producer)
+    assert copier.frames() == [("a", 1, "frame"), ("a", 2, "frame"), ("a", 3, "frame")]
+    assert r.status is Status.RUNNING
+
+
+def test_a_whole_runs_wait_for_its_reader_is_bounded_on_the_tables_clock() -> None:
+    # Every step bound is measured on RequestTable.clock (the reader's wait included); the
+    # producer's side measured on time.monotonic would disagree with it under a clock that
+    # is not the machine's (here: one that runs 100 s a reading, so 30 s have passed at once).
+    producer, table, copier, _ = setup(WholeCounting(), max_run_ahead=8, queue_size=1)
+    ticks = itertools.count(step=100.0)
+    table.clock = lambda: next(ticks)
+    r = add(table, "a", total=3, timeout=30.0, params={"steps": 3})
+    running = thread(lambda: step_once(producer))
+    running.join(5)
+    assert not running.is_alive()
+    assert copier.frames() == [("a", 1, "frame"), ("a", 2, "StepTimeoutError")] and r.status is Status.FAILED

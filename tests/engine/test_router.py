@@ -173,3 +173,35 @@ def test_names_and_options_are_checked() -> None:
         ModelRouter({"a": Synthetic()}, max_loaded=0)
     with pytest.raises(om.ParamsError):
         ModelRouter({"a": object()})  # type: ignore[dict-item]
+
+
+@pytest.mark.asyncio
+async def test_pause_reaches_the_engine_of_the_requests_model_and_is_refused_where_it_cannot_stop() -> None:
+    # Issue #34: a from_generator model cannot snapshot; its requests are never paused.
+    gate = threading.Event()
+
+    class Held(Counted):
+        def step(self, states: Any) -> list[torch.Tensor]:
+            if any(s.step >= 1 for s in states):
+                gate.wait(10)
+            return super().step(states)
+
+    def loop(params: Any) -> Any:
+        for i in range(1, 4):
+            if i == 2:
+                gate.wait(10)
+            yield torch.full((2,), float(i))
+
+    models = {"snap": Held("snap"), "loop": om.from_generator(loop, total=3, name="loop")}
+    async with ModelRouter(models, device="cpu") as router:
+        snap = router.stream(P, model="snap", request_id="s")
+        looping = router.stream({}, model="loop", request_id="l")
+        assert (await snap.__anext__()).step == 1 and (await looping.__anext__()).step == 1
+        assert router.pause_refusal("s") is None and router.pause("s", to_host=True)
+        assert not router.pause("l")
+        assert "request l cannot be paused: model loop cannot snapshot" in (router.pause_refusal("l") or "")
+        gate.set()
+        assert [f.step async for f in looping] == [2, 3]
+        assert router.resume("s") and not router.resume("s")
+        assert [f.step async for f in snap] == [2, 3]
+        assert router.pause_refusal("s") is None and not router.pause("nobody")

@@ -233,3 +233,51 @@ def test_slow_posts_neither_use_up_the_descriptors_nor_hold_memory_past_the_boun
         for sock in slow + big:
             sock.close()
         assert peak <= bound * 1.1, peak / MIB
+
+
+def test_clients_refused_while_they_send_cannot_hold_the_descriptors_by_lingering() -> None:
+    # The lingering close (server/http11.py) reads and drops what a client refused mid-body
+    # still sends, while it keeps sending (LINGER_IDLE_S of silence ends it; LINGER_S in
+    # all). 300 such clients that kept sending would linger all at once: every descriptor
+    # of a server limited to 256. At most LINGER_MAX of them linger now; the others are
+    # closed at once.
+    from omni_stream.server.http11 import LINGER_MAX
+
+    with serve(nofile=256) as server:
+        warm(server)
+        fds = f"/proc/{server.proc.pid}/fd"
+        idle = len(os.listdir(fds))
+        head = b"POST /v1/generations HTTP/1.1\r\nHost: 127.0.0.1\r\nTransfer-Encoding: chunked\r\n\r\n"
+        piece = b"1\r\n \r\n" * 256
+        sending: list[socket.socket] = []
+        for _ in range(300):
+            with contextlib.suppress(OSError):
+                sock = server.raw()
+                sock.sendall(head + piece * 8)  # refused (413) for its framing after ~1.2 KiB
+                sending.append(sock)
+        peak = 0
+
+        def answered(sock: socket.socket) -> bool:
+            with contextlib.suppress(OSError):
+                return sock.recv(12, socket.MSG_PEEK | socket.MSG_DONTWAIT).startswith(b"HTTP/1.1 413")
+            return False
+
+        # Every client goes on sending, as one that has not read its answer yet does, until
+        # the server has answered each (a reset drops it): the descriptors' peak meanwhile.
+        for _ in range(100):
+            for sock in list(sending):
+                try:
+                    sock.send(piece, socket.MSG_DONTWAIT)
+                except BlockingIOError:
+                    pass
+                except OSError:  # closed by the server: reset
+                    sending.remove(sock)
+                    sock.close()
+            peak = max(peak, len(os.listdir(fds)) - idle)
+            if all(answered(sock) for sock in sending):
+                break
+            time.sleep(0.1)
+        for sock in sending:
+            sock.close()
+        assert peak <= LINGER_MAX + 16, peak
+        assert server.health() == 200

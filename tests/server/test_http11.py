@@ -201,7 +201,7 @@ async def test_a_refusal_at_its_head_reaches_a_slow_client_of_a_small_body() -> 
     # is read, with Connection: close (503: one connection too many), wrote
     # on after the server had closed at once, and got a reset instead of the
     # answer (the HTTP fuzz's http_slow, under load). Now a small declared
-    # body lingers, with pauses of up to LINGER_SMALL_IDLE_S.
+    # body lingers, with pauses of up to LINGER_IDLE_S.
     async with running(max_connections=1) as server:
         held_reader, held = await open_raw(server)
         held.write(b"POST /v1/generations HTTP/1.1\r\nHost: 127.0.0.1\r\nContent-Length: 200\r\n\r\n{")
@@ -225,3 +225,82 @@ async def test_a_refusal_at_its_head_reaches_a_slow_client_of_a_small_body() -> 
         assert (status, json.loads(answer)["error"]) == (503, "too_many_connections")
         assert headers["connection"] == "close"
         held.transport.abort()
+
+
+CHUNKED_HEAD = (
+    b"POST /v1/generations HTTP/1.1\r\nHost: 127.0.0.1\r\nContent-Type: application/json\r\n"
+    b"Transfer-Encoding: chunked\r\n\r\n"
+)
+#: 1-byte chunks: refused (413) for their framing after about 1.2 KiB of wire.
+ONE_BYTE_CHUNKS = b"1\r\n \r\n" * (2 << 10)
+
+
+@pytest.mark.asyncio
+async def test_a_client_that_pauses_while_sending_a_refused_body_still_reads_its_answer() -> None:
+    # Issue #34: the HTTP fuzz's chunked POST, beside two CPU hogs, got BrokenPipeError: its
+    # refused body's lingering close ended after 0.1 s of silence, and the client (starved,
+    # or on a slow link) wrote its next piece to a closed socket and was reset. Pauses well
+    # under LINGER_IDLE_S (Apache's 2 s) now keep it lingering until the body is in.
+    async with running() as server:
+        reader, writer = await open_raw(server)
+        with anyio.fail_after(30):
+            writer.write(CHUNKED_HEAD + ONE_BYTE_CHUNKS)
+            await writer.drain()
+            for _ in range(3):
+                await asyncio.sleep(0.5)  # the refusal came meanwhile: a slow or starved client
+                writer.write(ONE_BYTE_CHUNKS)
+                await writer.drain()  # (a reset here: ConnectionResetError or BrokenPipeError)
+            writer.write(b"0\r\n\r\n")
+            await writer.drain()
+            reply = await reader.read()
+        writer.close()
+    status, headers, body = parse(reply)
+    assert (status, json.loads(body)["error"], headers["connection"]) == (413, "limit_exceeded", "close")
+
+
+@pytest.mark.asyncio
+async def test_refused_connections_linger_a_bounded_number_at_once_and_give_their_place_back(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    # The lingering close must not let a flood of refused clients hold descriptors: past
+    # LINGER_MAX lingering connections a refused one is closed at once. (Its time bounds out
+    # of the way: the lingering ones end when their clients close, whatever the machine's load.)
+    monkeypatch.setattr(http11, "LINGER_IDLE_S", 600.0)
+    monkeypatch.setattr(http11, "LINGER_S", 600.0)
+    async with running() as server:
+        assert server._http is not None
+        slots = server._http.config.http_protocol_class.linger_slots
+        assert (slots.limit, slots.held) == (http11.LINGER_MAX, 0)
+        slots.limit = 2
+        clients = []
+        for n in range(4):
+            reader, writer = await open_raw(server)
+            writer.write(CHUNKED_HEAD + ONE_BYTE_CHUNKS)
+            await writer.drain()
+            with anyio.fail_after(30):
+                reply = await reader.read()  # its answer, then the server's FIN (lingering or closed)
+            assert parse(reply)[0] == 413
+            clients.append(writer)
+            await wait_for(lambda: slots.held == min(n + 1, 2), what="the lingering connections")
+        # The third and fourth were closed at once: what they send now is answered with a reset.
+        for writer in clients[2:]:
+            with pytest.raises(ConnectionError), anyio.fail_after(30):
+                while True:
+                    writer.write(ONE_BYTE_CHUNKS)
+                    await writer.drain()
+                    await asyncio.sleep(0.02)
+        assert slots.held == 2
+        for writer in clients:
+            writer.close()
+        await wait_for(lambda: slots.held == 0, what="every lingering connection to end")
+
+
+def test_each_server_counts_its_own_lingering_connections() -> None:
+    made = http11.h11_protocol(max_body_bytes=123, body_timeout_s=4.5, max_lingering=5)
+    other = http11.h11_protocol(max_body_bytes=123, body_timeout_s=4.5)
+    assert made.linger_slots is not other.linger_slots
+    assert (made.linger_slots.limit, other.linger_slots.limit) == (5, http11.LINGER_MAX)
+    slots = http11.LingerSlots(1)
+    assert slots.take() and not slots.take() and slots.held == 1
+    slots.give()
+    assert slots.take()

@@ -2,16 +2,19 @@
 
 from __future__ import annotations
 
+import threading
 from typing import Any
 
 import httpx
 import pytest
+import torch
 from websockets.asyncio.client import connect
 
+import omni_stream as om
 from omni_stream import client as omc
 from omni_stream.models import Synthetic
 
-from .conftest import Slow, recv, running, send, until_end, wait_for
+from .conftest import Slow, recv, running, send, until, until_end, wait_for
 
 P: dict[str, Any] = {"steps": 12, "shape": [3, 8, 8], "work": 0, "seed": 4}
 
@@ -67,3 +70,67 @@ async def test_the_python_client_pauses_and_sees_it() -> None:
             await client.resume("c")
             rest = [item async for item in stream]
     assert rest and getattr(rest[-1], "final", False)
+
+
+class WholeRun(om.StepModel):
+    """A library-style loop in one call (callback mode), its second step held at a gate."""
+
+    name = "whole_run"
+    runs_whole_requests = True
+    params = (om.Param("steps", "int", 4, minimum=1),)
+
+    def __init__(self, gate: threading.Event) -> None:
+        self.gate = gate
+
+    def total_steps(self, params: Any) -> int:
+        return int(params["steps"])
+
+    def start(self, params: Any, device: torch.device) -> Any:
+        return dict(params)
+
+    def step(self, states: Any) -> list[torch.Tensor]:
+        raise AssertionError("a whole-request model is never stepped")
+
+    def run(self, state: Any, emit: om.Emit) -> None:
+        for i in range(1, state["steps"] + 1):
+            if i == 2:
+                self.gate.wait(10)
+            emit(torch.zeros(3, 8, 8))
+
+
+def held_loop(gate: threading.Event) -> om.GeneratorModel:
+    def loop(params: Any) -> Any:
+        for i in range(1, 5):
+            if i == 2:
+                gate.wait(10)
+            yield torch.zeros(3, 8, 8)
+
+    return om.from_generator(loop, total=4, name="loop")
+
+
+@pytest.mark.asyncio
+@pytest.mark.parametrize(("make", "why"), [(held_loop, "model loop cannot snapshot its state"),
+                                           (WholeRun, "model whole_run runs each request in one call")])
+async def test_a_request_whose_model_cannot_stop_between_steps_is_refused_over_both_doors_saying_why(
+    make: Any, why: str
+) -> None:
+    # Issue #34: such a pause was accepted ("paused" to the watchers); a whole-request one then
+    # failed with a StepTimeoutError blaming its reader once its step bound ran out.
+    gate = threading.Event()
+    async with running(make(gate)) as server:
+        async with connect(server.url) as ws, httpx.AsyncClient(base_url=server.http_url, timeout=30) as http:
+            await send(ws, type="generate", id="g", params={"steps": 4} if make is WholeRun else {}, detach=True)
+            await until(ws, lambda m: m.get("id") == "g" and m["type"] == "progress")  # step 2 waits
+            await send(ws, type="pause", id="g", to_host=True)
+            refused = await until(ws, lambda m: m["type"] == "error")
+            over_http = await http.post("/v1/generations/g/pause")
+            status = (await http.get("/v1/generations/g")).json()
+            gate.set()
+            msgs = await until_end(ws, "g")
+    assert (refused["code"], refused["id"]) == ("bad_message", "g")
+    assert refused["message"].startswith(f"request g cannot be paused: {why}")
+    assert over_http.status_code == 400 and over_http.json()["error"] == "bad_message"
+    assert over_http.json()["message"].startswith(f"request g cannot be paused: {why}")
+    assert status["status"] == "running"
+    kinds = [m["type"] for m in msgs]
+    assert "paused" not in kinds and kinds[-1] == "done"
