@@ -22,8 +22,8 @@
     │   └── EngineClosedError        also LifecycleError: the engine was shut down (or never
     │                                started, or is started twice)
     ├── ServerFailedError            a task of the server failed, so it shut down; __cause__ is why
-    ├── UnsupportedBackendError (RuntimeError)  used under an async library it does not run on:
-    │                            the client and the server need asyncio (trio is refused)
+    ├── UnsupportedBackendError (RuntimeError)  used outside an asyncio (uvloop included) or
+    │                            trio loop, or served under trio without hypercorn installed
     ├── CheckpointError (ValueError)  a request's state cannot be saved or restored: the model
     │                            cannot snapshot it, or a checkpoint is torn, tampered with, of
     │                            an unknown format or for another model
@@ -290,11 +290,12 @@ class ServerFailedError(OmniStreamError):
 
 
 class UnsupportedBackendError(OmniStreamError, RuntimeError):
-    """Used under an async library it does not run on (``omni_stream._backend``).
+    """Used outside the async libraries it runs on (``omni_stream._backend``).
 
-    The engine runs on anyio's asyncio (uvloop included) and trio backends;
-    the client (websockets' asyncio client) and the server (uvicorn) on
-    asyncio only. A RuntimeError, as what they raised there before.
+    The engine, the client and the server run on anyio's asyncio (uvloop
+    included) and trio backends; the server under trio on hypercorn (the
+    ``trio`` extra), and this error when it is not installed. A
+    RuntimeError, as what they raised there before.
     """
 
 

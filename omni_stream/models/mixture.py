@@ -31,6 +31,13 @@ builds the default size's, which stays. Mixture is an
 building peak of a bank not cached yet, ``cache_bytes`` and ``trim_cache``
 the banks requests left behind.
 
+Several images a request (``num_images``, OpenAI's ``n``): each image is a
+row of its own, with its own noise stream (:func:`_image_seed`), the first
+the stream a request for one image draws; so image 0 of ``n`` is bit for
+bit the picture the same request for one makes, and each image's frames
+are the same in any batch. Frames hold them along a leading dimension
+(``Frame.image_count``).
+
 Snapshot and restore: a request's state is its ``x_t``, its previous x0
 prediction (dpmpp_2m) and its step index; everything else (the bank, the
 prompt's weights, the schedule, every later step's noise) follows from its
@@ -52,7 +59,7 @@ from ..checkpoint import Checkpoint, plain_params
 from ..device.heap import trim_heap
 from ..errors import CheckpointError, ParamsError
 from ..model import StepModel
-from ..params import Param, positive_int, seed_param
+from ..params import MAX_IMAGES, Param, images_param, positive_int, seed_param
 from . import images, samplers
 
 __all__ = ["Mixture"]
@@ -104,6 +111,9 @@ DEFAULT_SIZE = 256
 #: are rebuilt. The server trims further (``trim_cache``) when its budget is over.
 CACHE_SIZES = 4
 CACHE_BYTES = 256 << 20
+#: ``num_images``' bound unless ``max_images`` says otherwise (the diffusers
+#: adapters' too): each image is a row of every step's products.
+DEFAULT_MAX_IMAGES = 4
 
 assert images.LEVELS == 2**_LEVEL_BITS
 # The mixture-mean bound: |r| sums to at most 1 + 2 * MAX_GUIDANCE, each
@@ -342,6 +352,21 @@ def _noise(seed: int, step: int, dims: int) -> torch.Tensor:
     return torch.randn(dims, generator=gen, dtype=torch.float32)
 
 
+#: Keeps the image streams apart from the step streams _mix64 makes of a seed.
+_IMAGE_STREAMS = 0x6A09E667F3BCC909
+
+
+def _image_seed(seed: int, image: int) -> int:
+    """The noise stream of a request's ``image``-th image: the request's own seed for the first
+    (so it is the picture a request for one image makes), a splitmix64 of both for the others.
+
+    Not one draw of ``[n, dims]`` values: torch's CPU normals are made 16 at
+    a time, and a size not a multiple of 16 redraws its last ones, so the
+    first image of such a draw would not be the one-image picture.
+    """
+    return seed if image == 0 else _mix64(seed ^ _IMAGE_STREAMS, image)
+
+
 def _mixture_mean(rq: torch.Tensor, bank: _Bank, *, shortcuts: bool) -> torch.Tensor:
     """``sum_k r_k mu_k`` as float32 [B, D], for ``rq = round(r * 2**R_BITS)`` [B, K].
 
@@ -386,7 +411,6 @@ def _weighted_sum(rq: torch.Tensor, bank: _Bank, used: torch.Tensor | None) -> t
 @dataclass
 class _State:
     params: Mapping[str, Any]  # checked: what a snapshot writes down
-    seed: int
     sampler: str
     eta: float
     guidance: float
@@ -395,9 +419,16 @@ class _State:
     bank: _Bank
     log_all: torch.Tensor  # float64 [K]: 0 for COMPONENTS (the unconditional model), -inf for variants
     log_w: torch.Tensor  # float64 [K]: 0 for the prompt's components, -inf elsewhere
-    x: torch.Tensor  # float32 [D]: the VP state x_t
-    x0_prev: torch.Tensor | None = None  # the previous x0 prediction (dpmpp_2m)
+    #: float32: the VP state x_t, [D] for one image (what a snapshot of one
+    #: always held), [n, D] for n (num_images).
+    x: torch.Tensor
+    seeds: tuple[int, ...]  # each image's noise stream (_image_seed)
+    x0_prev: torch.Tensor | None = None  # the previous x0 prediction (dpmpp_2m), shaped as x
     step: int = 0  # steps completed
+
+    @property
+    def images(self) -> int:
+        return len(self.seeds)
 
 
 class Mixture(StepModel):
@@ -406,10 +437,15 @@ class Mixture(StepModel):
     name = "mixture"
     #: The CLI and the server preview frames with the plain RGB decoder.
     preview_decoder = "rgb"
-    params = (
+    #: 2: the schedule of issue #34. A state saved at step k of the older
+    #: schedule sits at another noise level than step k of this one, and
+    #: would go on into a picture neither makes.
+    snapshot_format = 2
+    params: tuple[Param, ...] = (
         Param("prompt", "str", "", "words naming images, e.g. 'red circle', 'stripes'; "
               "empty for all of them", max_len=200),
         seed_param(),
+        images_param(DEFAULT_MAX_IMAGES),
         Param("steps", "int", 30, "sampling steps (frames)", minimum=1, maximum=10_000),
         Param("size", "int", DEFAULT_SIZE, "image width and height in pixels", minimum=32, maximum=2048),
         Param("sampler", "str", "ddim", "ddim, euler_a (Euler ancestral) or dpmpp_2m",
@@ -424,21 +460,35 @@ class Mixture(StepModel):
 
     def __init__(
         self, *, max_batch_size: int = 64, cache_sizes: int = CACHE_SIZES,
-        cache_bytes: int = CACHE_BYTES,
+        cache_bytes: int = CACHE_BYTES, max_images: int = DEFAULT_MAX_IMAGES,
     ) -> None:
-        """``cache_sizes`` and ``cache_bytes`` bound the image banks requests built and left (LRU).
+        """``cache_sizes`` and ``cache_bytes`` bound the image banks requests built and left (LRU);
+        ``max_images`` the images one request may ask for (``num_images``, 1 to 64).
 
         One size takes 12 bytes per image value up to 512 pixels (the images
         in float32 and float64: 68 MiB at 256, 270 MiB at 512), 4 above it
         (220 MiB at 800); a size with a plain picture (a colour-and-shape
         prompt) caches its 32 variants beside them (140 MiB at 256). The
         bank ``load`` builds for the default size stays outside the bounds.
-        Raises ParamsError for a bound below 1 (ValueError for ``cache_bytes`` below 0).
+        Raises ParamsError for a bound below 1 or ``max_images`` above 64
+        (ValueError for ``cache_bytes`` below 0).
         """
         positive_int(max_batch_size, "max_batch_size")
         self.max_batch_size = max_batch_size
         self._banks = _BankCache(cache_sizes, cache_bytes)
         self._device: torch.device | None = None  # load's: where the banks are built
+        if max_images != DEFAULT_MAX_IMAGES:
+            self.set_max_images(max_images)
+
+    def set_max_images(self, max_images: int) -> None:
+        """Let a request ask for up to ``max_images`` images (``num_images``), before the engine
+        starts (``--max-images``). Raises ParamsError for a count below 1 or above 64."""
+        positive_int(max_images, "max_images")
+        if max_images > MAX_IMAGES:
+            raise ParamsError(
+                f"max_images must be at most {MAX_IMAGES}, got {max_images}", field="max_images"
+            )
+        self.params = tuple(images_param(max_images) if p.name == "num_images" else p for p in self.params)
 
     def validate(self, params: Mapping[str, Any] | None) -> dict[str, Any]:
         """Check params (see :data:`params`); raises ParamsError naming the field."""
@@ -539,10 +589,11 @@ class Mixture(StepModel):
         sampler = params["sampler"]
         eta = params["eta"]
         seed = int(params["seed"])
-        x = _noise(seed, 0, bank.dims)  # the VP state at sigma_max is (almost) N(0, I)
+        seeds = tuple(_image_seed(seed, i) for i in range(int(params.get("num_images", 1))))
+        # The VP state at sigma_max is (almost) N(0, I); one image's is [D], as its snapshots hold.
+        x = torch.stack([_noise(s, 0, bank.dims) for s in seeds])
         return _State(
             params=params,
-            seed=seed,
             sampler=sampler,
             eta=samplers.default_eta(sampler) if eta is None else float(eta),
             guidance=float(params["guidance"]),
@@ -551,11 +602,13 @@ class Mixture(StepModel):
             bank=bank,
             log_all=log_all.to(device),
             log_w=log_w.to(device),
-            x=x.to(device),
+            x=(x[0] if len(seeds) == 1 else x).to(device),
+            seeds=seeds,
         )
 
     def step(self, states: Sequence[_State]) -> list[torch.Tensor]:
-        """Advance every state one step; return each one's x0 prediction [3, S, S]."""
+        """Advance every state one step; return each one's x0 prediction: [3, S, S], or
+        [n, 3, S, S] for a request of n images."""
         if not states:
             return []
         bank = states[0].bank
@@ -564,10 +617,19 @@ class Mixture(StepModel):
                 raise ValueError("Mixture.step: states of different sizes or pictures cannot share a step")
             if s.step >= len(s.sigmas) - 1:
                 raise ValueError(f"Mixture.step: request already finished its {s.step} steps")
-        group = max(1, CHUNK_VALUES // bank.dims)
+        # Groups of at most this many image rows (a request's images stay together).
+        most = max(1, CHUNK_VALUES // bank.dims)
+        groups: list[list[_State]] = [[]]
+        rows = 0
+        for s in states:
+            if groups[-1] and rows + s.images > most:
+                groups.append([])
+                rows = 0
+            groups[-1].append(s)
+            rows += s.images
         results: list[tuple[torch.Tensor, torch.Tensor, torch.Tensor]] = []
-        for lo in range(0, len(states), group):
-            results.extend(self._advance(states[lo:lo + group], bank))
+        for group in groups:
+            results.extend(self._advance(group, bank))
         # Commit only once every group has computed: a raising step leaves
         # every state as it was.
         frames = []
@@ -576,22 +638,31 @@ class Mixture(StepModel):
             s.x = x_next
             s.x0_prev = x0
             s.step += 1
-            frames.append(frame.view(3, side, side))
+            frames.append(frame.view(3, side, side) if s.images == 1 else frame.view(s.images, 3, side, side))
         return frames
 
     def _advance(
         self, states: Sequence[_State], bank: _Bank
     ) -> list[tuple[torch.Tensor, torch.Tensor, torch.Tensor]]:
-        """Compute (x_next, x0, frame) per state without touching the states."""
+        """Compute (x_next, x0, frame) per state without touching the states.
+
+        Each image of each state is one row; every operation is per row or an
+        exact sum, so a row's values do not depend on the others in the call.
+        """
         device = bank.mu.device
+        dims = bank.dims
         scale_dot = 2.0 ** -(bank.x_bits + _LEVEL_BITS)
         scale_norm = 2.0 ** -(2 * _LEVEL_BITS)
-        rows = []
+        per_state = []
         for s in states:
             post = samplers.posterior(s.sigmas[s.step], s.spread)
             upd = samplers.update(s.sampler, s.sigmas, s.step, s.eta)
-            rows.append((post.dot * scale_dot, post.norm * scale_norm, s.guidance,
-                         post.c_x, post.c_mu, upd.cx, upd.c0, upd.cp, upd.cn))
+            per_state.append((post.dot * scale_dot, post.norm * scale_norm, s.guidance,
+                              post.c_x, post.c_mu, upd.cx, upd.c0, upd.cp, upd.cn))
+        counts = [s.images for s in states]
+        bounds = [sum(counts[:i]) for i in range(len(states) + 1)]  # state i's rows: bounds[i]:bounds[i + 1]
+        total = bounds[-1]
+        rows = [row for row, n in zip(per_state, counts, strict=True) for _ in range(n)]
         c64 = torch.tensor(rows, dtype=torch.float64).to(device)
         c32 = c64[:, 3:].to(torch.float32)
         dot, norm, guide = c64[:, 0:1], c64[:, 1:2], c64[:, 2:3]
@@ -599,18 +670,18 @@ class Mixture(StepModel):
 
         # In-place ops below work on this step's own temporaries only; a
         # state's tensors are never written (a raising step changes nothing).
-        x = torch.stack([s.x for s in states])  # [B, D] float32
+        x = torch.cat([s.x.view(-1, dims) for s in states])  # [R, D] float32, a fresh tensor
         # <x, mu_k>, exactly: x on a 2^-q grid, images on a 2^-7 grid, float64 integer sums.
         lim = 2.0 ** X_RANGE_BITS
         xq = x.clamp(-lim, lim).mul_(2.0 ** bank.x_bits).round_().to(torch.float64)
-        dots = _dots(xq, bank)  # [B, K]
+        dots = _dots(xq, bank)  # [R, K]
         del xq
         logits = dots.mul_(dot).sub_(bank.norms * norm)
-        log_all = torch.stack([s.log_all for s in states])
-        log_w = torch.stack([s.log_w for s in states])
+        log_all = torch.stack([s.log_all for s, n in zip(states, counts, strict=True) for _ in range(n)])
+        log_w = torch.stack([s.log_w for s, n in zip(states, counts, strict=True) for _ in range(n)])
         # Softmax subtracts each row's max: the log-sum-exp form, stable for any logits.
         weights = torch.softmax(torch.cat([logits + log_all, logits + log_w]), dim=-1)
-        r_all, r_prompt = weights[: len(states)], weights[len(states):]
+        r_all, r_prompt = weights[:total], weights[total:]
         # Guidance mixes the two posteriors' means; the mean is linear in r.
         rq = (r_all + guide * (r_prompt - r_all)).mul_(2.0 ** R_BITS).round_()
         # E[x0 | x_t] (guided) = c_mu * mu_bar + c_x * x.
@@ -623,18 +694,29 @@ class Mixture(StepModel):
         # -0.0: c0 >= 0, and x0 is never -0.0 because mu_bar is not (the
         # images hold no -0.0, and a zero sum with a positive weight is +0.0).
         x_next = x.mul_(cx).add_(x0 * c0)
-        if any(row[7] != 0.0 for row in rows):
-            prev = torch.stack([x0[i] if s.x0_prev is None else s.x0_prev for i, s in enumerate(states)])
+        if any(row[7] != 0.0 for row in per_state):
+            prev = torch.cat([
+                x0[bounds[i]:bounds[i + 1]] if s.x0_prev is None else s.x0_prev.view(-1, dims)
+                for i, s in enumerate(states)
+            ])
             x_next.add_(prev.mul_(cp))
             del prev
-        if any(row[8] != 0.0 for row in rows):
-            z = torch.zeros(len(states), bank.dims, dtype=torch.float32)
+        if any(row[8] != 0.0 for row in per_state):
+            z = torch.zeros(total, dims, dtype=torch.float32)
             for i, s in enumerate(states):
-                if rows[i][8] != 0.0:
-                    z[i] = _noise(s.seed, s.step + 1, bank.dims)
+                if per_state[i][8] != 0.0:
+                    for j, seed in enumerate(s.seeds):
+                        z[bounds[i] + j] = _noise(seed, s.step + 1, dims)
             x_next.add_(z.to(device).mul_(cn))
             del z
-        return list(zip(x_next.unbind(0), x0.unbind(0), frames.unbind(0), strict=True))
+        out = []
+        for i, s in enumerate(states):
+            lo, hi = bounds[i], bounds[i + 1]
+            if s.images == 1:  # [D], as the state of one image has always been
+                out.append((x_next[lo], x0[lo], frames[lo]))
+            else:
+                out.append((x_next[lo:hi], x0[lo:hi], frames[lo:hi]))
+        return out
 
     # -- snapshot and restore (omni_stream.model) --------------------------------
 

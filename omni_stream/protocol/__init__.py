@@ -9,10 +9,12 @@ fields, its wire form and its parser:
     formats.py          format -> MIME type (the one table), the formats' signatures
     codec.py            JSON text: one serializer (dumps), the server's reading of a
                         client (MessageError), the client's reading of the server (ProtocolError)
-    client_messages.py  Generate, Cancel, Attach: built by the client (ParamsError),
-                        parsed by the server (MessageError with the ``error`` code)
-    server_messages.py  Accepted, Progress, Done, Cancelled, ErrorMessage: built by the
-                        server, parsed by the client (ProtocolError)
+    client_messages.py  Generate, Cancel, Pause, Resume, Attach: built by the client
+                        (ParamsError), parsed by the server (MessageError with the
+                        ``error`` code)
+    server_messages.py  Accepted, Loading, Progress, Paused, Resumed, Restarted, Done,
+                        Cancelled, ErrorMessage: built by the server, parsed by the
+                        client (ProtocolError)
     frames.py           the binary preview frame: PreviewHeader, PreviewFrame, one pack,
                         one strict parse, and the server's cheap unpack of its own frames
     messages.py         the server's functions over those: accepted() ... error() -> dict

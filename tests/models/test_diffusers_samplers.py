@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import copy
 import inspect
+import sys
 from typing import Any
 
 import pytest
@@ -125,6 +126,63 @@ def test_a_sampler_needing_a_missing_package_is_not_offered(monkeypatch: pytest.
     assert "lms" not in model.sampler_names and "euler" in model.sampler_names
 
 
+@pytest.fixture
+def no_scipy(monkeypatch: pytest.MonkeyPatch) -> None:
+    """scipy unimportable, as on a fresh machine: ``import scipy`` raises ImportError."""
+    monkeypatch.setitem(sys.modules, "scipy", None)
+
+
+def assert_names_what_installs_it(error: om.ParamsError, sampler: str, package: str, command: str) -> None:
+    assert error.field == "sampler"
+    assert f"{sampler!r} needs {package}, which is not installed here" in error.message, error.message
+    assert f"{command} installs it" in error.message, error.message
+
+
+# A fresh clone's `pip install -e ".[...,diffusers]"` had no scipy, and a request for lms got the
+# choices list without lms in it (a 422 that never said why; issue #34).
+@pytest.mark.parametrize("name", ["lms", "lms_karras"])
+def test_a_sampler_whose_package_is_missing_is_refused_naming_the_package_and_the_extra(
+    no_scipy: None, name: str
+) -> None:
+    model = Diffusers(pndm_pipe(), encode_prompt=sd.fixed_embeddings)
+    assert name not in model.sampler_names
+    with pytest.raises(om.ParamsError) as info:
+        model.validate({"prompt": "a cat", "sampler": name})
+    assert_names_what_installs_it(info.value, name, "scipy", 'pip install "omni-stream[diffusers]"')
+    with pytest.raises(om.ParamsError) as unknown:  # a name no table has still gets the list
+        model.validate({"sampler": "dpm_fast"})
+    assert "needs" not in unknown.value.message and "euler_a" in unknown.value.message
+
+
+def test_a_package_no_extra_declares_is_named_with_its_own_install(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setitem(sys.modules, "torchsde", None)
+    model = Diffusers(pndm_pipe(), encode_prompt=sd.fixed_embeddings)
+    with pytest.raises(om.ParamsError) as info:
+        model.validate({"sampler": "dpmpp_sde_karras"})
+    assert_names_what_installs_it(info.value, "dpmpp_sde_karras", "torchsde", "pip install torchsde")
+
+
+@pytest.mark.asyncio
+async def test_lms_without_scipy_is_refused_over_the_engine_and_the_http_door(no_scipy: None) -> None:
+    import httpx
+
+    from ..conftest import one_torch_thread, running
+
+    model = Diffusers(pndm_pipe(), encode_prompt=sd.fixed_embeddings)
+    raw = {"prompt": "a cat", "steps": 2, "height": 16, "width": 16, "sampler": "lms"}
+    async with om.Engine(model, device="cpu") as engine:
+        with pytest.raises(om.ParamsError) as info:
+            await engine.generate(raw)
+    assert_names_what_installs_it(info.value, "lms", "scipy", 'pip install "omni-stream[diffusers]"')
+    with one_torch_thread():
+        async with running(model) as server, httpx.AsyncClient(base_url=server.http_url, timeout=60) as http:
+            refused = await http.post("/v1/generations", json={"params": raw})
+    assert refused.status_code == 422
+    body = refused.json()
+    assert (body["error"], body["field"]) == ("bad_params", "sampler")
+    assert "'lms' needs scipy" in body["message"] and "omni-stream[diffusers]" in body["message"], body
+
+
 # -- SD3 and Flux (flow matching) -------------------------------------------------------
 
 
@@ -213,3 +271,13 @@ def test_a_request_counted_while_another_runs_its_sampler_is_counted_with_its_ow
     model.close(state)
     assert seen == [idle] == [10]
     assert state.total == 19  # the Heun request's own count
+
+
+def test_a_callback_mode_request_for_a_sampler_whose_package_is_missing_names_it(
+    text_encoder: Any, no_scipy: None
+) -> None:
+    model = Diffusers(cb.img2img_pipe(text_encoder), mode="callback")
+    assert "lms" not in model.sampler_names and "euler" in model.sampler_names
+    with pytest.raises(om.ParamsError) as info:
+        model.validate(dict(cb.IMG2IMG, image=cb.data_url(cb.picture()), sampler="lms"))
+    assert_names_what_installs_it(info.value, "lms", "scipy", 'pip install "omni-stream[diffusers]"')

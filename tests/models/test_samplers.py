@@ -30,6 +30,44 @@ def test_sigma_max_grows_with_the_image() -> None:
     assert samplers.sigma_max(4 * 3 * 64 * 64) == pytest.approx(2 * samplers.sigma_max(3 * 64 * 64))
 
 
+@pytest.mark.parametrize("steps", [1, 2, 3, 5, 8, 12, 30, 100])
+@pytest.mark.parametrize("size", [32, 256, 2048])
+def test_schedule_falls_from_sigma_max_to_sigma_min_then_zero(steps: int, size: int) -> None:
+    dims = 3 * size * size
+    sig = samplers.schedule(steps, dims)
+    assert len(sig) == steps + 1 and sig[0] == samplers.sigma_max(dims) and sig[-1] == 0.0
+    assert all(a > b for a, b in itertools.pairwise(sig))
+    if steps > 1:
+        # The detail's one step (below 10 steps) ends at DETAIL: the image is the chosen
+        # images' mean there, with none of their spread drawn.
+        last = samplers.SIGMA_MIN if steps >= 10 else samplers.DETAIL
+        assert sig[-2] == pytest.approx(last)
+
+
+@pytest.mark.parametrize("size", [32, 256, 1024])
+def test_schedule_spends_two_thirds_of_the_readmes_steps_before_every_seed_chooses(size: int) -> None:
+    # At every size the same steps fall in each part (issue #34: 21 of 30 above
+    # 0.15 sqrt(dims), where no seed had chosen, then the disc in two frames).
+    root = math.sqrt(3 * size * size)
+    sig = samplers.schedule(30, 3 * size * size)
+    placing = [s for s in sig if s >= samplers.PLACED * root * 0.999]
+    choosing = [s for s in sig if samplers.DECIDED * root <= s < samplers.PLACED * root * 0.999]
+    detail = [s for s in sig if 0 < s <= samplers.DETAIL]
+    assert (len(placing), len(choosing), len(detail)) == (19, 7, 4)
+    ratios = [a / b for a, b in itertools.pairwise(placing + choosing)]
+    assert max(ratios) < 1.3  # no step decides much more than its neighbours
+
+
+def test_dpmpp_2m_takes_a_step_much_longer_than_the_one_before_at_first_order() -> None:
+    # Its line through the last two predictions ran h / (2 h_last) = 10 of their
+    # difference past the newer, into a blend of two images.
+    sig = [10.0, 9.0, 1.0, 0.5, 0.0]
+    jump = update("dpmpp_2m", sig, 1, 0.0)  # h = log 9 after h_last = log(10 / 9)
+    assert jump == update("dpmpp_2m", [9.0, 1.0, 0.0], 0, 0.0)  # the first-order step
+    after = update("dpmpp_2m", sig, 2, 0.0)  # h = log 2 after log 9: second order
+    assert after.cp != 0.0
+
+
 @pytest.mark.parametrize("sigma, spread", [(0.01, 0.05), (1.0, 0.0), (3.0, 0.3), (500.0, 1.0)])
 def test_posterior_coefficients(sigma: float, spread: float) -> None:
     p = posterior(sigma, spread)

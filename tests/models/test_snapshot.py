@@ -96,10 +96,11 @@ def test_synthetic_resumes_bit_for_bit() -> None:
     check_resume(Synthetic, dict(steps=6, shape=[2, 8, 8], work=2, seed=3))
 
 
-@pytest.mark.parametrize("sampler", ["ddim", "euler_a", "dpmpp_2m"])
-def test_mixture_resumes_bit_for_bit(sampler: str) -> None:
+@pytest.mark.parametrize("sampler, images", [("ddim", 1), ("euler_a", 1), ("dpmpp_2m", 1), ("euler_a", 3),
+                                             ("dpmpp_2m", 2)])
+def test_mixture_resumes_bit_for_bit(sampler: str, images: int) -> None:
     check_resume(lambda: Mixture(cache_sizes=2), dict(prompt="red circle", steps=6, size=32, seed=4,
-                                                      sampler=sampler))
+                                                      sampler=sampler, num_images=images))
 
 
 def test_a_restored_request_batched_with_another_gives_its_solo_frames() -> None:

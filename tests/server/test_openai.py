@@ -101,6 +101,45 @@ async def test_a_streamed_generation_sends_partial_images_then_completed() -> No
     assert [pixels(base64.b64decode(e.b64_json)) for e in two[2:]] == expected_two
 
 
+@pytest.mark.asyncio
+async def test_n_images_from_the_embedded_default_model() -> None:
+    # OpenAI's own sample asks for n; the default model answered 400 "makes one image a
+    # request" (issue #34). Each image is the model's, the first the one-image picture.
+    from omni_stream.models import Mixture
+    from omni_stream.preview.decode import decode_rgb
+
+    def final(**raw: Any) -> torch.Tensor:
+        """The request's last frame, straight through the model."""
+        model = Mixture()
+        params = model.validate({"prompt": "red circle", "size": 64, "steps": 6, "seed": 3, **raw})
+        state = model.start(params, torch.device("cpu"))
+        for _ in range(model.total_steps(params)):
+            frame = model.step([state])[0]
+        return frame
+
+    with one_torch_thread():
+        two_finals, one_final = final(num_images=2), final()
+        async with running(Mixture()) as server:
+            client = client_for(server)
+            two = await client.images.generate(prompt="red circle", n=2, size="64x64",
+                                               extra_body={"steps": 6, "seed": 3})
+            stream = await client.images.generate(prompt="red circle", n=2, size="64x64", stream=True,
+                                                  partial_images=1, extra_body={"steps": 6, "seed": 3})
+            events = [event async for event in stream]
+            with pytest.raises(openai.BadRequestError) as over:
+                await client.images.generate(prompt="red circle", n=5)  # over the model's num_images (4)
+    expected = [decode_rgb(image).tobytes() for image in two_finals]
+    assert [pixels(base64.b64decode(d.b64_json)) for d in two.data] == expected
+    assert expected[0] == decode_rgb(one_final).tobytes() and expected[0] != expected[1]
+    assert two.size == "64x64"
+    assert [(e.type, e.model_extra["image_index"]) for e in events] == [
+        ("image_generation.partial_image", 0), ("image_generation.partial_image", 1),
+        ("image_generation.completed", 0), ("image_generation.completed", 1),
+    ]
+    assert [pixels(base64.b64decode(e.b64_json)) for e in events[2:]] == expected
+    assert over.value.status_code == 400 and "num_images" in over.value.body["message"], over.value.body
+
+
 @pytest.fixture(scope="module")
 def text_encoder(tmp_path_factory: pytest.TempPathFactory) -> Any:
     return cb.make_text_encoder(tmp_path_factory.mktemp("clip"))

@@ -203,6 +203,7 @@ class CallbackDiffusers(Diffusers):
         self._max_image_bytes = max_image_bytes
         self._image_paths = bool(image_paths)
         self._template = getattr(pipe, "scheduler", None)
+        self._sampler_table: tuple[samplers.Sampler, ...] = ()
         self._samplers = self._offer_samplers()
         #: (the scheduler run() put on the pipeline for a request's sampler, the pipeline's own).
         self._lent: tuple[Any, Any] | None = None
@@ -269,6 +270,7 @@ class CallbackDiffusers(Diffusers):
             return True
 
         table = samplers.FLOW if flow else samplers.NOISE
+        self._sampler_table = table  # validate's refusal of a sampler whose package is missing
         return {s.name: s for s in samplers.offered(table, works)}
 
     # -- declarations and checks (event loop) --------------------------------
@@ -354,6 +356,8 @@ class CallbackDiffusers(Diffusers):
             params = dict(params)
             images = {name: params.pop(name, None) for name in self.image_params}
         params, loras = split_loras(params)
+        if "sampler" in self._args:
+            samplers.check_installed(params, self._sampler_table, model=self.name)
         out = super().validate(params)
         out["loras"] = check_loras(loras, self.lora_names, model=self.name)
         if "size" in self._args:

@@ -20,16 +20,20 @@ into another sampler.
 from __future__ import annotations
 
 import copy
+import importlib
 import inspect
 import json
 import threading
 from collections import OrderedDict
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Final
 
+from ...errors import ParamsError
+
 __all__ = [
-    "DEFAULT", "FLOW", "NOISE", "UNCAPTURED_NOISE", "Sampler", "build", "offered", "sampler_names",
+    "DEFAULT", "EXTRAS", "FLOW", "NOISE", "UNCAPTURED_NOISE", "Sampler", "build", "check_installed",
+    "missing_packages", "offered", "sampler_names",
 ]
 
 #: The pipeline's own scheduler, as it was loaded (its class and config unchanged).
@@ -96,24 +100,63 @@ FLOW: Final[tuple[Sampler, ...]] = (
 #: seed, and keeps it; its answers depend on the tree's cached queries.
 UNCAPTURED_NOISE: Final = frozenset({"DPMSolverSDEScheduler"})
 
+#: The extra of pyproject.toml that installs a package a sampler needs; a
+#: package no extra declares (torchsde: dpmpp_sde alone needs it) is
+#: installed by its own name. tests/test_extras.py checks this against
+#: pyproject.toml, so the error below never names an extra that lacks it.
+EXTRAS: Final = {"scipy": "diffusers"}
+
 
 def sampler_names(table: Sequence[Sampler]) -> tuple[str, ...]:
     return tuple(s.name for s in table)
 
 
-def scheduler_class(sampler: Sampler) -> Any:
-    """The diffusers class of ``sampler``, or None where this diffusers or an extra lacks it."""
-    import importlib
-
-    import diffusers
-
+def missing_packages(sampler: Sampler) -> tuple[str, ...]:
+    """The packages ``sampler`` needs that this Python cannot import."""
+    lacking = []
     for package in sampler.needs:
         try:
             importlib.import_module(package)
         except ImportError:
-            return None
+            lacking.append(package)
+    return tuple(lacking)
+
+
+def scheduler_class(sampler: Sampler) -> Any:
+    """The diffusers class of ``sampler``, or None where this diffusers or a package it needs lacks it."""
+    import diffusers
+
+    if missing_packages(sampler):
+        return None
     cls = getattr(diffusers, sampler.scheduler, None)
     return cls if isinstance(cls, type) else None
+
+
+def check_installed(params: Mapping[str, Any] | None, table: Sequence[Sampler], *, model: str) -> None:
+    """Refuse a request whose ``sampler`` is an entry of ``table`` left unoffered for want of a package.
+
+    Without this the request got the ``choices`` error, a list of names
+    that leaves out the one asked for and never says why. Raises
+    ParamsError (field ``sampler``) naming the sampler, the missing
+    packages and the command that installs them; returns for anything else
+    (an offered sampler, an unknown name: the param check answers those).
+    """
+    name = params.get("sampler") if isinstance(params, Mapping) else None
+    entry = next((s for s in table if s.name == name), None)
+    lacking = missing_packages(entry) if entry is not None else ()
+    if not lacking:
+        return
+    extras = sorted({EXTRAS[p] for p in lacking if p in EXTRAS})
+    alone = [p for p in lacking if p not in EXTRAS]
+    commands = [f'pip install "omni-stream[{",".join(extras)}]"'] if extras else []
+    if alone:
+        commands.append(f"pip install {' '.join(alone)}")
+    raise ParamsError(
+        f"{model} param 'sampler': {name!r} needs {' and '.join(lacking)}, which "
+        f"{'is' if len(lacking) == 1 else 'are'} not installed here; {' and '.join(commands)} installs "
+        f"{'it' if len(lacking) == 1 else 'them'}",
+        field="sampler",
+    )
 
 
 # Built schedulers, never set: a request gets a deep copy. Some classes
