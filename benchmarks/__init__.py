@@ -20,6 +20,7 @@ runs it; ``docs/performance.md`` explains each figure. The figures, by name:
 ``scheduling``  short requests among long ones under round-robin, fcfs and preemptive scheduling
 ``server_scheduling``  the same through a real server whose places long renders hold: the gate's preemption
 ``openai_door``  POST /v1/images/generations against POST /v1/generations, the same image; streamed partials
+``step_shapes``  the GPU's step shapes on the simulated GPU: engine against a bare loop and the hand-written peer
 """
 
 from __future__ import annotations
@@ -48,4 +49,5 @@ FIGURES: dict[str, str] = {
     "checkpoints": "benchmarks.checkpoints",
     "crash": "benchmarks.crash",
     "server_scheduling": "benchmarks.server_scheduling",
+    "step_shapes": "benchmarks.step_shapes",
 }

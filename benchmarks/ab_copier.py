@@ -86,9 +86,16 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--rounds", type=int, default=3)
     ap.add_argument("--reps", type=int, default=1, help="repetitions inside each round")
     ap.add_argument("--rows", nargs="*", default=[])
+    ap.add_argument("--waits", action="store_true", help="count the copier's waits a frame instead (copier_waits)")
     args = ap.parse_args(argv)
     with tempfile.TemporaryDirectory() as tmp:
         trees = {"before": build_before(args.before, Path(tmp)), "after": ROOT}
+        if args.waits:
+            for name, tree in trees.items():
+                print(f"== {name}", flush=True)
+                subprocess.run([sys.executable, "-m", "benchmarks.copier_waits", *(["--rows", *args.rows] if args.rows
+                               else [])], cwd=tree, check=True, env={**os.environ, "PYTHONPATH": str(tree)})
+            return 0
         results: dict[str, list[dict[str, dict]]] = {"before": [], "after": []}
         for i in range(args.rounds):
             order = ["before", "after"] if i % 2 == 0 else ["after", "before"]

@@ -38,7 +38,11 @@ engine/bare 1.110, 1.004, 1.106, 1.069; GB/s 0.054 of the link):
 On the simulator a step's device time is ``after_step`` (the compute stream
 sleeps) and its host time tiny torch ops as many as take the H200 row's
 launch time here (~20 us a kernel); the copy is a host memcpy on the copy
-stream's thread, so the copy rows measure this machine's memory, not PCIe.
+stream's thread, so the copy rows measure this machine's memory, not PCIe,
+and the simulator's own stream threads take the GIL a few times a step, as
+no GPU does. ``--device cpu`` runs the host ops alone on the CPU device (no
+device time, no copy rows): what the engine's own threads cost a
+Python-bound producer, without the simulator's.
 """
 
 from __future__ import annotations
@@ -121,7 +125,7 @@ def _op_seconds() -> float:
 
 
 class ShapeStep(om.StepModel):
-    """A step of ``row``'s shape on ``kind`` ("cuda" or "sim").
+    """A step of ``row``'s shape on ``kind`` ("cuda", "sim", or "cpu": the sim's host ops alone).
 
     Copy-bound rows write step ``i``'s frame as the byte ``i % 251`` (a cheap kernel), so
     every frame can be checked; the others return a fresh latent derived from the step's
@@ -134,7 +138,7 @@ class ShapeStep(om.StepModel):
 
     def __init__(self, row: Row, kind: str) -> None:
         self.row, self.kind = row, kind
-        self._ops = round(row.launch_s / _op_seconds()) if kind == "sim" and row.launch_s else 0
+        self._ops = round(row.launch_s / _op_seconds()) if kind != "cuda" and row.launch_s else 0
         self._w: torch.Tensor | None = None
 
     def total_steps(self, params: Mapping[str, Any]) -> int:
@@ -165,7 +169,7 @@ class ShapeStep(om.StepModel):
     def run_step(self, s: Any) -> torch.Tensor:
         s["i"] += 1
         row = self.row
-        if self.kind == "sim":
+        if self.kind != "cuda":
             t = s["t"]
             for _ in range(self._ops):
                 t.add_(1.0)
@@ -191,13 +195,15 @@ class ShapeStep(om.StepModel):
 
 
 def _new_device(row: Row, kind: str) -> om.device.Device:
-    return SimDevice(compute_s=row.device_s) if kind == "sim" else om.device.resolve_device("cuda")
+    if kind == "sim":
+        return SimDevice(compute_s=row.device_s)
+    return om.device.resolve_device(kind)
 
 
 def _synchronize(kind: str) -> None:
     if kind == "cuda":
         torch.cuda.synchronize()
-    else:
+    elif kind == "sim":
         simcuda.synchronize()
 
 
@@ -299,8 +305,8 @@ async def peer(row: Row, kind: str, steps: int) -> float:
             for _ in range(steps):
                 out = model.run_step(state)
                 device.after_step()
-                if kind == "sim":
-                    simcuda.current_stream().synchronize()  # .cpu(): the host waits for the step...
+                if kind != "cuda":
+                    _synchronize(kind)  # .cpu(): the host waits for the step...
                     host = out.clone()  # ...then copies into a fresh tensor
                 else:
                     host = out.cpu()
@@ -377,7 +383,8 @@ async def run(ctx: Context, rows: tuple[Row, ...] = ROWS, kind: str = "sim") -> 
 
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--device", choices=("cuda", "sim"), default="cuda" if torch.cuda.is_available() else "sim")
+    ap.add_argument("--device", choices=("cuda", "sim", "cpu"),
+                    default="cuda" if torch.cuda.is_available() else "sim")
     ap.add_argument("--rows", nargs="*", choices=[r.name for r in ROWS])
     ap.add_argument("--reps", type=int, default=5)
     ap.add_argument("--quick", action="store_true", help="few steps: checks it runs, measures little")
@@ -386,7 +393,8 @@ def main(argv: list[str] | None = None) -> int:
     if args.device == "cuda" and not torch.cuda.is_available():
         print("no CUDA device: use --device sim", file=sys.stderr)
         return 2
-    rows = tuple(r for r in ROWS if not args.rows or r.name in args.rows)
+    rows = tuple(r for r in ROWS if (not args.rows or r.name in args.rows)
+                 and not (args.device == "cpu" and r.copy_bound))
 
     async def all_rows() -> list[dict]:
         out = []

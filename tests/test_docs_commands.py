@@ -36,8 +36,6 @@ the CLI's parser, and so has README.md's synopsis (its ``text`` block).
 
 **Substitutions**: :data:`SUBSTITUTIONS` below, the one table of them.
 
-docs/performance.md is not read yet: its commands sit in unlabelled blocks,
-and it is another change's to label (issue 34's report).
 """
 
 from __future__ import annotations
@@ -70,10 +68,7 @@ from omni_stream import cli
 ROOT = Path(__file__).resolve().parents[1]
 DOCS = [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md"))]
 #: Docs not read yet, and why: each is a change of its own to bring in.
-NOT_READ = {
-    "docs/performance.md": "not this change's to edit: its commands sit in unlabelled blocks, to be "
-    "labelled, and marked where they run for minutes",
-}
+NOT_READ: dict[str, str] = {}
 
 #: What the docs name that cannot run here, what runs in its place, and why.
 #: Applied in this order to the text of every command that runs; ``{name}``
