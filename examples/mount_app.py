@@ -55,8 +55,10 @@ def main() -> None:
     parser.add_argument("--port", type=int, default=8000)
     parser.add_argument("--token", default=None)
     args = parser.parse_args()
+    # proxy_headers=False: uvicorn would otherwise take any loopback peer's
+    # X-Forwarded-For as the client's address, and each address is a principal.
     uvicorn.run(build(args.model, args.device, args.token), host="127.0.0.1", port=args.port,
-                ws=LingeringWSProtocol)
+                ws=LingeringWSProtocol, proxy_headers=False)
 
 
 if __name__ == "__main__":

@@ -20,6 +20,13 @@ principal, whichever door the client came through:
 Without (3), every HTTP call was its own client and the per-client rules
 never applied to it: one HTTP client filled every place of the server
 (issue #19, finding 5).
+
+The peer's address is the socket's, as the HTTP server gives it: the
+server must not rewrite it from headers itself. uvicorn did, by default
+(``proxy_headers``), for any loopback peer, so a client behind an SSH
+tunnel or a sidecar named itself anew in each call and every
+per-principal bound was bypassed (issue #39, attack 5); ``Server`` turns
+it off, and hypercorn never does it.
 """
 
 from __future__ import annotations

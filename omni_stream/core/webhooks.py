@@ -9,14 +9,26 @@ This module decides everything about it that needs no socket:
   the server call into its own network (SSRF), so the default refuses all.
 - :meth:`WebhookConfig.check`: admission of one request's webhook
   (MessageError ``bad_params``, field ``webhook``, carrying the request id).
+  A URL is matched in the one form it is sent in (:func:`sent_form`,
+  ``core/webhook_urls.py``): one
+  that is not already in that form is refused, so the string matched is
+  the string sent (issue #39, attack 8: ``/hooks/tenant-a/../tenant-b``
+  matched ``/hooks/tenant-a/*`` and httpx then sent ``/hooks/tenant-b``).
 - :class:`WebhookState`: a request's webhook as its record holds it; it
   turns the request's progress and its end into :class:`Delivery` objects
   (the JSON payload, its ``webhook-id``), at most one ``progress`` per
   ``progress_every_s``, and keeps the view ``GET /v1/generations/{id}``
   shows (the latest progress delivery and the terminal one: two at most).
-- :class:`WebhookBook`: how many requests with a webhook the server holds
+- :class:`WebhookBook` (``core/webhook_deliveries.py``): how many requests with a webhook the server holds
   (running, or their terminal delivery not yet settled), so that terminal
-  deliveries, which are never dropped, are bounded by admission instead.
+  deliveries, which are never dropped, are bounded by admission instead;
+  each principal holds at most its share, so that one tenant's receivers
+  that never answer cannot fill it for the others.
+- :class:`DeliveryQueue` (``core/webhook_deliveries.py``): which delivery takes the next send slot: round
+  robin across principals, the last free slot kept for a principal with
+  none in flight; and :meth:`WebhookConfig.try_timeout_s` /
+  :meth:`WebhookConfig.retry_due`: a delivery's tries together take at most
+  ``max_delivery_s`` of a receiver's time.
 - :func:`backoff_s`: the wait before each retry.
 
 The sending (httpx, signing with ``standardwebhooks``, retries on a clock)
@@ -34,29 +46,42 @@ import uuid
 from collections.abc import Callable, Mapping, Sequence
 from datetime import datetime, timezone
 from typing import TYPE_CHECKING, Any, Final
-from urllib.parse import urlsplit
 
 from ..config import (
     WEBHOOK_ALLOW_ENV,
     WEBHOOK_SECRET_ENV,
+    env_float,
+    env_int,
     webhook_allow as env_webhook_allow,
     webhook_secret as env_webhook_secret,
 )
 from ..errors import MessageError, ParamsError
 from ..protocol.client_messages import DEFAULT_WEBHOOK_EVENTS
+from .webhook_deliveries import LIMITS_ENV, Delivery, DeliveryQueue, WebhookBook
+from .webhook_urls import (
+    check_pattern as _check_pattern,
+    clip as _clip,
+    matches as _matches,
+    sent_form,
+    url_problem,
+)
 
 if TYPE_CHECKING:
     from .records import RequestRecord
 
 __all__ = [
     "EVENT_OF_OUTCOME",
+    "LIMITS_ENV",
     "Delivery",
+    "DeliveryQueue",
     "WebhookBook",
     "WebhookConfig",
     "WebhookState",
     "backoff_s",
     "new_secret",
     "resolve_webhooks",
+    "sent_form",
+    "url_problem",
 ]
 
 #: A request's terminal message type -> the webhook event it is.
@@ -73,6 +98,7 @@ _SECRET_BYTES: Final = (24, 64)
 _NEW_SECRET_BYTES: Final = 32
 
 _WHERE_ALLOW = f"webhook_allow (--webhook-allow, {WEBHOOK_ALLOW_ENV})"
+
 
 
 def new_secret() -> str:
@@ -109,25 +135,33 @@ class WebhookConfig:
     #: At most one progress delivery per request this often.
     progress_every_s: float = 5.0
     #: Requests with a webhook held at once (running, or their terminal delivery unsettled);
-    #: past it a generate with a webhook gets ``busy``.
+    #: past it, or past its principal's share of it (WebhookBook), a generate with a webhook
+    #: gets ``busy``.
     max_held: int = 1024
-    #: Progress deliveries waiting to be sent; past it the oldest is dropped.
+    #: Progress deliveries waiting to be sent; past it the oldest of the principal with the
+    #: most waiting is dropped.
     max_progress_pending: int = 256
-    #: Deliveries in flight at once.
+    #: Deliveries in flight at once, shared across principals (DeliveryQueue).
     concurrency: int = 8
     #: Seconds to connect, per read or write, and for a whole try.
     connect_timeout_s: float = 5.0
     io_timeout_s: float = 10.0
     attempt_timeout_s: float = 30.0
+    #: Seconds of a receiver's time one delivery may take, its tries together: a receiver
+    #: that never answers holds a send slot this long per delivery, not attempts x tries.
+    max_delivery_s: float = 60.0
 
     def check(self, webhook: Mapping[str, Any], *, request_id: str) -> None:
         """Admit ``webhook`` (a ``generate``'s, its shape already parsed) or raise MessageError.
 
         ``bad_params`` (field ``webhook``) for a URL that is not http(s), has
-        credentials, spaces or control characters, no host, or matches none
-        of the patterns (which are not echoed: they may name private hosts).
+        credentials, spaces or control characters, no host, is not in the
+        form it is sent in (:func:`sent_form`), or matches none of the
+        patterns (which are not echoed: they may name private hosts).
         """
         url = str(webhook.get("url", ""))
+        # url_problem refuses a URL not in the form it is sent in: the string
+        # matched here is the one the sender sends (sent_form).
         problem = url_problem(url)
         if problem is None and not any(_matches(pattern, url) for pattern in self.allow):
             problem = "is not one this server may call (it matches none of its webhook_allow patterns)"
@@ -136,53 +170,24 @@ class WebhookConfig:
                 "bad_params", f"webhook URL {_clip(url)!r} {problem}", field="webhook", request_id=request_id
             )
 
+    def try_timeout_s(self, delivery: Delivery) -> float:
+        """The bound on ``delivery``'s next try: ``attempt_timeout_s``, or what is left of
+        its ``max_delivery_s``."""
+        return max(0.0, min(self.attempt_timeout_s, self.max_delivery_s - delivery.spent_s))
 
-def url_problem(url: str) -> str | None:
-    """Why ``url`` may not be a webhook's whatever the allow-list says; None when it may."""
-    if any(c.isspace() or ord(c) < 0x20 or ord(c) == 0x7F or c == "\\" for c in url):
-        return "has spaces, backslashes or control characters"
-    try:
-        parts = urlsplit(url)
-        port = parts.port  # a malformed port raises here
-    except ValueError as exc:
-        return f"is not a URL ({exc})"
-    del port
-    if parts.scheme not in ("http", "https"):
-        return "is not an http:// or https:// URL"
-    if "@" in parts.netloc or parts.username is not None or parts.password is not None:
-        # user:pass@host would be sent as Basic credentials: never a client's to choose.
-        return "carries credentials (user@host); put secrets in the path, or verify the signature"
-    if not parts.hostname:
-        return "has no host"
-    return None
+    def retry_due(self, delivery: Delivery, now: float) -> float | None:
+        """When ``delivery``, whose try just failed, is tried again; None: give it up (its
+        tries are spent, or the receiver has had its ``max_delivery_s``)."""
+        if delivery.attempts >= delivery.max_attempts or self.try_timeout_s(delivery) <= 0:
+            return None
+        return now + backoff_s(delivery.attempts, first_s=self.first_retry_s, max_s=self.max_retry_s)
 
-
-def _matches(pattern: str, url: str) -> bool:
-    # A prefix glob: '*' (last, after the host's '/') matches the rest; else the whole URL.
-    if pattern.endswith("*"):
-        return url.startswith(pattern[:-1])
-    return url == pattern
-
-
-def _check_pattern(pattern: str, where: str) -> str:
-    """``pattern`` if it is a valid allow-list entry; raises ParamsError (field ``webhook_allow``)."""
-    text = pattern.strip()
-    head = text[:-1] if text.endswith("*") else text
-    why: str | None = None
-    if "*" in head:
-        why = "'*' may only end a pattern (it matches the rest of the URL)"
-    elif (problem := url_problem(head)) is not None:
-        why = f"the URL {problem}"
-    else:
-        parts = urlsplit(head)
-        if text.endswith("*") and not parts.path.startswith("/"):
-            # https://hooks.example.com* would also match https://hooks.example.com.evil.net/.
-            why = "end the host with '/' before '*' (https://hooks.example.com/*)"
-        elif parts.netloc != parts.netloc.lower() or not head.startswith(parts.scheme.lower()):
-            why = "write the scheme and host in lowercase (URLs are compared as sent)"
-    if why is not None:
-        raise ParamsError(f"{where}: {text!r} is not a webhook URL pattern: {why}", field="webhook_allow")
-    return text
+    def given_up(self, delivery: Delivery, error: str) -> str:
+        """``last_error`` for a delivery given up after ``error``: it says when the cap was why."""
+        if delivery.attempts < delivery.max_attempts:
+            cap = f"{self.max_delivery_s:g} s"
+            return f"{error} (the receiver had the {cap} a delivery may take: max_delivery_s)"
+        return error
 
 
 def _check_secret(secret: str, where: str) -> str:
@@ -213,7 +218,8 @@ def resolve_webhooks(
     secret: str | None = None, allow: str | Sequence[str] | None = None
 ) -> WebhookConfig | None:
     """The server's webhook settings: ``allow`` (patterns), else ``OMNI_STREAM_WEBHOOK_ALLOW``
-    (commas or spaces); ``secret``, else ``OMNI_STREAM_WEBHOOK_SECRET``, else a new one.
+    (commas or spaces); ``secret``, else ``OMNI_STREAM_WEBHOOK_SECRET``, else a new one; the
+    limits of :data:`LIMITS_ENV` from their variables, else the defaults.
 
     None when no pattern is given: the server sends no webhooks and refuses
     every request that asks for one. Raises ParamsError naming the option
@@ -242,94 +248,29 @@ def resolve_webhooks(
     checked = _check_secret(given, where_secret) if given else None
     if not patterns:
         return None
+    limits = _limits_from_env()
     if checked is None:
-        return WebhookConfig(secret=new_secret(), allow=tuple(patterns), generated_secret=True)
-    return WebhookConfig(secret=checked, allow=tuple(patterns))
+        return WebhookConfig(secret=new_secret(), allow=tuple(patterns), generated_secret=True, **limits)
+    return WebhookConfig(secret=checked, allow=tuple(patterns), **limits)
 
 
-class WebhookBook:
-    """Requests with a webhook the server holds: running, or their terminal delivery unsettled.
-
-    Terminal deliveries are never dropped, so this is what bounds them: a
-    request is counted from admission (:meth:`hold`) until its terminal
-    delivery is delivered, given up or dropped at shutdown (:meth:`release`).
-    """
-
-    def __init__(self, capacity: int) -> None:
-        self.capacity = capacity
-        self.held = 0
-
-    def has_room(self) -> bool:
-        return self.held < self.capacity
-
-    def hold(self) -> None:
-        self.held += 1
-
-    def release(self) -> None:
-        self.held = max(0, self.held - 1)
-
-
-@dataclasses.dataclass(eq=False)
-class Delivery:
-    """One webhook message: its payload, signed and sent by the server's sender, and how that went.
-
-    ``status``: ``pending`` (waiting, or between tries), ``sending``,
-    ``delivered`` (a 2xx), ``failed`` (every try failed), ``dropped`` (a
-    full queue dropped a progress delivery, or the server shut down first).
-    """
-
-    request_id: str
-    event: str
-    url: str
-    #: The JSON body, exactly as signed and sent on every try.
-    body: bytes
-    #: The Standard Webhooks ``webhook-id``: the same on every try, so a receiver can de-duplicate.
-    webhook_id: str
-    max_attempts: int
-    attempts: int = 0
-    status: str = "pending"
-    last_error: str | None = None
-    #: The HTTP status of the last answer (None before one, or when none came).
-    response_status: int | None = None
-    #: Called once when it settles (delivered, failed, dropped).
-    on_settled: Callable[[Delivery], None] | None = None
-
-    @property
-    def terminal(self) -> bool:
-        return self.event != "progress"
-
-    @property
-    def settled(self) -> bool:
-        return self.status in ("delivered", "failed", "dropped")
-
-    def settle(self, status: str, error: str | None = None) -> None:
-        """End it as ``status`` (delivered, failed, dropped); the first settlement stands."""
-        if self.settled:
-            return
-        self.status = status
-        if error is not None:
-            self.last_error = error
-        callback, self.on_settled = self.on_settled, None
-        if callback is not None:
-            callback(self)
-
-    def view(self) -> dict[str, Any]:
-        """What the request's status shows of it."""
-        return {
-            "event": self.event,
-            "webhook_id": self.webhook_id,
-            "attempts": self.attempts,
-            "status": self.status,
-            "response_status": self.response_status,
-            "last_error": self.last_error,
-        }
+def _limits_from_env() -> dict[str, Any]:
+    """WebhookConfig's limits from LIMITS_ENV's variables, the default where one is unset (or
+    malformed: it warns once, naming the variable)."""
+    defaults = WebhookConfig(secret="", allow=())
+    out: dict[str, Any] = {}
+    for name, (env, kind) in LIMITS_ENV.items():
+        default = getattr(defaults, name)
+        out[name] = env_int(env, default, minimum=1) if kind is int else env_float(env, default)
+    return out
 
 
 class WebhookState:
     """A request's webhook, as its record holds it (see the module docstring).
 
     ``emit`` hands a new delivery to the sender (synchronous, never waits);
-    ``book`` counts the request until its terminal delivery settles.
+    ``book`` counts the request, under ``principal`` (its Principal.key),
+    until its terminal delivery settles.
     ``clock`` paces progress deliveries; ``wall`` stamps payloads.
     """
 
@@ -341,10 +282,13 @@ class WebhookState:
         config: WebhookConfig,
         emit: Callable[[Delivery], None],
         book: WebhookBook,
+        principal: str,
         clock: Callable[[], float] = time.monotonic,
         wall: Callable[[], float] = time.time,
     ) -> None:
         self.request_id = request_id
+        #: Whose request it is (Principal.key): the book's share and the send slots are per principal.
+        self.principal = principal
         self.url = str(webhook["url"])
         self.events: tuple[str, ...] = tuple(webhook.get("events") or DEFAULT_WEBHOOK_EVENTS)
         self._config = config
@@ -363,12 +307,12 @@ class WebhookState:
         """The request was registered: count it in the book until its terminal delivery settles."""
         if not self._held:
             self._held = True
-            self._book.hold()
+            self._book.hold(self.principal)
 
     def _release(self, _: Delivery | None = None) -> None:
         if self._held:
             self._held = False
-            self._book.release()
+            self._book.release(self.principal)
 
     def progressed(self, step: int, total: int, eta_s: float | None) -> None:
         """The request made step ``step``: a ``progress`` delivery if asked for and due."""
@@ -423,14 +367,10 @@ class WebhookState:
         body = json.dumps(payload, separators=(",", ":"), allow_nan=False).encode()
         return Delivery(
             request_id=self.request_id, event=event, url=self.url, body=body,
-            webhook_id=f"msg_{uuid.uuid4().hex}", max_attempts=max_attempts,
+            webhook_id=f"msg_{uuid.uuid4().hex}", max_attempts=max_attempts, principal=self.principal,
         )
 
     def view(self) -> dict[str, Any]:
         """``GET /v1/generations/{id}``'s ``webhook``: the URL, the events, the deliveries so far."""
         deliveries = [d.view() for d in (self._progress, self._terminal) if d is not None]
         return {"url": self.url, "events": list(self.events), "deliveries": deliveries}
-
-
-def _clip(text: str, limit: int = 80) -> str:
-    return text if len(text) <= limit else text[:limit] + "..."

@@ -19,7 +19,11 @@ no hypercorn equivalent. Under hypercorn its own settings take their place:
   does not matter; exposed directly, prefer asyncio (uvicorn);
 * a websocket message is bounded by ``max_message_bytes``
   (``websocket_max_message_size``), as uvicorn's ``ws_max_size``;
-* a graceful stop gives connections ``close_timeout_s`` (``graceful_timeout``).
+* a graceful stop gives connections ``close_timeout_s`` (``graceful_timeout``);
+* the peer address is the socket's: hypercorn reads ``X-Forwarded-For``
+  only through its ``ProxyFixMiddleware``, which is never applied, as
+  uvicorn's ``proxy_headers`` is turned off (``app.py``): a forwarded
+  address counts only from a ``--trusted-proxy`` (core/principal.py).
 
 The app's request bodies stay bounded by the app itself (``bodies.py``),
 and a send to a client that stopped reading by :class:`~.http11.BoundedSend`

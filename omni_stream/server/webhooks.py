@@ -14,29 +14,35 @@ try's), ``webhook-signature`` (``v1,`` + HMAC-SHA256 of
 
 Who waits on whom: nothing waits on a receiver but its own delivery's
 task. The engine and the requests never wait on a webhook; the event loop
-only ever queues one. Memory is bounded: terminal deliveries by admission
-(core/webhooks.WebhookBook: at most ``max_held`` requests with a webhook),
-progress deliveries by a queue of ``max_progress_pending`` that drops its
-oldest when full (a newer progress of the same request replaces an
-unsent one anyway); a receiver's answer is never read past its status.
-Redirects are not followed (a 3xx is a failed try): the allow-list names
-where the server may call, not where a receiver may send it.
+only ever queues one. Send slots are shared across principals
+(core/webhooks.DeliveryQueue: round robin, the last free slot kept for a
+principal with none in flight), and a receiver's time per delivery is
+capped (``max_delivery_s``, its tries together), so one tenant's receivers
+that never answer do not hold up another's. Memory is bounded: terminal
+deliveries by admission (core/webhooks.WebhookBook: at most ``max_held``
+requests with a webhook, each principal its share), progress deliveries
+by a queue of ``max_progress_pending`` that drops the oldest of the
+principal with the most waiting when full (a newer progress of the same
+request replaces an unsent one anyway); a receiver's answer is never read
+past its status. Redirects are not followed (a 3xx is a failed try): the
+allow-list names where the server may call, not where a receiver may send
+it. The URL sent is the one the allow-list matched, byte for byte: a URL
+httpx would send in another form is not sent (the core admits only URLs
+in their sent form; this is the check that the two agree).
 
 Retries: a terminal delivery that fails (a network error, a timeout, any
 answer but 2xx) is tried again after ``backoff_s`` (1, 2, 4, 8 s by
-default), ``max_attempts`` tries in all; a progress delivery is tried once
-(the next one, or the terminal one, says more). At shutdown, what is still
-pending gets a short grace (:meth:`WebhookSender.drain`), then is dropped
-with one log line.
+default), ``max_attempts`` tries in all, while it has some of its
+``max_delivery_s`` left; a progress delivery is tried once (the next one,
+or the terminal one, says more). At shutdown, what is still pending gets a
+short grace (:meth:`WebhookSender.drain`), then is dropped with one log
+line.
 """
 
 from __future__ import annotations
 
-import heapq
-import itertools
 import logging
 import time
-from collections import deque
 from collections.abc import Callable
 from datetime import datetime, timezone
 from typing import Final
@@ -47,7 +53,7 @@ import httpx
 from standardwebhooks import Webhook
 
 from .. import __version__
-from ..core.webhooks import Delivery, WebhookConfig, backoff_s
+from ..core.webhooks import Delivery, DeliveryQueue, WebhookConfig
 
 __all__ = ["WebhookSender"]
 
@@ -77,14 +83,10 @@ class WebhookSender:
         self._signer = Webhook(config.secret)
         self._transport = transport
         self._clock = clock
-        #: Terminal deliveries ready to try (bounded by the WebhookBook at admission).
-        self._ready: deque[Delivery] = deque()
-        #: Progress deliveries ready to try; the oldest goes when full.
-        self._progress: deque[Delivery] = deque()
-        #: Deliveries waiting for their next try: (due, order, delivery).
-        self._retries: list[tuple[float, int, Delivery]] = []
-        self._order = itertools.count()
-        self._in_flight = 0
+        #: Who waits for a send slot, and who goes next (core/webhooks.py).
+        self._queue = DeliveryQueue(
+            concurrency=config.concurrency, max_progress_pending=config.max_progress_pending
+        )
         self._wakeup = anyio.Event()
         self._idle = anyio.Event()
         self._idle.set()
@@ -103,19 +105,16 @@ class WebhookSender:
         if self._closed:
             self._drop(delivery, "the server is shutting down")
             return
-        if delivery.terminal:
-            self._ready.append(delivery)
-        else:
-            if len(self._progress) >= self.config.max_progress_pending:
-                self._drop(self._progress.popleft(), "the progress queue was full (max_progress_pending)")
-            self._progress.append(delivery)
+        pushed_out = self._queue.put(delivery)
+        if pushed_out is not None:
+            self._drop(pushed_out, "the progress queue was full (max_progress_pending)")
         self._idle = anyio.Event() if self._idle.is_set() else self._idle
         self._wakeup.set()
 
     @property
     def pending(self) -> int:
         """Deliveries not yet settled: ready, waiting for a retry, or being tried."""
-        return len(self._ready) + len(self._progress) + len(self._retries) + self._in_flight
+        return self._queue.pending
 
     # -- the task --------------------------------------------------------------------
 
@@ -126,7 +125,6 @@ class WebhookSender:
         limits = httpx.Limits(
             max_connections=config.concurrency, max_keepalive_connections=config.concurrency
         )
-        slots = anyio.Semaphore(config.concurrency)
         try:
             async with (
                 httpx.AsyncClient(
@@ -136,21 +134,13 @@ class WebhookSender:
                 anyio.create_task_group() as tg,
             ):
                 while True:
-                    delivery = await self._next_due()
-                    try:
-                        await slots.acquire()
-                    except BaseException:
-                        # Cancelled while it waited for a slot: in no queue now.
-                        self._in_flight -= 1
-                        self._drop(delivery, "the server shut down")
-                        self._cut.append(delivery)
-                        raise
-                    if delivery.settled:  # superseded while it waited for a slot
-                        slots.release()
-                        self._in_flight -= 1
-                        self._check_idle()
+                    # No await between take() and start_soon: a delivery taken is
+                    # always in a try, never lost to a cancellation in between.
+                    delivery = self._queue.take(self._clock())
+                    if delivery is None:
+                        await self._wait(self._queue.wait_s(self._clock()))
                         continue
-                    tg.start_soon(self._try, client, delivery, slots)
+                    tg.start_soon(self._try, client, delivery)
         finally:
             self.close("the server shut down")
 
@@ -164,11 +154,7 @@ class WebhookSender:
     def close(self, why: str) -> None:
         """Refuse new deliveries and drop the pending ones, with one log line. Idempotent."""
         self._closed = True
-        left = [*self._ready, *self._progress, *(d for _, _, d in self._retries)]
-        self._ready.clear()
-        self._progress.clear()
-        self._retries.clear()
-        left = [d for d in left if not d.settled]
+        left = [d for d in self._queue.clear() if not d.settled]
         for delivery in left:
             self._drop(delivery, why)
         left += self._cut
@@ -184,33 +170,36 @@ class WebhookSender:
 
     # -- inside -------------------------------------------------------------------------
 
-    async def _next_due(self) -> Delivery:
-        """The next delivery to try (counted in flight), waiting for one or for a retry's time."""
-        while True:
-            self._wakeup = anyio.Event()
-            now = self._clock()
-            if self._retries and self._retries[0][0] <= now:
-                delivery = heapq.heappop(self._retries)[2]
-            elif self._ready:
-                delivery = self._ready.popleft()
-            elif self._progress:
-                delivery = self._progress.popleft()
-            else:
-                wait = self._retries[0][0] - now if self._retries else None
-                with anyio.move_on_after(wait if wait is not None else float("inf")):
-                    await self._wakeup.wait()
-                continue
-            if delivery.settled:  # a superseded progress delivery
-                continue
-            self._in_flight += 1
-            return delivery
+    async def _wait(self, seconds: float | None) -> None:
+        """Until a delivery is submitted or a try ends (``_wakeup``), or ``seconds`` pass."""
+        self._wakeup = anyio.Event()
+        with anyio.move_on_after(seconds if seconds is not None else float("inf")):
+            await self._wakeup.wait()
 
-    async def _try(self, client: httpx.AsyncClient, delivery: Delivery, slots: anyio.Semaphore) -> None:
+    async def _try(self, client: httpx.AsyncClient, delivery: Delivery) -> None:
         """One try of ``delivery``; then settle it, or schedule its next try."""
+        config = self.config
+        url = _sent_url(delivery.url)
+        if delivery.settled or isinstance(url, str):
+            # Superseded since it was taken (a progress delivery), or a URL
+            # httpx would send in another form: never sent, and no try would do better.
+            self._queue.finished(delivery)
+            self._wakeup.set()
+            if isinstance(url, str) and not delivery.settled:
+                self.failed += 1
+                delivery.settle("failed", url)
+                logger.warning(
+                    "webhook for request %s (%s) to %s not sent: httpx would send its URL in another "
+                    "form than the one the allow-list matched", delivery.request_id, delivery.event,
+                    _origin(delivery.url),
+                )
+            self._check_idle()
+            return
         delivery.attempts += 1
         delivery.status = "sending"
+        started = self._clock()
         try:
-            error = await self._post(client, delivery)
+            error = await self._post(client, delivery, url, config.try_timeout_s(delivery))
         except BaseException:
             # Cancelled (the service is closing): it is in no queue now, so
             # settle it here, or its request would be held for good.
@@ -218,36 +207,38 @@ class WebhookSender:
             self._cut.append(delivery)
             raise
         finally:
-            slots.release()
-            self._in_flight -= 1
+            delivery.spent_s += max(0.0, self._clock() - started)
+            self._queue.finished(delivery)
+            self._wakeup.set()  # a slot is free
+        due = None if error is None or self._closed else config.retry_due(delivery, self._clock())
         if error is None:
             self.delivered += 1
             delivery.last_error = None
             delivery.settle("delivered")
-        elif delivery.attempts < delivery.max_attempts and not self._closed:
+        elif due is not None:
             delivery.status = "pending"
             delivery.last_error = error
-            due = self._clock() + backoff_s(
-                delivery.attempts, first_s=self.config.first_retry_s, max_s=self.config.max_retry_s
-            )
-            heapq.heappush(self._retries, (due, next(self._order), delivery))
-            self._wakeup.set()
+            self._queue.retry_at(delivery, due)
             logger.info(
                 "webhook for request %s (%s) failed try %d of %d: %s; trying again",
                 delivery.request_id, delivery.event, delivery.attempts, delivery.max_attempts, error,
             )
         else:
             self.failed += 1
-            delivery.settle("failed", error)
+            delivery.settle("failed", config.given_up(delivery, error))
             log = logger.warning if delivery.terminal else logger.info
             log(
                 "webhook for request %s (%s) to %s failed after %d tries: %s",
-                delivery.request_id, delivery.event, _origin(delivery.url), delivery.attempts, error,
+                delivery.request_id, delivery.event, _origin(delivery.url), delivery.attempts,
+                delivery.last_error,
             )
         self._check_idle()
 
-    async def _post(self, client: httpx.AsyncClient, delivery: Delivery) -> str | None:
-        """POST it once, signed; None on a 2xx, else why not (an HTTP status, a network error)."""
+    async def _post(
+        self, client: httpx.AsyncClient, delivery: Delivery, url: httpx.URL, timeout_s: float
+    ) -> str | None:
+        """POST it to ``url`` once, signed, within ``timeout_s``; None on a 2xx, else why not
+        (an HTTP status, a network error)."""
         body = delivery.body.decode()
         now = datetime.now(tz=timezone.utc)
         headers = {
@@ -257,17 +248,17 @@ class WebhookSender:
             "webhook-signature": self._signer.sign(delivery.webhook_id, now, body),
         }
         try:
-            with anyio.fail_after(self.config.attempt_timeout_s):
+            with anyio.fail_after(timeout_s):
                 # Streamed and closed unread: only the status matters, and a
                 # receiver's body (any size) is never held here.
-                sent = client.stream("POST", delivery.url, content=delivery.body, headers=headers)
+                sent = client.stream("POST", url, content=delivery.body, headers=headers)
                 async with sent as reply:
                     delivery.response_status = reply.status_code
                     if 200 <= reply.status_code < 300:
                         return None
                     return f"HTTP {reply.status_code}"
         except TimeoutError:
-            return f"no answer within {self.config.attempt_timeout_s:g} s"
+            return f"no answer within {timeout_s:g} s"
         except httpx.HTTPError as exc:
             return f"{type(exc).__name__}: {exc}" if str(exc) else type(exc).__name__
         except Exception as exc:  # noqa: BLE001 - a client's URL must never take the server down
@@ -284,6 +275,20 @@ class WebhookSender:
     def _check_idle(self) -> None:
         if not self.pending:
             self._idle.set()
+
+
+def _sent_url(text: str) -> httpx.URL | str:
+    """``text`` as httpx sends it, or why it is not sent: httpx normalises a URL (dot
+    segments, case, default ports) after the allow-list matched it, and another string is
+    another place (issue #39, attack 8). The core admits only URLs already in the form
+    they are sent in (core/webhooks.sent_form); this checks that httpx agrees."""
+    try:
+        url = httpx.URL(text)
+    except Exception as exc:  # noqa: BLE001 - httpx.InvalidURL and the like are no HTTPError
+        return f"not sent: httpx refuses the URL ({type(exc).__name__}: {exc})"
+    if str(url) != text:
+        return f"not sent: httpx would send it as {str(url)[:80]!r}, not the URL the allow-list matched"
+    return url
 
 
 def _origin(url: str) -> str:

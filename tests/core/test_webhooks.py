@@ -20,13 +20,16 @@ from omni_stream.core.principal import Principal
 from omni_stream.core.records import RequestRecord
 from omni_stream.core.rules import Rules
 from omni_stream.core.webhooks import (
+    LIMITS_ENV,
     Delivery,
+    DeliveryQueue,
     WebhookBook,
     WebhookConfig,
     WebhookState,
     backoff_s,
     new_secret,
     resolve_webhooks,
+    sent_form,
 )
 from omni_stream.errors import MessageError, ParamsError
 from omni_stream.protocol.client_messages import Generate
@@ -138,6 +141,9 @@ def test_a_malformed_secret_is_refused_without_echoing_it(secret: str) -> None:
         "https://user:pw@hooks.example.com/*",
         "https://HOOKS.example.com/*",
         "hooks.example.com/*",
+        "https://hooks.example.com/a/../*",
+        "https://hooks.example.com/a/%2e%2e/*",
+        "https://hooks.example.com:443/*",
     ],
 )
 def test_a_pattern_that_could_match_more_than_it_says_is_refused(pattern: str) -> None:
@@ -243,8 +249,8 @@ def state(
     book = WebhookBook(8)
     clock = Clock()
     hook = {"url": HOOK, **({"events": events} if events is not None else {})}
-    made = WebhookState("r1", hook, config=config(**changes), emit=sent.append, book=book, clock=clock,
-                        wall=lambda: 1_767_225_600.0)
+    made = WebhookState("r1", hook, config=config(**changes), emit=sent.append, book=book, principal="p",
+                        clock=clock, wall=lambda: 1_767_225_600.0)
     made.hold()
     return made, sent, book, clock
 
@@ -323,3 +329,177 @@ def test_a_delivery_settles_once_and_releases_its_request_once() -> None:
 
 def test_the_backoff_doubles_up_to_its_cap() -> None:
     assert [backoff_s(n, first_s=1.0, max_s=5.0) for n in range(1, 6)] == [1.0, 2.0, 4.0, 5.0, 5.0]
+
+
+# -- the form a URL is sent in (issue #39, attack 8) --------------------------------------------
+
+
+@pytest.mark.parametrize(
+    ("url", "sent"),
+    [
+        ("https://hooks.example.com/hooks/a/../b/steal", "https://hooks.example.com/hooks/b/steal"),
+        ("https://hooks.example.com/hooks/a/../../admin/delete", "https://hooks.example.com/admin/delete"),
+        ("https://hooks.example.com/hooks/a/%2e%2e/b", "https://hooks.example.com/hooks/b"),
+        ("https://hooks.example.com/hooks/a/.%2E/b", "https://hooks.example.com/hooks/b"),
+        ("https://hooks.example.com/a/./b/.", "https://hooks.example.com/a/b/"),
+        ("https://hooks.example.com/a/..", "https://hooks.example.com/"),
+        ("https://hooks.example.com/%7Eu/%41", "https://hooks.example.com/~u/A"),
+        ("HTTPS://Hooks.Example.COM/x", "https://hooks.example.com/x"),
+        ("https://hooks.example.com:443/x", "https://hooks.example.com/x"),
+        ("http://hooks.example.com:80", "http://hooks.example.com/"),
+        ("https://hooks.example.com:8443/x?a=/../b", "https://hooks.example.com:8443/x?a=/../b"),
+        ("http://[::1]:9000/x;v=1/%C3%A9", "http://[::1]:9000/x;v=1/%C3%A9"),
+    ],
+)
+def test_the_sent_form_is_the_normalised_url_and_httpx_sends_it_as_it_is(url: str, sent: str) -> None:
+    # (httpx itself removes dot segments but keeps %2e, which a receiver may decode.)
+    httpx = pytest.importorskip("httpx")
+    assert sent_form(url) == sent
+    assert str(httpx.URL(sent)) == sent
+    assert sent_form(sent) == sent
+
+
+@pytest.mark.parametrize(
+    "url",
+    [
+        "https://hooks.example.com/omni/../admin",
+        "https://hooks.example.com/omni/%2e%2e/admin",
+        "https://hooks.example.com/omni/.%2e/admin",
+        "https://hooks.example.com/omni/..;/admin",
+        "https://hooks.example.com/omni/..%2fadmin",
+        "https://hooks.example.com/omni/..%5Cadmin",
+        "https://hooks.example.com/omni/%zz",
+        "https://hooks.example.com/omni/1#frag",
+        "https://hooks.example.com/omni/\u00e9",
+        "https://hooks.example.com/omni/a|b",
+        "HTTPS://hooks.example.com/omni/1",
+        "https://Hooks.example.com/omni/1",
+        "https://hooks.example.com:443/omni/1",
+    ],
+)
+def test_a_url_that_would_be_sent_in_another_form_is_refused(url: str) -> None:
+    # Each matches the pattern as a string; sent, it would go elsewhere or be another string.
+    with pytest.raises(MessageError) as caught:
+        config(allow=("https://hooks.example.com/omni/*", "https://Hooks.example.com/omni/*")).check(
+            {"url": url}, request_id="r8"
+        )
+    assert (caught.value.code, caught.value.field, caught.value.request_id) == ("bad_params", "webhook", "r8")
+
+
+def test_the_refusal_names_the_form_to_send() -> None:
+    with pytest.raises(MessageError) as caught:
+        config().check({"url": "https://hooks.example.com/omni/../admin"}, request_id="r")
+    assert "'https://hooks.example.com/admin'" in str(caught.value)
+
+
+# -- the book's shares, the send slots, a receiver's time (issue #39, attack 3) -------------------
+
+
+def test_a_principal_holds_at_most_its_share_of_the_book_and_leaves_one_for_another() -> None:
+    book = WebhookBook(8)
+    for _ in range(4):  # alone: half the book
+        assert book.has_room("a")
+        book.hold("a")
+    assert "its share" in (book.refusal("a") or "")
+    assert book.has_room("b")  # a share is left for one more
+    book.hold("b")
+    assert book.share("b") == 8 // 3 and book.has_room("b")
+    book.hold("b")
+    assert not book.has_room("b") and not book.has_room("a")
+    assert book.has_room("c")  # the rest of the book is c's
+    book.release("a")
+    book.release("a")
+    assert (book.held, book.held_by("a"), book.held_by("b")) == (4, 2, 2)
+    for _ in range(2):
+        book.release("b")
+        book.release("a")
+    assert book.held == 0 and book.share("a") == 4
+
+
+def test_a_full_book_refuses_everyone() -> None:
+    book = WebhookBook(2)
+    book.hold("a")
+    book.hold("b")
+    assert "max_held" in (book.refusal("c") or "")
+
+
+def test_one_principals_shares_across_requests_and_doors_at_admission() -> None:
+    rules, _ = make_rules(config(max_held=4))
+    ann = connect(rules, Principal.of_connection("ann"))
+    bob = connect(rules, Principal.of_connection("bob"))
+    answers = [generate(rules, ann, f"a{i}", webhook={"url": HOOK}) for i in range(3)]
+    assert [a["type"] for a in answers] == ["accepted", "accepted", "error"]
+    assert (answers[2]["code"], answers[2]["id"]) == ("busy", "a2")
+    assert generate(rules, bob, "b0", webhook={"url": HOOK})["type"] == "accepted"
+
+
+def delivery(principal: str, rid: str = "r", event: str = "completed", attempts: int = 5) -> Delivery:
+    return Delivery(rid, event, HOOK, b"{}", f"msg_{rid}", attempts, principal=principal)
+
+
+def test_a_free_slot_goes_round_robin_and_the_last_to_a_principal_with_none_in_flight() -> None:
+    queue = DeliveryQueue(concurrency=4, max_progress_pending=8)
+    for i in range(10):
+        queue.put(delivery("a", f"a{i}"))
+    taken = [queue.take(0.0) for _ in range(4)]
+    assert [d.request_id for d in taken if d] == ["a0", "a1", "a2"]  # the 4th slot is kept
+    assert queue.in_flight_of("a") == 3
+    queue.put(delivery("b", "b0"))
+    queue.put(delivery("b", "b1"))
+    got = queue.take(0.0)
+    assert got is not None and got.request_id == "b0"  # at once, beside a's three
+    assert queue.take(0.0) is None  # every slot taken
+    queue.finished(taken[0])
+    assert queue.take(0.0) is None  # the last free slot is kept for a principal with none in flight
+    queue.finished(taken[1])  # another of a's ends: one each in flight, and it is a's turn
+    got = queue.take(0.0)
+    assert got is not None and got.request_id == "a3"
+    queue.finished(taken[2])
+    queue.finished(got)  # a has none in flight, b one: a slot for each, the fewest first
+    assert [d.request_id for d in (queue.take(0.0), queue.take(0.0)) if d] == ["a4", "b1"]
+    assert (queue.in_flight_of("a"), queue.in_flight_of("b"), queue.pending) == (1, 2, 3 + 5)
+
+
+def test_progress_over_its_bound_drops_the_fullest_principals_oldest() -> None:
+    queue = DeliveryQueue(concurrency=1, max_progress_pending=3)
+    first = delivery("a", "a0", "progress", 1)
+    assert queue.put(first) is None
+    assert queue.put(delivery("a", "a1", "progress", 1)) is None
+    assert queue.put(delivery("b", "b0", "progress", 1)) is None
+    assert queue.put(delivery("b", "b1", "progress", 1)) is first  # a has as many, and older
+    assert queue.put(delivery("c", "c0", "completed")) is None  # terminal: never dropped
+
+
+def test_a_retry_waits_for_its_time_in_its_principals_lane() -> None:
+    queue = DeliveryQueue(concurrency=2, max_progress_pending=8)
+    late = delivery("a", "a0")
+    queue.retry_at(late, 10.0)
+    assert queue.take(5.0) is None and queue.wait_s(5.0) == 5.0
+    assert queue.take(10.0) is late
+    assert queue.wait_s(10.0) is None
+    assert queue.clear() == []
+
+
+def test_a_receivers_time_per_delivery_is_capped_across_its_tries() -> None:
+    cap = config(attempt_timeout_s=30.0, max_delivery_s=45.0, first_retry_s=1.0)
+    hung = delivery("a")
+    assert cap.try_timeout_s(hung) == 30.0
+    hung.attempts, hung.spent_s = 1, 30.0
+    assert cap.retry_due(hung, 100.0) == 101.0 and cap.try_timeout_s(hung) == 15.0
+    hung.attempts, hung.spent_s = 2, 45.0
+    assert cap.retry_due(hung, 200.0) is None  # 2 of 5 tries, and the receiver had its 45 s
+    assert "45 s" in cap.given_up(hung, "no answer within 15 s")
+    hung.attempts, hung.spent_s = 5, 1.0
+    assert cap.retry_due(hung, 0.0) is None and cap.given_up(hung, "HTTP 500") == "HTTP 500"
+
+
+def test_the_limits_come_from_the_environment(monkeypatch: pytest.MonkeyPatch) -> None:
+    values = {"max_held": "16", "concurrency": "3", "attempt_timeout_s": "2.5", "max_delivery_s": "4"}
+    for name, value in values.items():
+        monkeypatch.setenv(LIMITS_ENV[name][0], value)
+    made = resolve_webhooks(SECRET, ["https://hooks.example.com/*"])
+    assert made is not None
+    assert (made.max_held, made.concurrency, made.attempt_timeout_s, made.max_delivery_s) == (16, 3, 2.5, 4.0)
+    monkeypatch.setenv(LIMITS_ENV["max_held"][0], "lots")
+    made = resolve_webhooks(SECRET, ["https://hooks.example.com/*"])
+    assert made is not None and made.max_held == 1024  # a malformed value warns and the default holds

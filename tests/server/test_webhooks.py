@@ -310,3 +310,30 @@ def test_the_server_refuses_a_malformed_secret_or_pattern_at_construction() -> N
     with pytest.raises(ParamsError) as caught:
         Server(Synthetic(), port=0, device="cpu", webhook_allow=["https://a.example*"])
     assert caught.value.field == "webhook_allow"
+
+
+@pytest.mark.asyncio
+async def test_a_url_httpx_would_send_in_another_form_is_never_sent() -> None:
+    # Issue #39, attack 8: the allow-list matched one string and httpx sent another (it
+    # removes dot segments). The core admits only URLs in their sent form; the sender
+    # still checks that httpx agrees, and sends nothing where it does not.
+    from omni_stream.core.webhooks import Delivery, WebhookConfig
+    from omni_stream.server.webhooks import WebhookSender
+
+    calls: list[httpx.Request] = []
+
+    def answer(request: httpx.Request) -> httpx.Response:
+        calls.append(request)
+        return httpx.Response(200)
+
+    sender = WebhookSender(WebhookConfig(secret=SECRET, allow=()), transport=httpx.MockTransport(answer))
+    odd = Delivery("r1", "completed", "http://hooks.example.com/a/../admin", b"{}", "msg_1", 5, principal="p")
+    fine = Delivery("r2", "completed", "http://hooks.example.com/a/ok", b"{}", "msg_2", 5, principal="p")
+    async with anyio.create_task_group() as tg:
+        tg.start_soon(sender.run)
+        sender.submit(odd)
+        sender.submit(fine)
+        await wait_for(lambda: odd.settled and fine.settled, what="both deliveries to settle")
+        tg.cancel_scope.cancel()
+    assert (odd.status, odd.attempts) == ("failed", 0) and "not sent" in (odd.last_error or "")
+    assert fine.status == "delivered" and [str(r.url) for r in calls] == ["http://hooks.example.com/a/ok"]
