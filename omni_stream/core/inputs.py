@@ -1,7 +1,9 @@
 """A request's input images: checked from their header, decoded off the event loop.
 
 An image param (``image``, ``mask_image``, ``control_image``) arrives over
-the wire as a ``data:`` URL. A PNG of a few KB can declare 4096x4096
+the wire as a ``data:`` URL (PNG, JPEG or WebP), or as a file in an OpenAI
+door's multipart form (an edit's ``image`` and ``mask``, a video's
+``input_reference``). A PNG of a few KB can declare 4096x4096
 pixels; decoding it takes 250-380 ms of the event loop before its size can
 be refused, and a few such requests a second stall every client (issue #19,
 finding 6). So a door does it in two steps:
@@ -9,7 +11,11 @@ finding 6). So a door does it in two steps:
 1. :func:`check_images`, on the loop: the base64 decoded, each image's
    header read (its format and size, a few hundred bytes), its sides
    checked against ``max_image_size``: refused (``limit_exceeded``) before
-   a pixel is expanded;
+   a pixel is expanded; :func:`check_encoded` is the same check of a
+   file's bytes, which the OpenAI doors run on each upload before anything
+   reads its pixels, and :func:`data_url` makes of a checked upload the
+   URL every door's request carries into the core (issue #39: an edit's
+   door decoded a 13000x13000 PNG, +1.29 GB, before this check saw it);
 2. :func:`decode_images`, in a worker thread: the pixels, which replace the
    URLs in the params (:func:`with_images`), so the model's ``validate``
    on the loop finds an image it has no decoding left to do for.
@@ -21,18 +27,19 @@ memory estimate at its decoded size (admission.py).
 
 from __future__ import annotations
 
+import base64
 import dataclasses
 from collections.abc import Mapping
 from typing import Any, Final
 
 from ..errors import MessageError, ParamsError
 from ..model import StepModel
-from ..models.inputs import ImageHeader, decode_image, read_data_url
+from ..models.inputs import ImageHeader, decode_image, read_data_url, read_header
 from .limits import ServerLimits
 
 __all__ = [
-    "IMAGE_PARAM_NAMES", "SOURCE_INFO", "PendingImage", "Sized", "check_images", "decode_images",
-    "image_params", "source_of", "with_images",
+    "IMAGE_PARAM_NAMES", "SOURCE_INFO", "PendingImage", "Sized", "check_encoded", "check_images", "data_url",
+    "decode_images", "image_params", "source_of", "with_images",
 ]
 
 #: Params with these names (declared as strings) are input images; a model
@@ -74,14 +81,13 @@ def check_images(
 ) -> list[PendingImage]:
     """Read each string image param's header; the images still to decode.
 
-    Raises MessageError ``bad_params`` (not a PNG/JPEG ``data:`` URL, a
+    Raises MessageError ``bad_params`` (not a PNG/JPEG/WebP ``data:`` URL, a
     path, bytes that are no image) or ``limit_exceeded`` (a side over
     ``max_image_size``), naming the param.
     """
     if not isinstance(params, Mapping):
         return []
     pending: list[PendingImage] = []
-    cap = limits.max_image_size
     for name in image_params(model):
         value = params.get(name)
         if not isinstance(value, str):
@@ -89,7 +95,7 @@ def check_images(
         if value[:5].lower() != "data:":
             raise MessageError(
                 "bad_params",
-                f"{model.name} param {name!r} must be a data: URL (PNG or JPEG, base64) over the wire",
+                f"{model.name} param {name!r} must be a data: URL (PNG, JPEG or WebP, base64) over the wire",
                 field=name,
                 request_id=request_id,
             )
@@ -97,16 +103,45 @@ def check_images(
             data, header = read_data_url(value, field=name)
         except ParamsError as exc:
             raise MessageError("bad_params", exc.message, field=name, request_id=request_id) from None
-        if max(header.width, header.height) > cap:
-            raise MessageError(
-                "limit_exceeded",
-                f"input image {name!r} of {header.width}x{header.height} has a side over this server's "
-                f"max_image_size={cap} ({ServerLimits.env_name('max_image_size')})",
-                field=name,
-                request_id=request_id,
-            )
-        pending.append(PendingImage(name, data, header))
+        pending.append(_within(PendingImage(name, data, header), limits, field=name, request_id=request_id))
     return pending
+
+
+def check_encoded(
+    name: str, data: bytes, limits: ServerLimits, *, request_id: str | None, field: str | None = None
+) -> PendingImage:
+    """An uploaded image file for the param ``name``, read as far as its header and checked as
+    :func:`check_images` checks a ``data:`` URL's: the image still to decode.
+
+    ``field`` is what the caller called it (an OpenAI form's ``mask`` for
+    ``mask_image``), named in the errors. Raises MessageError ``bad_params``
+    (not a PNG, JPEG or WebP, a header that does not parse) or
+    ``limit_exceeded`` (a side over ``max_image_size``).
+    """
+    field = field or name
+    try:
+        header = read_header(data, field=field)
+    except ParamsError as exc:
+        raise MessageError("bad_params", exc.message, field=field, request_id=request_id) from None
+    return _within(PendingImage(name, data, header), limits, field=field, request_id=request_id)
+
+
+def _within(image: PendingImage, limits: ServerLimits, *, field: str, request_id: str | None) -> PendingImage:
+    header, cap = image.header, limits.max_image_size
+    if max(header.width, header.height) > cap:
+        raise MessageError(
+            "limit_exceeded",
+            f"input image {field!r} of {header.width}x{header.height} has a side over this server's "
+            f"max_image_size={cap} ({ServerLimits.env_name('max_image_size')})",
+            field=field,
+            request_id=request_id,
+        )
+    return image
+
+
+def data_url(image: PendingImage) -> str:
+    """A checked image as the ``data:`` URL an image param takes (its bytes as they came)."""
+    return f"data:image/{image.header.kind.lower()};base64," + base64.b64encode(image.data).decode("ascii")
 
 
 def decode_images(pending: list[PendingImage], *, request_id: str | None) -> dict[str, Any]:
@@ -127,7 +162,7 @@ def decode_images(pending: list[PendingImage], *, request_id: str | None) -> dic
 
 
 def source_of(image: Any) -> tuple[str, bytes] | None:
-    """The (``PNG`` / ``JPEG``, file bytes) ``image`` was decoded from by :func:`decode_images`;
+    """The (``PNG`` / ``JPEG`` / ``WEBP``, file bytes) ``image`` was decoded from by :func:`decode_images`;
     None for an image that came another way."""
     info = getattr(image, "info", None)
     source = info.get(SOURCE_INFO) if isinstance(info, dict) else None

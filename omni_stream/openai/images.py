@@ -41,6 +41,7 @@ have no meaning here (``style``, ``svg``, ``complexity``, ``frame_count``,
 from __future__ import annotations
 
 import base64
+import io
 import json
 import math
 import re
@@ -50,6 +51,7 @@ from dataclasses import dataclass, field
 from typing import Any, Final
 
 from ..model import StepModel
+from ..models.inputs import open_image
 from ..protocol import Generate
 from .errors import OpenAIError
 
@@ -58,6 +60,7 @@ __all__ = [
     "ImagesRequest",
     "completed_event",
     "images_response",
+    "mask_to_paint",
     "parse_images_request",
     "partial_event",
 ]
@@ -183,15 +186,31 @@ def _flag(form: bool, value: Any, param: str) -> bool:
     return value
 
 
-def form_value(value: Any) -> Any:
-    """A form field for the model's params: JSON where it reads as JSON (``30``, ``0.5``,
-    ``true``, ``[...]``), else the string itself (a prompt)."""
+def form_value(value: Any, field: str) -> Any:
+    """A form field (``field``) for the model's params: JSON where it reads as JSON (``30``,
+    ``0.5``, ``true``, ``[...]``), else the string itself (a prompt; ``NaN``, which is no JSON).
+
+    Read by the JSON reader a body is read by (``protocol.decode_json`` is
+    ``json.loads``), with its bound: a value nested deeper than it goes is
+    refused as such a body is, 400 ``bad_json`` naming the field. Its
+    RecursionError escaped this door as a 500 and a traceback (issue #39,
+    attack 10: 50,000 ``[`` in one field). Raises OpenAIError.
+    """
     if not isinstance(value, str):
         return value
     try:
-        return json.loads(value)
-    except ValueError:
+        return json.loads(value, parse_constant=_no_constant)
+    except RecursionError:
+        raise OpenAIError(
+            400, f"form field {field!r} is not valid JSON: nested too deeply", "bad_json", param=field
+        ) from None
+    except ValueError:  # no JSON at all: the text itself
         return value
+
+
+def _no_constant(name: str) -> Any:
+    # NaN and Infinity are not JSON (a body that holds them is refused): such a field is text.
+    raise ValueError(name)
 
 
 def parse_images_request(
@@ -243,7 +262,7 @@ def parse_images_request(
     partials = 0
     if obj.get("partial_images") is not None:
         partials = _number(form, obj["partial_images"], "partial_images", low=0, high=MAX_PARTIAL_IMAGES)
-    extra = {k: (form_value(v) if form else v) for k, v in obj.items() if k not in _OURS | _UNSUPPORTED}
+    extra = {k: (form_value(v, k) if form else v) for k, v in obj.items() if k not in _OURS | _UNSUPPORTED}
     return ImagesRequest(
         prompt=prompt, n=n, size=size, quality=quality, output_format=output_format,
         output_compression=compression, response_format=response_format,
@@ -303,6 +322,20 @@ def _event(
         "background": "opaque",
         "created_at": created_at,
     }
+
+
+def mask_to_paint(data: bytes, field: str = "mask") -> bytes:
+    """An OpenAI mask (transparent where to paint) as diffusers' ``mask_image`` (white where to
+    paint): a PNG of the same size. For a worker thread, on bytes the core checked from their
+    header (``core.inputs.check_encoded``). Raises ParamsError (``field``) for bytes that do not
+    decode."""
+    picture = open_image(data, field=field)
+    if "A" not in picture.getbands():  # a palette's transparency, a premultiplied alpha
+        picture = picture.convert("RGBA")
+    painted = picture.getchannel("A").point(lambda a: 255 if a == 0 else 0).convert("RGB")
+    out = io.BytesIO()
+    painted.save(out, "PNG")
+    return out.getvalue()
 
 
 def partial_count(total_previews: int, wanted: int) -> int:

@@ -10,7 +10,8 @@ OpenAI              ours
 ``prompt``          ``params.prompt``
 ``seconds``         ``params.num_frames``: ``round(seconds * fps) + 1`` at the
                     model's frame rate (its ``fps``, else 16): the ``4k + 1``
-                    frame counts Wan and LTX take
+                    frame counts Wan and LTX take; at least 2 frames, at most
+                    the model's ``num_frames`` maximum
 ``size`` ``WxH``    ``params.width`` and ``params.height``
 ``model``           the served model
 ``input_reference`` ``params.image`` (an image-to-video model's first frame)
@@ -20,7 +21,8 @@ anything else       one of the model's own params (``steps``, ``seed``, ...)
 ==================  ===========================================================
 
 ``status`` is ``queued`` (not started, or its model loading),
-``in_progress``, ``completed`` or ``failed`` (an error, or cancelled);
+``in_progress``, ``paused`` (ours: ``POST /v1/generations/{id}/pause``),
+``completed`` or ``failed`` (an error, or cancelled);
 ``progress`` is the share of its denoise steps done, 0-100.
 """
 
@@ -35,11 +37,12 @@ from typing import Any, Final
 
 from ..errors import ParamsError
 from ..model import StepModel
+from ..params import Param
 from ..protocol import Generate
 from .errors import OpenAIError
 from .images import form_value
 
-__all__ = ["DEFAULT_FPS", "VideoRequest", "list_page", "parse_video_request", "video_object"]
+__all__ = ["DEFAULT_FPS", "VideoRequest", "frames_of", "list_page", "parse_video_request", "video_object"]
 
 #: The frame rate of a model that does not say (its ``fps`` attribute): Wan's.
 DEFAULT_FPS: Final = 16
@@ -69,7 +72,8 @@ class VideoRequest:
         """The detached ``generate`` of this job on ``model``; OpenAIError (400) for a field the
         model cannot honour (``seconds`` without ``num_frames``, ``size`` without sides, a
         ``seconds`` beside a ``num_frames``)."""
-        declared = {p.name for p in model.params}
+        by_name = {p.name: p for p in model.params}
+        declared = set(by_name)
         params = dict(self.extra)
         if "prompt" not in declared:
             raise _bad("prompt", f"model {served_name} takes no prompt (its text conditioning is fixed)",
@@ -81,8 +85,7 @@ class VideoRequest:
                            "unsupported")
             if "num_frames" in self.extra:
                 raise _bad("seconds", "give seconds or num_frames, not both")
-            fps = getattr(model, "fps", None) or DEFAULT_FPS
-            params["num_frames"] = round(self.seconds * fps) + 1
+            params["num_frames"] = frames_of(self.seconds, model, by_name["num_frames"], served_name)
         if self.size is not None:
             if not {"width", "height"} <= declared:
                 raise _bad("size", f"model {served_name} has no width and height params", "unsupported")
@@ -99,6 +102,24 @@ class VideoRequest:
             )
         except ParamsError as exc:  # the webhook's shape, a model name, values JSON cannot carry
             raise _bad(exc.field or "webhook", exc.message) from None
+
+
+def frames_of(seconds: float, model: StepModel, param: Param, served_name: str) -> int:
+    """``seconds`` as ``model``'s frame count (``round(seconds * fps) + 1``); OpenAIError (400,
+    ``seconds``) with the range the model makes when that is under two frames (``seconds=1e-9``
+    made a one-frame video that then failed ``step_failed``: issue #39) or over its ``num_frames``."""
+    fps = getattr(model, "fps", None) or DEFAULT_FPS
+    frames = round(seconds * fps) + 1
+    most = int(param.maximum) if param.maximum is not None else None
+    longest = MAX_SECONDS if most is None else min(MAX_SECONDS, (most - 1) / fps)
+    if frames < 2 or (most is not None and frames > most):
+        raise _bad(
+            "seconds",
+            f"seconds must be from {1 / fps:g} to {longest:g} for model {served_name} (a video of 2 to "
+            f"{most if most is not None else round(MAX_SECONDS * fps) + 1} frames at its {fps:g} frames a "
+            f"second); got {seconds:g}",
+        )
+    return frames
 
 
 def parse_video_request(obj: Mapping[str, Any], *, form: bool = False) -> VideoRequest:
@@ -134,10 +155,10 @@ def parse_video_request(obj: Mapping[str, Any], *, form: bool = False) -> VideoR
         raise _bad("model", f"model must be a string, got {type(model).__name__}")
     webhook = obj.get("webhook")
     if form and isinstance(webhook, str):
-        webhook = form_value(webhook)  # a form carries the object as JSON text
+        webhook = form_value(webhook, "webhook")  # a form carries the object as JSON text
     if webhook is not None and not isinstance(webhook, dict):
         raise _bad("webhook", 'webhook must be an object: {"url": ..., "events": [...]}')
-    extra = {k: (form_value(v) if form else v) for k, v in obj.items() if k not in _OURS}
+    extra = {k: (form_value(v, k) if form else v) for k, v in obj.items() if k not in _OURS}
     return VideoRequest(prompt=prompt, seconds=seconds, size=size, model=model or None, extra=extra,
                         webhook=webhook)
 

@@ -18,13 +18,24 @@ answer:
   then one ``image_generation.completed`` per image, or an ``error`` event;
   a caller that hangs up cancels the request.
 
+An edit's files go into the core as every door's input images do
+(``core/inputs.py``): each is read as far as its header (PNG, JPEG or
+WebP) and refused over ``max_image_size`` before anything reads a pixel,
+then carried as a ``data:`` URL of its own bytes into ``Service.prepare``,
+which checks the request's memory with the images at their header's sizes
+and decodes them in a worker thread, as for the websocket and
+``/v1/generations``. The one decode of this door's own, an OpenAI mask's
+alpha channel turned into diffusers' white-where-to-paint, runs after
+those checks (issue #39: this door decoded any of Pillow's 43 formats in
+full first, and a 0.47 MiB PNG declaring 13000x13000 cost +1.29 GB).
+
 Every refusal is OpenAI's error shape (``omni_stream/openai/errors.py``),
 the front door's (401 token, 421 host, 403 origin) too: :func:`openai_shaped`.
 """
 
 from __future__ import annotations
 
-import base64
+import dataclasses
 import io
 import json
 import logging
@@ -40,10 +51,11 @@ from starlette.requests import ClientDisconnect, Request
 from starlette.responses import Response
 
 from .. import protocol
+from ..core import inputs
 from ..core.outbox import Outbox, OutboxItem
 from ..core.records import RequestRecord
 from ..core.rules import Client
-from ..errors import MessageError, ServerBusyError
+from ..errors import MessageError, ParamsError, ServerBusyError
 from ..openai import images as oi
 from ..openai.errors import OpenAIError, error_body, from_ours
 from ..openai.models import models_list
@@ -56,7 +68,10 @@ if TYPE_CHECKING:
     from .asgi import FrontDoor
     from .service import Service
 
-__all__ = ["REFUSALS", "OpenAIApi", "data_url", "error_answer", "openai_shaped", "read_form", "refusal"]
+__all__ = [
+    "REFUSALS", "OpenAIApi", "as_sent", "checked_uploads", "error_answer", "openai_shaped", "read_form",
+    "refusal",
+]
 
 logger = logging.getLogger("omni_stream.server")
 
@@ -127,6 +142,9 @@ class OpenAIApi:
     def __init__(self, door: FrontDoor) -> None:
         self._door = door
         self._started = int(time.time())
+        # One mask turned at a time, as Service.prepare decodes one image at a time: what
+        # the decodes hold at once stays bounded (a 2048x2048 RGBA mask is ~40 MB in flight).
+        self._masks = anyio.CapacityLimiter(1)
 
     @property
     def _service(self) -> Service:
@@ -146,7 +164,9 @@ class OpenAIApi:
             if not isinstance(obj, dict):
                 raise OpenAIError(400, "the body must be a JSON object", "bad_message")
             req = oi.parse_images_request(obj, max_images=MAX_IMAGES)
-            return await self._images(request, client, req, kind="image_generation")
+            name, model = self._model(req)
+            msg = req.to_generate(model, served_name=name, detach=_detached(req))
+            return await self._images(request, client, req, msg, model, kind="image_generation")
         except REFUSALS as exc:
             return refusal(exc)
 
@@ -159,21 +179,18 @@ class OpenAIApi:
             )
             req = oi.parse_images_request(fields, form=True, max_images=MAX_IMAGES)
             name, model = self._model(req)
-            declared = {p.name for p in model.params}
-            images: dict[str, str] = {}
-            for field_name, data in files.items():
-                param = _FILE_PARAMS[field_name]
-                if param not in declared:
-                    raise OpenAIError(
-                        400, f"model {name} takes no {field_name} (its pipeline has no {param} input); "
-                        "/v1/models and /models list the models", "unsupported", param=field_name,
-                    )
-                images[param] = await anyio.to_thread.run_sync(data_url, data, field_name)
             if "image" not in files:
                 raise OpenAIError(400, "an edit needs its image: a file field 'image'", "invalid_field",
                                   param="image")
-            req = oi.ImagesRequest(**{**_fields(req), "extra": {**req.extra, **images}})
-            return await self._images(request, client, req, kind="image_edit")
+            msg = req.to_generate(model, served_name=name, detach=_detached(req))
+            sent = {f: p for f, p in _FILE_PARAMS.items() if f in files}
+            try:
+                msg = await checked_uploads(
+                    self._service, client, msg, files, sent, model=(name, model), limiter=self._masks
+                )
+                return await self._images(request, client, req, msg, model, kind="image_edit")
+            except MessageError as exc:
+                raise as_sent(exc, sent) from None
         except REFUSALS as exc:
             return refusal(exc)
 
@@ -186,13 +203,10 @@ class OpenAIApi:
             raise OpenAIError(404, exc.message, "model_not_found", param="model") from None
 
     async def _images(
-        self, request: Request, client: Client, req: oi.ImagesRequest, *, kind: str
+        self, request: Request, client: Client, req: oi.ImagesRequest, msg: protocol.Generate, model: Any,
+        *, kind: str,
     ) -> Response:
         rules = self._service.rules
-        name, model = self._model(req)
-        # URLs outlive the call: such a request is detached and its results kept.
-        detach = req.response_format == "url" and not req.stream
-        msg = req.to_generate(model, served_name=name, detach=detach)
         prepared = await self._service.prepare(client, msg)
         assert isinstance(prepared, protocol.Generate)
         record = rules.generate(client, prepared)
@@ -348,34 +362,78 @@ def _put_field(fields: dict[str, Any], key: str, value: str) -> None:
         node = child
 
 
-def _fields(req: oi.ImagesRequest) -> dict[str, Any]:
-    return {f: getattr(req, f) for f in req.__dataclass_fields__}
+def _detached(req: oi.ImagesRequest) -> bool:
+    # URLs outlive the call: such a request is detached and its results kept.
+    return req.response_format == "url" and not req.stream
 
 
-def data_url(data: bytes, param: str) -> str:
-    """An uploaded file as the data URL our image params take (worker thread).
+async def checked_uploads(
+    service: Service,
+    client: Client,
+    msg: protocol.Generate,
+    files: Mapping[str, bytes],
+    params: Mapping[str, str],
+    *,
+    model: tuple[str, Any],
+    limiter: anyio.CapacityLimiter | None = None,
+) -> protocol.Generate:
+    """``msg`` with the uploaded ``files`` (form field -> bytes) as its image params (``params``:
+    form field -> the param it becomes), each read by the core as far as its header first.
 
-    OpenAI's mask is transparent where to paint; diffusers' ``mask_image`` is
-    white where to paint: a mask with an alpha channel is turned into that.
-    Raises OpenAIError for a file that is not a PNG, JPEG or WebP image.
+    A file is refused from its header (not a PNG, JPEG or WebP; a side over
+    ``max_image_size``) before anything reads a pixel (core/inputs.py), and
+    goes on as a ``data:`` URL of its own bytes, which ``Service.prepare``
+    checks and decodes as it does every door's. An OpenAI ``mask`` with an
+    alpha channel (transparent where to paint) is made diffusers' mask (white
+    where to paint) here, in a worker thread (``limiter``'s), once the core's
+    checks of the request (its memory with the images at their header's
+    sizes, the load, the principal's count: ``Rules.precheck``) let it in.
+    Raises OpenAIError (a file for a param ``model`` does not take),
+    MessageError (``bad_params``, ``limit_exceeded``, what ``Rules.precheck``
+    raises) naming the form field.
     """
-    from PIL import Image, UnidentifiedImageError
+    served_name, served = model
+    declared = {p.name for p in served.params}
+    pending: dict[str, inputs.PendingImage] = {}
+    for field_name, data in files.items():
+        param = params[field_name]
+        if param not in declared:
+            raise OpenAIError(
+                400, f"model {served_name} takes no {field_name} (its pipeline has no {param} input); "
+                "/v1/models and /models list the models", "unsupported", param=field_name,
+            )
+        pending[field_name] = inputs.check_encoded(
+            param, data, service.limits, request_id=msg.id, field=field_name
+        )
+    masks = [f for f, image in pending.items() if f == "mask" and image.header.alpha]
+    if masks:
+        # The one decode before Service.prepare's: a request the rules would refuse
+        # (busy, over the memory bound with its images at their sizes) costs no decode.
+        service.rules.precheck(client, msg, list(pending.values()))
+        for field_name in masks:
+            image = pending[field_name]
+            try:
+                painted = await anyio.to_thread.run_sync(
+                    oi.mask_to_paint, image.data, field_name, limiter=limiter
+                )
+            except ParamsError as exc:
+                raise MessageError("bad_params", exc.message, field=field_name, request_id=msg.id) from None
+            pending[field_name] = inputs.check_encoded(
+                image.name, painted, service.limits, request_id=msg.id, field=field_name
+            )
+    urls = {image.name: inputs.data_url(image) for image in pending.values()}
+    return dataclasses.replace(msg, params={**msg.params, **urls})
 
-    mask = param == "mask"
-    try:
-        opened = Image.open(io.BytesIO(data))
-        opened.load()
-    except (UnidentifiedImageError, OSError, ValueError) as exc:
-        raise OpenAIError(400, f"{param} is not an image this server reads ({exc})", "invalid_field",
-                          param=param) from None
-    if mask and opened.mode in ("RGBA", "LA", "PA"):
-        alpha = opened.getchannel("A")
-        image = alpha.point(lambda a: 255 if a == 0 else 0).convert("RGB")
-    else:
-        image = opened.convert("RGB")
-    out = io.BytesIO()
-    image.save(out, "PNG")
-    return "data:image/png;base64," + base64.b64encode(out.getvalue()).decode("ascii")
+
+def as_sent(exc: Exception, params: Mapping[str, str]) -> Exception:
+    """``exc`` naming the form field a file was sent in where it names the param the file became
+    (``params``: form field -> param; the core names ``mask_image``, the caller sent ``mask``)."""
+    if not isinstance(exc, MessageError) or isinstance(exc, ServerBusyError):
+        return exc
+    sent = {param: field for field, param in params.items()}
+    if exc.field not in sent:
+        return exc
+    return MessageError(exc.code, exc.message, field=sent[exc.field], request_id=exc.request_id)
 
 
 def _ended_error(record: RequestRecord, terminal: dict[str, Any]) -> OpenAIError:

@@ -10,14 +10,21 @@ tenant, or the address that made it), in ``GET /v1/videos`` too.
 
 The door keeps, per job, what OpenAI's object says that the record does
 not (its prompt, seconds, size, the wall-clock time it was made): a few
-hundred bytes, dropped with the record (retention, eviction, DELETE).
+hundred bytes, dropped with the record (retention, eviction, DELETE). With
+``--state-dir`` they are written down with the request, in the same write
+(``StateKeeper.written_with``), and a restart gives them back with the
+requests it brings back (``take_restored``): a job done before a ``kill -9``
+is served with its video, one that ran is resumed and followed, on this door
+as on ``/v1/generations`` (issue #39: both answered 404 here after a restart).
 """
 
 from __future__ import annotations
 
+import contextlib
 import io
 import time
-from dataclasses import dataclass
+from collections.abc import Mapping
+from dataclasses import asdict, dataclass, fields
 from typing import TYPE_CHECKING, Any
 
 import anyio
@@ -33,7 +40,7 @@ from ..openai import videos as ov
 from ..openai.errors import OpenAIError, from_ours
 from . import responses
 from .bodies import read_body
-from .openai_api import REFUSALS, data_url, error_answer, read_form, refusal
+from .openai_api import REFUSALS, as_sent, checked_uploads, error_answer, read_form, refusal
 
 if TYPE_CHECKING:
     from .asgi import FrontDoor
@@ -42,6 +49,8 @@ if TYPE_CHECKING:
 __all__ = ["OpenAIVideos"]
 
 _FILES = {"input_reference": "image"}
+#: The key a job's fields are written under with its request (the state directory).
+_NOTE = "openai_video"
 
 
 @dataclass(frozen=True, slots=True)
@@ -54,6 +63,17 @@ class _Job:
     seconds: str
     size: str
     created_at: int  # wall clock, seconds
+
+    @classmethod
+    def from_note(cls, note: Any) -> _Job | None:
+        """The job a state directory wrote down (``asdict``); None for what is not one."""
+        if not isinstance(note, Mapping):
+            return None
+        kinds = {"created_at": int}
+        values: dict[str, Any] = {f.name: note.get(f.name) for f in fields(cls)}
+        if not all(isinstance(v, kinds.get(k, str)) for k, v in values.items()):
+            return None
+        return cls(**values)
 
 
 class OpenAIVideos:
@@ -90,25 +110,29 @@ class OpenAIVideos:
                 name, model = self._service.rules.model_for(req.model)
             except MessageError as exc:
                 raise OpenAIError(404, exc.message, "model_not_found", param="model") from None
-            if "input_reference" in files:
-                if "image" not in {p.name for p in model.params}:
-                    raise OpenAIError(400, f"model {name} takes no input image (input_reference)",
-                                      "unsupported", param="input_reference")
-                url = await anyio.to_thread.run_sync(data_url, files["input_reference"], "input_reference")
-                extra = {**req.extra, "image": url}
-                req = ov.VideoRequest(req.prompt, req.seconds, req.size, req.model, extra, req.webhook)
-            prepared = await self._service.prepare(client, req.to_generate(model, served_name=name))
-            assert isinstance(prepared, protocol.Generate)
-            msg = prepared
-            record = self._service.rules.generate(client, msg)
+            msg = req.to_generate(model, served_name=name)
+            try:
+                # The reference image is checked by the core from its header, then
+                # decoded by Service.prepare, as every door's input image is.
+                msg = await checked_uploads(self._service, client, msg, files, _FILES, model=(name, model))
+                prepared = await self._service.prepare(client, msg)
+                assert isinstance(prepared, protocol.Generate)
+                msg = prepared
+                size = f"{req.size[0]}x{req.size[1]}" if req.size is not None else _size_of(msg.params, model)
+                job = _Job(
+                    principal=client.principal.key, model=name, prompt=req.prompt,
+                    seconds=_seconds(msg.params, model), size=size, created_at=int(time.time()),
+                )
+                state, video_id = self._service.state, msg.id
+                assert video_id is not None  # to_generate names every job
+                with state.written_with(video_id, _NOTE, asdict(job)) if state else contextlib.nullcontext():
+                    record = self._service.rules.generate(client, msg)
+            except MessageError as exc:
+                raise as_sent(exc, _FILES) from None
         except REFUSALS as exc:
             return refusal(exc)
         self._prune()
-        size = f"{req.size[0]}x{req.size[1]}" if req.size is not None else _size_of(msg.params, model)
-        self._jobs[record.id] = _Job(
-            principal=client.principal.key, model=name, prompt=req.prompt,
-            seconds=_seconds(msg.params, model), size=size, created_at=int(time.time()),
-        )
+        self._jobs[record.id] = job
         return responses.json_response(200, self._object(record))
 
     async def retrieve(self, request: Request, client: Client) -> Response:
@@ -151,6 +175,7 @@ class OpenAIVideos:
 
     async def listing(self, request: Request, client: Client) -> Response:
         """``GET /v1/videos``: the caller's own jobs, paginated (``after``, ``limit``, ``order``)."""
+        self._adopt()
         self._prune()
         registry = self._service.registry
         mine = []
@@ -188,6 +213,7 @@ class OpenAIVideos:
 
     def _find(self, request: Request, client: Client) -> RequestRecord | Response:
         """The job the path names, if the caller may see it; else OpenAI's 404."""
+        self._adopt()
         video_id = request.path_params["video_id"]
         job = self._jobs.get(video_id)
         record: RequestRecord | None = self._service.registry.get(video_id) if job is not None else None
@@ -201,6 +227,9 @@ class OpenAIVideos:
             return "completed"
         if record.outcome is not None:
             return "failed"
+        if record.paused:
+            # Ours, as /v1/generations says it: not queued, and not going on (issue #39).
+            return "paused"
         started = record.latest_step > 0 and not record.loading
         return "in_progress" if started else "queued"
 
@@ -231,6 +260,16 @@ class OpenAIVideos:
             error=error,
             restarted=record.restart_view(),
         )
+
+    def _adopt(self) -> None:
+        """Take up the jobs a restart brought back from the state directory (once each)."""
+        state = self._service.state
+        if state is None:
+            return
+        for video_id, note in state.take_restored(_NOTE).items():
+            job = _Job.from_note(note)
+            if job is not None:
+                self._jobs.setdefault(video_id, job)
 
     def _prune(self) -> None:
         """Drop the jobs whose records are gone (retention over, evicted)."""

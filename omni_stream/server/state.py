@@ -4,7 +4,9 @@
 rules (``core/rules.py``) through the rules' hooks, and owns nothing else:
 
 - a request admitted is written down (its ``generate`` message with the
-  drawn seed pinned, its principal, its ``accepted`` message);
+  drawn seed pinned, its principal, its ``accepted`` message, and what a
+  door keeps of it besides, :meth:`StateKeeper.written_with`: an OpenAI
+  video job's fields);
 - a model that can snapshot is asked for a checkpoint every
   ``checkpoint_every`` steps (the engine's ``on_checkpoint``, on the
   producer thread), the latest of which is written;
@@ -18,7 +20,10 @@ rules (``core/rules.py``) through the rules' hooks, and owns nothing else:
   again, detached, under its id, with the cross-principal priority it had,
   from its last checkpoint (else step 0), and says so to whoever watches
   it: ``restarted`` with the step it goes on from and why (for an
-  ``attach``, SSE and ``GET /v1/generations/{id}``), not only in the log.
+  ``attach``, SSE and ``GET /v1/generations/{id}``), not only in the log;
+  what a door kept of each is handed back to it (:meth:`StateKeeper.take_restored`),
+  so every door serves after a restart what it served before (issue #39:
+  ``/v1/videos/{id}`` answered 404 for jobs ``/v1/generations`` still had).
 
 Over Ray (a RemoteEngine) the same holds: the replica snapshots the
 request and sends the checkpoint's bytes, the front door's RemoteStream
@@ -51,7 +56,7 @@ import logging
 import math
 import threading
 import time
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Iterator, Mapping
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Final
 
@@ -95,6 +100,8 @@ _STORE_THREADS = 2
 _PRUNE_EVERY_S = 5.0
 #: The door of a request re-admitted after a restart (its client is gone).
 _RESTART_DOOR = "restart"
+#: Where a recorded request keeps what doors wrote with it (StateKeeper.written_with).
+_NOTES = "notes"
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
@@ -215,6 +222,10 @@ class StateKeeper:
         self._resume: dict[str, Checkpoint] = {}
         self._restarts: dict[str, str] = {}
         self._kept: set[str] = set()
+        # What doors keep of a request, by request id: given for the request
+        # about to be admitted (written with it), and read back from the folder.
+        self._noted: dict[str, dict[str, Any]] = {}
+        self._restored_notes: dict[str, dict[str, Any]] = {}
         self._last_prune = -math.inf
         take = {"checkpoint_every", "on_checkpoint"}
         self._takes_checkpoints = take <= rules.stream_keywords
@@ -275,6 +286,29 @@ class StateKeeper:
         if store is not None:
             await anyio.to_thread.run_sync(store.close)
 
+    @contextlib.contextmanager
+    def written_with(self, request_id: str, key: str, value: Mapping[str, Any]) -> Iterator[None]:
+        """Within the block, the request admitted under ``request_id`` is written down with
+        ``value`` (JSON) under ``key``: what a door keeps of it besides the core's record (an
+        OpenAI video job's fields), in the same write as the request, so no crash keeps one
+        without the other. After a restart, :meth:`take_restored` gives it back."""
+        self._noted.setdefault(request_id, {})[key] = dict(value)
+        try:
+            yield
+        finally:
+            self._noted.pop(request_id, None)
+
+    def take_restored(self, key: str) -> dict[str, Any]:
+        """What doors wrote under ``key`` with the requests this start brought back (finished and
+        resumed), by request id; each is given once (the door keeps it from then on)."""
+        out: dict[str, Any] = {}
+        for request_id, notes in list(self._restored_notes.items()):
+            if key in notes:
+                out[request_id] = notes.pop(key)
+            if not notes:
+                del self._restored_notes[request_id]
+        return out
+
     async def prune(self) -> None:
         """Delete what ended longer than ``retention_s`` ago (at most every few seconds)."""
         now = time.monotonic()
@@ -315,9 +349,12 @@ class StateKeeper:
         # What its priority counts against other principals' (its token's grant
         # applied): a restart gives it back (_principal), capped by the token then.
         cross = admitted.cross_priority
+        notes = self._noted.pop(rid, None)
 
         def write() -> None:
             recorded = {"generate": _wire(message), "accepted": accepted, "cross_priority": cross}
+            if notes:
+                recorded[_NOTES] = notes
             entry = RequestEntry(
                 rid, principal, admitted.model, recorded, created_at, record.total, record.seed
             )
@@ -453,6 +490,7 @@ class StateKeeper:
         rid = record.id
         if rid in self._kept:
             return  # resumed by the next start
+        self._restored_notes.pop(rid, None)  # no door took it up: nothing to serve it for now
         self.checkpoint_steps.pop(rid, None)
         self._queue(rid, lambda: self._open_store().delete(rid), "deleting a request")
         lane = self._lanes.get(rid)
@@ -583,6 +621,7 @@ class StateKeeper:
                     "request %s: not served again after the restart: %s", entry.request_id, exc.message
                 )
                 continue
+            self._keep_notes(entry)
             count += 1
         return count
 
@@ -610,8 +649,14 @@ class StateKeeper:
             else:
                 logger.warning("request %s: no checkpoint was written: it starts again from step 0", rid)
             if self._readmit(entry, checkpoint, reason):
+                self._keep_notes(entry)
                 count += 1
         return count
+
+    def _keep_notes(self, entry: RequestEntry) -> None:
+        notes = entry.message.get(_NOTES)
+        if isinstance(notes, Mapping) and notes:
+            self._restored_notes[entry.request_id] = dict(notes)
 
     def _readmit(self, entry: RequestEntry, checkpoint: Checkpoint | None, reason: str) -> bool:
         rid = entry.request_id

@@ -15,6 +15,7 @@ from omni_stream.core import inputs
 from omni_stream.core.limits import ServerLimits
 from omni_stream.errors import MessageError
 from omni_stream.models import Synthetic
+from omni_stream.models.inputs import ImageHeader
 
 
 class TakesImages(Synthetic):
@@ -103,3 +104,36 @@ def test_a_truncated_image_is_refused_when_decoded_naming_the_param() -> None:
 def test_values_that_are_not_strings_are_left_to_the_model() -> None:
     image = Image.new("RGB", (4, 4))
     assert inputs.check_images(TakesImages(), {"image": image, "mask_image": None}, ServerLimits(), request_id="r") == []
+
+
+def test_an_upload_is_checked_from_its_header_as_a_data_url_is_naming_its_field(monkeypatch) -> None:
+    # An OpenAI door's file (an edit's mask becomes mask_image): the same check as a data: URL's,
+    # before a pixel is decoded, in the words the caller knows (issue #39, attack 2).
+    decoded = []
+    monkeypatch.setattr(inputs, "decode_image", lambda *a, **k: decoded.append(1))
+    bomb = base64.b64decode(bomb_url(5000, 5000).partition(",")[2])
+    with pytest.raises(MessageError) as info:
+        inputs.check_encoded("mask_image", bomb, ServerLimits(), request_id="r", field="mask")
+    assert (info.value.code, info.value.field, info.value.request_id) == ("limit_exceeded", "mask", "r")
+    assert "'mask' of 5000x5000" in info.value.message
+    buf = io.BytesIO()
+    Image.new("RGB", (4, 4)).save(buf, format="BMP")
+    with pytest.raises(MessageError) as other:
+        inputs.check_encoded("image", buf.getvalue(), ServerLimits(), request_id="r", field="input_reference")
+    assert (other.value.code, other.value.field) == ("bad_params", "input_reference")
+    assert "neither a PNG nor a JPEG nor a WebP" in other.value.message
+    assert "BytesIO" not in other.value.message
+    assert decoded == []
+
+
+def test_a_checked_upload_goes_on_as_the_data_url_of_its_own_bytes() -> None:
+    buf = io.BytesIO()
+    Image.new("RGB", (12, 8), (1, 2, 3)).save(buf, format="WEBP", lossless=True)
+    pending = inputs.check_encoded("image", buf.getvalue(), ServerLimits(), request_id="r")
+    assert (pending.name, pending.header) == ("image", ImageHeader("WEBP", 12, 8, False))
+    url = inputs.data_url(pending)
+    assert url.startswith("data:image/webp;base64,")
+    (again,) = inputs.check_images(TakesImages(), {"image": url}, ServerLimits(), request_id="r")
+    assert again.data == pending.data  # no decode and encode on the way: the bytes as they came
+    image = inputs.decode_images([again], request_id="r")["image"]
+    assert image.size == (12, 8) and inputs.source_of(image) == ("WEBP", pending.data)

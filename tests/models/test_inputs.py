@@ -12,7 +12,7 @@ import pytest
 from PIL import Image
 
 import omni_stream as om
-from omni_stream.models.inputs import load_image
+from omni_stream.models.inputs import ImageHeader, load_image, open_image, read_header
 
 
 def encoded(image: Image.Image, fmt: str = "PNG", **save) -> bytes:
@@ -95,24 +95,66 @@ def test_files_are_read_within_their_bounds(tmp_path):
         ("data:image/png;base64,aGVsbG8=" + "\n", "not valid base64"),
         ("data:image/png;base64", "needs a ','"),
         ("data:image/png,rawdata", "must be base64"),
-        ("data:image/webp;base64,UklGRg==", "image/png or image/jpeg"),
+        ("data:image/gif;base64,R0lGODlh", "image/png or image/jpeg"),
+        (url(b"RIFF\0\0\0\0WEBPVP8X\0\0\0\0", "image/webp"), "cannot read the WEBP image's header"),
         ("data:;base64,aGVsbG8=", "image/png or image/jpeg"),
         (url(b"GIF89a" + bytes(20)), "neither a PNG nor a JPEG"),
         (url(encoded(noise(32, 32))[:500]), "cannot decode the PNG"),
         (url(claiming(5000, 5000)), "5000x5000 = 25000000 pixels; at most 16777216"),
         (url(claiming(20000, 20000)), "more pixels than PIL decodes"),
-        (url(claiming(0, 5)), "cannot decode|empty"),
+        (url(claiming(0, 5)), "do not parse as a PNG image|empty"),
         (3.5, "got float"),
         (b"\x89PNG", "got bytes"),
     ],
-    ids=["bad-chars", "whitespace", "no-comma", "not-base64", "webp", "no-type", "gif", "truncated",
+    ids=["bad-chars", "whitespace", "no-comma", "not-base64", "gif-type", "webp-truncated", "no-type", "gif",
+         "truncated",
          "too-many-pixels", "pil-bomb-check", "zero-width", "float", "bytes"],
 )
 def test_bad_inputs_are_params_errors_naming_the_field(value, message):
-    rejects(value, message)
+    # In words for the client: never Pillow's name of the buffer it read (issue #39).
+    assert "BytesIO" not in rejects(value, message).message
 
 
 def test_the_byte_bound_applies_before_decoding():
     data = encoded(noise(64, 64))
     assert load_image(url(data), max_bytes=len(data)).size == (64, 64)
     rejects(url(data), f"larger than {len(data) - 10} bytes encoded", max_bytes=len(data) - 10)
+
+
+@pytest.mark.parametrize(
+    ("mode", "save", "chunk", "alpha"),
+    [("RGB", {"quality": 80}, b"VP8 ", False), ("RGB", {"lossless": True}, b"VP8L", False),
+     ("RGBA", {"lossless": True}, b"VP8L", True), ("RGBA", {"quality": 80}, b"VP8X", True)],
+    ids=["lossy", "lossless", "lossless-alpha", "extended-alpha"],
+)
+def test_webps_are_read_from_their_own_header_then_decoded(mode, save, chunk, alpha):
+    # The OpenAI doors take WebP uploads, so the core does (issue #39): every door reads the same formats.
+    image = noise(37, 21).convert(mode)
+    if alpha:
+        image.putalpha(noise(37, 21).convert("L"))  # not all opaque: the encoder keeps it
+    data = encoded(image, "WEBP", **save)
+    assert data[12:16] == chunk
+    assert read_header(data) == ImageHeader("WEBP", 37, 21, alpha)
+    got = load_image(url(data, "image/webp"))
+    assert got.mode == "RGB" and got.size == (37, 21)
+    if save.get("lossless"):
+        assert got.tobytes() == image.convert("RGB").tobytes()
+    assert open_image(data).mode == ("RGBA" if alpha else "RGB")
+
+
+def test_a_webp_declaring_a_huge_canvas_is_refused_before_pillow_opens_it(monkeypatch):
+    # Pillow's WebP reader builds libwebp's decoder, canvas included, as it opens a file:
+    # the declared size is read here first.
+    from benchmarks.tenant_inputs import webp_bomb
+
+    monkeypatch.setattr(Image, "open", lambda *a, **k: pytest.fail("Pillow opened a WebP bomb"))
+    assert read_header(webp_bomb(16000)) == ImageHeader("WEBP", 16000, 16000, False)
+    rejects(url(webp_bomb(16000), "image/webp"), "16000x16000 = 256000000 pixels; at most 16777216")
+
+
+def test_pngs_say_whether_they_have_an_alpha_channel():
+    # An OpenAI mask is transparent where to paint: the door knows from the header whether to convert it.
+    for mode, alpha in (("RGB", False), ("L", False), ("RGBA", True), ("LA", True)):
+        assert read_header(encoded(noise().convert(mode))).alpha is alpha
+    palette = noise().convert("P")
+    assert read_header(encoded(palette, transparency=0)).alpha is True
