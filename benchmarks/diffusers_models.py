@@ -40,7 +40,9 @@ async def _router_run(models: dict[str, Any], names: list[str], request: dict[st
     """Seconds for one request per name in ``names``, one after another, through a router of
     ``models`` with max_loaded=1; and its load / unload times."""
     reset_main_thread()
-    async with ModelRouter(models, max_loaded=1, device="cpu", torch_threads=THREADS) as router:
+    # The raw cost of a switch: no residency quantum, no swap budget.
+    async with ModelRouter(models, max_loaded=1, min_residency_s=0, max_swaps_per_min=1_000_000, device="cpu",
+                           torch_threads=THREADS) as router:
         await router.generate(dict(request, steps=1, output="latent"), model=names[0])  # untimed: first load
         t0 = time.perf_counter()
         for name in names:

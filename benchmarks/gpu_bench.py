@@ -401,7 +401,9 @@ def bench_model_switch(case: dict, device: torch.device, reps: int) -> dict:
     loads: list[dict] = []
 
     async def measure() -> None:
-        async with ModelRouter(models, max_loaded=1, device=str(device)) as router:
+        # The raw cost of a switch: no residency quantum, no swap budget.
+        async with ModelRouter(models, max_loaded=1, min_residency_s=0, max_swaps_per_min=1_000_000,
+                               device=str(device)) as router:
             await router.generate(dict(params, steps=2, output="latent"), model="a")  # untimed
             for rep in range(reps):
                 for key, model in (("stay", "a"), ("switch", "b"), ("switch", "a")):

@@ -168,6 +168,16 @@ def _positive_int(text: str) -> int:
         raise argparse.ArgumentTypeError(f"expected a positive integer, got {text!r}") from None
 
 
+def _non_negative_seconds(text: str) -> float:
+    try:
+        value = float(text)
+    except ValueError:
+        value = math.nan
+    if not math.isfinite(value) or value < 0:
+        raise argparse.ArgumentTypeError(f"expected a number of seconds >= 0, got {text!r}")
+    return value
+
+
 def _non_negative_int(text: str) -> int:
     try:
         value = int(text)
@@ -767,6 +777,15 @@ def _cmd_serve(args: argparse.Namespace) -> int:
     specs = _served_specs(args.model or ["mixture"])
     if args.max_loaded is not None and not specs[0][0]:
         raise _UsageError("--max-loaded bounds the models loaded at once: give them as --model NAME=SPEC")
+    residency = [f for f, v in (("--min-residency", args.min_residency),
+                                ("--max-swaps-per-min", args.max_swaps_per_min)) if v is not None]
+    if residency and args.max_loaded is None:
+        raise _UsageError(f"{' and '.join(residency)} pace model switches: give --max-loaded too")
+    if residency and args.ray:
+        raise _UsageError(
+            f"{' and '.join(residency)} apply to this server's models; Ray replicas read "
+            "OMNI_STREAM_MIN_RESIDENCY and OMNI_STREAM_MAX_SWAPS_PER_MIN from their environment"
+        )
     if args.loop == "trio" and args.ray:
         # Ray's client runs on asyncio only; the engines in this process run on any loop.
         raise _UsageError("--loop trio serves engines in this process; --ray needs asyncio (or uvloop)")
@@ -813,6 +832,7 @@ def _cmd_serve(args: argparse.Namespace) -> int:
         # Every model is built now (host memory; its params known); --max-loaded
         # bounds those on the device at once, loading the others on demand.
         model = ModelRouter({name: loader() for name, loader in loaders.items()}, max_loaded=args.max_loaded,
+                            min_residency_s=args.min_residency, max_swaps_per_min=args.max_swaps_per_min,
                             device=args.device, **engine_options)
     elif args.ray:
         if names_group(args.device):
@@ -958,6 +978,13 @@ def build_parser() -> argparse.ArgumentParser:
                      help="with several --model: at most N on the device at once, the others loaded "
                      "when a request needs them (least recently used unloaded); default: all, at start; "
                      "with --ray, per replica")
+    srv.add_argument("--min-residency", type=_non_negative_seconds, metavar="S", default=None,
+                     help="with --max-loaded: seconds a model keeps the device once loaded, and after its "
+                     "last request, before another may take it (default: $OMNI_STREAM_MIN_RESIDENCY, "
+                     "else 2.0)")
+    srv.add_argument("--max-swaps-per-min", type=_positive_int, metavar="N", default=None,
+                     help="with --max-loaded: the most model switches in any minute "
+                     "(default: $OMNI_STREAM_MAX_SWAPS_PER_MIN, else 6)")
     srv.add_argument("--preview-vae", metavar="PATH|ID", default=None, help=_PREVIEW_VAE_HELP)
     _add_lora_args(srv)
     srv.add_argument("--max-images", type=_positive_int, metavar="N", default=None,

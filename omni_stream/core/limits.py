@@ -61,6 +61,7 @@ _ENV: dict[str, tuple[str, type]] = {
     "close_timeout_s": ("OMNI_STREAM_CLOSE_TIMEOUT", float),
     "preview_threads": ("OMNI_STREAM_PREVIEW_THREADS", int),
     "max_messages_per_s": ("OMNI_STREAM_MAX_MESSAGES_PER_S", float),
+    "max_pause_s": ("OMNI_STREAM_MAX_PAUSE", float),
 }
 
 
@@ -160,6 +161,13 @@ class ServerLimits:
     #: person's page sends a few a minute; a script submitting work, a few
     #: a second.
     max_messages_per_s: float = 100.0
+    #: Seconds a request may spend paused by its clients, all its pauses together. A paused
+    #: request holds no place in the engine (it comes back through the gate when resumed),
+    #: but it holds its state, its memory and its principal's count: once paused this long
+    #: it resumes by itself (its watchers get ``resumed`` with ``reason: max_pause``) and a
+    #: further pause of it is refused. Four requests paused for good once kept every other
+    #: tenant's request queued with no end (issue #39, attack 1).
+    max_pause_s: float = 300.0
 
     def __post_init__(self) -> None:
         for f in fields(self):

@@ -7,10 +7,13 @@ keeps the latest ``progress``, the latest encoded preview and the terminal
 message, which is what ``attach`` replays. The :class:`RequestRegistry`
 holds the records, answers who may see which, and forgets ended requests:
 at once for a request that was not detached, after ``retention_s`` for one
-that was (and the oldest ended first when ``max_retained`` is reached, or
-when the server's :class:`~omni_stream.core.memory.MemoryBudget` needs the
-bytes). What a record keeps for replay counts against that budget until the
-record is forgotten.
+that was, or earlier when ``max_retained`` is reached or the server's
+:class:`~omni_stream.core.memory.MemoryBudget` needs the bytes: then the
+oldest ended result of the principal holding the most goes first, so a
+principal's flood evicts its own results, never another's that holds less
+(issue #39, attack 4: 300 cheap results of one tenant made another's
+finished results 404 two seconds after they ended). What a record keeps for
+replay counts against that budget until the record is forgotten.
 """
 
 from __future__ import annotations
@@ -84,6 +87,10 @@ class RequestRecord:
         self.loading = False
         #: Paused (Rules.pause): no step runs until it is resumed.
         self.paused = False
+        #: Seconds its clients' pauses held it, the one running now excluded (max_pause_s bounds it).
+        self.paused_for_s = 0.0
+        #: When its clients' pause running now began (Rules.clock), None while none is.
+        self.paused_at: float | None = None
         #: The ``restarted`` message (serialized) when the server brought it back after a restart
         #: (server/state.py): kept for every later ``attach``, whatever progress comes after it.
         self.restarted: str | None = None
@@ -186,16 +193,20 @@ class RequestRecord:
         for outbox in self._watchers.values():
             outbox.put(text, "loading", latest_key=(self.id, "progress"))
 
-    def publish_paused(self) -> None:
-        """Say the request is paused (after its latest step): ``paused`` to every watcher, in the
-        place of its progress (kept for a replay until it resumes)."""
+    def publish_paused(self, reason: str | None = None) -> None:
+        """Say the request is paused (after its latest step), for ``reason`` (protocol.PAUSE_REASONS):
+        ``paused`` to every watcher, in the place of its progress (kept for a replay until it
+        resumes). Raises ValueError for another reason."""
+        text = protocol.dumps(protocol.paused(self.id, step=self.latest_step, reason=reason))
         self.paused = True
-        self._publish_state(protocol.dumps(protocol.paused(self.id, step=self.latest_step)), "paused")
+        self._publish_state(text, "paused")
 
-    def publish_resumed(self) -> None:
-        """Say the request runs again: ``resumed`` to every watcher; its next progress replaces it."""
+    def publish_resumed(self, reason: str | None = None) -> None:
+        """Say the request runs again, for ``reason`` (protocol.RESUME_REASONS): ``resumed`` to
+        every watcher; its next progress replaces it. Raises ValueError for another reason."""
+        text = protocol.dumps(protocol.resumed(self.id, step=self.latest_step, reason=reason))
         self.paused = False
-        self._publish_state(protocol.dumps(protocol.resumed(self.id, step=self.latest_step)), "resumed")
+        self._publish_state(text, "resumed")
 
     def restart_settled(self) -> tuple[str, float] | None:
         """``(reason, seconds)`` from the restart said last to now, once: the consumer asks at each
@@ -548,10 +559,12 @@ class RequestRegistry:
         self.check_new(record.id, detach=record.detach)
         if record.detach:
             retained = self.retained()
-            if len(retained) >= self._max_retained:
-                ended = sorted((r for r in retained if r.ended), key=lambda r: r.ended_at or 0.0)
-                for victim in ended[: len(retained) - self._max_retained + 1]:
-                    self._forget(victim)
+            for _ in range(len(retained) - self._max_retained + 1):
+                victim = _next_victim(retained, newcomer=record.principal, weight=_one)
+                if victim is None:
+                    break
+                retained.remove(victim)
+                self._forget(victim)
         self._records[record.id] = record
         record.use_budget(self._budget)
 
@@ -561,8 +574,10 @@ class RequestRegistry:
         Visible: the client's own requests; every request of its
         ``principal`` when it proved it (a token's: pass its key, None
         otherwise, since an address or a connection proves nothing more
-        than the client itself); and detached requests (their id is the
-        capability).
+        than the client itself); and, to a client that proved nobody, the
+        detached requests of principals that proved nobody either (on a
+        server without tokens the id is the capability: a websocket's
+        principal is its connection, which a reconnect does not keep).
         """
         self.prune()
         record = self._records.get(request_id)
@@ -580,9 +595,13 @@ class RequestRegistry:
     @staticmethod
     def visible(record: RequestRecord, conn_id: str, *, principal: str | None) -> bool:
         """Whether client ``conn_id`` (of the proved ``principal``, if any) may see ``record``."""
-        if record.owner == conn_id or record.detach:
+        if record.owner == conn_id:
             return True
-        return principal is not None and record.principal == principal
+        if principal is not None:
+            return record.principal == principal
+        # A tenant's request is its tenant's alone, on every route, whoever knows the id
+        # (issue #39, attack 9: tenant B read, paused and deleted A's job by its id).
+        return record.detach and not record.principal.startswith(_PROVED)
 
     def ended(self, record: RequestRecord) -> None:
         """Call once ``record`` has finished: a request that was not detached is forgotten now."""
@@ -622,14 +641,14 @@ class RequestRegistry:
         return expired
 
     def evict_oldest_retained(self) -> bool:
-        """Forget the ended request that ended first, if any (the memory budget's call).
-
-        Returns whether one was forgotten.
+        """Forget one ended request, if any (the memory budget's call): the oldest of the
+        principal whose retained records hold the most bytes, so that one principal's large
+        results make room from its own first. Returns whether one was forgotten.
         """
-        ended = [r for r in self._records.values() if r.ended]
-        if not ended:
+        victim = _next_victim(list(self._records.values()), newcomer=None, weight=_bytes)
+        if victim is None:
             return False
-        self._forget(min(ended, key=lambda r: r.ended_at or 0.0))
+        self._forget(victim)
         return True
 
     def _forget(self, record: RequestRecord) -> None:
@@ -637,3 +656,43 @@ class RequestRegistry:
         record.forget()
         if self.on_forget is not None:
             self.on_forget(record)
+
+
+#: The principal kind whose key proves who it is (principal.py: a token's name).
+_PROVED = "token:"
+
+
+def _one(record: RequestRecord) -> int:
+    return 1
+
+
+def _bytes(record: RequestRecord) -> int:
+    return record.retained_bytes()
+
+
+def _next_victim(
+    records: list[RequestRecord], *, newcomer: str | None, weight: Callable[[RequestRecord], int]
+) -> RequestRecord | None:
+    """The ended record to forget first among ``records``: the oldest ended one of the principal
+    holding the most (by ``weight``, running records included; ties: ``newcomer``'s own, then
+    the one whose oldest ended first). None when none has ended.
+
+    Retention is one pool shared by every principal: forgetting the oldest result overall let
+    a principal's burst of cheap results evict everyone else's (issue #39, attack 4). Taken
+    from the largest holder, a burst evicts its own results, and another principal's go only
+    once it holds as much.
+    """
+    held: dict[str, int] = {}
+    oldest: dict[str, RequestRecord] = {}
+    for r in records:
+        held[r.principal] = held.get(r.principal, 0) + weight(r)
+        if r.ended:
+            mine = oldest.get(r.principal)
+            if mine is None or (r.ended_at or 0.0) < (mine.ended_at or 0.0):
+                oldest[r.principal] = r
+    if not oldest:
+        return None
+    key = max(
+        oldest, key=lambda p: (held[p], p == newcomer, -(oldest[p].ended_at or 0.0))
+    )
+    return oldest[key]

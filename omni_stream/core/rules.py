@@ -111,9 +111,12 @@ class Admitted:
 
 @dataclasses.dataclass(frozen=True, slots=True)
 class _Preempted:
-    """A gate payload: a request paused in the engine to make room, to resume when let in."""
+    """A gate payload: a request paused in the engine, to resume when let in: one the gate paused
+    to make room (``reason`` ``preempted``), or one its client paused, resumed since (``client``,
+    ``max_pause``), that waits for a place like any other."""
 
     record: RequestRecord
+    reason: str = "preempted"
 
 
 def _seed_of(checked: Mapping[str, Any]) -> int | None:
@@ -179,6 +182,11 @@ class Rules:
         self.gate = Gate(
             lambda: self.limits.active_bound(self.engine.max_batch_size, host_engines=self.host_engines)
         )
+        #: Requests their clients paused, by id: in the engine, holding no place in the gate's
+        #: count (they come back through the gate when resumed), each for max_pause_s at most.
+        self.paused: dict[str, RequestRecord] = {}
+        #: Called when a client's pause starts: the shell's timer looks at :meth:`expire_pauses` again.
+        self.on_paused: Callable[[], None] = lambda: None
         #: Open clients (websockets, HTTP calls, event streams), by id.
         self.clients: dict[str, Client] = {}
         #: Open clients per principal key.
@@ -474,15 +482,16 @@ class Rules:
             retry_after_s=lambda: self.retry_after(load),
             request_id=request_id,
         )
-        self._check_webhook(msg, request_id)
+        self._check_webhook(msg, request_id, principal.key)
         return load
 
-    def _check_webhook(self, msg: protocol.Generate, request_id: str) -> None:
+    def _check_webhook(self, msg: protocol.Generate, request_id: str, principal: str) -> None:
         """Refuse ``msg``'s webhook unless this server may call it and has room for one more.
 
         ``bad_params`` (field ``webhook``) without an allow-list or for a URL
         outside it (core/webhooks.py), ``busy`` when ``max_held`` requests
-        with a webhook are held (their terminal deliveries are never dropped).
+        with a webhook are held, or ``principal``'s share of them (their
+        terminal deliveries are never dropped).
         """
         if msg.webhook is None:
             return
@@ -495,10 +504,10 @@ class Rules:
                 request_id=request_id,
             )
         self.webhooks.check(msg.webhook, request_id=request_id)
-        if not self.webhook_book.has_room():
+        why = self.webhook_book.refusal(principal)
+        if why is not None:
             raise ServerBusyError(
-                f"the server holds {self.webhook_book.capacity} requests with a webhook whose "
-                "deliveries are not done; try again shortly",
+                f"{why}; try again shortly",
                 retry_after_s=self.webhooks.max_retry_s,
                 request_id=request_id,
             )
@@ -540,7 +549,7 @@ class Rules:
             # (_admit_cheap admitted it.) Told of its progress and its end by the record.
             record.webhook = WebhookState(
                 request_id, msg.webhook, config=self.webhooks, emit=self.on_webhook,
-                book=self.webhook_book, clock=self.clock,
+                book=self.webhook_book, principal=principal.key, clock=self.clock,
             )
         # The engine checks the params again: it must run with the seed drawn
         # here (the one `accepted` reports), not draw a second.
@@ -686,7 +695,7 @@ class Rules:
         pause = getattr(self.engine, "pause", None)
         if pause is None or not pause(victim.id, to_host=True):
             return
-        victim.publish_paused()
+        victim.publish_paused("preempted")
         self.gate.left(victim.principal)
         # The place is the newcomer's: let in by the gate's order, the victim
         # (its principal now with one fewer inside) could take it straight back.
@@ -708,7 +717,7 @@ class Rules:
                 record.entered_step = record.latest_step
                 resume = getattr(self.engine, "resume", None)
                 if resume is not None and resume(record.id):
-                    record.publish_resumed()
+                    record.publish_resumed(item.payload.reason)
                 continue
             self._let(item.payload)
 
@@ -753,17 +762,32 @@ class Rules:
 
     def pause(self, client: Client, request_id: str, *, to_host: bool = False) -> RequestRecord:
         """Pause a request ``client`` may see, between two steps (``Engine.pause``); its watchers
-        get ``paused``. Raises MessageError: ``not_found``, or ``bad_message`` for a request that
-        is not running in the engine (ended, waiting for a place, paused already), one whose model
-        cannot stop it between two steps (the engine's ``pause_refusal`` says why), or an engine
-        that cannot pause."""
+        get ``paused``. It gives its place in the engine to the next request in the gate, comes
+        back through the gate when resumed, and resumes by itself once paused ``max_pause_s`` in
+        all (:meth:`expire_pauses`). Raises MessageError: ``not_found``, or ``bad_message`` for a
+        request that is not running in the engine (ended, waiting for a place, paused already),
+        one paused ``max_pause_s`` already, one whose model cannot stop it between two steps (the
+        engine's ``pause_refusal`` says why), or an engine that cannot pause."""
         record = self.lookup(client, request_id)
         pause = getattr(self.engine, "pause", None)
         if pause is None:
             raise protocol.MessageError(
                 "bad_message", "this server's engine cannot pause requests", request_id=request_id
             )
-        if record.ended or record.id in self.gate or not pause(record.id, to_host=to_host):
+        bound = self.limits.max_pause_s
+        if not record.ended and record.paused_for_s >= bound:
+            raise protocol.MessageError(
+                "bad_message",
+                f"request {record.id} was paused {record.paused_for_s:.1f} s in all, this server's "
+                f"max_pause_s={bound:g} ({ServerLimits.env_name('max_pause_s')}): it runs to its end",
+                request_id=request_id,
+            )
+        if (
+            record.ended
+            or record.id in self.gate
+            or record.id in self.paused
+            or not pause(record.id, to_host=to_host)
+        ):
             # Its model may refuse it whatever its progress (Engine.pause_refusal): say so, not
             # that it is not running.
             refusal = getattr(self.engine, "pause_refusal", None)
@@ -774,20 +798,70 @@ class Rules:
                 "already): nothing to pause",
                 request_id=request_id,
             )
-        record.publish_paused()
+        record.publish_paused("client")
+        record.paused_at = self.clock()
+        self.paused[record.id] = record
+        # Its place is the next request's: four requests paused for good once held every place
+        # of a CPU server, and another tenant's request waited with no end (issue #39, attack 1).
+        self.gate.left(record.principal)
+        self.on_paused()
+        self.let_in()
         return record
 
     def resume(self, client: Client, request_id: str) -> RequestRecord:
-        """Resume a paused request ``client`` may see; its watchers get ``resumed``.
-        Raises MessageError: ``not_found``, or ``bad_message`` for one that is not paused."""
+        """Resume a paused request ``client`` may see: it runs again when the gate has a place for
+        it (at once if it has one), and its watchers get ``resumed`` then. Raises MessageError:
+        ``not_found``, or ``bad_message`` for one that is not paused."""
         record = self.lookup(client, request_id)
+        if record.id in self.paused and not record.ended:
+            self._unpause(record, "client")
+            return record
         resume = getattr(self.engine, "resume", None)
-        if resume is None or record.ended or not resume(record.id):
+        # (Not a request the gate paused: that one runs again when the gate lets it in.)
+        if resume is None or record.ended or record.id in self.gate or not resume(record.id):
             raise protocol.MessageError(
                 "bad_message", f"request {record.id} is not paused: nothing to resume", request_id=request_id
             )
-        record.publish_resumed()
+        record.publish_resumed("client")
         return record
+
+    def _unpause(self, record: RequestRecord, reason: str) -> None:
+        """End a client's pause of ``record`` (``reason``: ``client`` or ``max_pause``): back into
+        the engine now if the gate has room, else it waits there for a place, ranked as any
+        request with its steps left."""
+        del self.paused[record.id]
+        now = self.clock()
+        if record.paused_at is not None:
+            record.paused_for_s += max(0.0, now - record.paused_at)
+            record.paused_at = None
+        item = _Preempted(record, reason)
+        self.gate.wait(
+            record.id, record.principal, record.priority, item,
+            cost=max(1, record.total - record.latest_step), cross=record.cross_priority,
+        )
+        self.let_in()
+
+    def expire_pauses(self) -> float | None:
+        """Resume every request its clients paused ``max_pause_s`` in all (its watchers get
+        ``resumed`` with ``reason: max_pause`` as it runs again); seconds until the next one is
+        due, None when none is paused. The shell calls it when that time comes, and again
+        whenever ``on_paused`` says a pause began."""
+        now = self.clock()
+        bound = self.limits.max_pause_s
+        due: float | None = None
+        for record in list(self.paused.values()):
+            started = record.paused_at if record.paused_at is not None else now
+            left = started + bound - record.paused_for_s - now
+            if left <= 0 or record.ended:
+                if not record.ended:
+                    logger.info(
+                        "request %s: paused %.1f s in all, max_pause_s=%g: it resumes",
+                        record.id, record.paused_for_s + now - started, bound,
+                    )
+                    self._unpause(record, "max_pause")
+            else:
+                due = left if due is None else min(due, left)
+        return due
 
     def attach(self, client: Client, request_id: str) -> RequestRecord:
         """``client``'s outbox watches the request from now on, after its replay; raises MessageError."""
@@ -817,7 +891,9 @@ class Rules:
 
     def consumer_done(self, record: RequestRecord, message: dict[str, Any]) -> None:
         """A request's consumer ended with ``message``: it left the engine; the next goes in."""
-        self.gate.left(record.principal)
+        if self.paused.pop(record.id, None) is None:
+            # (One its client paused gave its place back when it paused.)
+            self.gate.left(record.principal)
         self.finish(record, message)
         self.let_in()
 
@@ -843,8 +919,9 @@ class Rules:
 
     def load(self, health: Any | None = None) -> admission.Load:
         stats = (health or self.engine.health()).statistics
-        # What the engine holds (its own count, in case others share it) and what waits in the gate.
-        in_engine = max(self.gate.in_engine, stats.active + stats.queued)
+        # What the engine holds (its own count, in case others share it) and what waits in the
+        # gate; the requests their clients paused hold no place.
+        in_engine = max(self.gate.in_engine, stats.active + stats.queued - len(self.paused))
         return admission.Load.of(
             in_engine, self.gate.waiting, self.limits, engine_batch_size=self.engine.max_batch_size,
             host_engines=self.host_engines,
@@ -866,7 +943,10 @@ class Rules:
         (higher priority across principals first, then arrival), then
         those waiting in the gate, in the order it lets them in.
         """
-        starting = [r for r in self.registry.running() if r.latest_step == 0 and r.id not in self.gate]
+        starting = [
+            r for r in self.registry.running()
+            if r.latest_step == 0 and r.id not in self.gate and r.id not in self.paused
+        ]
         starting.sort(key=lambda r: (-r.cross_priority, r.created_at))
         order = [r.id for r in starting] + self.gate.order()
         return {rid: i for i, rid in enumerate(order)}

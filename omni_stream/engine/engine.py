@@ -44,6 +44,7 @@ from ..config import (
 from ..device import Device, PinnedBufferPool, resolve_device
 from ..device.openmp import release_idle_team, set_torch_threads_here
 from ..errors import (
+    CheckpointError,
     EngineClosedError,
     EngineDeadError,
     EngineStalledError,
@@ -67,7 +68,7 @@ from .stats import EngineStatistics, Health
 from .stream import FrameStream
 from .table import Limits, RequestTable
 
-__all__ = ["Engine", "pause_refusal"]
+__all__ = ["Engine", "HandedOver", "pause_refusal"]
 
 logger = logging.getLogger("omni_stream.engine")
 
@@ -680,6 +681,67 @@ class Engine:
             self._table.wake_producer()
         return True
 
+    def offload(self, request_id: str) -> bool:
+        """Pause a request (if it is not paused already) and move its state to the host, so that
+        :meth:`hand_over` can take it out; True if it is on its way (or there already).
+
+        False for a request not here or ended, and for one its model cannot stop between two
+        steps (:func:`pause_refusal`). A client's pause stays a pause: only where its state is
+        changes. Safe from any thread.
+        """
+        r = self._by_id.get(request_id)
+        if r is None or r.finalized or pause_refusal(self.model, r.params, request_id) is not None:
+            return False
+        with self._table.cond:
+            if r.status.ended:
+                return False
+            if not r.paused:
+                r.paused = True
+                r.paused_since = self._table.clock()
+            r.to_host = True
+            self._table.wake_producer()  # it has the state to move
+        return True
+
+    def hand_over(self, request_id: str) -> HandedOver | None:
+        """Take a request :meth:`offload` paused out of this engine, to go on in another (a model
+        router unloading its model); None until its state is on the host and every frame it made
+        has reached its stream. Call :meth:`offload` first.
+
+        Its stream yields those frames, then raises RequestCancelledError (the router's stream
+        goes on where the next engine takes it up). Not counted as cancelled. Raises
+        CheckpointError when its state cannot leave the device (its model failed to snapshot
+        it; the pause holds), RequestCancelledError for a request not here or ended.
+        """
+        r = self._by_id.get(request_id)
+        if r is None or r.finalized:
+            raise RequestCancelledError(
+                f"request {request_id} is not in this engine: nothing to hand over", request_id=request_id
+            )
+        with self._table.cond:
+            if r.started:
+                # Its state is on the device, or on its way off it: the producer clears
+                # ``to_host`` last, after ``resume_from`` and ``started``, and only then when
+                # the snapshot failed does the state stay (offload() set it before asking).
+                if r.paused and not r.to_host and not r.closed and r.state is not None:
+                    raise CheckpointError(
+                        f"request {request_id}: its state could not be moved to the host "
+                        f"({self.model.name}.snapshot failed; the log says why), so it stays in "
+                        "this engine",
+                        request_id=request_id,
+                    )
+                return None
+            if not r.paused or r.issued != r.delivered:
+                return None
+            checkpoint, step = r.resume_from, r.issued
+        # Drained: the frames it made are real, and the next engine goes on after them.
+        self._output.end(
+            r, Status.CANCELLED,
+            RequestCancelledError(f"request {request_id} was handed over to another engine", request_id=r.id),
+            drain=True,
+        )
+        self._output.counts[Status.CANCELLED] -= 1  # it did not end: it goes on elsewhere
+        return HandedOver(checkpoint, step)
+
     @property
     def scheduling(self) -> str:
         """The scheduling policy (engine/scheduler.py)."""
@@ -775,6 +837,16 @@ class Engine:
             frames_lent=self._copier.frames_lent,
             frames_cloned=self._copier.frames_cloned,
         )
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class HandedOver:
+    """A request taken out of an engine (:meth:`Engine.hand_over`): its state as a checkpoint on
+    the host, and the steps its frames covered (``checkpoint.step``; 0 and no checkpoint for
+    one that had not started, or its own ``resume`` checkpoint if it was given one)."""
+
+    checkpoint: Checkpoint | None
+    step: int
 
 
 def pause_refusal(model: StepModel, params: Mapping[str, Any], request_id: str) -> str | None:

@@ -12,27 +12,57 @@ its params known, so requests are checked before anything loads). *Loaded*
 means on the device in a running engine. With ``max_loaded=None`` every
 model loads at start; with ``max_loaded=N`` models load when a request
 needs them, and at most ``N`` are loaded at once: loading another unloads
-the least recently used one, once the requests it runs have ended (the
-model's ``unload()`` hook moves its weights off the device; a diffusers
-pipeline goes back to the CPU). ComfyUI and AUTOMATIC1111 keep checkpoints
-the same way; vLLM-Omni loads one model per server.
+one (the model's ``unload()`` hook moves its weights off the device; a
+diffusers pipeline goes back to the CPU). ComfyUI and AUTOMATIC1111 keep
+checkpoints the same way; vLLM-Omni loads one model per server.
+
+Residency (issue #39, attack 6: a 20-step request waited a long request's
+whole run on the other model, and two tenants alternating models
+livelocked the router at 21,000 swaps in 30 s). Which loaded model makes
+room, and when; its quantum is ``min_residency_s``:
+
+- one nobody uses (no request runs in it but paused ones, none waits for
+  it) once a quantum has passed since it loaded or last served a request:
+  a client's next request, a moment later, finds it still there, and
+  requests alternating between models swap at most once a quantum;
+- one in use, once it has been loaded a quantum, by the scheduling
+  policy: ``preemptive`` (the default) when every request running in it
+  has more steps left than the shortest waiting for the other model, or
+  that one has waited ten quanta (the shortest remaining work first,
+  aged, as the engine ranks); ``round-robin`` always (time slices);
+  ``fcfs`` never while its requests run (it takes no new ones, and goes
+  when they end). Its running requests are paused to the host and handed
+  over (``Engine.offload``, ``Engine.hand_over``: their state as a
+  checkpoint) and go on where they stopped when it loads again, their
+  frames and results the uninterrupted run's; a request its model cannot
+  snapshot runs to its end first;
+- and every such switch is one of at most ``max_swaps_per_min`` in any
+  minute (the swap budget): past it, the next switch waits, so requests
+  alternating between models cannot keep the device moving weights (an
+  H200 took 0.45 s to load SD 1.5 and 1.53 s to unload it).
+
+A request its client paused holds no model: handed over to the host with
+the rest, it asks for its model again only when resumed. The defaults:
+``OMNI_STREAM_MIN_RESIDENCY`` (2.0 s) and ``OMNI_STREAM_MAX_SWAPS_PER_MIN``
+(6), read when the router is made.
 
 Who waits on whom: a request whose model is not loaded waits in its
-stream's first ``__anext__`` (its :attr:`RoutedStream.loading` is True
+stream's ``__anext__`` (its :attr:`RoutedStream.loading` is True
 meanwhile: the server says ``loading``); loads run one at a time in the
 router's own tasks, never in a reader's, so a reader that leaves does not
 abort a load that others wait for. A model chosen for unloading takes no
-new requests (they wait for it to load again), so a busy model cannot keep
-another out forever. A model that fails to load fails the requests waiting
-for it (EngineDeadError) and the next request tries again; the router's
-health stays ok while the loaded engines are.
+new requests (they wait for it to load again). A model that fails to load
+fails the requests waiting for it (EngineDeadError) and the next request
+tries again; the router's health stays ok while the loaded engines are.
 """
 
 from __future__ import annotations
 
 import logging
+import math
 import time
 import weakref
+from collections import deque
 from collections.abc import AsyncIterator, Callable, Mapping
 from dataclasses import dataclass
 from types import MappingProxyType, TracebackType
@@ -43,21 +73,41 @@ import anyio.abc
 import anyio.to_thread
 
 from ..checkpoint import Checkpoint
-from ..errors import EngineClosedError, EngineDeadError, ParamsError, RequestCancelledError
+from ..config import env_float, env_int
+from ..errors import CheckpointError, EngineClosedError, EngineDeadError, ParamsError, RequestCancelledError
 from ..frame import Frame
 from ..ids import model_name_problem
 from ..lifecycle import Lifecycle
 from ..model import StepModel
 from ..params import positive_int
-from .engine import Engine, pause_refusal
+from .engine import Engine, HandedOver, pause_refusal
 from .group import _sum_statistics
 from .intake import CheckedRequest, already_running, check_checkpointed, check_request_id
 from .like import FrameStreamLike, final_frame
 from .stats import EngineStatistics, Health
 
-__all__ = ["ModelRouter", "RoutedStream", "check_model_name"]
+__all__ = [
+    "MAX_SWAPS_PER_MIN_ENV",
+    "MIN_RESIDENCY_ENV",
+    "ModelRouter",
+    "RoutedStream",
+    "check_model_name",
+]
 
 logger = logging.getLogger("omni_stream.engine")
+
+MIN_RESIDENCY_ENV = "OMNI_STREAM_MIN_RESIDENCY"
+MAX_SWAPS_PER_MIN_ENV = "OMNI_STREAM_MAX_SWAPS_PER_MIN"
+#: The defaults (see the module docstring): on an H200 a swap of SD 1.5 took about 2 s, so at
+#: most 6 a minute spend at most a fifth of the device's time moving weights.
+DEFAULT_MIN_RESIDENCY_S = 2.0
+DEFAULT_MAX_SWAPS_PER_MIN = 6
+#: The producer says nothing when it has moved a paused state to the host: an unload looks
+#: again this often (it takes the step in progress, at most).
+_HAND_OVER_POLL_S = 0.005
+#: Under the ``preemptive`` policy a request waits for its model at most this many quanta
+#: (``min_residency_s``) while shorter requests keep the device on another: aged, never starved.
+_STARVED_QUANTA = 10
 
 def check_model_name(name: object) -> str:
     """``name`` if it is a model name (omni_stream/ids.py's rule); raises ParamsError (field ``model``)."""
@@ -87,6 +137,7 @@ class _Slot:
     loads: int = 0
     load_s: float = 0.0  # how long its last load took
     unload_s: float = 0.0
+    loaded_at: float = 0.0  # when its engine was last ready: its residency counts from here
 
     @property
     def ready(self) -> bool:
@@ -109,9 +160,18 @@ class RoutedStream:
         self._request = request
         self._submit = submit or {}  # Engine.submit's checkpoint keywords
         self._inner: FrameStreamLike | None = None
+        #: Its frames from the engine it was handed over from, still to read (then it goes on).
+        self._old: FrameStreamLike | None = None
+        self._holds = False  # it counts in its slot's ``active`` (it holds the engine)
+        #: Its client paused it (ModelRouter.pause): in an engine or not, it keeps no model loaded.
+        self._paused = False
+        self._leaving = False  # an unload is handing it over
+        self._step = 0  # the last step its reader took (or its checkpoint's): what it has left
+        self._waiting_since = time.monotonic()  # when it last began to wait for its model
         self._cancelled = False
-        self._released = False
         self._closed = False
+        #: Called when it is handed over and waits for its model again (the server says ``loading``).
+        self.on_loading: Callable[[], None] | None = None
 
     @property
     def request_id(self) -> str:
@@ -132,6 +192,11 @@ class RoutedStream:
         return self._slot.name
 
     @property
+    def remaining(self) -> int:
+        """Steps it has left, as far as its reader has seen (the router's policy ranks by it)."""
+        return self._request.total - self._step
+
+    @property
     def loading(self) -> bool:
         """True while the request waits for its model to load (no frame can come before)."""
         return self._inner is None and not self._closed and not self._slot.ready
@@ -140,26 +205,50 @@ class RoutedStream:
         return self
 
     async def __anext__(self) -> Frame:
-        if self._inner is None:
-            if self._closed:
-                raise StopAsyncIteration
-            self._inner = await self._router._open(self)
-        try:
-            frame = await self._inner.__anext__()
-        except BaseException:
-            self._release()
-            raise
-        if frame.final:
-            self._release()
-        return frame
+        while True:
+            old = self._old
+            if old is not None:
+                # Handed over: the frames its last engine made come first, then its end there.
+                try:
+                    return await old.__anext__()
+                except RequestCancelledError:
+                    if self._old is old:
+                        self._old = None
+                    continue
+                except BaseException:
+                    self._release()
+                    raise
+            if self._inner is None:
+                if self._closed:
+                    raise StopAsyncIteration
+                self._inner = await self._router._open(self)
+            inner = self._inner
+            try:
+                frame = await inner.__anext__()
+            except RequestCancelledError:
+                if self._old is inner:
+                    # Handed over while this reader waited (its frames are all read): go on.
+                    self._old = None
+                    continue
+                self._release()
+                raise
+            except BaseException:
+                self._release()
+                raise
+            self._step = frame.step
+            if frame.final:
+                self._release()
+            return frame
 
     def poll(self) -> Frame | None:
         """The next frame if one is ready now, else None (always None while loading)."""
         if self._inner is None:
             return None
         frame = self._inner.poll()
-        if frame is not None and frame.final:
-            self._release()
+        if frame is not None:
+            self._step = frame.step
+            if frame.final:
+                self._release()
         return frame
 
     async def aclose(self) -> None:
@@ -167,8 +256,9 @@ class RoutedStream:
         self._closed = True
         self._router._forget(self)
         try:
-            if self._inner is not None:
-                await self._inner.aclose()
+            for inner in (self._old, self._inner):
+                if inner is not None:
+                    await inner.aclose()
         finally:
             self._release()
 
@@ -189,16 +279,31 @@ class RoutedStream:
 
     def __del__(self) -> None:
         # The inner stream's own __del__ cancels the request; this lets its model unload.
-        if not getattr(self, "_released", True) and getattr(self, "_inner", None) is not None:
-            self._released = True
+        if getattr(self, "_holds", False):
+            self._holds = False
             self._slot.active -= 1
             # Waiters see it at the next change (a finalizer may run where no event loop does).
 
     def _release(self) -> None:
-        if not self._released and self._inner is not None:
-            self._released = True
-            self._router._release(self._slot)
+        """It ended: it holds its engine no more, and the router forgets it."""
+        self._leave()
         self._router._forget(self)
+
+    def _leave(self) -> None:
+        if self._holds:
+            self._holds = False
+            self._router._release(self._slot)
+
+    def _hand_over(self, handed: HandedOver) -> None:
+        """Its engine gave it up (an unload): the next ``__anext__`` reads what that engine made,
+        then waits for its model and goes on from ``handed.checkpoint`` there."""
+        self._old, self._inner = self._inner, None
+        self._submit["resume"] = handed.checkpoint
+        self._step = handed.step
+        self._leaving = False
+        self._leave()
+        if self.on_loading is not None and not self._paused:
+            self.on_loading()
 
 
 class ModelRouter:
@@ -207,9 +312,12 @@ class ModelRouter:
     ``ModelRouter({"sd": sd_model, "mix": mixture}, max_loaded=None,
     **engine_options)``: the first model is the default; ``max_loaded``
     (None: all, loaded at start) bounds the models loaded at once;
-    ``engine_options`` go to each model's :class:`Engine` (``device``,
-    ``max_batch_size``, ...). Enter it with ``async with``. Raises
-    ParamsError for no models, a bad name or a bad ``max_loaded``.
+    ``min_residency_s`` and ``max_swaps_per_min`` (None: their environment
+    variables, else the defaults) bound how often they change (the module
+    docstring); ``engine_options`` go to each model's :class:`Engine`
+    (``device``, ``max_batch_size``, ``scheduling``, ...). Enter it with
+    ``async with``. Raises ParamsError for no models, a bad name, a bad
+    ``max_loaded``, ``min_residency_s`` or ``max_swaps_per_min``.
     """
 
     def __init__(
@@ -217,8 +325,31 @@ class ModelRouter:
         models: Mapping[str, StepModel],
         *,
         max_loaded: int | None = None,
+        min_residency_s: float | None = None,
+        max_swaps_per_min: int | None = None,
         **engine_options: Any,
     ) -> None:
+        if min_residency_s is None:
+            min_residency_s = env_float(MIN_RESIDENCY_ENV, DEFAULT_MIN_RESIDENCY_S, positive=False)
+        if (
+            isinstance(min_residency_s, bool)
+            or not isinstance(min_residency_s, (int, float))
+            or not math.isfinite(min_residency_s)
+            or min_residency_s < 0
+        ):
+            raise ParamsError(
+                f"min_residency_s ({MIN_RESIDENCY_ENV}) must be a finite number >= 0, "
+                f"got {min_residency_s!r}",
+                field="min_residency_s",
+            )
+        if max_swaps_per_min is None:
+            max_swaps_per_min = env_int(MAX_SWAPS_PER_MIN_ENV, DEFAULT_MAX_SWAPS_PER_MIN)
+        positive_int(max_swaps_per_min, "max_swaps_per_min", env=MAX_SWAPS_PER_MIN_ENV)
+        self._min_residency_s = float(min_residency_s)
+        self._max_swaps = max_swaps_per_min
+        self._swaps: deque[float] = deque()  # when each switch of the last minute began
+        #: Swaps (an unload to load another) since start.
+        self.swaps = 0
         if not models:
             raise ParamsError("a ModelRouter needs at least one model", field="models")
         for name, model in models.items():
@@ -275,6 +406,20 @@ class ModelRouter:
         """The most requests one model call advances, over the models (each its own engine)."""
         option = int(self._engine_options.get("max_batch_size", 8))
         return max(min(option, slot.model.max_batch_size) for slot in self._slots.values())
+
+    @property
+    def min_residency_s(self) -> float:
+        """Seconds a model in use stays loaded before another may take its place."""
+        return self._min_residency_s
+
+    @property
+    def max_swaps_per_min(self) -> int:
+        """The most model switches (an unload to load another) in any minute."""
+        return self._max_swaps
+
+    def loads(self) -> dict[str, int]:
+        """``{name: times it was loaded}`` since start."""
+        return {name: slot.loads for name, slot in self._slots.items()}
 
     def load_times(self) -> dict[str, tuple[float, float]]:
         """``{name: (seconds its last load took, seconds its last unload took)}``."""
@@ -408,11 +553,21 @@ class ModelRouter:
         return True
 
     def pause(self, request_id: str, *, to_host: bool = False) -> bool:
-        """``Engine.pause`` on the engine running the request; False while it waits for its model,
-        and for one its model cannot stop between two steps (:meth:`pause_refusal`)."""
+        """Pause a request: ``Engine.pause`` on the engine running it, or, while it waits for its
+        model (loading, or handed over by an unload), it stays out of every engine until
+        :meth:`resume`. Either way it keeps no model loaded: an unload hands it over to the host.
+        False for one paused already, one not here, and one its model cannot stop between two
+        steps (:meth:`pause_refusal`)."""
         stream = self._streams.get(request_id)
-        engine = None if stream is None or stream._inner is None else stream._slot.engine
-        return engine is not None and engine.pause(request_id, to_host=to_host)
+        if stream is None or stream._paused or stream._closed or self.pause_refusal(request_id):
+            return False
+        engine = stream._slot.engine
+        in_engine = stream._inner is not None and not stream._leaving
+        if in_engine and (engine is None or not engine.pause(request_id, to_host=to_host)):
+            return False
+        stream._paused = True
+        self._notify()  # its model may be free to unload now
+        return True
 
     def pause_refusal(self, request_id: str) -> str | None:
         """Why :meth:`pause` refuses ``request_id`` whatever its progress (its model cannot stop it
@@ -423,10 +578,21 @@ class ModelRouter:
         return pause_refusal(stream._slot.model, stream.params, request_id)
 
     def resume(self, request_id: str) -> bool:
-        """``Engine.resume`` on the engine running the request."""
+        """Resume a request :meth:`pause` paused: ``Engine.resume`` in its engine, or, out of
+        every engine, it asks for its model again. False for one that is not paused."""
         stream = self._streams.get(request_id)
-        engine = None if stream is None or stream._inner is None else stream._slot.engine
-        return engine is not None and engine.resume(request_id)
+        if stream is None or not stream._paused:
+            return False
+        if stream._inner is not None and not stream._leaving:
+            engine = stream._slot.engine
+            if engine is None or not engine.resume(request_id):
+                return False
+        stream._paused = False
+        stream._waiting_since = time.monotonic()  # its wait for its model starts now
+        if stream._inner is None and stream.loading and stream.on_loading is not None:
+            stream.on_loading()  # out of every engine, its model unloaded meanwhile
+        self._notify()  # a reader waiting out of every engine goes on
+        return True
 
     def model_of(self, name: str | None) -> StepModel:
         """The model a request naming ``name`` runs on; ParamsError (field ``model``) listing the names."""
@@ -460,6 +626,8 @@ class ModelRouter:
             if slot.engine is None:
                 continue
             health = slot.engine.health()
+            if health.status == "closed" and slot.draining:
+                continue  # unloading: closed on purpose, not a router that cannot serve
             if not health.ok:
                 return Health(health.status, f"model {name!r}: {health.reason}", stats, health.device)
         failed = [f"model {s.name!r} failed to load: {s.error}" for s in self._slots.values() if s.error]
@@ -468,7 +636,7 @@ class ModelRouter:
     def check_health(self) -> None:
         """Return when healthy; raise EngineDeadError, EngineStalledError or EngineClosedError."""
         for slot in self._slots.values():
-            if slot.engine is not None:
+            if slot.engine is not None and not (slot.draining and slot.engine.health().status == "closed"):
                 slot.engine.check_health()
         if self._state is not Lifecycle.RUNNING:
             raise EngineClosedError(self.health().reason or "the model router is closed")
@@ -508,14 +676,23 @@ class ModelRouter:
         slot = stream._slot
         request_id = stream.request_id
         waited = -2  # the load attempt this request waits for (none yet)
+        stream._waiting_since = time.monotonic()
+        if not slot.ready:
+            self._notify()  # one more waiter: a load waiting to make room decides again
         while True:
             self._check_open(request_id)
             if stream._cancelled:
                 raise RequestCancelledError("request cancelled while its model loaded", request_id=request_id)
+            if stream._paused:
+                # Paused out of every engine (its state on the host): it wants no model until
+                # it is resumed.
+                await self._wait_change()
+                continue
             if slot.ready:
                 assert slot.engine is not None
                 inner = slot.engine.submit(stream._request, **stream._submit)
                 slot.active += 1
+                stream._holds = True
                 slot.last_used = time.monotonic()
                 return inner
             if slot.loading:
@@ -535,22 +712,32 @@ class ModelRouter:
             await self._wait_change()
 
     async def _load(self, slot: _Slot) -> None:
-        """Load ``slot``'s model (a router task), unloading the least recently used first when
-        ``max_loaded`` are; a failure is kept in ``slot.error`` for the requests waiting."""
+        """Load ``slot``'s model (a router task), first making room when ``max_loaded`` are (the
+        module docstring: whose, when); a failure is kept in ``slot.error`` for the requests
+        waiting. Gives up when nobody waits for it any more."""
         slot.loading = True
         assert self._load_lock is not None
         try:
             async with self._load_lock:
                 while self._max_loaded is not None and len(self.loaded) >= self._max_loaded:
-                    victim = self._victim(slot)
-                    if victim is None:
+                    if self._state is not Lifecycle.RUNNING or not self._wanted(slot):
+                        return  # closing, or its requests left while it waited: no switch for nobody
+                    victim, wait = self._victim(slot)
+                    if victim is not None:
+                        budget = self._swap_wait()
+                        if budget <= 0:
+                            await self._unload(victim)
+                            continue
+                        wait = min(wait, budget)
+                    with anyio.move_on_after(wait):
                         await self._wait_change()
-                        continue
-                    await self._unload(victim)
+                if self._state is not Lifecycle.RUNNING:
+                    return
                 started = time.monotonic()
                 assert self._tg is not None
                 await self._tg.start(self._own, slot)
-                slot.load_s = time.monotonic() - started
+                slot.loaded_at = time.monotonic()
+                slot.load_s = slot.loaded_at - started
                 slot.loads += 1
                 logger.info("model %s loaded in %.2f s", slot.name, slot.load_s)
         except Exception as exc:  # noqa: BLE001 - any failure of a model's load is its requests' error
@@ -561,17 +748,109 @@ class ModelRouter:
             slot.loading = False
             self._notify()
 
-    def _victim(self, wanted: _Slot) -> _Slot | None:
-        """The least recently used loaded model other than ``wanted``."""
-        loaded = [s for s in self._slots.values() if s.engine is not None and s is not wanted]
-        return min(loaded, key=lambda s: s.last_used) if loaded else None
+    def _streams_of(self, slot: _Slot) -> list[RoutedStream]:
+        return [s for s in list(self._streams.values()) if s._slot is slot and not s._closed]
+
+    def _wanted(self, slot: _Slot) -> bool:
+        """Whether a request waits for ``slot``'s model (not paused, not cancelled)."""
+        return any(s._inner is None and not s._paused and not s._cancelled for s in self._streams_of(slot))
+
+    def _in_use(self, slot: _Slot) -> bool:
+        """Whether a request runs in ``slot``'s engine (one its client paused does not count) or
+        waits for it."""
+        return any(not s._paused and not s._cancelled for s in self._streams_of(slot))
+
+    def _victim(self, wanted: _Slot) -> tuple[_Slot | None, float]:
+        """The loaded model to make room for ``wanted`` now, or None and the seconds until one
+        may (the module docstring's rules; the least recently used first among those that may)."""
+        now = time.monotonic()
+        quantum = self._min_residency_s
+        wait = math.inf
+        free: list[_Slot] = []
+        due: list[_Slot] = []
+        waiters = [s for s in self._streams_of(wanted) if s._inner is None and not s._paused]
+        shortest = min((s.remaining for s in waiters), default=0)
+        waited = max((now - s._waiting_since for s in waiters), default=0.0)
+        for slot in self._slots.values():
+            if slot.engine is None or slot is wanted:
+                continue
+            if not self._in_use(slot):
+                # Unused: it goes once its quantum since it loaded or last served a request is
+                # over, so a client's next request, a moment later, finds it still there and
+                # alternating requests swap at most once a quantum.
+                idle = now - max(slot.loaded_at, slot.last_used)
+                if idle >= quantum:
+                    free.append(slot)
+                else:
+                    wait = min(wait, quantum - idle)
+                continue
+            # In use: it keeps the device for its quantum since it loaded. Without that, two
+            # loads in turn took each other's model before its requests ran (the livelock).
+            resident = now - slot.loaded_at
+            if resident < quantum:
+                wait = min(wait, quantum - resident)
+            elif self._policy != "preemptive" or waited >= _STARVED_QUANTA * quantum:
+                due.append(slot)
+            elif min((s.remaining for s in self._busy(slot)), default=0) > shortest:
+                # Shortest remaining work first, as the engine's own policy: a long run gives
+                # way to a shorter request, never the other way round.
+                due.append(slot)
+            else:
+                # A longer request waits for the shorter ones, aged: never past its bound.
+                wait = min(wait, _STARVED_QUANTA * quantum - waited)
+        candidates = free or due
+        if candidates:
+            return min(candidates, key=lambda s: s.last_used), 0.0
+        return None, wait
+
+    def _busy(self, slot: _Slot) -> list[RoutedStream]:
+        """The requests running in ``slot``'s engine, not paused by their clients."""
+        return [s for s in self._streams_of(slot) if s._inner is not None and not s._paused]
+
+    def _swap_wait(self) -> float:
+        """Seconds until the swap budget allows one more switch (<= 0: now)."""
+        now = time.monotonic()
+        while self._swaps and now - self._swaps[0] >= 60.0:
+            self._swaps.popleft()
+        if len(self._swaps) < self._max_swaps:
+            return 0.0
+        return self._swaps[0] + 60.0 - now
+
+    @property
+    def _policy(self) -> str:
+        return str(self._engine_options.get("scheduling", "preemptive"))
+
+    def _preempts(self) -> bool:
+        """Whether an unload hands its running requests over (the policy; ``fcfs`` runs them out)."""
+        return self._policy != "fcfs"
 
     async def _unload(self, slot: _Slot) -> None:
-        """Drain ``slot`` (no new requests; its running ones end), close its engine, move its model off."""
+        """Make ``slot`` give up the device: no new requests; its running ones handed over to the
+        host (:meth:`_preempts`; those its client paused always) or run to their end; then its
+        engine closes and its model moves off."""
         slot.draining = True
+        self._swaps.append(time.monotonic())
+        self.swaps += 1
+        moving: list[RoutedStream] = []
         try:
+            engine = slot.engine
+            if engine is not None:
+                for stream in self._streams_of(slot):
+                    if stream._inner is None or not (stream._paused or self._preempts()):
+                        continue
+                    if engine.offload(stream.request_id):
+                        stream._leaving = True
+                        moving.append(stream)
             while slot.active:
-                await self._wait_change()
+                for stream in list(moving):
+                    if self._handed_over(engine, stream):
+                        moving.remove(stream)
+                if not slot.active:
+                    break
+                # The producer says nothing when it has moved a state to the host: look again
+                # after a moment, or at the next change (a request's end).
+                with anyio.move_on_after(_HAND_OVER_POLL_S if moving else math.inf):
+                    await self._wait_change()
             started = time.monotonic()
             engine = slot.engine
             if slot.stop is not None:
@@ -588,6 +867,34 @@ class ModelRouter:
             logger.info("model %s unloaded in %.2f s", slot.name, slot.unload_s)
         finally:
             slot.draining = False
+            for stream in moving:
+                stream._leaving = False
+
+    def _handed_over(self, engine: Engine | None, stream: RoutedStream) -> bool:
+        """Take ``stream``'s request out of ``engine`` if it is ready (its state on the host);
+        whether it is done with (handed over, ended, or it must run to its end here)."""
+        if engine is None or stream._inner is None:
+            return True
+        request_id = stream.request_id
+        try:
+            handed = engine.hand_over(request_id)
+        except RequestCancelledError:
+            stream._leaving = False
+            return True  # it ended meanwhile: its reader releases the engine
+        except CheckpointError as exc:
+            logger.warning(
+                "request %s stays on model %s until it ends: %s", request_id, stream._slot.name, exc
+            )
+            stream._leaving = False
+            if not stream._paused:
+                engine.resume(request_id)
+            return True
+        if handed is None:
+            return False
+        stream._hand_over(handed)
+        logger.debug("request %s handed over at step %d (model %s unloads)", request_id, handed.step,
+                     stream._slot.name)
+        return True
 
     async def _own(self, slot: _Slot, *, task_status: anyio.abc.TaskStatus[None]) -> None:
         """Run ``slot``'s engine from start to close in one task (an Engine is entered and left

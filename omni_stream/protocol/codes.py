@@ -21,9 +21,11 @@ __all__ = [
     "MAX_ERROR_MESSAGE",
     "MAX_PRIORITY",
     "MIN_PRIORITY",
+    "PAUSE_REASONS",
     "REJECTION_CODES",
     "REQUEST_ENDING_CODES",
     "RESTART_REASONS",
+    "RESUME_REASONS",
 ]
 
 #: ``error`` codes that reject one client message; nothing was started or changed.
@@ -59,6 +61,11 @@ CANCEL_REASONS: Final = frozenset({"client", "disconnect", "shutdown", "engine"}
 RESTART_REASONS: Final = frozenset(
     {"checkpoint", "no_checkpoint", "checkpoint_unusable", "cannot_resume", "replica_lost"}
 )
+#: ``paused``'s ``reason``: a client's ``pause``, or the gate's preemption (core/rules.py).
+PAUSE_REASONS: Final = frozenset({"client", "preempted"})
+#: ``resumed``'s ``reason``: a client's ``resume``; the request's pauses reached
+#: ``max_pause_s`` (core/limits.py); or a preempted request let in again.
+RESUME_REASONS: Final = frozenset({"client", "max_pause", "preempted"})
 #: ``generate``'s ``priority`` range (the engine scheduler's, restated: the
 #: protocol must not import the engine).
 MIN_PRIORITY: Final = -10

@@ -40,9 +40,11 @@ from .codes import (
     MAX_ERROR_MESSAGE,
     MAX_PRIORITY,
     MIN_PRIORITY,
+    PAUSE_REASONS,
     REJECTION_CODES,
     REQUEST_ENDING_CODES,
     RESTART_REASONS,
+    RESUME_REASONS,
 )
 from .frames import PreviewHeader, pack_preview, unpack_preview
 from .server_messages import (
@@ -72,9 +74,11 @@ __all__ = [
     "MAX_ID_LENGTH",
     "MAX_PRIORITY",
     "MIN_PRIORITY",
+    "PAUSE_REASONS",
     "REJECTION_CODES",
     "REQUEST_ENDING_CODES",
     "RESTART_REASONS",
+    "RESUME_REASONS",
     "Attach",
     "Cancel",
     "ClientMessage",
@@ -121,14 +125,16 @@ def accepted(
     ).to_dict()
 
 
-def paused(request_id: str, *, step: int) -> dict[str, Any]:
-    """``paused`` (:meth:`Paused.build`): the request stopped after ``step``."""
-    return Paused.build(request_id, step=step).to_dict()
+def paused(request_id: str, *, step: int, reason: str | None = None) -> dict[str, Any]:
+    """``paused`` (:meth:`Paused.build`): the request stopped after ``step``, for ``reason``
+    (PAUSE_REASONS); raises ValueError for another reason."""
+    return Paused.build(request_id, step=step, reason=reason).to_dict()
 
 
-def resumed(request_id: str, *, step: int) -> dict[str, Any]:
-    """``resumed`` (:meth:`Resumed.build`): the paused request runs again."""
-    return Resumed.build(request_id, step=step).to_dict()
+def resumed(request_id: str, *, step: int, reason: str | None = None) -> dict[str, Any]:
+    """``resumed`` (:meth:`Resumed.build`): the paused request runs again, for ``reason``
+    (RESUME_REASONS); raises ValueError for another reason."""
+    return Resumed.build(request_id, step=step, reason=reason).to_dict()
 
 
 def restarted(request_id: str, *, from_step: int, reason: str) -> dict[str, Any]:

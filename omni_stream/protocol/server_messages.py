@@ -26,7 +26,15 @@ from typing import Any, ClassVar, Final, TypeVar
 
 from ..errors import ProtocolError
 from .codec import clip, dumps, load_object, optional, require, require_id, require_steps
-from .codes import CANCEL_REASONS, MAX_ERROR_MESSAGE, REJECTION_CODES, REQUEST_ENDING_CODES, RESTART_REASONS
+from .codes import (
+    CANCEL_REASONS,
+    MAX_ERROR_MESSAGE,
+    PAUSE_REASONS,
+    REJECTION_CODES,
+    REQUEST_ENDING_CODES,
+    RESTART_REASONS,
+    RESUME_REASONS,
+)
 
 __all__ = [
     "SERVER_MESSAGES",
@@ -314,44 +322,66 @@ class ErrorMessage(_ServerMessage):
 @dataclass(frozen=True, slots=True)
 class Paused(_ServerMessage):
     """``paused``: the request stopped between steps (its ``step`` done); no progress comes until
-    ``resumed``."""
+    ``resumed``. ``reason`` (PAUSE_REASONS; None from a server before it): ``client`` (a
+    ``pause``), ``preempted`` (the server's gate gave its place to a shorter request)."""
 
     TYPE: ClassVar[str] = "paused"
 
     id: str
     step: int
+    reason: str | None = None
 
     @classmethod
-    def build(cls, request_id: str, *, step: int) -> Paused:
-        return cls(request_id, step)
+    def build(cls, request_id: str, *, step: int, reason: str | None = None) -> Paused:
+        """Raises ValueError for a reason outside PAUSE_REASONS."""
+        if reason is not None and reason not in PAUSE_REASONS:
+            raise ValueError(f"unknown pause reason {reason!r}")
+        return cls(request_id, step, reason)
 
     def to_dict(self) -> dict[str, Any]:
-        return {"type": self.TYPE, "id": self.id, "step": self.step}
+        out: dict[str, Any] = {"type": self.TYPE, "id": self.id, "step": self.step}
+        if self.reason is not None:
+            out["reason"] = self.reason
+        return out
 
     @classmethod
     def _read(cls, obj: Mapping[str, Any], where: str) -> Paused:
-        return cls(require_id(obj, where), require(obj, "step", "int", where))
+        # An unknown reason is kept: a newer server may add some.
+        return cls(
+            require_id(obj, where), require(obj, "step", "int", where), optional(obj, "reason", "str", where)
+        )
 
 
 @dataclass(frozen=True, slots=True)
 class Resumed(_ServerMessage):
-    """``resumed``: a paused request runs again."""
+    """``resumed``: a paused request runs again. ``reason`` (RESUME_REASONS; None from a server
+    before it): ``client`` (a ``resume``), ``max_pause`` (it was paused ``max_pause_s`` in all,
+    and resumed by itself), ``preempted`` (let in again after a preemption)."""
 
     TYPE: ClassVar[str] = "resumed"
 
     id: str
     step: int
+    reason: str | None = None
 
     @classmethod
-    def build(cls, request_id: str, *, step: int) -> Resumed:
-        return cls(request_id, step)
+    def build(cls, request_id: str, *, step: int, reason: str | None = None) -> Resumed:
+        """Raises ValueError for a reason outside RESUME_REASONS."""
+        if reason is not None and reason not in RESUME_REASONS:
+            raise ValueError(f"unknown resume reason {reason!r}")
+        return cls(request_id, step, reason)
 
     def to_dict(self) -> dict[str, Any]:
-        return {"type": self.TYPE, "id": self.id, "step": self.step}
+        out: dict[str, Any] = {"type": self.TYPE, "id": self.id, "step": self.step}
+        if self.reason is not None:
+            out["reason"] = self.reason
+        return out
 
     @classmethod
     def _read(cls, obj: Mapping[str, Any], where: str) -> Resumed:
-        return cls(require_id(obj, where), require(obj, "step", "int", where))
+        return cls(
+            require_id(obj, where), require(obj, "step", "int", where), optional(obj, "reason", "str", where)
+        )
 
 
 @dataclass(frozen=True, slots=True)

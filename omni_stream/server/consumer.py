@@ -15,6 +15,10 @@ where it makes frames, such as a Ray replica, asked with a RenderRequest)
 are published as they are: the replica rendered the same preview or result
 this module would have, and no tensor crossed the network.
 
+A model router's stream whose model is unloaded mid-run to make room for
+another (engine/router.py, residency) says so, and the record publishes
+``loading`` again until the request's next step.
+
 A stream whose request can go on elsewhere mid-run (a Ray replica's,
 ``RemoteStream``: its replica died and another resumes it) calls the
 consumer back as it happens, and the record publishes ``restarted``
@@ -100,6 +104,15 @@ class _ResumesLater(Protocol):
     on_resume_refused: Callable[[CheckpointError], None] | None
 
 
+@runtime_checkable
+class _Reloads(Protocol):
+    """A stream whose request may wait for its ``model`` again mid-run (a model router's: its
+    model unloaded to make room, the request handed over to the host): ``on_loading()`` says so."""
+
+    on_loading: Callable[[], None] | None
+    model: str
+
+
 class _PreviewFailed(Exception):
     """Rendering a frame failed; ``__cause__`` says why."""
 
@@ -143,6 +156,9 @@ async def stream_request(
         stream.on_handover = functools.partial(_handed_over, record, metrics, on_handed_over)
     if on_resume_refused is not None and isinstance(stream, _ResumesLater):
         stream.on_resume_refused = functools.partial(on_resume_refused, record)
+    if isinstance(stream, _Reloads):
+        # Its watchers hear ``loading`` again, and its status says so, until its next step.
+        stream.on_loading = functools.partial(record.publish_loading, stream.model)
     try:
         async with stream:
             async for frame in stream:

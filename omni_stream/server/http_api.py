@@ -83,20 +83,28 @@ def _status_name(record: RequestRecord, positions: dict[str, int]) -> str:
         return "cancelled"
     if record.outcome is not None:
         return "failed"
+    if record.paused:
+        return "paused"  # (paused while it waited for its model too: it wants none until resumed)
     if record.loading:
         return "loading"  # its model is being loaded onto the device
-    if record.paused:
-        return "paused"
     return "queued" if record.id in positions else "running"
 
 
 def status_payload(
     record: RequestRecord, positions: dict[str, int], *, with_id: bool = True
 ) -> dict[str, Any]:
-    """``GET /v1/generations/{id}``'s body for ``record``."""
+    """``GET /v1/generations/{id}``'s body for ``record``; ``with_id=False`` (another principal's
+    request in the listing): only its place in the queue, no id and nothing of what it asked."""
     status = _status_name(record, positions)
+    if not with_id:
+        # Ids are scoped to their principal (issue #39, attack 9), and so is what a request is:
+        # its seed, model, priority and errors are its principal's to see.
+        return {
+            "id": None, "status": status, "step": record.latest_step, "total": record.total,
+            "queue_position": positions.get(record.id),
+        }
     out: dict[str, Any] = {
-        "id": record.id if with_id else None,
+        "id": record.id,
         "status": status,
         "step": record.latest_step,
         "total": record.total,
@@ -114,7 +122,7 @@ def status_payload(
     terminal = record.terminal_message()
     if terminal is not None and status in ("failed", "cancelled"):
         out["error"] = {k: terminal[k] for k in ("code", "message", "reason") if k in terminal}
-    if record.webhook is not None and with_id:
+    if record.webhook is not None:
         # Its URL and how each delivery went (docs/webhooks.md); only to who may see the id.
         out["webhook"] = record.webhook.view()
     return out

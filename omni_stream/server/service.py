@@ -21,6 +21,7 @@ import dataclasses
 import errno
 import json
 import logging
+import math
 import os
 import time
 from collections.abc import Awaitable, Callable, Coroutine
@@ -113,6 +114,8 @@ class Service:
             self.webhooks = WebhookSender(webhooks)
             self.rules.on_webhook = self.webhooks.submit
         self.rules.on_requests_idle = lambda: self._requests_idle.set()
+        self._pause_changed = anyio.Event()
+        self.rules.on_paused = lambda: self._pause_changed.set()
         self.rules.on_clients_idle = lambda: self._connections_idle.set()
         self.engine = engine
         self.model = self.rules.model
@@ -206,6 +209,7 @@ class Service:
         self._stack = stack
         self._tg.start_soon(self._supervised, "retention sweep", self._sweep_retained)
         self._tg.start_soon(self._supervised, "engine watch", self._watch_engine)
+        self._tg.start_soon(self._supervised, "pause bound", self._bound_pauses)
         self._tg.start_soon(self._supervised, "file descriptor watch", self._watch_file_descriptors)
         if self.webhooks is not None:
             config = self.webhooks.config
@@ -481,6 +485,15 @@ class Service:
             if health.status == "dead":
                 self.die(EngineDeadError(f"the engine died: {health.reason}"))
                 return
+
+    async def _bound_pauses(self) -> None:
+        # A client's pause ends by itself after max_pause_s (Rules.expire_pauses decides which
+        # and when; this only keeps the time): woken when one is due, or when a pause begins.
+        while True:
+            self._pause_changed = anyio.Event()
+            due = self.rules.expire_pauses()
+            with anyio.move_on_after(math.inf if due is None else due):
+                await self._pause_changed.wait()
 
     async def _watch_file_descriptors(self) -> None:
         # uvloop (serve()'s loop) accepts and drops connections silently when

@@ -217,3 +217,65 @@ def test_a_caller_waiting_for_the_end_counts_as_a_reader() -> None:
     assert rec.has_reader()
     rec.waiters -= 1
     assert not rec.has_reader()
+
+
+def owned(rid: str, principal: str, *, owner: str = "c1") -> RequestRecord:
+    return RequestRecord(
+        rid, owner=owner, detach=True, total=3, preview={"every": 1}, created_at=0.0, principal=principal
+    )
+
+
+def test_a_tenants_request_is_invisible_to_every_other_principal_whoever_knows_its_id() -> None:
+    # Issue #39, attack 9: tenant B with A's id read its status, paused it and DELETEd it.
+    reg = RequestRegistry(retention_s=10, max_retained=8)
+    reg.add(owned("anns", "token:ann"))
+    reg.add(owned("anonymous", "address:10.0.0.1"))
+    assert reg.lookup("anns", "c2", principal="token:ann").id == "anns"
+    for principal in ("token:bob", None):
+        with pytest.raises(MessageError) as info:
+            reg.lookup("anns", "c2", principal=principal)
+        assert info.value.code == "not_found" and info.value.request_id == "anns"
+    assert reg.lookup("anns", "c1").id == "anns"  # the connection that made it
+    # Without tokens nobody proves who they are: a detached id stays its capability there,
+    # and a tenant sees none of it.
+    assert reg.lookup("anonymous", "c2").id == "anonymous"
+    with pytest.raises(MessageError):
+        reg.lookup("anonymous", "c2", principal="token:bob")
+
+
+def ended(rec: RequestRecord, at: float, reg: RequestRegistry) -> RequestRecord:
+    rec.finish(protocol.done(rec.id, total=3, elapsed_s=1), now=at)
+    reg.ended(rec)
+    return rec
+
+
+def test_one_principals_flood_of_results_evicts_its_own_never_anothers() -> None:
+    # Issue #39, attack 4: 300 one-step results of tenant A made B's finished results 404
+    # two seconds later: max_retained was one pool, the oldest ended forgotten first.
+    reg = RequestRegistry(retention_s=600, max_retained=4, clock=Clock())
+    bobs = owned("bobs", "token:bob")
+    reg.add(bobs)
+    ended(bobs, 1.0, reg)
+    for i in range(20):
+        rec = owned(f"a{i}", "token:ann")
+        reg.add(rec)
+        ended(rec, 2.0 + i, reg)
+    assert reg.lookup("bobs", "x", principal="token:bob") is bobs
+    assert sorted(r.id for r in reg.retained()) == ["a17", "a18", "a19", "bobs"]
+    # B's own make room from A's while A holds more, then (as many each) from B's own.
+    for i in range(3):
+        rec = owned(f"b{i}", "token:bob")
+        reg.add(rec)
+        ended(rec, 30.0 + i, reg)
+    assert sorted(r.id for r in reg.retained()) == ["a18", "a19", "b1", "b2"]
+
+
+def test_the_memory_budget_evicts_from_the_principal_holding_the_most_bytes() -> None:
+    reg = RequestRegistry(retention_s=600, max_retained=8, clock=Clock())
+    small = owned("small", "token:bob")
+    for i, rec in enumerate((small, owned("big1", "token:ann"), owned("big2", "token:ann"))):
+        reg.add(rec)
+        rec.publish_preview(b"x" * (10 if rec is small else 1000), final=True)
+        ended(rec, float(i), reg)
+    assert reg.evict_oldest_retained()
+    assert "small" in reg and "big1" not in reg and "big2" in reg

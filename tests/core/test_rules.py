@@ -296,3 +296,103 @@ def test_a_named_seed_is_kept_and_reported() -> None:
     rules, engine, _ = make_rules()
     accepted = generate(rules, connect(rules, ANN), "s1", params={**SMALL, "seed": 2**63 - 1})
     assert accepted["seed"] == 2**63 - 1 and engine.params["s1"]["seed"] == 2**63 - 1
+
+
+# -- pauses (issue #39, attack 1) -----------------------------------------------------------
+
+
+class Pausing(StandIn):
+    """A StandIn that pauses and resumes (what Engine.pause / resume say)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.paused: set[str] = set()
+
+    def pause(self, request_id: str, *, to_host: bool = False) -> bool:
+        if request_id in self.paused:
+            return False
+        self.paused.add(request_id)
+        return True
+
+    def resume(self, request_id: str) -> bool:
+        if request_id not in self.paused:
+            return False
+        self.paused.remove(request_id)
+        return True
+
+
+def pausing_rules(**limits: Any) -> tuple[Rules, Pausing, list[str], list[float]]:
+    engine = Pausing()
+    now = [0.0]
+    rules = Rules(engine, limits=ServerLimits.from_env(limits), clock=lambda: now[0])  # type: ignore[arg-type]
+    started: list[str] = []
+    rules.on_start = lambda admitted, stream: started.append(admitted.record.id)
+    rules.started = True
+    return rules, engine, started, now
+
+
+def said(client: Client) -> list[dict[str, Any]]:
+    out = []
+    assert client.outbox is not None
+    while (item := client.outbox.get_nowait()) is not None:
+        out.append(json.loads(item.data))
+    return out
+
+
+def test_a_paused_request_gives_its_place_to_the_next_and_comes_back_through_the_gate() -> None:
+    # Four requests paused (= max_active on a CPU) kept another tenant's request queued with no
+    # end: a paused request kept its place.
+    rules, engine, started, _ = pausing_rules(max_active=2)
+    ann, bob = connect(rules, ANN), connect(rules, BOB)
+    for rid in ("a1", "a2"):
+        generate(rules, ann, rid)
+    generate(rules, bob, "b1")
+    assert started == ["a1", "a2"] and rules.gate.waiting == 1
+    said(ann)
+    rules.handle(ann, json.dumps({"type": "pause", "id": "a1"}))
+    assert started == ["a1", "a2", "b1"] and rules.gate.in_engine == 2  # b1 took a1's place
+    assert said(ann)[-1] == {"type": "paused", "id": "a1", "step": 0, "reason": "client"}
+    assert rules.queue_positions().get("a1") is None
+    # Resumed while every place is held: it waits for one, paused in the engine meanwhile.
+    rules.handle(ann, json.dumps({"type": "resume", "id": "a1"}))
+    assert "a1" in engine.paused and "a1" in rules.gate and said(ann) == []
+    rules.consumer_done(rules.registry.get("b1"), protocol.done("b1", total=4, elapsed_s=1))
+    assert "a1" not in engine.paused and rules.gate.in_engine == 2
+    assert said(ann)[-1] == {"type": "resumed", "id": "a1", "step": 0, "reason": "client"}
+
+
+def test_a_request_paused_max_pause_s_in_all_resumes_by_itself_and_is_not_paused_again() -> None:
+    rules, engine, _, now = pausing_rules(max_active=2, max_pause_s=10)
+    ann = connect(rules, ANN)
+    generate(rules, ann, "a1")
+    rules.pause(ann, "a1")
+    assert rules.expire_pauses() == 10
+    now[0] = 4.0
+    rules.resume(ann, "a1")  # 4 s paused
+    now[0] = 5.0
+    rules.pause(ann, "a1")
+    now[0] = 6.0
+    assert rules.expire_pauses() == pytest.approx(5.0)  # 10 in all: 4 spent, then 1 of this one
+    now[0] = 11.0
+    said(ann)
+    assert rules.expire_pauses() is None
+    assert "a1" not in engine.paused and "a1" not in rules.paused
+    assert said(ann)[-1] == {"type": "resumed", "id": "a1", "step": 0, "reason": "max_pause"}
+    with pytest.raises(protocol.MessageError) as info:
+        rules.pause(ann, "a1")
+    assert info.value.code == "bad_message" and info.value.request_id == "a1"
+    assert "max_pause_s=10" in info.value.message and "OMNI_STREAM_MAX_PAUSE" in info.value.message
+
+
+def test_a_paused_request_that_ends_gives_back_no_place_twice() -> None:
+    rules, engine, started, _ = pausing_rules(max_active=1)
+    ann, bob = connect(rules, ANN), connect(rules, BOB)
+    generate(rules, ann, "a1")
+    generate(rules, bob, "b1")
+    generate(rules, bob, "b2")
+    rules.pause(ann, "a1")
+    assert started == ["a1", "b1"]
+    rules.cancel(ann, "a1")  # cancelled while paused: its consumer ends it
+    assert engine.cancelled == ["a1"]
+    rules.consumer_done(rules.registry.get("a1"), protocol.cancelled("a1", reason="client"))
+    assert started == ["a1", "b1"] and rules.gate.in_engine == 1 and rules.gate.waiting == 1

@@ -11,6 +11,7 @@ import torch
 
 import omni_stream as om
 from omni_stream.checkpoint import Checkpoint
+from omni_stream.engine.intake import check_request
 from omni_stream.models import Mixture, Synthetic
 
 from .conftest import params, wait_for
@@ -234,3 +235,51 @@ async def test_a_model_whose_can_snapshot_raises_refuses_the_pause_and_fails_not
         assert "can_snapshot raised RuntimeError('cannot tell')" in (engine.pause_refusal("b") or "")
         model.gate.set()
         assert [f.step async for f in stream] == [2, 3]
+
+
+@ASYNC
+async def test_a_request_handed_over_goes_on_in_another_engine_as_an_uninterrupted_run() -> None:
+    # Issue #39, attack 6: what a model router does to unload a model in use. offload() moves
+    # the state to the host; hand_over() takes it out once it is there and every frame made
+    # has reached the stream (which yields those, then ends), not counted as cancelled.
+    model = Gated(hold_at=2)
+    expected = Synthetic().expected_frames(P)
+    async with om.Engine(model, device="cpu") as first:
+        stream = first.stream(P, request_id="moved", policy="all")
+        frames = [await stream.__anext__(), await stream.__anext__()]  # step 3 waits at the gate
+        assert first.offload("moved")
+        assert first.hand_over("moved") is None  # its state is still on the device
+        model.gate.set()
+        handed = None
+        while handed is None:
+            await anyio.sleep(0.005)
+            handed = first.hand_over("moved")
+        assert handed.step == 3 and handed.checkpoint is not None and handed.checkpoint.step == 3
+        frames.append(await stream.__anext__())  # the frame made before it left
+        with pytest.raises(om.RequestCancelledError, match="handed over"):
+            await stream.__anext__()
+        assert first.statistics().cancelled == 0
+        with pytest.raises(om.RequestCancelledError, match="not in this engine"):
+            first.hand_over("moved")
+        assert not first.offload("moved")
+    async with om.Engine(model, device="cpu") as second:  # the same model, loaded again (a router's)
+        request = check_request(model, P, request_id="moved", policy="all")
+        frames += [f async for f in second.submit(request, resume=handed.checkpoint)]
+    assert [f.step for f in frames] == [1, 2, 3, 4, 5, 6]
+    assert all(torch.equal(f.data, e) for f, e in zip(frames, expected, strict=True))
+
+
+@ASYNC
+async def test_a_request_that_never_started_is_handed_over_without_a_checkpoint() -> None:
+    model = Gated(hold_at=1)
+    async with om.Engine(model, device="cpu", max_batch_size=1) as engine:
+        first = engine.stream(P, request_id="runs")
+        await first.__anext__()  # step 2 waits at the gate, holding the only batch place
+        waiting = engine.stream(P, request_id="waits")
+        assert engine.offload("waits")
+        handed = engine.hand_over("waits")
+        assert handed is not None and handed.checkpoint is None and handed.step == 0
+        with pytest.raises(om.RequestCancelledError):
+            await waiting.__anext__()
+        model.gate.set()
+        assert [f.step async for f in first][-1] == 6

@@ -16,8 +16,10 @@ from omni_stream.protocol.server_messages import (
     Done,
     ErrorMessage,
     Loading,
+    Paused,
     Progress,
     Restarted,
+    Resumed,
     ServerMessage,
     parse_server_message,
 )
@@ -96,6 +98,10 @@ def test_the_wire_bytes_are_pinned(message: ServerMessage, text: str) -> None:
         Accepted.build("r", total=1, detach=False, attached=True, preview={}),
         Accepted.build("r", total=1, detach=False, attached=False, preview={}, model="mix"),
         Loading.build("r", model="mix"),
+        Paused.build("r", step=2),
+        Paused.build("r", step=2, reason="client"),
+        Resumed.build("r", step=2, reason="max_pause"),
+        Resumed.build("r", step=2, reason="preempted"),
         Restarted.build("r", from_step=0, reason="no_checkpoint"),
         Restarted.build("r", from_step=0, reason="cannot_resume"),
         Restarted.build("r", from_step=5, reason="replica_lost"),
@@ -136,6 +142,10 @@ def test_done_elapsed_is_rounded() -> None:
 def test_undocumented_reasons_and_codes_are_refused_by_the_server() -> None:
     with pytest.raises(ValueError):
         Cancelled.build("a", reason="bored")
+    with pytest.raises(ValueError):
+        Paused.build("a", step=1, reason="bored")
+    with pytest.raises(ValueError):
+        Resumed.build("a", step=1, reason="bored")
     with pytest.raises(ValueError):
         ErrorMessage.build("oops", "not a documented code")
     with pytest.raises(ValueError):

@@ -353,6 +353,7 @@ def test_queue_positions_follow_granted_priority_then_arrival() -> None:
     rules = Rules.__new__(Rules)
     rules.registry = Registry()  # type: ignore[assignment]
     rules.gate = Gate(lambda: 4)
+    rules.paused = {}
     # a has started: not queued. c's granted priority outranks; then arrival order.
     assert rules.queue_positions() == {"c": 0, "d": 1, "b": 2}
     # Requests waiting in the gate come after those in the engine, in the gate's

@@ -32,7 +32,8 @@ class Wide(Synthetic):
 @pytest.mark.asyncio
 async def test_each_request_is_answered_by_the_model_it_names_on_every_door() -> None:
     a, b = Counted("a"), Wide()
-    async with ModelRouter({"small": a, "wide": b}, max_loaded=1, device="cpu") as router:
+    # (No quantum: these requests come one at a time and each may swap at once.)
+    async with ModelRouter({"small": a, "wide": b}, max_loaded=1, device="cpu", min_residency_s=0) as router:
         async with running(router) as server:
             async with connect(server.url) as ws:
                 await send(ws, type="generate", id="w", params=P, model="wide")
@@ -95,7 +96,7 @@ def test_omni_stream_serve_serves_several_named_models_with_max_loaded() -> None
     from .test_serve import _wait_line, omni_stream_serve
 
     args = ("--model", "a=synthetic", "--model", "b=synthetic", "--max-loaded", "1", "--device", "cpu")
-    with omni_stream_serve(*args) as (proc, lines, url):
+    with omni_stream_serve(*args, env={"OMNI_STREAM_MIN_RESIDENCY": "0"}) as (proc, lines, url):
         kinds = {}
         with sync_connect(url.replace("http", "ws") + "/ws", open_timeout=20) as ws:
             for rid, model in (("first", "b"), ("second", "a"), ("third", "a")):
