@@ -24,7 +24,7 @@ import asyncio
 import logging
 import time
 from types import TracebackType
-from typing import Any, Self
+from typing import Self
 
 from websockets.asyncio.server import Server as WSServer
 from websockets.asyncio.server import ServerConnection, serve
@@ -90,18 +90,18 @@ class NaiveServer:
             except ConnectionClosed:
                 pass
 
-    def _send(self, ws: ServerConnection, message: dict[str, Any] | bytes) -> None:
-        self._messages.put_nowait((ws, message if isinstance(message, bytes) else protocol.dumps(message)))
+    def _send(self, ws: ServerConnection, message: protocol.ServerMessage | protocol.Preview) -> None:
+        self._messages.put_nowait((ws, message.wire))
 
     async def _handle(self, ws: ServerConnection) -> None:
         async for raw in ws:
             try:
                 msg = protocol.parse_client_message(raw)
             except protocol.MessageError as exc:
-                self._send(ws, protocol.error(exc.code, str(exc)))
+                self._send(ws, protocol.ErrorMessage.build(exc.code, str(exc)))
                 continue
             if not isinstance(msg, protocol.Generate):
-                self._send(ws, protocol.error("unknown_type", "this peer only runs generate"))
+                self._send(ws, protocol.ErrorMessage.build("unknown_type", "this peer only runs generate"))
                 continue
             task = asyncio.create_task(self._run(ws, msg))
             self._tasks.add(task)
@@ -114,7 +114,7 @@ class NaiveServer:
         t0 = time.perf_counter()
         self._send(
             ws,
-            protocol.accepted(
+            protocol.Accepted.build(
                 request_id,
                 total=stream.total,
                 detach=False,
@@ -125,7 +125,8 @@ class NaiveServer:
         )
         async with stream:
             async for frame in stream:
-                self._send(ws, protocol.progress(request_id, step=frame.step, total=frame.total, eta_s=0.0))
+                progress = protocol.Progress.build(request_id, step=frame.step, total=frame.total, eta_s=0.0)
+                self._send(ws, progress)
                 image = await self._previewer.render(frame, spec)
                 header = protocol.PreviewHeader(
                     id=request_id,
@@ -137,6 +138,7 @@ class NaiveServer:
                     height=image.height,
                     mime=image.mime,
                 )
-                self._send(ws, protocol.pack_preview(header, image.data))
-        self._send(ws, protocol.done(request_id, total=stream.total, elapsed_s=time.perf_counter() - t0))
+                self._send(ws, protocol.Preview.build(header, image.data))
+        elapsed = time.perf_counter() - t0
+        self._send(ws, protocol.Done.build(request_id, total=stream.total, elapsed_s=elapsed))
 

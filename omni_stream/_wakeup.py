@@ -105,8 +105,16 @@ class Wakeup:
     """Wakes the tasks waiting on it (see the module docstring); loop-only."""
 
     __slots__ = (
-        "_waiters", "_tasks", "_trio", "_timer", "_timer_at", "_timer_bound", "_timer_loop",
-        "_loop", "_new_future", "_now",
+        "_waiters",
+        "_tasks",
+        "_trio",
+        "_timer",
+        "_timer_at",
+        "_timer_bound",
+        "_timer_loop",
+        "_loop",
+        "_new_future",
+        "_now",
     )
 
     def __init__(self) -> None:

@@ -163,8 +163,13 @@ class Checkpoint:
             meta = json.loads(loaded["meta"])
             tensors = loaded["tensors"]
             checkpoint = cls(
-                model=meta["model"], format=meta["format"], step=meta["step"], total=meta["total"],
-                params=meta["params"], values=meta["values"], tensors=tensors,
+                model=meta["model"],
+                format=meta["format"],
+                step=meta["step"],
+                total=meta["total"],
+                params=meta["params"],
+                values=meta["values"],
+                tensors=tensors,
             )
         except Exception as exc:  # noqa: BLE001 - a well-summed payload of the wrong shape: still ours to name
             raise CheckpointError(f"checkpoint payload cannot be read: {exc!r:.200}") from exc
@@ -214,8 +219,12 @@ class _Window(io.RawIOBase):
 
 def _encode(checkpoint: Checkpoint, version: int) -> bytes:
     meta = {
-        "model": checkpoint.model, "format": checkpoint.format, "step": checkpoint.step,
-        "total": checkpoint.total, "params": checkpoint.params, "values": checkpoint.values,
+        "model": checkpoint.model,
+        "format": checkpoint.format,
+        "step": checkpoint.step,
+        "total": checkpoint.total,
+        "params": checkpoint.params,
+        "values": checkpoint.values,
     }
     # torch.save writes a view's whole storage: compact the ones that share a larger one.
     tensors = {

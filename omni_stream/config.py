@@ -93,14 +93,10 @@ def _warn_once(name: str, raw: str, default: object, why: str) -> None:
         if key in _warned:
             return
         _warned.add(key)
-    logger.warning(
-        "ignoring %s=%r (%s); using the default %s", name, raw, why, default
-    )
+    logger.warning("ignoring %s=%r (%s); using the default %s", name, raw, why, default)
 
 
-def env_float(
-    name: str, default: float, *, positive: bool = True, finite: bool = True
-) -> float:
+def env_float(name: str, default: float, *, positive: bool = True, finite: bool = True) -> float:
     """Read a float knob; a malformed value warns once and gives ``default``."""
     return _parse_float(name, os.environ.get(name), default, positive=positive, finite=finite)
 

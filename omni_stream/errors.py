@@ -27,11 +27,19 @@
     ├── CheckpointError (ValueError)  a request's state cannot be saved or restored: the model
     │                            cannot snapshot it, or a checkpoint is torn, tampered with, of
     │                            an unknown format or for another model
+    ├── NonFiniteFrameError (ValueError)  preview: a frame holds NaN or infinite values, so
+    │                            there is no picture to draw from it (a model that diverged)
     ├── StoreError                   the state directory (omni_stream.store) cannot be opened,
     │                                read or written: a newer schema, another process holds it,
     │                                a damaged database, a disk full or failing; __cause__ is why
     ├── OutboxOverflowError          server: a client stopped reading and its outbox went over
     │                                a bound (.limit); the server disconnects it
+    ├── BodyRefused                  server: an HTTP request's body refused, too large (413
+    │                                ``limit_exceeded``) or too slow (408 ``body_timeout``)
+    │                                (.status, .code)
+    ├── OpenAIError                  server, the OpenAI doors: a refusal in OpenAI's terms (.status,
+    │                                .code, .param, .type, .retry_after_s; .body() is OpenAI's
+    │                                error body)
     └── ClientError                  om.client: the server or the connection ended a call
         │                            (.code, the server's error code, and .field, where known)
         ├── ConnectError             the websocket could not be opened: refused, unreachable,
@@ -85,8 +93,11 @@ __all__ = [
     "ServerFailedError",
     "UnsupportedBackendError",
     "CheckpointError",
+    "NonFiniteFrameError",
     "StoreError",
     "OutboxOverflowError",
+    "BodyRefused",
+    "OpenAIError",
     "ClientError",
     "ConnectError",
     "ConnectionClosedError",
@@ -183,9 +194,7 @@ class ParamsError(OmniStreamError, ValueError):
     ``field`` names the offending parameter where one can be named.
     """
 
-    def __init__(
-        self, message: str, *, field: str | None = None, request_id: str | None = None
-    ) -> None:
+    def __init__(self, message: str, *, field: str | None = None, request_id: str | None = None) -> None:
         super().__init__(message, request_id=request_id)
         self.field = field
 
@@ -245,9 +254,7 @@ class StepFailedError(RequestError):
 class StepTimeoutError(RequestError):
     """A step's output did not arrive within the bound (see ``omni_stream.timeout``)."""
 
-    def __init__(
-        self, message: str, *, request_id: str | None, step: int, bound_s: float
-    ) -> None:
+    def __init__(self, message: str, *, request_id: str | None, step: int, bound_s: float) -> None:
         super().__init__(message, request_id=request_id)
         self.step = step
         self.bound_s = bound_s
@@ -311,6 +318,15 @@ class CheckpointError(OmniStreamError, ValueError):
     """
 
 
+class NonFiniteFrameError(OmniStreamError, ValueError):
+    """A frame holds NaN or infinite values: there is no picture to draw from it.
+
+    Raised by ``preview.check_finite`` (and ``render_sync(..., finite=True)``);
+    the server skips such a preview and fails such a result. A ValueError, as
+    it was before it joined this tree: the data is what is wrong.
+    """
+
+
 class StoreError(OmniStreamError):
     """The state directory cannot be opened, read or written (``omni_stream.store``).
 
@@ -333,6 +349,53 @@ class OutboxOverflowError(OmniStreamError):
     def __init__(self, message: str, *, limit: str) -> None:
         super().__init__(message)
         self.limit = limit
+
+
+class BodyRefused(OmniStreamError):
+    """An HTTP request's body is refused (``server/bodies.py``): too large, or too slow.
+
+    ``status`` is the HTTP status to answer with (413, 408), ``code`` the
+    ``error`` code (``limit_exceeded``, ``body_timeout``).
+    """
+
+    def __init__(self, status: int, code: str, message: str) -> None:
+        super().__init__(message)
+        self.status = status
+        self.code = code
+
+
+class OpenAIError(OmniStreamError):
+    """A refusal on an OpenAI door, in OpenAI's terms (``omni_stream.openai.errors``).
+
+    ``status`` is the HTTP status, ``code`` ours (its meaning kept),
+    ``param`` the field at fault, ``type`` OpenAI's error type;
+    ``retry_after_s`` (429 / 503) becomes ``Retry-After``.
+    """
+
+    def __init__(
+        self,
+        status: int,
+        message: str,
+        code: str,
+        param: str | None = None,
+        type: str = "invalid_request_error",
+        retry_after_s: float | None = None,
+    ) -> None:
+        super().__init__(message)
+        self.status = status
+        self.code = code
+        self.param = param
+        self.type = type
+        self.retry_after_s = retry_after_s
+
+    def body(self) -> dict[str, Any]:
+        """OpenAI's error body, ``{"error": {"message", "type", "param", "code"}}``.
+
+        The same shape as ``omni_stream.openai.errors.error_body``, which
+        builds it for answers that are not raised; it is OpenAI's, not ours
+        to change.
+        """
+        return {"error": {"message": self.message, "type": self.type, "param": self.param, "code": self.code}}
 
 
 class ClientError(OmniStreamError):

@@ -117,9 +117,7 @@ class Frame:
 
         return self.image_count == 1 and is_video(self.data)
 
-    def image(
-        self, *, decoder: str | Callable[[torch.Tensor], Any] | None = "auto"
-    ) -> Image.Image:
+    def image(self, *, decoder: str | Callable[[torch.Tensor], Any] | None = "auto") -> Image.Image:
         """This frame as a PIL RGB image, at full size.
 
         Decoded pixels are read as they are; a latent goes through
@@ -135,9 +133,7 @@ class Frame:
 
         return frame_picture(self, decoder)
 
-    def images(
-        self, *, decoder: str | Callable[[torch.Tensor], Any] | None = "auto"
-    ) -> list[Image.Image]:
+    def images(self, *, decoder: str | Callable[[torch.Tensor], Any] | None = "auto") -> list[Image.Image]:
         """This frame's images: one per video frame, one per image of a
         several-image frame, else one.
 
@@ -171,9 +167,7 @@ class Frame:
         """
         from .preview.save import save_frame
 
-        return save_frame(
-            self, path, params=params, quality=quality, fps=fps, decoder=decoder
-        )
+        return save_frame(self, path, params=params, quality=quality, fps=fps, decoder=decoder)
 
 
 # -- built once a frame, on the loop ----------------------------------------------------------

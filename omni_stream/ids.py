@@ -17,7 +17,13 @@ import re
 from typing import Any, Final
 
 __all__ = [
-    "ID_PATTERN", "ID_RULE", "MAX_ID_LENGTH", "MODEL_NAME", "MODEL_NAME_RULE", "id_problem", "is_valid_id",
+    "ID_PATTERN",
+    "ID_RULE",
+    "MAX_ID_LENGTH",
+    "MODEL_NAME",
+    "MODEL_NAME_RULE",
+    "id_problem",
+    "is_valid_id",
     "model_name_problem",
 ]
 

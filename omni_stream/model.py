@@ -111,15 +111,25 @@ from .errors import CheckpointError, ParamsError, StepFailedError
 from .params import Param, positive_int, validate
 
 __all__ = [
-    "StepModel", "GeneratorModel", "from_generator", "RequestStopped", "Emit", "OUTPUTS",
-    "OUTPUT_PARAM", "split_output", "ModelMemory", "model_memory",
+    "StepModel",
+    "GeneratorModel",
+    "from_generator",
+    "RequestStopped",
+    "Emit",
+    "OUTPUTS",
+    "OUTPUT_PARAM",
+    "split_output",
+    "ModelMemory",
+    "model_memory",
 ]
 
 #: The values of the ``output`` param every request has.
 OUTPUTS = ("image", "latent")
 #: Every request's ``output`` param (see the module docstring).
 OUTPUT_PARAM = Param(
-    "output", "str", "image",
+    "output",
+    "str",
+    "image",
     "the final frame: the decoded image (or video), or the final latent",
     choices=OUTPUTS,
 )

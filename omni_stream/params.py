@@ -26,7 +26,6 @@ __all__ = [
     "drawn",
     "finite_number",
     "images_param",
-    "pin_drawn",
     "positive_int",
     "seed_param",
     "square_size",
@@ -139,9 +138,7 @@ class Param:
             if not isinstance(value, str):
                 raise ParamsError(f"{where} must be a string, got {value!r}", field=self.name)
             if self.max_len is not None and len(value) > self.max_len:
-                raise ParamsError(
-                    f"{where} is longer than {self.max_len} characters", field=self.name
-                )
+                raise ParamsError(f"{where} is longer than {self.max_len} characters", field=self.name)
             if self.choices is not None and value not in self.choices:
                 raise ParamsError(
                     f"{where} must be one of {', '.join(self.choices)}; got {value!r}",
@@ -196,9 +193,7 @@ class Param:
         return text if float(text) == bound else repr(float(bound))
 
 
-def validate(
-    specs: Sequence[Param], params: Mapping[str, Any] | None, *, model: str
-) -> dict[str, Any]:
+def validate(specs: Sequence[Param], params: Mapping[str, Any] | None, *, model: str) -> dict[str, Any]:
     """Check ``params`` against ``specs`` and fill in defaults.
 
     Raises ParamsError for a non-mapping, an unknown key (the message lists
@@ -212,8 +207,7 @@ def validate(
     unknown = sorted(str(k) for k in params if k not in known)
     if unknown:
         raise ParamsError(
-            f"unknown {model} param(s) {', '.join(map(repr, unknown))}; "
-            f"known: {', '.join(sorted(known))}",
+            f"unknown {model} param(s) {', '.join(map(repr, unknown))}; known: {', '.join(sorted(known))}",
             field=unknown[0],
         )
     out: dict[str, Any] = {}
@@ -227,24 +221,16 @@ def drawn(specs: Sequence[Param], checked: Mapping[str, Any]) -> dict[str, Any]:
     return {p.name: checked[p.name] for p in specs if p.random and p.name in checked}
 
 
-def pin_drawn(specs: Sequence[Param], params: Any, checked: Mapping[str, Any]) -> Any:
-    """``params`` (a caller's, unchecked) with the values ``checked`` drew put in.
-
-    What a request's params are when they are checked once more further on
-    (the engine behind the server, a Ray replica): the same seed, not a
-    second draw. ``params`` that are not a mapping are returned unchanged
-    for the next check to refuse.
-    """
-    if params is not None and not isinstance(params, Mapping):
-        return params
-    return {**(params or {}), **drawn(specs, checked)}
-
-
 def seed_param(help: str = "random seed") -> Param:
     """The ``seed`` every model declares: 0 to 2**63 - 1, or -1 (the default) for a random one."""
     return Param(
-        "seed", "int", RANDOM, f"{help}; -1 (the default) draws one per request, reported back",
-        minimum=0, maximum=SEED_MAX, random=True,
+        "seed",
+        "int",
+        RANDOM,
+        f"{help}; -1 (the default) draws one per request, reported back",
+        minimum=0,
+        maximum=SEED_MAX,
+        random=True,
     )
 
 
@@ -260,9 +246,12 @@ def images_param(maximum: int) -> Param:
     param to know.
     """
     return Param(
-        "num_images", "int", 1,
+        "num_images",
+        "int",
+        1,
         f"images from one prompt, 1 to {maximum} (num_images_per_prompt; one seed, one noise draw)",
-        minimum=1, maximum=maximum,
+        minimum=1,
+        maximum=maximum,
     )
 
 

@@ -35,6 +35,8 @@ from omni_stream.client import (
     parse_preview_frame,
 )
 from omni_stream.protocol import client as wire
+from omni_stream.protocol.client_messages import Generate
+from omni_stream.protocol.server_messages import parse_server_message
 
 from .conftest import Slow, running
 
@@ -178,11 +180,11 @@ def test_image_rejects_bytes_that_do_not_decode_as_the_header_says() -> None:
 )
 def test_text_parser_rejects_malformed_messages(text: str, message: str) -> None:
     with pytest.raises(ProtocolError, match=message):
-        wire.parse_message(text)
+        parse_server_message(text)
 
 
 def test_text_parser_ignores_unknown_types() -> None:
-    assert wire.parse_message('{"type": "hello", "id": "a"}') is None
+    assert parse_server_message('{"type": "hello", "id": "a"}') is None
 
 
 def test_error_classes_are_also_the_engine_errors() -> None:
@@ -612,25 +614,25 @@ def test_bad_keepalive_options_raise_params_error() -> None:
 
 def test_busy_parses_to_busy_error_with_retry_after() -> None:
     text = json.dumps({"type": "error", "code": "busy", "message": "full", "id": RID, "retry_after_s": 2.5})
-    event = wire.parse_message(text)
+    event = parse_server_message(text)
     assert isinstance(event, wire.ErrorMessage) and event.retry_after_s == 2.5
     err = wire.server_error("busy", "full", field=None, request_id=RID, accepted=False, retry_after_s=2.5)
     assert isinstance(err, omc.BusyError) and isinstance(err, RequestRejectedError)
     assert (err.code, err.retry_after_s, err.request_id) == ("busy", 2.5, RID)
     # Other errors carry none; a negative one breaks the protocol.
-    assert wire.parse_message(json.dumps({"type": "error", "code": "x", "message": "m"})).retry_after_s is None
+    assert parse_server_message(json.dumps({"type": "error", "code": "x", "message": "m"})).retry_after_s is None
     with pytest.raises(ProtocolError, match="retry_after_s"):
-        wire.parse_message(text.replace("2.5", "-1"))
+        parse_server_message(text.replace("2.5", "-1"))
     with pytest.raises(ProtocolError, match="retry_after_s"):
-        wire.parse_message(text.replace("2.5", '"soon"'))
+        parse_server_message(text.replace("2.5", '"soon"'))
 
 
-def test_generate_message_carries_a_checked_priority() -> None:
-    assert "priority" not in json.loads(wire.generate_message(RID, {}, None, detach=False))
-    assert json.loads(wire.generate_message(RID, {}, None, detach=False, priority=-3))["priority"] == -3
+def test_generate_carries_a_checked_priority() -> None:
+    assert "priority" not in json.loads(Generate.build(RID, {}, None, detach=False).serialize())
+    assert json.loads(Generate.build(RID, {}, None, detach=False, priority=-3).serialize())["priority"] == -3
     for bad in (11, True, 2.0, "1"):
         with pytest.raises(om.ParamsError) as info:
-            wire.generate_message(RID, {}, None, detach=False, priority=bad)
+            Generate.build(RID, {}, None, detach=False, priority=bad)
         assert info.value.field == "priority"
 
 

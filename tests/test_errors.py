@@ -37,6 +37,8 @@ SAMPLE_ARGS = {
     "reason": "disconnect",
     "limit": "max_pending",
     "retry_after_s": 4.0,
+    "param": "size",
+    "type": "invalid_request_error",
 }
 
 
@@ -164,10 +166,33 @@ def test_the_old_homes_of_moved_errors_still_import():
     from omni_stream.protocol import MessageError
     from omni_stream.server.app import ServerFailedError
     from omni_stream.core.outbox import OutboxOverflowError
+    from omni_stream.openai import OpenAIError
+    from omni_stream.preview import NonFiniteFrameError
+    from omni_stream.server.bodies import BodyRefused
 
     assert (BusyError, PoolClosedError, MessageError, ServerFailedError, OutboxOverflowError) == (
         errors.BusyError, errors.PoolClosedError, errors.MessageError,
         errors.ServerFailedError, errors.OutboxOverflowError,
+    )
+    assert (OpenAIError, NonFiniteFrameError, BodyRefused) == (
+        errors.OpenAIError, errors.NonFiniteFrameError, errors.BodyRefused,
+    )
+
+
+def test_the_errors_that_joined_the_tree_are_caught_and_read_as_before():
+    from omni_stream.openai.errors import error_body
+
+    # Callers caught NonFiniteFrameError as a ValueError, and built an OpenAI
+    # answer from str(BodyRefused) and OpenAIError's fields.
+    assert issubclass(errors.NonFiniteFrameError, ValueError)
+    assert str(errors.BodyRefused(413, "limit_exceeded", "too big")) == "too big"
+    refused = errors.OpenAIError(400, "bad size", "invalid_field", param="size")
+    assert (refused.status, refused.code, refused.param, refused.type) == (
+        400, "invalid_field", "size", "invalid_request_error"
+    )
+    # One shape, spelled twice (errors.py imports nothing of the package): kept equal here.
+    assert refused.body() == error_body(
+        "bad size", type="invalid_request_error", param="size", code="invalid_field"
     )
 
 

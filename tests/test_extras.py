@@ -34,6 +34,7 @@ SOURCES: dict[str, tuple[str, str]] = {
     "torch": ("", "torch"),
     "numpy": ("", "numpy"),  # the embedded models' images, preview decoding, checkpoints
     "anyio": ("", "anyio"),
+    "typing_extensions": ("", "typing_extensions"),  # engine/options.py before Python 3.11; Unpack for types
     "uvloop": ("", "uvloop"),
     "websockets": ("", "websockets"),
     "starlette": ("", "starlette"),

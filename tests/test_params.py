@@ -91,15 +91,6 @@ def test_a_named_seed_is_kept_and_the_description_admits_minus_one() -> None:
     assert (row["default"], row["minimum"], row["maximum"], row["random"]) == (-1, -1, 2**63 - 1, True)
 
 
-def test_pin_drawn_puts_the_drawn_seed_into_the_callers_params() -> None:
-    specs = (om.params.Param("steps", "int", 3), om.params.seed_param())
-    checked = om.params.validate(specs, {"steps": 2}, model="m")
-    pinned = om.params.pin_drawn(specs, {"steps": 2}, checked)
-    assert pinned == {"steps": 2, "seed": checked["seed"]}
-    assert om.params.validate(specs, pinned, model="m") == checked  # a second check draws nothing
-    assert om.params.pin_drawn(specs, "not a mapping", checked) == "not a mapping"
-
-
 def test_only_an_int_param_can_be_random() -> None:
     with pytest.raises(ValueError, match="only an int param"):
         om.params.Param("x", "float", 0.0, random=True)

@@ -61,7 +61,11 @@ class AnyioSocket:
     """One websocket connection over an anyio byte stream (see the module docstring)."""
 
     def __init__(
-        self, stream: anyio.abc.ByteStream, protocol: ClientProtocol, *, close_timeout: float | None,
+        self,
+        stream: anyio.abc.ByteStream,
+        protocol: ClientProtocol,
+        *,
+        close_timeout: float | None,
         max_size: int | None,
     ) -> None:
         self._stream = stream
@@ -104,7 +108,10 @@ class AnyioSocket:
         with anyio.fail_after(open_timeout):
             if uri.secure:
                 stream: anyio.abc.ByteStream = await anyio.connect_tcp(
-                    uri.host, uri.port, tls=True, ssl_context=ssl_context or ssl.create_default_context(),
+                    uri.host,
+                    uri.port,
+                    tls=True,
+                    ssl_context=ssl_context or ssl.create_default_context(),
                     tls_hostname=uri.host,
                 )
             else:
@@ -327,8 +334,12 @@ class AnyioSocket:
                     await self._stream.send(chunk)
                 else:
                     await self._stream.send_eof()  # the protocol's end of our side
-            except (anyio.BrokenResourceError, anyio.ClosedResourceError, OSError,
-                    NotImplementedError) as exc:
+            except (
+                anyio.BrokenResourceError,
+                anyio.ClosedResourceError,
+                OSError,
+                NotImplementedError,
+            ) as exc:
                 if isinstance(exc, NotImplementedError):
                     continue  # TLS has no half-close: the close that follows ends it
                 await self._abort()

@@ -159,9 +159,7 @@ class Client:
         self._tg: anyio.abc.TaskGroup | None = None
         self._loop: ThreadsafeLoop | None = None
         # Cancels of streams closed or dropped early, sent by one task of ours.
-        self._cancels_send, self._cancels_receive = anyio.create_memory_object_stream[str](
-            math.inf
-        )
+        self._cancels_send, self._cancels_receive = anyio.create_memory_object_stream[str](math.inf)
         self._inboxes: dict[str, Inbox] = {}
         self._closed: ConnectionClosedError | None = None
         self._state = Lifecycle.NEW
@@ -267,11 +265,15 @@ class Client:
                 field=other[0],
             )
         if kwargs.get("compression") is not None:
-            raise ParamsError("under trio the client sends no compression offer: pass compression=None",
-                              field="compression")
+            raise ParamsError(
+                "under trio the client sends no compression offer: pass compression=None", field="compression"
+            )
         ssl_context = kwargs.get("ssl")
         return await AnyioSocket.open(
-            self.url, headers=headers, max_size=kwargs["max_size"], open_timeout=kwargs["open_timeout"],
+            self.url,
+            headers=headers,
+            max_size=kwargs["max_size"],
+            open_timeout=kwargs["open_timeout"],
             close_timeout=kwargs["close_timeout"],
             ssl_context=ssl_context if isinstance(ssl_context, ssl.SSLContext) else None,
         )
@@ -342,7 +344,13 @@ class Client:
         """
         request_id = uuid.uuid4().hex if id is None else id
         message = Generate.build(
-            request_id, params, preview, detach=detach, output=output, priority=priority, model=model,
+            request_id,
+            params,
+            preview,
+            detach=detach,
+            output=output,
+            priority=priority,
+            model=model,
             webhook=webhook,
         )
         if not isinstance(progress, bool):
@@ -532,8 +540,12 @@ class Client:
             # The inbox knows no retry_after_s: the error is made here, with it.
             inbox.fail(
                 server_error(
-                    event.code, event.message, field=event.field, request_id=request_id,
-                    accepted=False, retry_after_s=event.retry_after_s,
+                    event.code,
+                    event.message,
+                    field=event.field,
+                    request_id=request_id,
+                    accepted=False,
+                    retry_after_s=event.retry_after_s,
                 )
             )
             return

@@ -196,9 +196,7 @@ class RequestStream(Generic[T]):
             raise
         # On garbage collection after an early ``break``: unregister, and
         # cancel unless detached. Refers to the client and inbox, not to self.
-        self._finalizer = weakref.finalize(
-            self, self._client._abandon, self._inbox, self._cancel_on_exit
-        )
+        self._finalizer = weakref.finalize(self, self._client._abandon, self._inbox, self._cancel_on_exit)
         self._finalizer.atexit = False
 
     def _settle(self) -> None:

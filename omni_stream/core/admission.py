@@ -19,8 +19,10 @@ from typing import Any
 
 import torch
 
+from ..engine import intake
+from ..engine.intake import CheckedParams
 from ..errors import MessageError, ParamsError, ServerBusyError
-from ..model import StepModel, split_output
+from ..model import StepModel
 from ..preview import (
     DEFAULT_QUALITY,
     IMAGE_OUTPUTS,
@@ -55,16 +57,41 @@ from .limits import ServerLimits, check_request_limits
 from .load import RETRY_AFTER_MAX_S, RETRY_AFTER_MIN_S, Load, check_load, retry_after
 
 __all__ = [
-    "cap_preview", "check_params", "default_decoder", "preview_spec", "preview_wire", "OutputSpec",
-    "output_spec", "IMAGE_FORMATS", "VIDEO_FORMATS", "ServerBusyError",
+    "cap_preview",
+    "check_params",
+    "default_decoder",
+    "preview_spec",
+    "preview_wire",
+    "OutputSpec",
+    "output_spec",
+    "IMAGE_FORMATS",
+    "VIDEO_FORMATS",
+    "ServerBusyError",
     # load.py's
-    "Load", "check_load", "retry_after", "RETRY_AFTER_MIN_S", "RETRY_AFTER_MAX_S",
+    "Load",
+    "check_load",
+    "retry_after",
+    "RETRY_AFTER_MIN_S",
+    "RETRY_AFTER_MAX_S",
     # estimate.py's
-    "MemoryEstimate", "check_memory", "estimate_memory", "frame_bytes", "host_engines", "reserve_memory",
+    "MemoryEstimate",
+    "check_memory",
+    "estimate_memory",
+    "frame_bytes",
+    "host_engines",
+    "reserve_memory",
     "state_on_host",
-    "HOST_FRAMES_PER_REQUEST", "HOST_FRAMES_PER_BATCH", "HOST_BATCH_RETAINED_BYTES",
-    "HOST_FRAMES_PER_LARGE_BATCH", "DEVICE_FRAMES_PER_REQUEST", "REQUEST_BASE_BYTES",
-    "RESULT_COPIES", "LATENT_RATIO", "INPUT_BYTES_PER_PIXEL", "MAX_REQUEST_MEMORY_SHARE", "host_batch_cost",
+    "HOST_FRAMES_PER_REQUEST",
+    "HOST_FRAMES_PER_BATCH",
+    "HOST_BATCH_RETAINED_BYTES",
+    "HOST_FRAMES_PER_LARGE_BATCH",
+    "DEVICE_FRAMES_PER_REQUEST",
+    "REQUEST_BASE_BYTES",
+    "RESULT_COPIES",
+    "LATENT_RATIO",
+    "INPUT_BYTES_PER_PIXEL",
+    "MAX_REQUEST_MEMORY_SHARE",
+    "host_batch_cost",
 ]
 
 #: What the final message of a request may be encoded as (preview.save's
@@ -97,8 +124,9 @@ def output_spec(wire: Mapping[str, Any] | None, *, video: bool, request_id: str)
         return OutputSpec(formats[0])
 
     def bad(field: str, message: str) -> MessageError:
-        return MessageError("invalid_field", f"output: {message}", field=f"output.{field}",
-                            request_id=request_id)
+        return MessageError(
+            "invalid_field", f"output: {message}", field=f"output.{field}", request_id=request_id
+        )
 
     unknown = sorted(str(k) for k in wire if k not in _OUTPUT_KEYS)
     if unknown:
@@ -162,25 +190,28 @@ def preview_spec(
 
 def check_params(
     model: StepModel, params: Mapping[str, Any], limits: ServerLimits, *, request_id: str
-) -> tuple[int, dict[str, Any]]:
+) -> tuple[int, CheckedParams]:
     """Validate ``params`` with the model and the server's limits; the step count and the checked params.
 
-    Image params are checked from their header first (inputs.py): a path
-    or an image with a side over ``max_image_size`` is refused before
-    ``validate`` could read or decode it. Raises MessageError
-    ``bad_params`` (the model refused them; ``field`` names the param) or
-    ``limit_exceeded`` (beyond this server's limits).
+    The request's one validation in this process: the engine of ``model``
+    takes the CheckedParams as they are (engine/intake.py), the model's
+    ``validate`` as ``checked``. Image params are checked from their header
+    first (inputs.py): a path or an image with a side over
+    ``max_image_size`` is refused before ``validate`` could read or decode
+    it. Raises MessageError ``bad_params`` (the model refused them;
+    ``field`` names the param) or ``limit_exceeded`` (beyond this server's
+    limits).
     """
     # Images a door has not decoded yet (a caller of the core without one):
     # their headers first, so nothing oversize is ever decoded.
     check_images(model, params, limits, request_id=request_id)
     try:
-        rest, _ = split_output(model, params)
-        checked = model.validate(rest)
+        pinned = intake.check_params(model, params)
     except ParamsError as exc:
         raise MessageError("bad_params", exc.message, field=exc.field, request_id=request_id) from None
     except (ValueError, TypeError, KeyError) as exc:
         raise MessageError("bad_params", f"{model.name}: {exc}", request_id=request_id) from None
+    checked = pinned.checked
     for name in image_params(model):
         size = getattr(checked.get(name), "size", None)
         if isinstance(size, tuple) and max(size) > limits.max_image_size:
@@ -193,7 +224,7 @@ def check_params(
                 request_id=request_id,
             )
     try:
-        return check_request_limits(model, checked, limits), checked
+        return check_request_limits(model, checked, limits), pinned
     except MessageError as exc:
         exc.request_id = request_id
         raise

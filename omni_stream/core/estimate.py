@@ -31,11 +31,24 @@ from .load import RETRY_AFTER_MIN_S
 from .memory import MemoryBudget, MemoryReservation
 
 __all__ = [
-    "MemoryEstimate", "check_memory", "estimate_memory", "frame_bytes", "host_engines", "reserve_memory",
+    "MemoryEstimate",
+    "check_memory",
+    "estimate_memory",
+    "frame_bytes",
+    "host_engines",
+    "reserve_memory",
     "state_on_host",
-    "HOST_FRAMES_PER_REQUEST", "HOST_FRAMES_PER_BATCH", "HOST_BATCH_RETAINED_BYTES",
-    "HOST_FRAMES_PER_LARGE_BATCH", "DEVICE_FRAMES_PER_REQUEST", "REQUEST_BASE_BYTES",
-    "RESULT_COPIES", "LATENT_RATIO", "INPUT_BYTES_PER_PIXEL", "MAX_REQUEST_MEMORY_SHARE", "host_batch_cost",
+    "HOST_FRAMES_PER_REQUEST",
+    "HOST_FRAMES_PER_BATCH",
+    "HOST_BATCH_RETAINED_BYTES",
+    "HOST_FRAMES_PER_LARGE_BATCH",
+    "DEVICE_FRAMES_PER_REQUEST",
+    "REQUEST_BASE_BYTES",
+    "RESULT_COPIES",
+    "LATENT_RATIO",
+    "INPUT_BYTES_PER_PIXEL",
+    "MAX_REQUEST_MEMORY_SHARE",
+    "host_batch_cost",
 ]
 
 #: Host memory per running request, in frames (one step's output), when the
@@ -181,8 +194,10 @@ def frame_bytes(model: StepModel, params: Mapping[str, Any]) -> tuple[int, str] 
     # A video's frames and a request's images both stack whole pictures.
     frames = (side("num_frames") or 1) * (side("num_images") or 1)
     if width and height:
-        field = "size" if size and size >= max(side("width") or 0, side("height") or 0) else next(
-            (n for n in _SIDES if side(n)), "size"
+        field = (
+            "size"
+            if size and size >= max(side("width") or 0, side("height") or 0)
+            else next((n for n in _SIDES if side(n)), "size")
         )
         keep(3 * width * height * frames * _FLOAT32, field)
     # An image-to-image model renders at its input image's size: an input

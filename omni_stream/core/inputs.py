@@ -38,8 +38,17 @@ from ..models.inputs import ImageHeader, decode_image, read_data_url, read_heade
 from .limits import ServerLimits
 
 __all__ = [
-    "IMAGE_PARAM_NAMES", "SOURCE_INFO", "PendingImage", "Sized", "check_encoded", "check_images", "data_url",
-    "decode_images", "image_params", "source_of", "with_images",
+    "IMAGE_PARAM_NAMES",
+    "SOURCE_INFO",
+    "PendingImage",
+    "Sized",
+    "check_encoded",
+    "check_images",
+    "data_url",
+    "decode_images",
+    "image_params",
+    "source_of",
+    "with_images",
 ]
 
 #: Params with these names (declared as strings) are input images; a model
@@ -167,8 +176,10 @@ def source_of(image: Any) -> tuple[str, bytes] | None:
     info = getattr(image, "info", None)
     source = info.get(SOURCE_INFO) if isinstance(info, dict) else None
     if (
-        isinstance(source, tuple) and len(source) == 2
-        and isinstance(source[0], str) and isinstance(source[1], bytes)
+        isinstance(source, tuple)
+        and len(source) == 2
+        and isinstance(source[0], str)
+        and isinstance(source[1], bytes)
     ):
         return source[0], source[1]
     return None

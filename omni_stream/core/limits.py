@@ -210,8 +210,7 @@ class ServerLimits:
         unknown = sorted(k for k in overrides if k not in _ENV)
         if unknown:
             raise ParamsError(
-                f"unknown server option(s) {', '.join(map(repr, unknown))}; "
-                f"known: {', '.join(_ENV)}",
+                f"unknown server option(s) {', '.join(map(repr, unknown))}; known: {', '.join(_ENV)}",
                 field=unknown[0],
             )
         values: dict[str, Any] = {}

@@ -145,5 +145,3 @@ def check_load(
     raise ServerBusyError(
         f"{why}; try again in about {retry:g} s", retry_after_s=retry, request_id=request_id
     )
-
-

@@ -4,7 +4,7 @@
 ``max_memory_bytes`` and decides what gives way when an addition takes it
 over (its docstring); :class:`MemoryReservation` is one running request's
 share, made at admission (``admission.reserve_memory``). Pure bookkeeping:
-no I/O; outboxes (outbox.py) and request records (records.py) report to it.
+no I/O; outboxes (outbox.py) and request records (records.py, registry.py) report to it.
 """
 
 from __future__ import annotations
@@ -170,9 +170,7 @@ class MemoryBudget:
         batch_cost: Callable[[int], int] | None = None,
     ) -> bool:
         """Whether such a reservation keeps ``used + reserved`` within the limit."""
-        reserved = self.reserved_with(
-            own, shared, group=group, batch_size=batch_size, batch_cost=batch_cost
-        )
+        reserved = self.reserved_with(own, shared, group=group, batch_size=batch_size, batch_cost=batch_cost)
         return self.used + reserved <= self.limit
 
     def reserve(
@@ -200,8 +198,14 @@ class MemoryBudget:
             group = ("alone", token)
         self._put(token, own, shared, group, batch_size, batch_cost)
         return MemoryReservation(
-            self, token, group, own, shared,
-            own_per_byte=own_per_byte, shared_per_byte=shared_per_byte, frame_bytes=frame_bytes,
+            self,
+            token,
+            group,
+            own,
+            shared,
+            own_per_byte=own_per_byte,
+            shared_per_byte=shared_per_byte,
+            frame_bytes=frame_bytes,
         )
 
     def _put(

@@ -35,8 +35,23 @@ CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
 # resume behind a loading model or a replacement replica in seconds to minutes.
 _RESTART_BUCKETS = (0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120.0, 300.0, 600.0)
 _STEP_BUCKETS = (
-    0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5,
-    1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 300.0,
+    0.0005,
+    0.001,
+    0.0025,
+    0.005,
+    0.01,
+    0.025,
+    0.05,
+    0.1,
+    0.25,
+    0.5,
+    1.0,
+    2.5,
+    5.0,
+    10.0,
+    30.0,
+    60.0,
+    300.0,
 )
 _ENCODE_BUCKETS = (0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5)
 #: Weight of the newest frame in the recent step averages (``busy``'s
@@ -75,31 +90,43 @@ class ServerMetrics:
     def __init__(self, engine: Any, *, running: Callable[[], int]) -> None:
         r = self.registry = CollectorRegistry(auto_describe=True)
         self.requests = Counter(
-            "omni_stream_requests", "requests by outcome: done, cancelled, error, rejected",
-            ["outcome"], registry=r,
+            "omni_stream_requests",
+            "requests by outcome: done, cancelled, error, rejected",
+            ["outcome"],
+            registry=r,
         )
         self.rejections = Counter(
-            "omni_stream_rejections", "generate messages rejected after parsing, by error code",
-            ["code"], registry=r,
+            "omni_stream_rejections",
+            "generate messages rejected after parsing, by error code",
+            ["code"],
+            registry=r,
         )
         #: Recent mean model-call time and batch size (None before the first frame).
         self.recent_step_s: float | None = None
         self.recent_batch_size: float | None = None
         self.step_compute = Histogram(
-            "omni_stream_step_compute_seconds", "step compute time (frames the server observed)",
-            buckets=_STEP_BUCKETS, registry=r,
+            "omni_stream_step_compute_seconds",
+            "step compute time (frames the server observed)",
+            buckets=_STEP_BUCKETS,
+            registry=r,
         )
         self.step_queued = Histogram(
-            "omni_stream_step_queued_seconds", "time a step waited before it ran",
-            buckets=_STEP_BUCKETS, registry=r,
+            "omni_stream_step_queued_seconds",
+            "time a step waited before it ran",
+            buckets=_STEP_BUCKETS,
+            registry=r,
         )
         self.step_copy = Histogram(
-            "omni_stream_step_copy_seconds", "device-to-host copy time of a step's frame",
-            buckets=_STEP_BUCKETS, registry=r,
+            "omni_stream_step_copy_seconds",
+            "device-to-host copy time of a step's frame",
+            buckets=_STEP_BUCKETS,
+            registry=r,
         )
         self.preview_encode = Histogram(
-            "omni_stream_preview_encode_seconds", "decode + encode time of one preview",
-            buckets=_ENCODE_BUCKETS, registry=r,
+            "omni_stream_preview_encode_seconds",
+            "decode + encode time of one preview",
+            buckets=_ENCODE_BUCKETS,
+            registry=r,
         )
         self.restarts = Counter(
             "omni_stream_requests_restarted",
@@ -107,13 +134,16 @@ class ServerMetrics:
             "by reason: checkpoint, no_checkpoint, checkpoint_unusable, cannot_resume (a restart with "
             "--state-dir; a checkpoint refused as the request goes in is said, and counted, as checkpoint "
             "then checkpoint_unusable), replica_lost (each Ray hand-over)",
-            ["reason"], registry=r,
+            ["reason"],
+            registry=r,
         )
         self.restart_first_frame = Histogram(
             "omni_stream_restart_first_frame_seconds",
             "from a restarted message said (a request readmitted after a restart with --state-dir, or a "
             "Ray hand-over beginning) to the request's first frame after it, by reason",
-            ["reason"], buckets=_RESTART_BUCKETS, registry=r,
+            ["reason"],
+            buckets=_RESTART_BUCKETS,
+            registry=r,
         )
         self.reads_paced = Counter(
             "omni_stream_reads_paced",
@@ -126,37 +156,48 @@ class ServerMetrics:
             registry=r,
         )
         self.messages_sent = Counter(
-            "omni_stream_messages_sent", "messages written to clients, by kind", ["kind"], registry=r,
+            "omni_stream_messages_sent",
+            "messages written to clients, by kind",
+            ["kind"],
+            registry=r,
         )
         self.messages_dropped = Counter(
             "omni_stream_messages_dropped",
             "progress and previews removed unsent: replaced by a newer one, or shed "
             "for max_pending_bytes or max_memory_bytes",
-            ["kind"], registry=r,
+            ["kind"],
+            registry=r,
         )
         self.connections = Gauge(
             "omni_stream_connections", "open clients: websockets, HTTP calls and event streams", registry=r
         )
         self.connections_opened = Counter(
-            "omni_stream_connections_opened", "clients accepted: websockets, HTTP calls, event streams",
+            "omni_stream_connections_opened",
+            "clients accepted: websockets, HTTP calls, event streams",
             registry=r,
         )
         self.handshakes_refused = Counter(
-            "omni_stream_handshakes_refused", "websocket handshakes refused, by reason",
-            ["reason"], registry=r,
+            "omni_stream_handshakes_refused",
+            "websocket handshakes refused, by reason",
+            ["reason"],
+            registry=r,
         )
         self.http_refused = Counter(
             "omni_stream_http_refused",
             "HTTP calls refused at the door, by reason (unauthorized, forbidden_origin, "
             "forbidden_host, too_many_connections, shutting_down)",
-            ["reason"], registry=r,
+            ["reason"],
+            registry=r,
         )
         self.slow_client_disconnects = Counter(
-            "omni_stream_slow_client_disconnects", "clients closed with 1008 for not reading",
+            "omni_stream_slow_client_disconnects",
+            "clients closed with 1008 for not reading",
             registry=r,
         )
         self.requests_running = Gauge(
-            "omni_stream_requests_running", "requests the server is streaming", registry=r,
+            "omni_stream_requests_running",
+            "requests the server is streaming",
+            registry=r,
         )
         self.requests_running.set_function(lambda: float(running()))
         self.memory_bytes = Gauge(

@@ -1,9 +1,13 @@
 """One client's bounded send path: an ordered outbox where the latest update wins.
 
-Every message for a client goes through its :class:`Outbox`; one writer task
-per connection drains it onto the socket. Producers (the per-request
-consumers, the connection's reader) never wait on a client: ``put`` is
-synchronous, so one stalled client cannot delay another, nor a generation.
+Every message for a client goes through its :class:`Outbox`, as the
+message object (a ``protocol`` server message or a ``protocol.Preview``);
+one writer task per connection drains it onto the socket (a websocket sends
+each one's ``wire``, encoded once for every watcher; an event stream or an
+OpenAI door reads its fields). Producers (the per-request consumers, the
+connection's reader) never wait on a client: ``put`` is synchronous, so one
+stalled client cannot delay another, nor a generation. Sizes are the
+messages' wire lengths.
 
 Two kinds of entry:
 
@@ -55,10 +59,14 @@ import anyio
 from .._wakeup import Wakeup
 from ..errors import OutboxOverflowError
 from ..params import positive_int
+from ..protocol import Preview, ServerMessage
 from .memory import MemoryBudget, MemoryReservation
 
 # MemoryBudget and MemoryReservation (memory.py's) are re-exported: outboxes
 # report to the budget, and callers long imported them from here.
+#: What an outbox queues: a text message or a preview, each encoding its wire form once.
+Outgoing = ServerMessage | Preview
+
 __all__ = [
     "MemoryBudget",
     "MemoryReservation",
@@ -66,6 +74,7 @@ __all__ = [
     "OutboxItem",
     "OutboxOverflowError",
     "OutboxStatistics",
+    "Outgoing",
 ]
 
 #: Must-deliver messages up to this size count against ``max_pending``
@@ -81,11 +90,18 @@ _REPLY_RESERVE = 3
 
 @dataclass(frozen=True, slots=True)
 class OutboxItem:
-    """One message to send: ``data`` (text or binary) and its ``kind`` for metrics."""
+    """One message to send: the message object, its ``kind`` (metrics) and whether it must go.
 
-    data: str | bytes
-    kind: str
+    The websocket writer sends ``message.wire``; the other doors read the
+    message's fields (SSE, the OpenAI doors).
+    """
+
+    message: Outgoing
     must_deliver: bool
+
+    @property
+    def kind(self) -> str:
+        return self.message.kind
 
 
 class _Entry:
@@ -95,16 +111,17 @@ class _Entry:
         self.item = item
         self.key = key  # latest_key while replaceable, else None
         self.pinned = pinned  # seq of the entry pinned to this one
-        self.size = _size(item.data)
+        self.size = _size(item.message)
         #: Since when a message with this latest_key has waited unsent (kept
         #: across replacements: a client that never reads never resets it).
         self.since = time.monotonic()
 
 
-def _size(data: str | bytes) -> int:
+def _size(message: Outgoing) -> int:
+    # Its wire form, encoded once and shared by every outbox it goes to.
     # Server text messages are ASCII JSON (protocol.dumps escapes the rest),
     # so characters are bytes; encoding each one just to count would cost.
-    return len(data)
+    return len(message.wire)
 
 
 @dataclass(frozen=True, slots=True)
@@ -166,8 +183,7 @@ class Outbox:
 
     def put(
         self,
-        data: str | bytes,
-        kind: str,
+        message: Outgoing,
         *,
         latest_key: Hashable | None = None,
         pin_key: Hashable | None = None,
@@ -183,14 +199,13 @@ class Outbox:
         """
         if self._closed or self._overflow is not None:
             return
-        size = _size(data)
+        size = _size(message)
+        kind = message.kind
         must = latest_key is None
         since: float | None = None
         if must:
             if self._pending_must >= self._max_pending:
-                self.overflow(
-                    "max_pending", f"more than {self._max_pending} must-deliver messages waiting"
-                )
+                self.overflow("max_pending", f"more than {self._max_pending} must-deliver messages waiting")
                 return
             # Small messages (accepted, done, errors) are bounded by their
             # count above: one behind an oversize result (a big video) must
@@ -223,7 +238,7 @@ class Outbox:
         pinned = self._by_key.pop(pin_key, None) if pin_key is not None else None
         if pinned is not None:
             self._entries[pinned].key = None  # no longer replaceable on its own
-        entry = _Entry(OutboxItem(data, kind, must), latest_key, pinned)
+        entry = _Entry(OutboxItem(message, must), latest_key, pinned)
         if since is not None:
             entry.since = since
         seq = self._append(entry)

@@ -9,16 +9,27 @@ door calls it the same way: the websocket (one :class:`Client` per
 connection), the HTTP API (one per call, so an open POST or event stream
 counts as a connection) and its event streams. Nothing here waits, reads a
 socket or needs an event loop: a door turns bytes into calls, the replies
-go into the client's :class:`~omni_stream.core.outbox.Outbox`, and the two
-things the core asks of the world are calls it was given:
+go into the client's :class:`~omni_stream.core.outbox.Outbox`, as typed
+messages (protocol's classes: only the websocket encodes them), and what
+the core asks of the world goes through the interfaces it was given:
 
 - ``engine.stream(...)`` (submitting a request; synchronous) and
   ``engine.cancel(id)``, ``engine.health()``;
-- ``on_start(admitted, stream)``: run a consumer for an admitted request
-  (the server's shell, ``omni_stream.server.service``, starts a task).
+- its :class:`~omni_stream.core.effects.Shell` (:meth:`Rules.bind`: the
+  server's service runs consumers, sends webhooks, hears of idleness) and
+  its :class:`~omni_stream.core.effects.Journal` (:meth:`Rules.keep_journal`:
+  the state directory, with one).
 
 So the rules are tested by calling them with no socket and no loop
 (tests/core/test_rules.py), as python-websockets tests its protocol.
+
+:class:`Rules` is the one class the doors use; its parts, a module each,
+are the bases it is made of: the clients coming and going (clients.py,
+with :class:`Client` and :class:`Refusal`), their messages read and acted
+on (dispatch.py), requests paused by the gate or their client
+(preemption.py) and the load read (load_report.py). Here are admission,
+the gate's letting in, cancel, attach and lookup, and the end of a
+request.
 """
 
 from __future__ import annotations
@@ -35,19 +46,22 @@ from .. import protocol
 from ..engine.like import RendersFrames, missing_stream_members, server_stream_keywords
 from ..errors import CheckpointError, EngineError, OmniStreamError, ParamsError, ServerBusyError
 from ..model import StepModel
-from ..params import pin_drawn
 from ..preview import PreviewSpec, RenderRequest
 from . import admission, inputs
+from .clients import Client, Clients, Refusal, who
+from .dispatch import Dispatch
+from .effects import Journal, Shell
 from .gate import Gate
 from .limits import ServerLimits
+from .load_report import LoadReport
 from .memory import MemoryBudget, MemoryReservation
 from .metrics import ServerMetrics
-from .outbox import Outbox
-from .principal import Principal
-from .rates import RateBook, message_cost
-from .records import RequestRecord, RequestRegistry
+from .preemption import Preempted, Preemption
+from .rates import RateBook
+from .records import RequestRecord, Terminal
+from .registry import RequestRegistry
 from .tokens import Tokens
-from .webhooks import Delivery, WebhookBook, WebhookConfig, WebhookState
+from .webhooks import WebhookBook, WebhookConfig, WebhookState
 
 if TYPE_CHECKING:
     from ..engine.like import EngineLike, FrameStreamLike
@@ -62,33 +76,6 @@ NOT_STARTED: Final = (
     "(Starlette(lifespan=omni.lifespan), FastAPI(lifespan=omni.lifespan), or "
     "`async with omni.lifespan(app)` in the host's own; docs/http.md, Mounting)"
 )
-
-
-@dataclasses.dataclass(eq=False)
-class Client:
-    """One client session at a door: a websocket connection, an HTTP call, an event stream.
-
-    ``id`` is unique to the session (it owns the requests it starts that
-    are not detached); ``principal`` is who it is (what the rules count by);
-    ``outbox`` is where its replies go (None for an HTTP call, which reads
-    its answer from the call's return value).
-    """
-
-    id: str
-    principal: Principal
-    door: str
-    outbox: Outbox | None = None
-    #: It started a request that is not detached (which ends when it goes).
-    owns_attached: bool = False
-
-
-@dataclasses.dataclass(frozen=True, slots=True)
-class Refusal:
-    """Why a new client (connection) is refused: the HTTP status, the code, the words."""
-
-    status: int
-    code: str
-    message: str
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
@@ -109,23 +96,13 @@ class Admitted:
     checked: Mapping[str, Any] = dataclasses.field(default_factory=dict)
 
 
-@dataclasses.dataclass(frozen=True, slots=True)
-class _Preempted:
-    """A gate payload: a request paused in the engine, to resume when let in: one the gate paused
-    to make room (``reason`` ``preempted``), or one its client paused, resumed since (``client``,
-    ``max_pause``), that waits for a place like any other."""
-
-    record: RequestRecord
-    reason: str = "preempted"
-
-
 def _seed_of(checked: Mapping[str, Any]) -> int | None:
     """The seed a request runs with, where its model has an int one."""
     seed = checked.get("seed")
     return seed if isinstance(seed, int) and not isinstance(seed, bool) else None
 
 
-class Rules:
+class Rules(Clients, Dispatch, Preemption, LoadReport):
     """The server's rules for every door (see the module docstring).
 
     ``engine``: what serves the requests (its ``stream`` given only the
@@ -171,7 +148,9 @@ class Rules:
         for model in self.models.values():
             self.memory.watch_model(model)
         self.registry = RequestRegistry(
-            retention_s=limits.retention_s, max_retained=limits.max_retained, budget=self.memory,
+            retention_s=limits.retention_s,
+            max_retained=limits.max_retained,
+            budget=self.memory,
             clock=clock,
         )
         self.metrics = ServerMetrics(engine, running=lambda: len(self.registry.running()))
@@ -186,31 +165,18 @@ class Rules:
         #: count (they come back through the gate when resumed), each for max_pause_s at most.
         self.paused: dict[str, RequestRecord] = {}
         #: Called when a client's pause starts: the shell's timer looks at :meth:`expire_pauses` again.
-        self.on_paused: Callable[[], None] = lambda: None
         #: Open clients (websockets, HTTP calls, event streams), by id.
         self.clients: dict[str, Client] = {}
         #: Open clients per principal key.
         self.open_by_principal: Counter[str] = Counter()
         self.rates = RateBook(limits.max_messages_per_s)
-        #: Run a consumer for an admitted request (the server's shell sets it when it starts).
-        self.on_start: Callable[[Admitted, FrameStreamLike], None] | None = None
-        #: Webhooks (core/webhooks.py): the settings (None: every webhook is refused), the
-        #: requests holding one, and where deliveries go (the shell's sender sets it).
+        #: Its effects (effects.py): the shell's (bind), the state directory's (keep_journal).
+        self.shell: Shell | None = None
+        self.journal: Journal | None = None
+        #: Webhooks (core/webhooks.py): the settings (None: every webhook is refused) and the
+        #: requests holding one; the shell sends the deliveries.
         self.webhooks = webhooks
         self.webhook_book = WebhookBook(webhooks.max_held if webhooks is not None else 0)
-        self.on_webhook: Callable[[Delivery], None] | None = None
-        #: The state directory's hooks (server/state.py; None without one): a request
-        #: admitted (to write it down), the keywords its stream gets besides the
-        #: rules' own (checkpoints, a checkpoint to resume from), a checkpoint the
-        #: model refused (the request starts from step 0 instead), a request ended.
-        self.on_admitted: Callable[[Admitted, protocol.Generate], None] | None = None
-        self.stream_options: Callable[[Admitted], Mapping[str, Any]] | None = None
-        self.on_resume_refused: Callable[[RequestRecord, CheckpointError], None] | None = None
-        #: Told when a request is handed over to another replica (a Ray front door) and its
-        #: watchers were told so (``restarted``, ``replica_lost``): ``(record, from_step)``.
-        #: The state directory keeps the notice with the request.
-        self.on_handed_over: Callable[[RequestRecord, int], None] | None = None
-        self.on_finished: Callable[[RequestRecord, dict[str, Any]], None] | None = None
         #: Set by the shell: started (consumers can run), closing (refuse new
         #: work), letting_in (queued requests may still start: the graceful
         #: part of a shutdown), fatal (why the server cannot go on).
@@ -218,147 +184,14 @@ class Rules:
         self.closing = False
         self.letting_in = True
         self.fatal: OmniStreamError | None = None
-        #: Called when the last running request ends / the last client leaves.
-        self.on_requests_idle: Callable[[], None] = lambda: None
-        self.on_clients_idle: Callable[[], None] = lambda: None
 
-    # -- clients -------------------------------------------------------------------
+    def bind(self, shell: Shell) -> None:
+        """Act through ``shell`` from now on (the server's service, once, as it is built)."""
+        self.shell = shell
 
-    def principal_of_connection(self, conn_id: str, *, headers: Mapping[str, str], query: str) -> Principal:
-        """A websocket's principal: its token's, else the connection (see principal.py)."""
-        grant = self.tokens.identify(headers, query) if self.tokens else None
-        return Principal.of_token(grant) if grant is not None else Principal.of_connection(conn_id)
-
-    def principal_of_address(self, address: str, *, headers: Mapping[str, str], query: str) -> Principal:
-        """An HTTP caller's principal: its token's, else its address (see principal.py)."""
-        grant = self.tokens.identify(headers, query) if self.tokens else None
-        return Principal.of_token(grant) if grant is not None else Principal.of_address(address)
-
-    def connection_refusal(self, principal: Principal) -> Refusal | None:
-        """Why a new client of ``principal`` is refused now; None to accept."""
-        if self.closing:
-            return Refusal(503, "shutting_down", "the server is shutting down")
-        limits = self.limits
-        if len(self.clients) >= limits.max_connections:
-            return Refusal(
-                503,
-                "too_many_connections",
-                f"the server has {limits.max_connections} connections open "
-                "(max_connections, OMNI_STREAM_MAX_CONNECTIONS)",
-            )
-        if self.open_by_principal[principal.key] >= limits.max_connections_per_principal:
-            return Refusal(
-                429,
-                "too_many_connections",
-                f"{_who(principal)} already has {limits.max_connections_per_principal} connections "
-                "open, HTTP calls and event streams included (max_connections_per_principal, "
-                "OMNI_STREAM_MAX_CONNECTIONS_PER_PRINCIPAL)",
-            )
-        return None
-
-    def connect(self, principal: Principal, door: str, outbox: Outbox | None = None) -> Client:
-        """Register a new client (call :meth:`connection_refusal` first); returns it."""
-        client = Client(uuid.uuid4().hex, principal, door, outbox)
-        if principal.kind == "connection" and principal.name != client.id:
-            # A websocket without a token is its own principal: one name for both.
-            client.principal = Principal.of_connection(client.id)
-        self.clients[client.id] = client
-        self.open_by_principal[client.principal.key] += 1
-        self.metrics.connections.inc()
-        self.metrics.connections_opened.inc()
-        return client
-
-    def disconnect(self, client: Client) -> None:
-        """The client is gone: nothing more is sent to it; its own requests that are not detached end."""
-        if client.outbox is not None or client.owns_attached:
-            # (A client without an outbox watched nothing, and if all it
-            # started is detached, nothing ends with it: an HTTP call's close
-            # is then no walk over every record.)
-            for record in self.registry.disconnect(client.id):
-                self.stop(record, "disconnect")
-        if self.clients.pop(client.id, None) is not None:
-            key = client.principal.key
-            self.open_by_principal[key] -= 1
-            if self.open_by_principal[key] <= 0:
-                del self.open_by_principal[key]
-                self.rates.forget(key, self.clock())
-            self.metrics.connections.dec()
-        if not self.clients:
-            self.on_clients_idle()
-
-    def pace(self, client: Client, nbytes: int) -> float:
-        """Count one message of ``nbytes`` against its principal's rate; seconds to wait before acting.
-
-        max_messages_per_s per principal, in bursts of as many (rates.py):
-        the door reads (or answers) the next one that much later.
-        """
-        delay = self.rates.take(client.principal.key, message_cost(nbytes), self.clock())
-        if delay > 0.0:
-            self.metrics.reads_paced.inc()
-        return delay
-
-    def principals(self) -> int:
-        """Principals with a client open or a request held (the fair share divides among them)."""
-        keys = set(self.open_by_principal)
-        keys.update(r.principal for r in self.registry.running())
-        return max(1, len(keys))
-
-    # -- client messages (every door's, in the websocket's form) ---------------------
-
-    def receive(self, client: Client, data: str | bytes) -> protocol.ClientMessage | None:
-        """Parse one message; a malformed one is answered in ``client.outbox`` (None returned)."""
-        try:
-            return protocol.parse_client_message(data)
-        except protocol.MessageError as exc:
-            self.reply_error(client, exc, request_id=exc.request_id)
-            return None
-
-    def dispatch(self, client: Client, msg: protocol.ClientMessage) -> None:
-        """Act on one parsed message; every reply (and error) goes to ``client.outbox``.
-
-        Synchronous on purpose: handling a message never waits, so one
-        client is never blocked behind anything.
-        """
-        try:
-            if isinstance(msg, protocol.Generate):
-                self.generate(client, msg)
-            elif isinstance(msg, protocol.Cancel):
-                self.cancel(client, msg.id)
-            elif isinstance(msg, protocol.Pause):
-                self.pause(client, msg.id, to_host=msg.to_host)
-            elif isinstance(msg, protocol.Resume):
-                self.resume(client, msg.id)
-            else:
-                self.attach(client, msg.id)
-        except protocol.MessageError as exc:
-            request_id = exc.request_id
-            if isinstance(msg, protocol.Generate) and msg.id is None:
-                request_id = None  # an id the server made up means nothing to the client
-            self.reply_error(client, exc, request_id=request_id)
-        except Exception as exc:
-            # A bug: this message gets ``internal``; the client and the server go on.
-            logger.exception("handling a message from client %s failed", client.id)
-            if client.outbox is not None:
-                reply = protocol.error("internal", f"internal server error: {exc!r}", request_id=msg.id)
-                client.outbox.put(protocol.dumps(reply), "error")
-
-    def handle(self, client: Client, data: str | bytes) -> None:
-        """:meth:`receive` then :meth:`dispatch`: one message, start to end."""
-        msg = self.receive(client, data)
-        if msg is not None:
-            self.dispatch(client, msg)
-
-    def reply_error(self, client: Client, exc: protocol.MessageError, *, request_id: str | None) -> None:
-        if client.outbox is not None:
-            client.outbox.put(protocol.dumps(self.error_reply(exc, request_id=request_id)), "error")
-
-    def error_reply(self, exc: protocol.MessageError, *, request_id: str | None) -> dict[str, Any]:
-        """The ``error`` message for a refused client message (``busy`` carries ``retry_after_s``)."""
-        reply = protocol.error(exc.code, exc.message, request_id=request_id, field=exc.field)
-        retry = getattr(exc, "retry_after_s", None)
-        if retry is not None:
-            reply["retry_after_s"] = retry
-        return reply
+    def keep_journal(self, journal: Journal) -> None:
+        """Write down what a restart needs through ``journal`` (the state directory, with one)."""
+        self.journal = journal
 
     # -- generate ----------------------------------------------------------------
 
@@ -373,13 +206,12 @@ class Rules:
             admitted = self._admit(client, msg)
             stream = self._open_stream(admitted) if self.gate.has_room() else None
         except protocol.MessageError as exc:
-            self.metrics.rejections.labels(exc.code).inc()
-            self.metrics.requests.labels("rejected").inc()
+            self.refused(exc)
             raise
         record = admitted.record
         self.registry.add(record)
-        if self.on_admitted is not None:
-            self.on_admitted(admitted, msg)
+        if self.journal is not None:
+            self.journal.admitted(admitted, msg)
         if record.webhook is not None:
             record.webhook.hold()  # until its terminal delivery settles
         client.owns_attached = client.owns_attached or not record.detach
@@ -389,8 +221,12 @@ class Rules:
             # The engine holds max_active requests already: this one waits,
             # unstarted, in the gate (gate.py), and goes in when one leaves.
             self.gate.wait(
-                record.id, record.principal, msg.priority, admitted,
-                cost=record.total, cross=admitted.cross_priority,
+                record.id,
+                record.principal,
+                msg.priority,
+                admitted,
+                cost=record.total,
+                cross=admitted.cross_priority,
             )
             # Under the preemptive policy a long request in the engine may
             # give its place to this shorter one (it waits here, paused).
@@ -441,14 +277,18 @@ class Rules:
         if images and isinstance(msg.params, Mapping):
             sized = {image.name: inputs.Sized((image.header.width, image.header.height)) for image in images}
             admission.check_memory(
-                self.memory, model, {**msg.params, **sized}, engine=self.engine, request_id=request_id,
+                self.memory,
+                model,
+                {**msg.params, **sized},
+                engine=self.engine,
+                request_id=request_id,
                 retry_after_s=lambda: self.retry_after(load),
             )
 
     def _admit_cheap(self, client: Client, msg: protocol.Generate, request_id: str) -> admission.Load:
         """:meth:`precheck`'s rules; the load they measured."""
         principal = client.principal
-        if not self.started or self.on_start is None:
+        if not self.started or self.shell is None:
             raise protocol.MessageError("engine_unavailable", NOT_STARTED, request_id=request_id)
         if self.closing:
             raise protocol.MessageError("shutting_down", "the server is shutting down", request_id=request_id)
@@ -468,7 +308,7 @@ class Rules:
         if own >= limit:
             raise protocol.MessageError(
                 "too_many_requests",
-                f"{_who(principal)} already runs {limit} requests "
+                f"{who(principal)} already runs {limit} requests "
                 "(max_requests_per_principal, OMNI_STREAM_MAX_REQUESTS_PER_PRINCIPAL)",
                 request_id=request_id,
             )
@@ -495,7 +335,7 @@ class Rules:
         """
         if msg.webhook is None:
             return
-        if self.webhooks is None or self.on_webhook is None:
+        if self.webhooks is None or self.shell is None:
             raise protocol.MessageError(
                 "bad_params",
                 "this server sends no webhooks: it allows no webhook URL "
@@ -519,15 +359,24 @@ class Rules:
         load = self._admit_cheap(client, msg, request_id)
         name, model = self.model_for(msg.model, request_id=request_id)
         spec = admission.preview_spec(
-            msg.preview, default=self._previews[name], decoder=self._decoders[name],
-            limits=self.limits, request_id=request_id, model=model,
+            msg.preview,
+            default=self._previews[name],
+            decoder=self._decoders[name],
+            limits=self.limits,
+            request_id=request_id,
+            model=model,
         )
         output = admission.output_spec(
             msg.output, video=bool(getattr(model, "produces_video", False)), request_id=request_id
         )
-        total, checked = admission.check_params(model, msg.params, self.limits, request_id=request_id)
+        total, params = admission.check_params(model, msg.params, self.limits, request_id=request_id)
+        checked = params.checked
         memory = admission.reserve_memory(
-            self.memory, model, checked, engine=self.engine, request_id=request_id,
+            self.memory,
+            model,
+            checked,
+            engine=self.engine,
+            request_id=request_id,
             retry_after_s=lambda: self.retry_after(load),
         )
         cross = principal.cross_priority(msg.priority)
@@ -545,15 +394,19 @@ class Rules:
             seed=_seed_of(checked),
             model=name if len(self.models) > 1 else None,
         )
-        if msg.webhook is not None and self.webhooks is not None and self.on_webhook is not None:
+        if msg.webhook is not None and self.webhooks is not None and self.shell is not None:
             # (_admit_cheap admitted it.) Told of its progress and its end by the record.
             record.webhook = WebhookState(
-                request_id, msg.webhook, config=self.webhooks, emit=self.on_webhook,
-                book=self.webhook_book, principal=principal.key, clock=self.clock,
+                request_id,
+                msg.webhook,
+                config=self.webhooks,
+                emit=self.shell.send_webhook,
+                book=self.webhook_book,
+                principal=principal.key,
+                clock=self.clock,
             )
-        # The engine checks the params again: it must run with the seed drawn
-        # here (the one `accepted` reports), not draw a second.
-        params = pin_drawn(model.params, msg.params, checked)
+        # Validated once: the engine of `model` takes `params` as checked (engine/intake.py),
+        # so it runs with the seed drawn here, the one `accepted` reports.
         return Admitted(record, params, spec, output, name, memory, cross, checked=checked)
 
     def _open_stream(self, admitted: Admitted) -> FrameStreamLike:
@@ -575,11 +428,12 @@ class Rules:
                 # Only to an engine of several models (engine/router.py).
                 "model": admitted.model if len(self.models) > 1 else None,
             }
-            if self.stream_options is not None:
-                wanted.update(self.stream_options(admitted))
+            if self.journal is not None:
+                wanted.update(self.journal.stream_options(admitted))
             # Only what the engine takes (an engine of one's own may take less).
             options = {k: v for k, v in wanted.items() if k in self.stream_keywords and v is not None}
-            # The raw params: the engine validates them itself (the same checks).
+            # CheckedParams (_admit): an engine of the model that checked them does not again;
+            # one of another model, or one of one's own, validates them as they read.
             try:
                 stream = self.engine.stream(admitted.params, request_id=request_id, **options)
             except CheckpointError as exc:
@@ -587,8 +441,8 @@ class Rules:
                     raise
                 # The model refused the checkpoint it was to resume from (another
                 # model, another version): the request starts over instead.
-                if self.on_resume_refused is not None:
-                    self.on_resume_refused(admitted.record, exc)
+                if self.journal is not None:
+                    self.journal.resume_refused(admitted.record, exc)
                 stream = self.engine.stream(admitted.params, request_id=request_id, **options)
         except ParamsError as exc:
             admitted.memory.release()
@@ -626,91 +480,15 @@ class Rules:
         self.gate.entered(record.principal, record.total)
         if self._preempts():
             record.on_step = self._stepped
-        assert self.on_start is not None  # _admit checked it
-        self.on_start(admitted, stream)
+        assert self.shell is not None  # _admit checked it
+        self.shell.start_consumer(admitted, stream)
 
-    def _preempts(self) -> bool:
-        """Whether the gate may pause a running request for a waiting one (the preemptive policy)."""
-        return getattr(self.engine, "scheduling", None) == "preemptive" and hasattr(self.engine, "pause")
-
-    def _quantum(self) -> int:
-        return int(getattr(self.engine, "quantum", 1))
-
-    def _victim(self) -> RequestRecord | None:
-        """The running request with the most steps left among those past their quantum since they
-        (re)entered the engine; None when none is."""
-        quantum = self._quantum()
-        running = [
-            r for r in self.registry.running()
-            if r.id not in self.gate and not r.paused and r.latest_step - r.entered_step >= quantum
-        ]
-        return max(running, key=lambda r: r.total - r.latest_step) if running else None
-
-    def _preempt_for(self, waiting: RequestRecord) -> None:
-        """Pause the running request with the most steps left for ``waiting``, when the engine's
-        policy is ``preemptive``, every place is held, and that request has more steps left than
-        ``waiting`` has in all and has run its quantum since it (re)entered. It goes back to the
-        gate as a request to resume (its state to the host meanwhile): the gate lets it in again
-        as places free, by its remaining steps."""
-        if not self._preempts():
-            return
-        victim = self._victim()
-        if victim is not None and victim.total - victim.latest_step > waiting.total:
-            self._preempt(victim, waiting)
-
-    def _stepped(self, record: RequestRecord) -> None:
-        """``record`` took a step (``RequestRecord.on_step``): try the preemption again.
-
-        An arriving request tries once, when it comes (:meth:`generate`).
-        One that came while every running request was within its quantum
-        would then wait for a place to free, however long that took: so each
-        step of a request past its quantum looks again, for the first fresh
-        request in the gate's order shorter than what that request has left.
-        (Most steps find no waiter, or none short enough: the checks go
-        cheapest first.)
-        """
-        gate = self.gate
-        if not gate.waiting or record.paused or record.id in gate:
-            return
-        left = record.total - record.latest_step
-        if record.latest_step - record.entered_step < self._quantum():
-            return
-        fresh = [w for w in gate.items() if not isinstance(w.payload, _Preempted)]
-        if not fresh or min(w.payload.record.total for w in fresh) >= left:
-            return
-        victim = self._victim()
-        if victim is None:
-            return
-        left = victim.total - victim.latest_step
-        for request_id in gate.order():
-            item = gate.get(request_id)
-            if item is None or isinstance(item.payload, _Preempted):
-                continue
-            if item.payload.record.total < left:
-                self._preempt(victim, item.payload.record)
-                return
-
-    def _preempt(self, victim: RequestRecord, waiting: RequestRecord) -> None:
-        """Pause ``victim`` (to the host) and give its place to ``waiting``, which waits in the gate."""
-        pause = getattr(self.engine, "pause", None)
-        if pause is None or not pause(victim.id, to_host=True):
-            return
-        victim.publish_paused("preempted")
-        self.gate.left(victim.principal)
-        # The place is the newcomer's: let in by the gate's order, the victim
-        # (its principal now with one fewer inside) could take it straight back.
-        item = self.gate.remove(waiting.id)
-        self.gate.wait(
-            victim.id, victim.principal, victim.priority, _Preempted(victim),
-            cost=victim.total - victim.latest_step, cross=victim.cross_priority,
-        )
-        if item is not None:
-            self._let(item.payload)
+    # -- letting in from the gate ------------------------------------------------------
 
     def let_in(self) -> None:
         """Submit waiting requests while the engine has room (a request left it, or the bound grew)."""
         while self.letting_in and (item := self.gate.pop()) is not None:
-            if isinstance(item.payload, _Preempted):
+            if isinstance(item.payload, Preempted):
                 # A preempted request: it is in the engine already, paused.
                 record = item.payload.record
                 self.gate.entered(record.principal, record.total - record.latest_step)
@@ -730,7 +508,9 @@ class Rules:
             code = "engine_error" if exc.code == "engine_unavailable" else "step_failed"
             self.finish(
                 admitted.record,
-                protocol.error(code, exc.message, request_id=admitted.record.id, field=exc.field),
+                protocol.ErrorMessage.build(
+                    code, exc.message, request_id=admitted.record.id, field=exc.field
+                ),
             )
             return
         self._start(admitted, stream)
@@ -744,14 +524,14 @@ class Rules:
         if item is None:
             self.engine.cancel(record.id)
             return
-        if isinstance(item.payload, _Preempted):
+        if isinstance(item.payload, Preempted):
             # Paused in the engine, waiting here to resume: its consumer ends
             # it, and counts its place out of the gate as any in the engine.
             self.gate.entered(record.principal)
             self.engine.cancel(record.id)
             return
         item.payload.memory.release()
-        self.finish(record, protocol.cancelled(record.id, reason=record.cancel_reason))
+        self.finish(record, protocol.Cancelled.build(record.id, reason=record.cancel_reason))
 
     def cancel(self, client: Client, request_id: str) -> RequestRecord:
         """Cancel a request ``client`` may see; raises MessageError ``not_found``."""
@@ -759,109 +539,6 @@ class Rules:
         if not record.ended:  # else its terminal message was already sent
             self.stop(record, "client")
         return record
-
-    def pause(self, client: Client, request_id: str, *, to_host: bool = False) -> RequestRecord:
-        """Pause a request ``client`` may see, between two steps (``Engine.pause``); its watchers
-        get ``paused``. It gives its place in the engine to the next request in the gate, comes
-        back through the gate when resumed, and resumes by itself once paused ``max_pause_s`` in
-        all (:meth:`expire_pauses`). Raises MessageError: ``not_found``, or ``bad_message`` for a
-        request that is not running in the engine (ended, waiting for a place, paused already),
-        one paused ``max_pause_s`` already, one whose model cannot stop it between two steps (the
-        engine's ``pause_refusal`` says why), or an engine that cannot pause."""
-        record = self.lookup(client, request_id)
-        pause = getattr(self.engine, "pause", None)
-        if pause is None:
-            raise protocol.MessageError(
-                "bad_message", "this server's engine cannot pause requests", request_id=request_id
-            )
-        bound = self.limits.max_pause_s
-        if not record.ended and record.paused_for_s >= bound:
-            raise protocol.MessageError(
-                "bad_message",
-                f"request {record.id} was paused {record.paused_for_s:.1f} s in all, this server's "
-                f"max_pause_s={bound:g} ({ServerLimits.env_name('max_pause_s')}): it runs to its end",
-                request_id=request_id,
-            )
-        if (
-            record.ended
-            or record.id in self.gate
-            or record.id in self.paused
-            or not pause(record.id, to_host=to_host)
-        ):
-            # Its model may refuse it whatever its progress (Engine.pause_refusal): say so, not
-            # that it is not running.
-            refusal = getattr(self.engine, "pause_refusal", None)
-            why = refusal(record.id) if callable(refusal) and not record.ended else None
-            raise protocol.MessageError(
-                "bad_message",
-                why or f"request {record.id} is not running (ended, not started yet, or paused "
-                "already): nothing to pause",
-                request_id=request_id,
-            )
-        record.publish_paused("client")
-        record.paused_at = self.clock()
-        self.paused[record.id] = record
-        # Its place is the next request's: four requests paused for good once held every place
-        # of a CPU server, and another tenant's request waited with no end (issue #39, attack 1).
-        self.gate.left(record.principal)
-        self.on_paused()
-        self.let_in()
-        return record
-
-    def resume(self, client: Client, request_id: str) -> RequestRecord:
-        """Resume a paused request ``client`` may see: it runs again when the gate has a place for
-        it (at once if it has one), and its watchers get ``resumed`` then. Raises MessageError:
-        ``not_found``, or ``bad_message`` for one that is not paused."""
-        record = self.lookup(client, request_id)
-        if record.id in self.paused and not record.ended:
-            self._unpause(record, "client")
-            return record
-        resume = getattr(self.engine, "resume", None)
-        # (Not a request the gate paused: that one runs again when the gate lets it in.)
-        if resume is None or record.ended or record.id in self.gate or not resume(record.id):
-            raise protocol.MessageError(
-                "bad_message", f"request {record.id} is not paused: nothing to resume", request_id=request_id
-            )
-        record.publish_resumed("client")
-        return record
-
-    def _unpause(self, record: RequestRecord, reason: str) -> None:
-        """End a client's pause of ``record`` (``reason``: ``client`` or ``max_pause``): back into
-        the engine now if the gate has room, else it waits there for a place, ranked as any
-        request with its steps left."""
-        del self.paused[record.id]
-        now = self.clock()
-        if record.paused_at is not None:
-            record.paused_for_s += max(0.0, now - record.paused_at)
-            record.paused_at = None
-        item = _Preempted(record, reason)
-        self.gate.wait(
-            record.id, record.principal, record.priority, item,
-            cost=max(1, record.total - record.latest_step), cross=record.cross_priority,
-        )
-        self.let_in()
-
-    def expire_pauses(self) -> float | None:
-        """Resume every request its clients paused ``max_pause_s`` in all (its watchers get
-        ``resumed`` with ``reason: max_pause`` as it runs again); seconds until the next one is
-        due, None when none is paused. The shell calls it when that time comes, and again
-        whenever ``on_paused`` says a pause began."""
-        now = self.clock()
-        bound = self.limits.max_pause_s
-        due: float | None = None
-        for record in list(self.paused.values()):
-            started = record.paused_at if record.paused_at is not None else now
-            left = started + bound - record.paused_for_s - now
-            if left <= 0 or record.ended:
-                if not record.ended:
-                    logger.info(
-                        "request %s: paused %.1f s in all, max_pause_s=%g: it resumes",
-                        record.id, record.paused_for_s + now - started, bound,
-                    )
-                    self._unpause(record, "max_pause")
-            else:
-                due = left if due is None else min(due, left)
-        return due
 
     def attach(self, client: Client, request_id: str) -> RequestRecord:
         """``client``'s outbox watches the request from now on, after its replay; raises MessageError."""
@@ -889,7 +566,7 @@ class Rules:
 
     # -- the end of a request ----------------------------------------------------------
 
-    def consumer_done(self, record: RequestRecord, message: dict[str, Any]) -> None:
+    def consumer_done(self, record: RequestRecord, message: Terminal) -> None:
         """A request's consumer ended with ``message``: it left the engine; the next goes in."""
         if self.paused.pop(record.id, None) is None:
             # (One its client paused gave its place back when it paused.)
@@ -897,7 +574,7 @@ class Rules:
         self.finish(record, message)
         self.let_in()
 
-    def finish(self, record: RequestRecord, message: dict[str, Any]) -> None:
+    def finish(self, record: RequestRecord, message: Terminal) -> None:
         """End ``record`` with its terminal ``message``: its watchers, the books.
 
         The model's caches may have grown while it ran (memory.py counts them).
@@ -905,56 +582,12 @@ class Rules:
         try:
             ended_before = record.ended
             record.finish(message, now=self.clock())
-            if self.on_finished is not None and not ended_before:
+            if self.journal is not None and not ended_before:
                 # Before the registry forgets it (and its results with it).
-                self.on_finished(record, message)
+                self.journal.finished(record, message)
             self.registry.ended(record)
             self.metrics.requests.labels(record.outcome or "error").inc()
         finally:
             self.memory.recount_model()
-            if not self.registry.running():
-                self.on_requests_idle()
-
-    # -- load and health ------------------------------------------------------------
-
-    def load(self, health: Any | None = None) -> admission.Load:
-        stats = (health or self.engine.health()).statistics
-        # What the engine holds (its own count, in case others share it) and what waits in the
-        # gate; the requests their clients paused hold no place.
-        in_engine = max(self.gate.in_engine, stats.active + stats.queued - len(self.paused))
-        return admission.Load.of(
-            in_engine, self.gate.waiting, self.limits, engine_batch_size=self.engine.max_batch_size,
-            host_engines=self.host_engines,
-        )
-
-    def retry_after(self, load: admission.Load) -> float:
-        return admission.retry_after(
-            (r.total - r.latest_step for r in self.registry.running()),
-            held=load.held,
-            step_s=self.metrics.recent_step_s,
-            batch_size=self.metrics.recent_batch_size,
-            whole_requests=any(getattr(m, "runs_whole_requests", False) for m in self.models.values()),
-        )
-
-    def queue_positions(self) -> dict[str, int]:
-        """Position (0 = next) of every request that has not started a step yet.
-
-        Those in the engine first, in the order its scheduler takes them
-        (higher priority across principals first, then arrival), then
-        those waiting in the gate, in the order it lets them in.
-        """
-        starting = [
-            r for r in self.registry.running()
-            if r.latest_step == 0 and r.id not in self.gate and r.id not in self.paused
-        ]
-        starting.sort(key=lambda r: (-r.cross_priority, r.created_at))
-        order = [r.id for r in starting] + self.gate.order()
-        return {rid: i for i, rid in enumerate(order)}
-
-
-def _who(principal: Principal) -> str:
-    if principal.kind == "token":
-        return f"token {principal.name!r}"
-    if principal.kind == "address":
-        return f"address {principal.name}"
-    return "this connection"
+            if not self.registry.running() and self.shell is not None:
+                self.shell.requests_idle()

@@ -197,7 +197,7 @@ class Tokens:
 
     def named(self, name: str) -> TokenGrant | None:
         """The configured token called ``name``; None when there is none (a request resumed after a
-        restart finds its token's grant here: server/state.py)."""
+        restart finds its token's grant here: server/state_restore.py)."""
         return next((g for g in self._grants if g.name == name), None)
 
     def identify(self, headers: Mapping[str, str], query: str) -> TokenGrant | None:

@@ -57,6 +57,7 @@ from ..config import (
 )
 from ..errors import MessageError, ParamsError
 from ..protocol.client_messages import DEFAULT_WEBHOOK_EVENTS
+from .records import error_view
 from .webhook_deliveries import LIMITS_ENV, Delivery, DeliveryQueue, WebhookBook
 from .webhook_urls import (
     check_pattern as _check_pattern,
@@ -67,7 +68,7 @@ from .webhook_urls import (
 )
 
 if TYPE_CHECKING:
-    from .records import RequestRecord
+    from .records import RequestRecord, Terminal
 
 __all__ = [
     "EVENT_OF_OUTCOME",
@@ -86,11 +87,16 @@ __all__ = [
 
 #: A request's terminal message type -> the webhook event it is.
 EVENT_OF_OUTCOME: Final[Mapping[str, str]] = {
-    "done": "completed", "error": "failed", "cancelled": "cancelled",
+    "done": "completed",
+    "error": "failed",
+    "cancelled": "cancelled",
 }
 #: The event -> the ``status`` docs/http.md gives the request then.
 _STATUS_OF_EVENT: Final[Mapping[str, str]] = {
-    "completed": "done", "failed": "failed", "cancelled": "cancelled", "progress": "running",
+    "completed": "done",
+    "failed": "failed",
+    "cancelled": "cancelled",
+    "progress": "running",
 }
 #: Secret sizes the Standard Webhooks spec asks for (decoded bytes).
 _SECRET_BYTES: Final = (24, 64)
@@ -98,7 +104,6 @@ _SECRET_BYTES: Final = (24, 64)
 _NEW_SECRET_BYTES: Final = 32
 
 _WHERE_ALLOW = f"webhook_allow (--webhook-allow, {WEBHOOK_ALLOW_ENV})"
-
 
 
 def new_secret() -> str:
@@ -330,20 +335,18 @@ class WebhookState:
         self._progress = delivery
         self._emit(delivery)
 
-    def ended(self, record: RequestRecord, message: Mapping[str, Any]) -> None:
+    def ended(self, record: RequestRecord, message: Terminal) -> None:
         """The request ended with its terminal ``message``: its terminal delivery, if asked for."""
         if self._ended:
             return
         self._ended = True
         if self._progress is not None and self._progress.status == "pending":
             self._progress.settle("dropped", "the request ended first")
-        event = EVENT_OF_OUTCOME.get(str(message.get("type")), "failed")
+        event = EVENT_OF_OUTCOME.get(message.kind, "failed")
         if event not in self.events:
             self._release()
             return
-        error = None
-        if event != "completed":
-            error = {k: message[k] for k in ("code", "message", "reason") if k in message}
+        error = error_view(message)
         base = f"/v1/generations/{self.request_id}"
         data = {
             "id": self.request_id,
@@ -366,8 +369,13 @@ class WebhookState:
         payload = {"type": f"generation.{event}", "timestamp": stamp, "data": data}
         body = json.dumps(payload, separators=(",", ":"), allow_nan=False).encode()
         return Delivery(
-            request_id=self.request_id, event=event, url=self.url, body=body,
-            webhook_id=f"msg_{uuid.uuid4().hex}", max_attempts=max_attempts, principal=self.principal,
+            request_id=self.request_id,
+            event=event,
+            url=self.url,
+            body=body,
+            webhook_id=f"msg_{uuid.uuid4().hex}",
+            max_attempts=max_attempts,
+            principal=self.principal,
         )
 
     def view(self) -> dict[str, Any]:

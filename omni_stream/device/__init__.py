@@ -61,6 +61,4 @@ def resolve_device(spec: str | torch.device | Device) -> Device:
             return CudaDevice(index)
         except (RuntimeError, ValueError) as exc:
             raise ParamsError(f"device {spec!r}: {exc}", field="device") from exc
-    raise ParamsError(
-        f"unknown device {spec!r}; expected auto, cpu, cuda, cuda:N or sim", field="device"
-    )
+    raise ParamsError(f"unknown device {spec!r}; expected auto, cpu, cuda, cuda:N or sim", field="device")

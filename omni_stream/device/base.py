@@ -89,9 +89,7 @@ class Device(abc.ABC):
         """Allocate one host buffer for the pool (pinned where that exists)."""
 
     @abc.abstractmethod
-    def copy_to_host(
-        self, src: torch.Tensor, dst: torch.Tensor, event: CopyEvent | None = None
-    ) -> CopyEvent:
+    def copy_to_host(self, src: torch.Tensor, dst: torch.Tensor, event: CopyEvent | None = None) -> CopyEvent:
         """Start copying ``src`` into ``dst``, ordered after all compute issued so far.
 
         Returns at once on asynchronous devices. The caller must keep ``src``
@@ -101,9 +99,7 @@ class Device(abc.ABC):
         new one being made.
         """
 
-    def decode_aside(
-        self, decode: Callable[[Any, torch.Tensor], T], state: Any, frame: torch.Tensor
-    ) -> T:
+    def decode_aside(self, decode: Callable[[Any, torch.Tensor], T], state: Any, frame: torch.Tensor) -> T:
         """``decode(state, frame)``: a preview decoder network (a tiny VAE) on a step's output.
 
         Producer thread. Here, in line; CUDA queues it on a side stream, so the

@@ -35,9 +35,7 @@ class CpuDevice(Device):
             return None
         return src.clone(memory_format=torch.contiguous_format)
 
-    def copy_to_host(
-        self, src: torch.Tensor, dst: torch.Tensor, event: CopyEvent | None = None
-    ) -> CopyEvent:
+    def copy_to_host(self, src: torch.Tensor, dst: torch.Tensor, event: CopyEvent | None = None) -> CopyEvent:
         # For what copy_owned declines. Synchronous: the producer thread
         # copies before it runs the next step, so a model that reuses its
         # output tensor cannot race us.

@@ -104,8 +104,9 @@ class PinnedBufferPool:
         if max_lent is None:
             max_lent = max_buffers // 2
         if not isinstance(max_lent, int) or not 0 <= max_lent < max_buffers:
-            raise ValueError(f"max_lent must be an int from 0 to max_buffers - 1 ({max_buffers - 1}), "
-                             f"got {max_lent!r}")
+            raise ValueError(
+                f"max_lent must be an int from 0 to max_buffers - 1 ({max_buffers - 1}), got {max_lent!r}"
+            )
         positive_int(max_lent_per_owner, "max_lent_per_owner")
         self._allocate = allocate
         self._max = max_buffers

@@ -69,9 +69,7 @@ class SimDevice(CudaDevice):
     def host_buffer(self, shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
         return simcuda.pinned_empty(shape, dtype)
 
-    def copy_to_host(
-        self, src: torch.Tensor, dst: torch.Tensor, event: CopyEvent | None = None
-    ) -> CopyEvent:
+    def copy_to_host(self, src: torch.Tensor, dst: torch.Tensor, event: CopyEvent | None = None) -> CopyEvent:
         if not simcuda.is_pinned(dst):
             raise RuntimeError("SimDevice: copy destination is not a buffer from host_buffer()")
         event = super().copy_to_host(src, dst, event)

@@ -234,7 +234,10 @@ class Event:
     """
 
     def __init__(
-        self, enable_timing: bool = False, blocking: bool = False, interprocess: bool = False,
+        self,
+        enable_timing: bool = False,
+        blocking: bool = False,
+        interprocess: bool = False,
         external: bool = False,
     ) -> None:
         if interprocess:
@@ -473,8 +476,12 @@ def _memcpy(dst: torch.Tensor, src: torch.Tensor) -> None:
     """``dst.copy_(src)`` on one host core, as a GPU's copy engine takes none: a large torch copy
     would run as an OpenMP team of this stream thread's own, fighting the producer's."""
     if (
-        dst.is_contiguous() and src.is_contiguous() and dst.dtype == src.dtype and dst.shape == src.shape
-        and src.device.type == "cpu" and dst.numel()
+        dst.is_contiguous()
+        and src.is_contiguous()
+        and dst.dtype == src.dtype
+        and dst.shape == src.shape
+        and src.device.type == "cpu"
+        and dst.numel()
     ):
         out = dst.detach().reshape(-1).view(torch.uint8).numpy()
         out[:] = src.detach().reshape(-1).view(torch.uint8).numpy()

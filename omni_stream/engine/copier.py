@@ -185,8 +185,19 @@ class Copier:
             # batch_size, src, lease, issued_at, copy_s, data, error, decoded,
             # decode_s): keywords cost twice as much, once a frame on this thread.
             return CopyTicket(
-                request, step, queued_s, compute_s, batch_size, None, None,
-                issued_at, time.monotonic() - issued_at, owned, None, decoded, decode_s,
+                request,
+                step,
+                queued_s,
+                compute_s,
+                batch_size,
+                None,
+                None,
+                issued_at,
+                time.monotonic() - issued_at,
+                owned,
+                None,
+                decoded,
+                decode_s,
             )
         lease = self._pool.acquire(tuple(src.shape), src.dtype)
         try:
@@ -201,8 +212,19 @@ class Copier:
             raise
         # (Positional, as above.)
         return CopyTicket(
-            request, step, queued_s, compute_s, batch_size, src, lease,
-            issued_at, 0.0, None, None, decoded, decode_s,
+            request,
+            step,
+            queued_s,
+            compute_s,
+            batch_size,
+            src,
+            lease,
+            issued_at,
+            0.0,
+            None,
+            None,
+            decoded,
+            decode_s,
         )
 
     def _post_completed(self, tickets: list[CopyTicket]) -> None:

@@ -27,13 +27,11 @@ import logging
 import threading
 import time
 from collections.abc import Awaitable, Callable, Mapping
-from types import TracebackType
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import anyio
 import torch
 
-from .._backend import ThreadsafeLoop, running_loop
 from ..checkpoint import Checkpoint
 from ..config import (
     STEP_TIMEOUT_ENV,
@@ -47,19 +45,18 @@ from ..errors import (
     CheckpointError,
     EngineClosedError,
     EngineDeadError,
-    EngineStalledError,
     ParamsError,
     RequestCancelledError,
     StepFailedError,
 )
-from ..frame import Frame
 from ..lifecycle import Lifecycle
 from ..model import StepModel
 from ..params import positive_int
 from .copier import Copier
 from .delivery import Delivery
+from .facade import EngineFacade
 from .intake import CheckedRequest, already_running, as_params_error, check_checkpointed, check_request_id
-from .like import final_frame
+from .options import Checkpointing, CheckpointOptions, RequestOptions, pick, stream_keywords
 from .output_processor import OutputProcessor
 from .producer import Producer
 from .request import Request, Status
@@ -68,12 +65,15 @@ from .stats import EngineStatistics, Health
 from .stream import FrameStream
 from .table import Limits, RequestTable
 
+if TYPE_CHECKING:
+    from typing_extensions import Unpack  # typing's from Python 3.11
+
 __all__ = ["Engine", "HandedOver", "pause_refusal"]
 
 logger = logging.getLogger("omni_stream.engine")
 
 
-class Engine:
+class Engine(EngineFacade):
     """Streams every step of a model's generation; use as ``async with Engine(model) as engine``.
 
     Options: ``device`` ("auto", "cpu", "cuda", "cuda:N", "sim" or a Device);
@@ -100,7 +100,14 @@ class Engine:
     building it raised. Until then ``engine.model`` raises EngineClosedError.
     A model instance is loaded on the producer thread after ``start()``
     returns (requests queue meanwhile); ``wait_loaded()`` waits for it.
+
+    ``start()`` (or entering it) starts its task group and producer thread;
+    ``aclose()`` ends pending streams with EngineClosedError and joins the
+    threads, a step stuck on the device delaying it by at most
+    ``shutdown_timeout`` (logged; the producer thread is then abandoned).
     """
+
+    _noun = "engine"
 
     def __init__(
         self,
@@ -146,9 +153,7 @@ class Engine:
         if type(device).copy_owned is not Device.copy_owned:
             max_buffers = max(max_buffers, limits.max_batch_size)
         else:
-            limits = dataclasses.replace(
-                limits, max_batch_size=min(limits.max_batch_size, max_buffers)
-            )
+            limits = dataclasses.replace(limits, max_batch_size=min(limits.max_batch_size, max_buffers))
         if frame_dtype is not None and not isinstance(frame_dtype, torch.dtype):
             raise ParamsError(f"frame_dtype must be a torch.dtype, got {frame_dtype!r}", field="frame_dtype")
         if not isinstance(shutdown_timeout, (int, float)) or not shutdown_timeout > 0:
@@ -159,6 +164,7 @@ class Engine:
         if torch_threads is None:
             torch_threads = default_torch_threads()
         positive_int(torch_threads, "torch_threads", env=TORCH_THREADS_ENV)
+        super().__init__()
         self._model: StepModel | None = None if factory is not None else model  # type: ignore[assignment]
         self.device = resolve_device(device)
         self._shutdown_timeout = float(shutdown_timeout)
@@ -174,8 +180,13 @@ class Engine:
         )
         self._copier = Copier(self.device, self._pool, frame_dtype=frame_dtype)
         self._producer = Producer(
-            self._model, self.device, self._copier, self._table, torch_threads=torch_threads,
-            build=factory, on_ready=self._model_ready_threadsafe,
+            self._model,
+            self.device,
+            self._copier,
+            self._table,
+            torch_threads=torch_threads,
+            build=factory,
+            on_ready=self._model_ready_threadsafe,
         )
         # Set once the model is loaded on the producer thread (``_loaded``), or
         # the thread ended, or the engine closed: what wait_loaded() waits on.
@@ -189,11 +200,7 @@ class Engine:
         self._output = OutputProcessor(self._table, self._producer, self._model)
         # The processor's own dict, not a copy: ending a request removes it.
         self._by_id: dict[str, Request] = self._output.by_id
-        self._state = Lifecycle.NEW
         self._dead: BaseException | None = None
-        # The loop the producer thread calls onto: asyncio's or trio's (set by start()).
-        self._loop: ThreadsafeLoop | None = None
-        self._loop_thread: int | None = None
         self._tg: anyio.abc.TaskGroup | None = None
         self._thread: threading.Thread | None = None
         self._producer_done = anyio.Event()
@@ -203,32 +210,10 @@ class Engine:
 
     # -- lifecycle -------------------------------------------------------------
 
-    async def __aenter__(self) -> Engine:
-        await self.start()
-        return self
-
-    async def __aexit__(
-        self,
-        exc_type: type[BaseException] | None,
-        exc: BaseException | None,
-        tb: TracebackType | None,
-    ) -> None:
-        await self.aclose()
-
-    async def start(self) -> None:
-        """Start the task group and the producer thread.
-
-        Runs under anyio's asyncio (uvloop included) and trio backends.
-        Raises EngineClosedError if reused, UnsupportedBackendError elsewhere.
-        """
-        if self._state is not Lifecycle.NEW:
-            raise EngineClosedError("an Engine can be started once; create a new one")
-        # Once, here: every thread-to-loop call (each batch of frames
-        # included) goes through this object, with no backend look-up.
-        self._loop = running_loop()
+    async def _start(self) -> None:
+        """The task group and the producer thread; with a model factory, the model loaded."""
+        # The loop start() found: the producer thread hands each batch of frames to it.
         self._copier.loop = self._output.loop = self._loop
-        self._loop_thread = threading.get_ident()
-        self._state = Lifecycle.RUNNING
         if self.device.computes_on_cpu:
             # The loop thread usually built the model, so it may keep an idle
             # OpenMP team; beside the producer's, that makes libgomp sleep on
@@ -236,20 +221,17 @@ class Engine:
             # the only team (device/openmp.py, docs/performance.md).
             release_idle_team()
         self._prepare_limiter = anyio.CapacityLimiter(1)
-        self._tg = anyio.create_task_group()
-        await self._tg.__aenter__()
-        self._tg.start_soon(self._supervised, "copier", self._copier.run, self._output.deliver)
-        self._tg.start_soon(self._supervised, "producer", self._run_producer)
+        tg = anyio.create_task_group()
+        await tg.__aenter__()
+        self._tg = tg
+        tg.start_soon(self._supervised, "copier", self._copier.run, self._output.deliver)
+        tg.start_soon(self._supervised, "producer", self._run_producer)
         # Let the tasks start (the producer thread with them) before returning.
         # The copier's loop is bound above, not in its task: trio runs new
         # tasks in any order, and the producer could post first.
         await anyio.sleep(0)
         if self._model is None:
-            try:
-                await self.wait_loaded()
-            except BaseException:
-                await self.aclose()  # cancelled, or it failed: leave nothing running
-                raise
+            await self.wait_loaded()  # failed or cancelled: start() closes the engine
 
     async def wait_loaded(self) -> None:
         """Return once the model is built and loaded onto the device (``model.load`` returned).
@@ -313,18 +295,15 @@ class Engine:
             )
         return self._model
 
-    async def aclose(self) -> None:
-        """Shut down: pending streams end with EngineClosedError, threads are joined.
+    async def _shutdown(self) -> None:
+        """Pending streams end with EngineClosedError, threads are joined.
 
         A step stuck on the device delays this by at most ``shutdown_timeout``
         (logged); the producer thread is then abandoned (it is a daemon).
         """
-        if self._state.ending:
+        if self._tg is None:  # start() failed before anything ran
+            self._model_ready.set()
             return
-        if self._state is Lifecycle.NEW:
-            self._state = Lifecycle.CLOSED
-            return
-        self._state = Lifecycle.CLOSING
         try:
             # Shielded: aclose often runs *because* an outer scope was
             # cancelled, and leaving early would skip the task group's exit.
@@ -357,11 +336,10 @@ class Engine:
                 stuck = self._copier.drain()
                 if stuck:
                     logger.warning(
-                        "shutdown: %d device-to-host copies never completed; their buffers "
-                        "are abandoned", stuck,
+                        "shutdown: %d device-to-host copies never completed; their buffers are abandoned",
+                        stuck,
                     )
                 self.device.close()
-            self._state = Lifecycle.CLOSED
             self._model_ready.set()  # a wait_loaded() still waiting learns the engine closed
 
     def _stop_producer(self) -> None:
@@ -382,9 +360,7 @@ class Engine:
                 self._die(RuntimeError(f"the {name} stopped unexpectedly"), where=name)
 
     async def _run_producer(self) -> None:
-        self._thread = threading.Thread(
-            target=self._producer_main, name="omni-stream-producer", daemon=True
-        )
+        self._thread = threading.Thread(target=self._producer_main, name="omni-stream-producer", daemon=True)
         self._thread.start()
         await self._producer_done.wait()
         error = self._producer_error
@@ -431,29 +407,16 @@ class Engine:
     # -- submitting ----------------------------------------------------------------
 
     def _check_open(self, request_id: str | None = None) -> None:
+        # Dead before closed: what killed it is the news, whatever its state since.
         if self._dead is not None:
             raise EngineDeadError(
                 f"the engine is dead: {self._dead!r}", request_id=request_id
             ) from self._dead
-        if self._state is not Lifecycle.RUNNING:
-            if self._state is Lifecycle.NEW:
-                what = "not started (use `async with Engine(...)`)"
-            else:
-                what = "shut down"
-            raise EngineClosedError(f"the engine is {what}", request_id=request_id)
+        super()._check_open(request_id)
 
+    @stream_keywords(CheckpointOptions)
     def stream(
-        self,
-        params: Mapping[str, Any] | None = None,
-        *,
-        request_id: str | None = None,
-        policy: str = "all",
-        timeout: float | None = None,
-        preview_every: int | None = None,
-        priority: int = 0,
-        resume: Checkpoint | None = None,
-        checkpoint_every: int | None = None,
-        on_checkpoint: Callable[[str, Checkpoint], None] | None = None,
+        self, params: Mapping[str, Any] | None = None, **options: Unpack[CheckpointOptions[Checkpoint]]
     ) -> FrameStream:
         """Submit a request; returns its frames as an async iterator.
 
@@ -486,17 +449,18 @@ class Engine:
         StepFailedError, StepTimeoutError, RequestCancelledError,
         EngineDeadError or EngineClosedError.
         """
-        request_id = check_request_id(request_id)
+        request_id = options["request_id"] = check_request_id(options["request_id"])
         # Before the rest: a closed engine says so whatever the params, and
         # a model still being built has nothing to check them against.
         self._check_open(request_id)
         checked = check_checkpointed(
-            self.model, params, resume=resume, checkpoint_every=checkpoint_every, request_id=request_id,
-            policy=policy, timeout=timeout, preview_every=preview_every, priority=priority,
+            self.model,
+            params,
+            resume=options["resume"],
+            checkpoint_every=options["checkpoint_every"],
+            **pick(options, RequestOptions),
         )
-        return self.submit(
-            checked, resume=resume, checkpoint_every=checkpoint_every, on_checkpoint=on_checkpoint
-        )
+        return self.submit(checked, **pick(options, Checkpointing))
 
     def submit(
         self,
@@ -586,24 +550,6 @@ class Engine:
             r.preparing = False
             self._table.wake_producer()
 
-    async def generate(
-        self,
-        params: Mapping[str, Any] | None = None,
-        *,
-        request_id: str | None = None,
-        policy: str = "latest",
-        timeout: float | None = None,
-        preview_every: int | None = None,
-        priority: int = 0,
-    ) -> Frame:
-        """Run a request to its end; returns the final Frame. Raises as ``stream`` does."""
-        return await final_frame(
-            self.stream(
-                params, request_id=request_id, policy=policy, timeout=timeout,
-                preview_every=preview_every, priority=priority,
-            )
-        )
-
     def cancel(self, request_id: str) -> bool:
         """Cancel a request from anywhere; True if it was still running.
 
@@ -612,15 +558,10 @@ class Engine:
         r = self._by_id.get(request_id)
         if r is None or r.finalized:
             return False
-        if self._loop is not None and threading.get_ident() != self._loop_thread:
-            # Bound to this request object, not the name: a later request
-            # reusing the id must not be hit by this cancel.
-            try:
-                self._loop.call_soon_threadsafe(self._cancel_request, r)
-            except RuntimeError:
-                return False
-            return True
-        return self._cancel_request(r)
+        # Bound to this request object, not the name: a later request
+        # reusing the id must not be hit by this cancel.
+        scheduled = self._call_soon_threadsafe(self._cancel_request, r)
+        return self._cancel_request(r) if scheduled is None else scheduled
 
     def _cancel_request(self, r: Request) -> bool:
         return self._output.end(r, Status.CANCELLED, RequestCancelledError("cancelled", request_id=r.id))
@@ -649,7 +590,6 @@ class Engine:
             if r.paused or r.status.ended:
                 return False
             r.paused = True
-            r.paused_since = self._table.clock()
             r.to_host = bool(to_host)
             self._table.wake_producer()  # it may have the state to move
         return True
@@ -671,9 +611,7 @@ class Engine:
             if not r.paused:
                 return False
             now = self._table.clock()
-            r.paused_s += now - (r.paused_since or now)
             r.paused = False
-            r.paused_since = None
             r.to_host = False
             # Its next step may run now: the wait for it counts from here.
             r.ready_at = now
@@ -695,9 +633,7 @@ class Engine:
         with self._table.cond:
             if r.status.ended:
                 return False
-            if not r.paused:
-                r.paused = True
-                r.paused_since = self._table.clock()
+            r.paused = True
             r.to_host = True
             self._table.wake_producer()  # it has the state to move
         return True
@@ -735,7 +671,8 @@ class Engine:
             checkpoint, step = r.resume_from, r.issued
         # Drained: the frames it made are real, and the next engine goes on after them.
         self._output.end(
-            r, Status.CANCELLED,
+            r,
+            Status.CANCELLED,
             RequestCancelledError(f"request {request_id} was handed over to another engine", request_id=r.id),
             drain=True,
         )
@@ -765,10 +702,9 @@ class Engine:
         name = self.device.name
         if self._dead is not None:
             return Health("dead", self._death_reason(self._dead), stats, name)
-        if self._state.ending:
-            return Health("closed", "the engine was shut down", stats, name)
-        if self._state is Lifecycle.NEW:
-            return Health("closed", "the engine was not started", stats, name)
+        closed = self._lifecycle_health(stats, name)
+        if closed is not None:
+            return closed
         if self._thread is not None and not self._thread.is_alive() and self._producer_done.is_set():
             return Health("dead", "the producer thread exited", stats, name)
         # A wedged device shows as model code that never returns (CPU, or a
@@ -791,16 +727,8 @@ class Engine:
             return Health("stalled", reason, stats, name)
         return Health("ok", None, stats, name)
 
-    def check_health(self) -> None:
-        """Return when healthy; raise EngineDeadError, EngineStalledError or EngineClosedError."""
-        h = self.health()
-        if h.status == "ok":
-            return
-        if h.status == "dead":
-            raise EngineDeadError(h.reason or "the engine is dead") from self._dead
-        if h.status == "stalled":
-            raise EngineStalledError(h.reason or "the engine is stalled")
-        raise EngineClosedError(h.reason or "the engine is closed")
+    def _death_cause(self) -> BaseException | None:
+        return self._dead
 
     @property
     def max_batch_size(self) -> int:

@@ -28,29 +28,27 @@ from __future__ import annotations
 import dataclasses
 import logging
 import threading
-from collections.abc import AsyncIterator, Callable, Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
-from types import TracebackType
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 
 from .. import config
 from ..device import Device, resolve_device
-from ..errors import (
-    EngineClosedError,
-    EngineDeadError,
-    EngineStalledError,
-    ParamsError,
-)
+from ..errors import EngineClosedError, EngineDeadError, ParamsError
 from ..frame import Frame
-from ..lifecycle import Lifecycle
 from ..model import StepModel
 from .engine import Engine
+from .facade import EngineFacade, first_dead
 from .intake import already_running, check_request, check_request_id
-from .like import final_frame
+from .like import FrameStreamLike
+from .options import RequestOptions, stream_keywords
 from .stats import EngineStatistics, Health
 from .stream import FrameStream
+
+if TYPE_CHECKING:
+    from typing_extensions import Unpack  # typing's from Python 3.11
 
 __all__ = ["EngineGroup", "GroupStatistics", "GroupStream", "engine_for", "names_group"]
 
@@ -208,7 +206,7 @@ def _sum_statistics(members: Sequence[EngineStatistics]) -> GroupStatistics:
     return GroupStatistics(**totals, members=tuple(members))
 
 
-class GroupStream:
+class GroupStream(FrameStreamLike):
     """One request's frames from the member running it; a FrameStream that frees its id at its end."""
 
     def __init__(self, group: EngineGroup, inner: FrameStream, member: int) -> None:
@@ -238,9 +236,6 @@ class GroupStream:
         """The index of the member (and of its device in ``group.devices``) running the request."""
         return self._member
 
-    def __aiter__(self) -> AsyncIterator[Frame]:
-        return self
-
     async def __anext__(self) -> Frame:
         try:
             frame = await self._inner.__anext__()
@@ -267,17 +262,6 @@ class GroupStream:
         finally:
             self._release()
 
-    async def __aenter__(self) -> GroupStream:
-        return self
-
-    async def __aexit__(
-        self,
-        exc_type: type[BaseException] | None,
-        exc: BaseException | None,
-        tb: TracebackType | None,
-    ) -> None:
-        await self.aclose()
-
     def _release(self) -> None:
         if not self._released:
             self._released = True
@@ -289,7 +273,7 @@ class GroupStream:
             self._release()
 
 
-class EngineGroup:
+class EngineGroup(EngineFacade):
     """One Engine per device, used as one: ``async with EngineGroup(factory, devices="cpu,cpu")``.
 
     ``model_factory``: a callable returning a new StepModel (called once per
@@ -312,6 +296,8 @@ class EngineGroup:
     Satisfies EngineLike; enter and leave it from one task.
     """
 
+    _noun = "engine group"
+
     def __init__(
         self,
         model_factory: ModelFactory,
@@ -323,6 +309,7 @@ class EngineGroup:
         if engine_options.get("torch_threads") is None:
             on_cpu = sum(1 for d in resolved if d.computes_on_cpu)
             engine_options["torch_threads"] = config.torch_threads(members=max(1, on_cpu))
+        super().__init__()
         self._members: tuple[Engine, ...] = tuple(
             Engine(model, device=device, **engine_options)
             for model, device in zip(models, resolved, strict=True)
@@ -333,7 +320,6 @@ class EngineGroup:
         # collection may run __del__ while this thread holds it).
         self._where: dict[str, tuple[int, object]] = {}
         self._lock = threading.RLock()
-        self._state = Lifecycle.NEW
 
     # -- what it is --------------------------------------------------------------
 
@@ -362,91 +348,51 @@ class EngineGroup:
 
     # -- lifecycle ---------------------------------------------------------------
 
-    async def __aenter__(self) -> EngineGroup:
-        await self.start()
-        return self
-
-    async def __aexit__(
-        self,
-        exc_type: type[BaseException] | None,
-        exc: BaseException | None,
-        tb: TracebackType | None,
-    ) -> None:
-        await self.aclose()
-
-    async def start(self) -> None:
+    async def _start(self) -> None:
         """Start the members in order, each once the one before has loaded its model.
 
         A member whose model fails to build or load (EngineDeadError) is
         left out, dead, as if it had died later. Raises EngineDeadError
-        naming every member's cause if none loaded, EngineClosedError if
-        the group was started before; anything else a member raises (the
-        factory's ParamsError, a cancellation) closes those started and
-        propagates.
+        naming every member's cause if none loaded; anything else a member
+        raises (the factory's ParamsError, a cancellation) propagates, and
+        start() closes the members (one cancelled inside its own start may
+        have entered its task group; one never started closes at once).
         """
-        if self._state is not Lifecycle.NEW:
-            raise EngineClosedError("an EngineGroup can be started once; create a new one")
-        self._state = Lifecycle.RUNNING
-        entered = 0
         failures: list[str] = []
         first_cause: BaseException | None = None
-        try:
-            for i, member in enumerate(self._members):
-                # Counted before the await: a member cancelled inside start()
-                # may have entered its task group, and must be left too
-                # (closing one that never started is a no-op).
-                entered += 1
-                try:
-                    await member.start()
-                    # Explicitly, not left to start(): a member given a model
-                    # instance starts before it is loaded, and the next member
-                    # must not build its model until this one's is on its
-                    # device (one model in host memory at a time).
-                    await member.wait_loaded()
-                except EngineDeadError as exc:
-                    # The innermost task group so far: closing it now keeps the order.
-                    await member.aclose()
-                    failures.append(f"member {i} ({member.device.name}): {exc}")
-                    first_cause = first_cause or exc.__cause__ or exc
-                    logger.error(
-                        "engine group: member %d (%s) could not start and is left out: %s",
-                        i, member.device.name, exc, exc_info=exc.__cause__ or exc,
-                    )
-            if len(failures) == len(self._members):
-                raise EngineDeadError(
-                    f"no member of the engine group could start: {'; '.join(failures)}"
-                ) from first_cause
-        except BaseException:
-            self._state = Lifecycle.CLOSING
+        for i, member in enumerate(self._members):
             try:
-                await self._close(self._members[:entered])
-            except Exception:
-                logger.exception("closing the members started before the failure raised")
-            finally:
-                self._state = Lifecycle.CLOSED
-            raise
+                await member.start()
+                # Explicitly, not left to start(): a member given a model
+                # instance starts before it is loaded, and the next member
+                # must not build its model until this one's is on its
+                # device (one model in host memory at a time).
+                await member.wait_loaded()
+            except EngineDeadError as exc:
+                # The innermost task group so far: closing it now keeps the order.
+                await member.aclose()
+                failures.append(f"member {i} ({member.device.name}): {exc}")
+                first_cause = first_cause or exc.__cause__ or exc
+                logger.error(
+                    "engine group: member %d (%s) could not start and is left out: %s",
+                    i,
+                    member.device.name,
+                    exc,
+                    exc_info=exc.__cause__ or exc,
+                )
+        if len(failures) == len(self._members):
+            raise EngineDeadError(
+                f"no member of the engine group could start: {'; '.join(failures)}"
+            ) from first_cause
 
-    async def aclose(self) -> None:
+    async def _shutdown(self) -> None:
         """Close every member (last started first); their pending streams end with EngineClosedError.
 
         A member whose device is wedged delays this by its ``shutdown_timeout``.
         The first error a member's close raised is re-raised once all are closed.
         """
-        if self._state.ending:
-            return
-        if self._state is Lifecycle.NEW:
-            self._state = Lifecycle.CLOSED
-            return
-        self._state = Lifecycle.CLOSING
-        try:
-            await self._close(self._members)
-        finally:
-            self._state = Lifecycle.CLOSED
-
-    @staticmethod
-    async def _close(members: Sequence[Engine]) -> None:
         first: BaseException | None = None
-        for member in reversed(members):
+        for member in reversed(self._members):
             try:
                 await member.aclose()
             except BaseException as exc:  # a cancellation too: close the rest, then re-raise
@@ -458,14 +404,6 @@ class EngineGroup:
             raise first
 
     # -- submitting ----------------------------------------------------------------
-
-    def _check_open(self, request_id: str | None) -> None:
-        if self._state is not Lifecycle.RUNNING:
-            if self._state is Lifecycle.NEW:
-                what = "not started (use `async with EngineGroup(...)`)"
-            else:
-                what = "shut down"
-            raise EngineClosedError(f"the engine group is {what}", request_id=request_id)
 
     def _pick(self, request_id: str) -> int:
         """The member for a new request: the least loaded of the ok ones, else of the stalled ones."""
@@ -482,7 +420,7 @@ class EngineGroup:
         if candidates:
             return min(candidates)[1]
         reason = self._describe(self._health_of_members())
-        dead = self._first_dead()
+        dead = first_dead(self._members)
         if dead is not None:
             raise EngineDeadError(
                 f"every member of the engine group is dead or closed: {reason}", request_id=request_id
@@ -491,15 +429,9 @@ class EngineGroup:
             f"every member of the engine group is closed: {reason}", request_id=request_id
         )
 
+    @stream_keywords(RequestOptions)
     def stream(
-        self,
-        params: Mapping[str, Any] | None = None,
-        *,
-        request_id: str | None = None,
-        policy: str = "all",
-        timeout: float | None = None,
-        preview_every: int | None = None,
-        priority: int = 0,
+        self, params: Mapping[str, Any] | None = None, **options: Unpack[RequestOptions]
     ) -> GroupStream:
         """Submit a request to the least loaded live member; returns its frames.
 
@@ -511,38 +443,17 @@ class EngineGroup:
         RequestCancelledError, EngineDeadError (its member died) or
         EngineClosedError.
         """
-        request_id = check_request_id(request_id)
+        request_id = options["request_id"] = check_request_id(options["request_id"])
         self._check_open(request_id)
         if request_id in self._where:
             raise already_running(request_id)
-        checked = check_request(
-            self.model, params, request_id=request_id, policy=policy, timeout=timeout,
-            preview_every=preview_every, priority=priority,
-        )
+        checked = check_request(self.model, params, **options)
         index = self._pick(request_id)
         inner = self._members[index].submit(checked)
         stream = GroupStream(self, inner, index)
         with self._lock:
             self._where[inner.request_id] = (index, stream._token)
         return stream
-
-    async def generate(
-        self,
-        params: Mapping[str, Any] | None = None,
-        *,
-        request_id: str | None = None,
-        policy: str = "latest",
-        timeout: float | None = None,
-        preview_every: int | None = None,
-        priority: int = 0,
-    ) -> Frame:
-        """Run a request to its end; returns the final Frame. Raises as ``stream`` does."""
-        return await final_frame(
-            self.stream(
-                params, request_id=request_id, policy=policy, timeout=timeout,
-                preview_every=preview_every, priority=priority,
-            )
-        )
 
     def cancel(self, request_id: str) -> bool:
         """Cancel a request on whichever member runs it; True if it was still running.
@@ -609,15 +520,8 @@ class EngineGroup:
             if not (only_bad and h.ok)
         )
 
-    def _first_dead(self) -> BaseException | None:
-        """What killed the first dead member (its EngineDeadError's cause), for ``raise ... from``."""
-        for member in self._members:
-            if member.health().status == "dead":
-                try:
-                    member.check_health()
-                except EngineDeadError as exc:
-                    return exc.__cause__ or exc
-        return None
+    def _death_cause(self) -> BaseException | None:
+        return first_dead(self._members)
 
     def health(self) -> Health:
         """ok while any member is ok (the reason, "degraded: ...", then names the members
@@ -625,28 +529,15 @@ class EngineGroup:
         healths = self._health_of_members()
         stats = _sum_statistics([h.statistics for h in healths])
         devices = ",".join(h.device for h in healths)
-        if self._state is Lifecycle.NEW:
-            return Health("closed", "the engine group was not started", stats, devices)
-        if self._state.ending:
-            return Health("closed", "the engine group was shut down", stats, devices)
+        closed = self._lifecycle_health(stats, devices)
+        if closed is not None:
+            return closed
         statuses = {h.status for h in healths}
         if "ok" in statuses:
             bad = self._describe(healths, only_bad=True)
             return Health("ok", f"degraded: {bad}" if bad else None, stats, devices)
         status = next(s for s in ("stalled", "dead", "closed") if s in statuses)
         return Health(status, self._describe(healths), stats, devices)
-
-    def check_health(self) -> None:
-        """Return while any member is ok; raise EngineStalledError, EngineDeadError or EngineClosedError."""
-        h = self.health()
-        if h.status == "ok":
-            return
-        reason = h.reason or f"the engine group is {h.status}"
-        if h.status == "dead":
-            raise EngineDeadError(reason) from self._first_dead()
-        if h.status == "stalled":
-            raise EngineStalledError(reason)
-        raise EngineClosedError(reason)
 
 
 def engine_for(

@@ -12,6 +12,12 @@ facade hands its arguments to :func:`check_request` and gets one
     EngineGroup.stream ─▶ check_request(member 0's model) ──route──▶ member.submit
     RemoteEngine.stream ▶ check_request(the model card) ──Submit──▶ a replica (whose Engine checks again)
 
+The params are validated once in a process (issue #36): :func:`check_params`
+makes a :class:`CheckedParams`, and a facade of the model that made it takes
+it as checked. The server validates what it admits and hands the engine
+that; a caller of ``Engine.stream`` from Python hands plain params, which
+are validated here.
+
 What stays with a facade is what only it knows: whether it is open, which
 ids it holds (:func:`already_running` words the refusal), where a request
 goes (a group's routing), what else it takes (a remote engine's ``render``).
@@ -30,19 +36,25 @@ import math
 import uuid
 from collections.abc import Iterator, Mapping
 from contextlib import contextmanager
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 from ..checkpoint import Checkpoint
 from ..errors import CheckpointError, ParamsError
 from ..ids import id_problem
 from ..model import StepModel, split_output
-from ..params import positive_int
+from ..params import drawn, positive_int
 from .delivery import POLICIES
 from .scheduler import PRIORITY_MAX, PRIORITY_MIN
 
 __all__ = [
-    "CheckedRequest", "already_running", "as_params_error", "check_checkpointed", "check_request",
+    "CheckedParams",
+    "CheckedRequest",
+    "already_running",
+    "as_params_error",
+    "check_checkpointed",
+    "check_params",
+    "check_request",
     "check_request_id",
 ]
 
@@ -63,6 +75,68 @@ class CheckedRequest:
     timeout: float | None
     preview_every: int | None
     priority: int
+    #: The caller's params with the values validation drew put in (:class:`CheckedParams`): what
+    #: a check of this request elsewhere is given (a Ray replica's model). Not compared: ``params``
+    #: is what runs.
+    pinned: Mapping[str, Any] = field(default_factory=dict, compare=False, repr=False)
+
+
+class CheckedParams(Mapping[str, Any]):
+    """A request's params that ``model.validate`` passed (:func:`check_params`): a facade of
+    that same model takes them without validating them again.
+
+    ``checked`` is what the model made of them (defaults filled in, a seed
+    drawn, ``output``). As a mapping they read as the caller's params with
+    the values validation drew put in: what any other check of the request
+    is given, so that it runs with the same seed rather than a second draw
+    (a Ray replica's model, as its card checks less; a server's state
+    directory, checked again after a restart; an engine of another model or
+    one that does not know this type). ``checked`` is not that: a model's
+    ``validate`` need not take its own output back (its LoRAs come out as
+    tuples that it refuses as input).
+    """
+
+    __slots__ = ("_pinned", "checked", "model")
+
+    def __init__(self, model: StepModel, pinned: Mapping[str, Any], checked: dict[str, Any]) -> None:
+        self.model = model
+        self.checked = checked
+        self._pinned = dict(pinned)
+
+    def __getitem__(self, key: str) -> Any:
+        return self._pinned[key]
+
+    def __iter__(self) -> Iterator[str]:
+        return iter(self._pinned)
+
+    def __len__(self) -> int:
+        return len(self._pinned)
+
+    def __repr__(self) -> str:
+        return f"CheckedParams({self._pinned!r}, model={self.model.name!r})"
+
+    def __reduce__(self) -> tuple[Any, ...]:
+        # Pickled (to another process), they go as the plain dict they read as: trust stays in
+        # the process whose model checked them, and the model (its weights) stays too.
+        return (dict, (self._pinned,))
+
+
+def check_params(model: StepModel, params: Mapping[str, Any] | None) -> CheckedParams:
+    """``params`` validated by ``model`` (``output`` split off and put back: ``split_output``).
+
+    CheckedParams that ``model`` itself made come back as they are: that is
+    how a request is validated once (the server's, then its engine's
+    intake). Others are validated as they read. Raises what
+    ``model.validate`` raises (``as_params_error`` words it).
+    """
+    if isinstance(params, CheckedParams) and params.model is model:
+        return params
+    rest, output = split_output(model, params)
+    checked = model.validate(rest)
+    if output is not None:
+        checked["output"] = output
+    given = params if isinstance(params, Mapping) else {}
+    return CheckedParams(model, {**given, **drawn(model.params, checked)}, checked)
 
 
 def check_request_id(value: object) -> str:
@@ -120,8 +194,9 @@ def check_request(
     In order: the id (None gets a fresh one), ``policy`` ("all" or
     "latest"), ``timeout`` (a positive finite number of seconds, or None),
     ``preview_every`` (a positive int, or None), ``priority`` (an int from
-    -10 to 10), the params through ``split_output`` and ``model.validate``,
-    and the step count ``model.total_steps`` gives (a positive int).
+    -10 to 10), the params through :func:`check_params` (not validated again
+    when ``model`` made them: a server's), and the step count
+    ``model.total_steps`` gives (a positive int).
     Raises ParamsError naming the field, carrying the request id.
     """
     request_id = check_request_id(request_id)
@@ -155,10 +230,9 @@ def check_request(
             request_id=request_id,
         )
     with as_params_error(model, request_id):
-        rest, output = split_output(model, params)
-        checked = model.validate(rest)
-        if output is not None:
-            checked["output"] = output
+        pinned = check_params(model, params)
+        # Its own dict: the server that made ``pinned`` keeps reading its ``checked``.
+        checked = dict(pinned.checked)
         total = model.total_steps(checked)
     positive_int(total, "steps", what=f"{model.name}.total_steps()'s count", request_id=request_id)
     return CheckedRequest(
@@ -169,6 +243,7 @@ def check_request(
         timeout=None if timeout is None else float(timeout),
         preview_every=preview_every,
         priority=priority,
+        pinned=pinned,
     )
 
 
@@ -191,7 +266,10 @@ def check_checkpointed(
     """
     request_id = options.get("request_id")
     if resume is not None:
-        params = model.restored_params(resume)  # CheckpointError: not this model's, or stale
+        # CheckpointError: not this model's, or stale. Validated there (with ``output``), so
+        # check_request takes them as checked: still one validation for the request.
+        restored = model.restored_params(resume)
+        params = CheckedParams(model, restored, restored)
     checked = check_request(model, params, **options)
     if resume is not None and checked.total != resume.total:
         raise CheckpointError(

@@ -10,6 +10,11 @@ passes ``stream`` only the keywords it takes (:func:`server_stream_keywords`,
 read once from its signature when the server is built), so an engine of
 one's own written to the minimal ``stream(params, *, request_id=None, ...)``
 runs behind it.
+
+The protocols' ``stream`` and ``generate`` take the keywords of
+options.RequestOptions (``request_id``, ``policy``, ``timeout``,
+``preview_every``, ``priority``); an engine may spell them out or take
+them as ``**options: Unpack[RequestOptions]``, as the facades do.
 """
 
 from __future__ import annotations
@@ -21,10 +26,11 @@ from typing import TYPE_CHECKING, Any, Final, Protocol, runtime_checkable
 
 from ..frame import Frame
 from ..model import StepModel
+from .options import RenderOptions, RequestOptions, stream_keywords
 from .stats import EngineStatistics, Health
 
 if TYPE_CHECKING:
-    from ..preview.remote import RenderRequest
+    from typing_extensions import Self, Unpack  # typing's from Python 3.11
 
 __all__ = [
     "OPTIONAL_STREAM_KEYWORDS",
@@ -48,14 +54,29 @@ SERVER_NEEDS: Final = ("model", "max_batch_size", "stream", "cancel", "health")
 #: where the engine takes them (docs/configuration.md says what it loses
 #: without each).
 OPTIONAL_STREAM_KEYWORDS: Final = (
-    "policy", "preview_every", "priority", "render", "model", "resume", "checkpoint_every", "on_checkpoint",
+    "policy",
+    "preview_every",
+    "priority",
+    "render",
+    "model",
+    "resume",
+    "checkpoint_every",
+    "on_checkpoint",
 )
 
 _METHODS: Final = frozenset({"stream", "cancel", "health"})
 _ABSENT: Final = object()
 #: FrameStreamLike's members (what a server's consumer uses of a request's frames).
 _STREAM_MEMBERS: Final = (
-    "request_id", "total", "params", "poll", "aclose", "__aiter__", "__anext__", "__aenter__", "__aexit__",
+    "request_id",
+    "total",
+    "params",
+    "poll",
+    "aclose",
+    "__aiter__",
+    "__anext__",
+    "__aenter__",
+    "__aexit__",
 )
 
 
@@ -65,6 +86,8 @@ class FrameStreamLike(Protocol):
 
     Iterating raises what ``EngineLike.stream`` documents; leaving the
     ``async with`` (or ``aclose()``) before the final frame cancels the request.
+    An explicit subclass (GroupStream, RoutedStream) inherits ``__aiter__``,
+    ``__aenter__`` and ``__aexit__`` (which calls ``aclose``) from here.
     """
 
     @property
@@ -80,7 +103,8 @@ class FrameStreamLike(Protocol):
         """The request's params as the model checked them, defaults filled in."""
         ...
 
-    def __aiter__(self) -> AsyncIterator[Frame]: ...
+    def __aiter__(self) -> AsyncIterator[Frame]:
+        return self
 
     async def __anext__(self) -> Frame: ...
 
@@ -92,14 +116,16 @@ class FrameStreamLike(Protocol):
         """Stop the request if it has not finished; idempotent."""
         ...
 
-    async def __aenter__(self) -> FrameStreamLike: ...
+    async def __aenter__(self) -> Self:
+        return self
 
     async def __aexit__(
         self,
         exc_type: type[BaseException] | None,
         exc: BaseException | None,
         tb: TracebackType | None,
-    ) -> None: ...
+    ) -> None:
+        await self.aclose()
 
 
 @runtime_checkable
@@ -124,31 +150,22 @@ class EngineLike(Protocol):
         """The most requests advanced together (for a group, across its members)."""
         ...
 
+    @stream_keywords(RequestOptions)
     def stream(
-        self,
-        params: Mapping[str, Any] | None = None,
-        *,
-        request_id: str | None = None,
-        policy: str = "all",
-        timeout: float | None = None,
-        preview_every: int | None = None,
-        priority: int = 0,
+        self, params: Mapping[str, Any] | None = None, **options: Unpack[RequestOptions]
     ) -> FrameStreamLike:
         """Submit a request; returns its frames."""
         ...
 
+    @stream_keywords(RequestOptions, policy="latest")
     async def generate(
-        self,
-        params: Mapping[str, Any] | None = None,
-        *,
-        request_id: str | None = None,
-        policy: str = "latest",
-        timeout: float | None = None,
-        preview_every: int | None = None,
-        priority: int = 0,
+        self, params: Mapping[str, Any] | None = None, **options: Unpack[RequestOptions]
     ) -> Frame:
-        """Run a request to its end; returns the final Frame."""
-        ...
+        """Run a request to its end; returns the final Frame. Raises as ``stream`` does.
+
+        An explicit subclass (every facade: engine/facade.py) inherits this body.
+        """
+        return await final_frame(self.stream(params, **options))
 
     def cancel(self, request_id: str) -> bool:
         """Cancel a request; True if it was still running. Safe from any thread."""
@@ -203,16 +220,9 @@ class RendersFrames(Protocol):
     #: False where rendering remotely is switched off.
     renders_frames: bool
 
+    @stream_keywords(RenderOptions)
     def stream(
-        self,
-        params: Mapping[str, Any] | None = None,
-        *,
-        request_id: str | None = None,
-        policy: str = "all",
-        timeout: float | None = None,
-        preview_every: int | None = None,
-        priority: int = 0,
-        render: RenderRequest | None = None,
+        self, params: Mapping[str, Any] | None = None, **options: Unpack[RenderOptions]
     ) -> FrameStreamLike: ...
 
 

@@ -121,8 +121,17 @@ class OutputProcessor:
         if t.data is None or r.finalized:
             return  # the request ended while its copy was in flight
         frame = engine_frame(
-            r.id, t.step, r.total, t.data, t.queued_s, t.compute_s, t.copy_s, t.batch_size, t.decode_s,
-            t.decoded, r.images,
+            r.id,
+            t.step,
+            r.total,
+            t.data,
+            t.queued_s,
+            t.compute_s,
+            t.copy_s,
+            t.batch_size,
+            t.decode_s,
+            t.decoded,
+            r.images,
         )
         replaced = r.delivery.put(frame)
         self.frames_delivered += 1
@@ -238,7 +247,12 @@ class OutputProcessor:
         logger.warning(
             "request %s timed out after %.1f s waiting for step %d/%d (%s); "
             "set %s to a larger value to allow slower steps",
-            r.id, bound, step, r.total, stage, STEP_TIMEOUT_ENV,
+            r.id,
+            bound,
+            step,
+            r.total,
+            stage,
+            STEP_TIMEOUT_ENV,
         )
         self.end(r, Status.TIMED_OUT, err)
         return err

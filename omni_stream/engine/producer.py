@@ -312,8 +312,14 @@ class Producer:
                     try:
                         ticket = self._copier.submit(
                             # (ready_at changes only in the finally below, after every submit.)
-                            r, n, out, queued_s=started_at - r.ready_at, compute_s=compute_s,
-                            batch_size=len(ready), decoded=decoded, decode_s=decode_s,
+                            r,
+                            n,
+                            out,
+                            queued_s=started_at - r.ready_at,
+                            compute_s=compute_s,
+                            batch_size=len(ready),
+                            decoded=decoded,
+                            decode_s=decode_s,
                         )
                     except PoolClosedError:
                         raise  # shutting down
@@ -370,9 +376,7 @@ class Producer:
             tickets, self._unposted = self._unposted, []
             self._copier.post(tickets)
 
-    def _step(
-        self, batch: list[Request]
-    ) -> list[tuple[Request, Any, BaseException | None, float]]:
+    def _step(self, batch: list[Request]) -> list[tuple[Request, Any, BaseException | None, float]]:
         single = len(batch) == 1
         t0 = time.monotonic()
         try:
@@ -392,9 +396,7 @@ class Producer:
                 return [(batch[0], None, exc, 0.0)]
             # The contract says a raising step left its states untouched, so
             # each can be retried alone and only the one at fault fails.
-            logger.warning(
-                "a batched step of %d requests raised %r; retrying each alone", len(batch), exc
-            )
+            logger.warning("a batched step of %d requests raised %r; retrying each alone", len(batch), exc)
             results = []
             for r in batch:
                 results.extend(self._step([r]))
@@ -516,9 +518,7 @@ class Producer:
             return None
         return TypeError(f"model.step must return tensors, got {type(out).__name__}")
 
-    def _failure(
-        self, r: Request, exc: BaseException, *, held: CopyTicket | None = None
-    ) -> CopyTicket:
+    def _failure(self, r: Request, exc: BaseException, *, held: CopyTicket | None = None) -> CopyTicket:
         # A held ticket (a copy issued but not posted) carries the error
         # instead of its frame: the copier still waits for its copy and
         # returns its buffer to the pool.
@@ -637,8 +637,14 @@ class _Emitter:
         producer.batches += 1
         producer.batch_sizes[1] = producer.batch_sizes.get(1, 0) + 1
         ticket = producer._copier.submit(
-            r, n, frame, queued_s=self._queued_s, compute_s=compute_s, batch_size=1,
-            decoded=decoded, decode_s=decode_s,
+            r,
+            n,
+            frame,
+            queued_s=self._queued_s,
+            compute_s=compute_s,
+            batch_size=1,
+            decoded=decoded,
+            decode_s=decode_s,
         )
         if n == r.total:
             # The final frame goes out once run() returns: a model that then

@@ -45,14 +45,40 @@ class Request:
     """See the module docstring for which side owns which field."""
 
     __slots__ = (
-        "id", "params", "total", "images", "batch_key", "policy", "timeout", "preview_every", "arrival",
-        "priority", "arrival_round", "submitted_at", "delivery",
+        "id",
+        "params",
+        "total",
+        "images",
+        "batch_key",
+        "policy",
+        "timeout",
+        "preview_every",
+        "arrival",
+        "priority",
+        "arrival_round",
+        "submitted_at",
+        "delivery",
         # (lock)
-        "status", "issued", "delivered", "consumed", "last_scheduled", "run_streak", "ready_at",
-        "handed_at", "preparing", "started", "closed", "finalized",
-        "paused", "paused_since", "paused_s", "resumed_at", "to_host",
+        "status",
+        "issued",
+        "delivered",
+        "consumed",
+        "last_scheduled",
+        "run_streak",
+        "ready_at",
+        "handed_at",
+        "preparing",
+        "started",
+        "closed",
+        "finalized",
+        "paused",
+        "resumed_at",
+        "to_host",
         # (producer)
-        "state", "resume_from", "checkpoint_every", "on_checkpoint",
+        "state",
+        "resume_from",
+        "checkpoint_every",
+        "on_checkpoint",
     )
 
     def __init__(
@@ -107,8 +133,6 @@ class Request:
         #: Paused (Engine.pause): not runnable, holds no batch place; its state
         #: stays where it is, or goes to host memory with ``to_host``.
         self.paused = False
-        self.paused_since: float | None = None  # when it was paused, on the table's clock
-        self.paused_s = 0.0  # time paused so far
         #: When it was last resumed: a reader's wait for a step is bounded from
         #: no earlier than this (paused time does not count against the timeout).
         self.resumed_at: float | None = None
@@ -150,7 +174,9 @@ class Request:
         status, issued = self.status, self.issued
         if (
             (status is not _QUEUED and status is not _RUNNING)
-            or issued >= self.total or self.preparing or self.paused
+            or issued >= self.total
+            or self.preparing
+            or self.paused
         ):
             return False
         if issued - self.delivered >= max_run_ahead:

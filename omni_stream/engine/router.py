@@ -16,35 +16,14 @@ one (the model's ``unload()`` hook moves its weights off the device; a
 diffusers pipeline goes back to the CPU). ComfyUI and AUTOMATIC1111 keep
 checkpoints the same way; vLLM-Omni loads one model per server.
 
-Residency (issue #39, attack 6: a 20-step request waited a long request's
-whole run on the other model, and two tenants alternating models
-livelocked the router at 21,000 swaps in 30 s). Which loaded model makes
-room, and when; its quantum is ``min_residency_s``:
-
-- one nobody uses (no request runs in it but paused ones, none waits for
-  it) once a quantum has passed since it loaded or last served a request:
-  a client's next request, a moment later, finds it still there, and
-  requests alternating between models swap at most once a quantum;
-- one in use, once it has been loaded a quantum, by the scheduling
-  policy: ``preemptive`` (the default) when every request running in it
-  has more steps left than the shortest waiting for the other model, or
-  that one has waited ten quanta (the shortest remaining work first,
-  aged, as the engine ranks); ``round-robin`` always (time slices);
-  ``fcfs`` never while its requests run (it takes no new ones, and goes
-  when they end). Its running requests are paused to the host and handed
-  over (``Engine.offload``, ``Engine.hand_over``: their state as a
-  checkpoint) and go on where they stopped when it loads again, their
-  frames and results the uninterrupted run's; a request its model cannot
-  snapshot runs to its end first;
-- and every such switch is one of at most ``max_swaps_per_min`` in any
-  minute (the swap budget): past it, the next switch waits, so requests
-  alternating between models cannot keep the device moving weights (an
-  H200 took 0.45 s to load SD 1.5 and 1.53 s to unload it).
-
-A request its client paused holds no model: handed over to the host with
-the rest, it asks for its model again only when resumed. The defaults:
-``OMNI_STREAM_MIN_RESIDENCY`` (2.0 s) and ``OMNI_STREAM_MAX_SWAPS_PER_MIN``
-(6), read when the router is made.
+Residency: which loaded model makes room, and when (a quantum,
+``min_residency_s``, then the scheduling policy; at most
+``max_swaps_per_min`` switches a minute), is engine/residency.py's rules.
+The router hands a model's running requests over to the host when it
+gives way (``Engine.offload``, ``Engine.hand_over``), and they go on where
+they stopped when it loads again. A request its client paused holds no
+model: handed over to the host with the rest, it asks for its model again
+only when resumed.
 
 Who waits on whom: a request whose model is not loaded waits in its
 stream's ``__anext__`` (its :attr:`RoutedStream.loading` is True
@@ -62,29 +41,33 @@ import logging
 import math
 import time
 import weakref
-from collections import deque
-from collections.abc import AsyncIterator, Callable, Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
-from types import MappingProxyType, TracebackType
-from typing import Any
+from types import MappingProxyType
+from typing import TYPE_CHECKING, Any
 
 import anyio
 import anyio.abc
 import anyio.to_thread
 
 from ..checkpoint import Checkpoint
-from ..config import env_float, env_int
-from ..errors import CheckpointError, EngineClosedError, EngineDeadError, ParamsError, RequestCancelledError
+from ..errors import CheckpointError, EngineDeadError, ParamsError, RequestCancelledError
 from ..frame import Frame
 from ..ids import model_name_problem
 from ..lifecycle import Lifecycle
 from ..model import StepModel
 from ..params import positive_int
 from .engine import Engine, HandedOver, pause_refusal
+from .facade import RoutingFacade, first_dead
 from .group import _sum_statistics
 from .intake import CheckedRequest, already_running, check_checkpointed, check_request_id
-from .like import FrameStreamLike, final_frame
+from .like import FrameStreamLike
+from .options import Checkpointing, RequestOptions, RoutedOptions, pick, stream_keywords
+from .residency import MAX_SWAPS_PER_MIN_ENV, MIN_RESIDENCY_ENV, Residency, Resident
 from .stats import EngineStatistics, Health
+
+if TYPE_CHECKING:
+    from typing_extensions import Unpack  # typing's from Python 3.11
 
 __all__ = [
     "MAX_SWAPS_PER_MIN_ENV",
@@ -96,18 +79,10 @@ __all__ = [
 
 logger = logging.getLogger("omni_stream.engine")
 
-MIN_RESIDENCY_ENV = "OMNI_STREAM_MIN_RESIDENCY"
-MAX_SWAPS_PER_MIN_ENV = "OMNI_STREAM_MAX_SWAPS_PER_MIN"
-#: The defaults (see the module docstring): on an H200 a swap of SD 1.5 took about 2 s, so at
-#: most 6 a minute spend at most a fifth of the device's time moving weights.
-DEFAULT_MIN_RESIDENCY_S = 2.0
-DEFAULT_MAX_SWAPS_PER_MIN = 6
 #: The producer says nothing when it has moved a paused state to the host: an unload looks
 #: again this often (it takes the step in progress, at most).
 _HAND_OVER_POLL_S = 0.005
-#: Under the ``preemptive`` policy a request waits for its model at most this many quanta
-#: (``min_residency_s``) while shorter requests keep the device on another: aged, never starved.
-_STARVED_QUANTA = 10
+
 
 def check_model_name(name: object) -> str:
     """``name`` if it is a model name (omni_stream/ids.py's rule); raises ParamsError (field ``model``)."""
@@ -144,7 +119,7 @@ class _Slot:
         return self.engine is not None and not self.draining
 
 
-class RoutedStream:
+class RoutedStream(FrameStreamLike):
     """One request's frames from its model's engine, once that model is loaded."""
 
     def __init__(
@@ -200,9 +175,6 @@ class RoutedStream:
     def loading(self) -> bool:
         """True while the request waits for its model to load (no frame can come before)."""
         return self._inner is None and not self._closed and not self._slot.ready
-
-    def __aiter__(self) -> AsyncIterator[Frame]:
-        return self
 
     async def __anext__(self) -> Frame:
         while True:
@@ -262,17 +234,6 @@ class RoutedStream:
         finally:
             self._release()
 
-    async def __aenter__(self) -> RoutedStream:
-        return self
-
-    async def __aexit__(
-        self,
-        exc_type: type[BaseException] | None,
-        exc: BaseException | None,
-        tb: TracebackType | None,
-    ) -> None:
-        await self.aclose()
-
     def _cancel(self) -> None:
         self._cancelled = True
         self._router._notify()
@@ -306,19 +267,21 @@ class RoutedStream:
             self.on_loading()
 
 
-class ModelRouter:
+class ModelRouter(RoutingFacade):
     """Several models behind one engine interface (see the module docstring).
 
     ``ModelRouter({"sd": sd_model, "mix": mixture}, max_loaded=None,
     **engine_options)``: the first model is the default; ``max_loaded``
     (None: all, loaded at start) bounds the models loaded at once;
     ``min_residency_s`` and ``max_swaps_per_min`` (None: their environment
-    variables, else the defaults) bound how often they change (the module
-    docstring); ``engine_options`` go to each model's :class:`Engine`
+    variables, else the defaults) bound how often they change
+    (engine/residency.py); ``engine_options`` go to each model's :class:`Engine`
     (``device``, ``max_batch_size``, ``scheduling``, ...). Enter it with
     ``async with``. Raises ParamsError for no models, a bad name, a bad
     ``max_loaded``, ``min_residency_s`` or ``max_swaps_per_min``.
     """
+
+    _noun = "model router"
 
     def __init__(
         self,
@@ -329,27 +292,11 @@ class ModelRouter:
         max_swaps_per_min: int | None = None,
         **engine_options: Any,
     ) -> None:
-        if min_residency_s is None:
-            min_residency_s = env_float(MIN_RESIDENCY_ENV, DEFAULT_MIN_RESIDENCY_S, positive=False)
-        if (
-            isinstance(min_residency_s, bool)
-            or not isinstance(min_residency_s, (int, float))
-            or not math.isfinite(min_residency_s)
-            or min_residency_s < 0
-        ):
-            raise ParamsError(
-                f"min_residency_s ({MIN_RESIDENCY_ENV}) must be a finite number >= 0, "
-                f"got {min_residency_s!r}",
-                field="min_residency_s",
-            )
-        if max_swaps_per_min is None:
-            max_swaps_per_min = env_int(MAX_SWAPS_PER_MIN_ENV, DEFAULT_MAX_SWAPS_PER_MIN)
-        positive_int(max_swaps_per_min, "max_swaps_per_min", env=MAX_SWAPS_PER_MIN_ENV)
-        self._min_residency_s = float(min_residency_s)
-        self._max_swaps = max_swaps_per_min
-        self._swaps: deque[float] = deque()  # when each switch of the last minute began
-        #: Swaps (an unload to load another) since start.
-        self.swaps = 0
+        self._residency = Residency(
+            min_residency_s=min_residency_s,
+            max_swaps_per_min=max_swaps_per_min,
+            scheduling=str(engine_options.get("scheduling", "preemptive")),
+        )
         if not models:
             raise ParamsError("a ModelRouter needs at least one model", field="models")
         for name, model in models.items():
@@ -365,7 +312,7 @@ class ModelRouter:
         self._default = next(iter(self._slots))
         self._max_loaded = max_loaded
         self._engine_options = dict(engine_options)
-        self._state = Lifecycle.NEW
+        super().__init__()
         self._tg: anyio.abc.TaskGroup | None = None
         # Made in start(): anyio's primitives need the running backend.
         self._changed: anyio.Event | None = None
@@ -381,11 +328,6 @@ class ModelRouter:
     def models(self) -> Mapping[str, StepModel]:
         """The models by name, the default first."""
         return MappingProxyType({name: slot.model for name, slot in self._slots.items()})
-
-    @property
-    def default(self) -> str:
-        """The name of the model a request that names none runs on: the first."""
-        return self._default
 
     @property
     def model(self) -> StepModel:
@@ -410,12 +352,17 @@ class ModelRouter:
     @property
     def min_residency_s(self) -> float:
         """Seconds a model in use stays loaded before another may take its place."""
-        return self._min_residency_s
+        return self._residency.min_residency_s
 
     @property
     def max_swaps_per_min(self) -> int:
         """The most model switches (an unload to load another) in any minute."""
-        return self._max_swaps
+        return self._residency.max_swaps_per_min
+
+    @property
+    def swaps(self) -> int:
+        """Swaps (an unload to load another) since start."""
+        return self._residency.swaps
 
     def loads(self) -> dict[str, int]:
         """``{name: times it was loaded}`` since start."""
@@ -430,72 +377,37 @@ class ModelRouter:
 
     # -- life --------------------------------------------------------------------------
 
-    async def __aenter__(self) -> ModelRouter:
-        await self.start()
-        return self
-
-    async def __aexit__(
-        self,
-        exc_type: type[BaseException] | None,
-        exc: BaseException | None,
-        tb: TracebackType | None,
-    ) -> None:
-        await self.aclose()
-
-    async def start(self) -> None:
-        """Start; with ``max_loaded=None`` load every model, in order. Raises EngineClosedError
-        if started before, EngineDeadError (and closes) when a model fails to load at start."""
-        if self._state is not Lifecycle.NEW:
-            raise EngineClosedError("a ModelRouter can be started once; create a new one")
-        self._state = Lifecycle.RUNNING
+    async def _start(self) -> None:
+        """With ``max_loaded=None`` load every model, in order; raises EngineDeadError when one
+        fails to load (start() then closes the router)."""
         self._changed = anyio.Event()
         self._load_lock = anyio.Lock()
-        self._tg = anyio.create_task_group()
-        await self._tg.__aenter__()
+        tg = anyio.create_task_group()
+        await tg.__aenter__()
+        self._tg = tg
         if self._max_loaded is None:
-            try:
-                for slot in self._slots.values():
-                    slot.attempt += 1
-                    await self._load(slot)
-                    if slot.error is not None:
-                        error = slot.error
-                        raise EngineDeadError(f"model {slot.name!r} failed to load: {error}") from error
-            except BaseException:
-                await self.aclose()
-                raise
+            for slot in self._slots.values():
+                slot.attempt += 1
+                await self._load(slot)
+                if slot.error is not None:
+                    error = slot.error
+                    raise EngineDeadError(f"model {slot.name!r} failed to load: {error}") from error
 
-    async def aclose(self) -> None:
-        """Close every loaded engine (their streams end with EngineClosedError); idempotent."""
-        if self._state.ending or self._state is Lifecycle.NEW:
-            self._state = Lifecycle.CLOSED
-            return
-        self._state = Lifecycle.CLOSING
+    async def _shutdown(self) -> None:
+        """Close every loaded engine (their streams end with EngineClosedError)."""
         self._notify()  # waiting streams see the state and end
         for slot in self._slots.values():
             if slot.stop is not None:
                 slot.stop.set()
         tg, self._tg = self._tg, None
-        try:
-            if tg is not None:
-                await tg.__aexit__(None, None, None)
-        finally:
-            self._state = Lifecycle.CLOSED
+        if tg is not None:
+            await tg.__aexit__(None, None, None)
 
     # -- requests ----------------------------------------------------------------------
 
+    @stream_keywords(RoutedOptions)
     def stream(
-        self,
-        params: Mapping[str, Any] | None = None,
-        *,
-        request_id: str | None = None,
-        model: str | None = None,
-        policy: str = "all",
-        timeout: float | None = None,
-        preview_every: int | None = None,
-        priority: int = 0,
-        resume: Checkpoint | None = None,
-        checkpoint_every: int | None = None,
-        on_checkpoint: Callable[[str, Checkpoint], None] | None = None,
+        self, params: Mapping[str, Any] | None = None, **options: Unpack[RoutedOptions[Checkpoint]]
     ) -> RoutedStream:
         """Submit a request to ``model`` (the default when None); returns its frames. ``resume``,
         ``checkpoint_every`` and ``on_checkpoint`` as ``Engine.stream``'s.
@@ -506,40 +418,21 @@ class ModelRouter:
         EngineClosedError; iterating raises as ``Engine.stream``'s frames do,
         and EngineDeadError when the model fails to load.
         """
-        request_id = check_request_id(request_id)
+        request_id = options["request_id"] = check_request_id(options["request_id"])
         self._check_open(request_id)
-        slot = self._slot(model, request_id)
+        slot = self._slot(options["model"], request_id)
         if request_id in self._streams:
             raise already_running(request_id)
         checked = check_checkpointed(
-            slot.model, params, resume=resume, checkpoint_every=checkpoint_every, request_id=request_id,
-            policy=policy, timeout=timeout, preview_every=preview_every, priority=priority,
+            slot.model,
+            params,
+            resume=options["resume"],
+            checkpoint_every=options["checkpoint_every"],
+            **pick(options, RequestOptions),
         )
-        stream = RoutedStream(
-            self, slot, checked,
-            submit={"resume": resume, "checkpoint_every": checkpoint_every, "on_checkpoint": on_checkpoint},
-        )
+        stream = RoutedStream(self, slot, checked, submit=dict(pick(options, Checkpointing)))
         self._streams[request_id] = stream
         return stream
-
-    async def generate(
-        self,
-        params: Mapping[str, Any] | None = None,
-        *,
-        request_id: str | None = None,
-        model: str | None = None,
-        policy: str = "latest",
-        timeout: float | None = None,
-        preview_every: int | None = None,
-        priority: int = 0,
-    ) -> Frame:
-        """Run a request to its end on ``model``; returns the final Frame. Raises as ``stream`` does."""
-        return await final_frame(
-            self.stream(
-                params, request_id=request_id, model=model, policy=policy, timeout=timeout,
-                preview_every=preview_every, priority=priority,
-            )
-        )
 
     def cancel(self, request_id: str) -> bool:
         """Cancel a request, loaded or waiting for its model; True if it was still running."""
@@ -594,10 +487,6 @@ class ModelRouter:
         self._notify()  # a reader waiting out of every engine goes on
         return True
 
-    def model_of(self, name: str | None) -> StepModel:
-        """The model a request naming ``name`` runs on; ParamsError (field ``model``) listing the names."""
-        return self._slot(name, None).model
-
     # -- health ------------------------------------------------------------------------
 
     def statistics(self) -> EngineStatistics:
@@ -608,20 +497,21 @@ class ModelRouter:
             return EngineStatistics(0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0)
         total = _sum_statistics(members)
         queued = sum(1 for s in self._streams.values() if s._inner is None)
-        return EngineStatistics(**{
-            **{f: getattr(total, f) for f in EngineStatistics.__dataclass_fields__},
-            "queued": total.queued + queued,
-        })
+        return EngineStatistics(
+            **{
+                **{f: getattr(total, f) for f in EngineStatistics.__dataclass_fields__},
+                "queued": total.queued + queued,
+            }
+        )
 
     def health(self) -> Health:
         """ok while every loaded engine is (none loaded: ok, the models load on demand);
         else the first one's status that is not, naming its model."""
         stats = self.statistics()
         device = str(self._engine_options.get("device", "auto"))
-        if self._state is Lifecycle.NEW:
-            return Health("closed", "the model router was not started", stats, device)
-        if self._state.ending:
-            return Health("closed", "the model router was shut down", stats, device)
+        closed = self._lifecycle_health(stats, device)
+        if closed is not None:
+            return closed
         for name, slot in self._slots.items():
             if slot.engine is None:
                 continue
@@ -633,22 +523,10 @@ class ModelRouter:
         failed = [f"model {s.name!r} failed to load: {s.error}" for s in self._slots.values() if s.error]
         return Health("ok", "; ".join(failed) or None, stats, device)
 
-    def check_health(self) -> None:
-        """Return when healthy; raise EngineDeadError, EngineStalledError or EngineClosedError."""
-        for slot in self._slots.values():
-            if slot.engine is not None and not (slot.draining and slot.engine.health().status == "closed"):
-                slot.engine.check_health()
-        if self._state is not Lifecycle.RUNNING:
-            raise EngineClosedError(self.health().reason or "the model router is closed")
+    def _death_cause(self) -> BaseException | None:
+        return first_dead(slot.engine for slot in self._slots.values() if slot.engine is not None)
 
     # -- inside ------------------------------------------------------------------------
-
-    def _check_open(self, request_id: str | None) -> None:
-        if self._state is not Lifecycle.RUNNING:
-            what = "shut down"
-            if self._state is Lifecycle.NEW:
-                what = "not started (use `async with ModelRouter(...)`)"
-            raise EngineClosedError(f"the model router is {what}", request_id=request_id)
 
     def _slot(self, name: str | None, request_id: str | None) -> _Slot:
         slot = self._slots.get(self._default if name is None else name)
@@ -724,7 +602,7 @@ class ModelRouter:
                         return  # closing, or its requests left while it waited: no switch for nobody
                     victim, wait = self._victim(slot)
                     if victim is not None:
-                        budget = self._swap_wait()
+                        budget = self._residency.swap_wait(time.monotonic())
                         if budget <= 0:
                             await self._unload(victim)
                             continue
@@ -762,81 +640,35 @@ class ModelRouter:
 
     def _victim(self, wanted: _Slot) -> tuple[_Slot | None, float]:
         """The loaded model to make room for ``wanted`` now, or None and the seconds until one
-        may (the module docstring's rules; the least recently used first among those that may)."""
-        now = time.monotonic()
-        quantum = self._min_residency_s
-        wait = math.inf
-        free: list[_Slot] = []
-        due: list[_Slot] = []
-        waiters = [s for s in self._streams_of(wanted) if s._inner is None and not s._paused]
-        shortest = min((s.remaining for s in waiters), default=0)
-        waited = max((now - s._waiting_since for s in waiters), default=0.0)
-        for slot in self._slots.values():
-            if slot.engine is None or slot is wanted:
-                continue
-            if not self._in_use(slot):
-                # Unused: it goes once its quantum since it loaded or last served a request is
-                # over, so a client's next request, a moment later, finds it still there and
-                # alternating requests swap at most once a quantum.
-                idle = now - max(slot.loaded_at, slot.last_used)
-                if idle >= quantum:
-                    free.append(slot)
-                else:
-                    wait = min(wait, quantum - idle)
-                continue
-            # In use: it keeps the device for its quantum since it loaded. Without that, two
-            # loads in turn took each other's model before its requests ran (the livelock).
-            resident = now - slot.loaded_at
-            if resident < quantum:
-                wait = min(wait, quantum - resident)
-            elif self._policy != "preemptive" or waited >= _STARVED_QUANTA * quantum:
-                due.append(slot)
-            elif min((s.remaining for s in self._busy(slot)), default=0) > shortest:
-                # Shortest remaining work first, as the engine's own policy: a long run gives
-                # way to a shorter request, never the other way round.
-                due.append(slot)
-            else:
-                # A longer request waits for the shorter ones, aged: never past its bound.
-                wait = min(wait, _STARVED_QUANTA * quantum - waited)
-        candidates = free or due
-        if candidates:
-            return min(candidates, key=lambda s: s.last_used), 0.0
-        return None, wait
+        may (engine/residency.py's rules, told what the router sees)."""
+        residents = {
+            slot: Resident(slot.loaded_at, slot.last_used, self._in_use(slot), self._running(slot))
+            for slot in self._slots.values()
+            if slot.engine is not None and slot is not wanted
+        }
+        waiting = [
+            (s.remaining, s._waiting_since)
+            for s in self._streams_of(wanted)
+            if s._inner is None and not s._paused
+        ]
+        return self._residency.victim(residents, waiting, time.monotonic())
 
-    def _busy(self, slot: _Slot) -> list[RoutedStream]:
-        """The requests running in ``slot``'s engine, not paused by their clients."""
-        return [s for s in self._streams_of(slot) if s._inner is not None and not s._paused]
-
-    def _swap_wait(self) -> float:
-        """Seconds until the swap budget allows one more switch (<= 0: now)."""
-        now = time.monotonic()
-        while self._swaps and now - self._swaps[0] >= 60.0:
-            self._swaps.popleft()
-        if len(self._swaps) < self._max_swaps:
-            return 0.0
-        return self._swaps[0] + 60.0 - now
-
-    @property
-    def _policy(self) -> str:
-        return str(self._engine_options.get("scheduling", "preemptive"))
-
-    def _preempts(self) -> bool:
-        """Whether an unload hands its running requests over (the policy; ``fcfs`` runs them out)."""
-        return self._policy != "fcfs"
+    def _running(self, slot: _Slot) -> tuple[int, ...]:
+        """The steps left of each request running in ``slot``'s engine, not paused by its client."""
+        return tuple(s.remaining for s in self._streams_of(slot) if s._inner is not None and not s._paused)
 
     async def _unload(self, slot: _Slot) -> None:
         """Make ``slot`` give up the device: no new requests; its running ones handed over to the
-        host (:meth:`_preempts`; those its client paused always) or run to their end; then its
+        host (``Residency.preempts``; those its client paused always) or run to their end; then its
         engine closes and its model moves off."""
         slot.draining = True
-        self._swaps.append(time.monotonic())
-        self.swaps += 1
+        self._residency.swapped(time.monotonic())
         moving: list[RoutedStream] = []
         try:
             engine = slot.engine
             if engine is not None:
                 for stream in self._streams_of(slot):
-                    if stream._inner is None or not (stream._paused or self._preempts()):
+                    if stream._inner is None or not (stream._paused or self._residency.preempts):
                         continue
                     if engine.offload(stream.request_id):
                         stream._leaving = True
@@ -892,8 +724,9 @@ class ModelRouter:
         if handed is None:
             return False
         stream._hand_over(handed)
-        logger.debug("request %s handed over at step %d (model %s unloads)", request_id, handed.step,
-                     stream._slot.name)
+        logger.debug(
+            "request %s handed over at step %d (model %s unloads)", request_id, handed.step, stream._slot.name
+        )
         return True
 
     async def _own(self, slot: _Slot, *, task_status: anyio.abc.TaskStatus[None]) -> None:

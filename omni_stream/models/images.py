@@ -149,8 +149,7 @@ def _band_weight(c: _Canvas, u: Array, per_unit: float) -> tuple[Array, Array]:
     return m.astype(np.int64), np.clip(0.5 + d_lower / c.px, 0.0, 1.0)
 
 
-def _bands(c: _Canvas, u: Array, per_unit: float, colors: Sequence[Color],
-           *, wrap: bool = True) -> Array:
+def _bands(c: _Canvas, u: Array, per_unit: float, colors: Sequence[Color], *, wrap: bool = True) -> Array:
     """Bands of ``colors`` along ``u``; ``wrap`` cycles them, else the end colours extend."""
     idx, w = _band_weight(c, u, per_unit)
     n = len(colors)
@@ -223,8 +222,15 @@ def _polygon(c: _Canvas, points: Sequence[tuple[float, float]]) -> Array:
     return sign * np.sqrt(d)
 
 
-def _regular(n: int, r: float, *, inner: float | None = None, phase: float = -math.pi / 2,
-             cx: float = 0.0, cy: float = 0.0) -> list[tuple[float, float]]:
+def _regular(
+    n: int,
+    r: float,
+    *,
+    inner: float | None = None,
+    phase: float = -math.pi / 2,
+    cx: float = 0.0,
+    cy: float = 0.0,
+) -> list[tuple[float, float]]:
     """Vertices of a regular polygon, or a star when ``inner`` is given."""
     pts = []
     count = n * 2 if inner is not None else n
@@ -236,6 +242,7 @@ def _regular(n: int, r: float, *, inner: float | None = None, phase: float = -ma
 
 
 # ---- the drawings --------------------------------------------------------
+
 
 def _red_circle(c: _Canvas) -> Array:
     img = _gradient((NAVY, BLUE), (c.y + 1) / 2)
@@ -278,7 +285,7 @@ def _sky_gradient(c: _Canvas) -> Array:
 
 
 def _radial_gradient(c: _Canvas) -> Array:
-    r = np.sqrt(c.x ** 2 + c.y ** 2) / math.sqrt(2)
+    r = np.sqrt(c.x**2 + c.y**2) / math.sqrt(2)
     return _gradient((YELLOW, ORANGE, RED, NAVY), r)
 
 
@@ -288,12 +295,14 @@ def _lime_gradient(c: _Canvas) -> Array:
 
 def _colour_wheel(c: _Canvas) -> Array:
     hue = (np.arctan2(c.y, c.x) / (2 * math.pi)) % 1.0
-    rgb: Array = np.stack([
-        np.clip(np.abs(hue * 6 - 3) - 1, 0, 1),
-        np.clip(2 - np.abs(hue * 6 - 2), 0, 1),
-        np.clip(2 - np.abs(hue * 6 - 4), 0, 1),
-    ])
-    r: Array = np.minimum(np.sqrt(c.x ** 2 + c.y ** 2), 1.0)[None]
+    rgb: Array = np.stack(
+        [
+            np.clip(np.abs(hue * 6 - 3) - 1, 0, 1),
+            np.clip(2 - np.abs(hue * 6 - 2), 0, 1),
+            np.clip(2 - np.abs(hue * 6 - 4), 0, 1),
+        ]
+    )
+    r: Array = np.minimum(np.sqrt(c.x**2 + c.y**2), 1.0)[None]
     return 1.0 + (rgb - 1.0) * r  # white centre, saturated rim
 
 
@@ -306,12 +315,12 @@ def _polka_dots(c: _Canvas) -> Array:
     n = 3.0
     lx = (c.x * n - np.round(c.x * n)) / n
     ly = (c.y * n - np.round(c.y * n)) / n
-    d = np.sqrt(lx ** 2 + ly ** 2) - 0.11
+    d = np.sqrt(lx**2 + ly**2) - 0.11
     return _paint(c.fill(WHITE), c.cover(d), PINK)
 
 
 def _target(c: _Canvas) -> Array:
-    r = np.sqrt(c.x ** 2 + c.y ** 2)
+    r = np.sqrt(c.x**2 + c.y**2)
     return _bands(c, r, 6.0, (RED, WHITE))
 
 
@@ -334,8 +343,16 @@ def _letter_h(c: _Canvas) -> Array:
 
 
 def _letter_e(c: _Canvas) -> Array:
-    d = _strokes(c, [(-0.35, -0.6, -0.35, 0.6), (-0.35, -0.6, 0.4, -0.6),
-                     (-0.35, 0.0, 0.25, 0.0), (-0.35, 0.6, 0.4, 0.6)], 0.2)
+    d = _strokes(
+        c,
+        [
+            (-0.35, -0.6, -0.35, 0.6),
+            (-0.35, -0.6, 0.4, -0.6),
+            (-0.35, 0.0, 0.25, 0.0),
+            (-0.35, 0.6, 0.4, 0.6),
+        ],
+        0.2,
+    )
     return _paint(c.fill(YELLOW), c.cover(d), BLACK)
 
 
@@ -362,7 +379,7 @@ def _crescent_moon(c: _Canvas) -> Array:
 def _smiley(c: _Canvas) -> Array:
     img = _paint(c.fill(CYAN), c.cover(_circle(c, 0, 0, 0.75)), YELLOW)
     eyes = np.minimum(_circle(c, -0.27, -0.22, 0.1), _circle(c, 0.27, -0.22, 0.1))
-    ring = np.abs(np.sqrt(c.x ** 2 + c.y ** 2) - 0.45) - 0.05
+    ring = np.abs(np.sqrt(c.x**2 + c.y**2) - 0.45) - 0.05
     mouth = np.maximum(ring, 0.12 - c.y)
     return _paint(img, c.cover(np.minimum(eyes, mouth)), BLACK)
 
@@ -397,7 +414,7 @@ def _nested_squares(c: _Canvas) -> Array:
 
 
 def _spiral(c: _Canvas) -> Array:
-    r = np.sqrt(c.x ** 2 + c.y ** 2)
+    r = np.sqrt(c.x**2 + c.y**2)
     theta = np.arctan2(c.y, c.x) / (2 * math.pi)
     # Two bands per turn, so the jump of one turn at the branch cut is seamless.
     u = 2 * (r * 3.0 - theta)
@@ -457,13 +474,31 @@ VOCABULARY: tuple[str, ...] = tuple(sorted(set().union(*(c.tags for c in COMPONE
 
 _FILLERS = frozenset(["a", "an", "and", "the", "with", "of", "on", "in"])
 _SYNONYMS = {
-    "stripe": "stripes", "striped": "stripes", "stripy": "stripes",
-    "dot": "dots", "dotted": "dots", "polka": "dots", "spotted": "dots",
-    "ring": "rings", "checker": "checkerboard", "checkered": "checkerboard",
-    "chessboard": "checkerboard", "wave": "waves", "wavy": "waves",
-    "colour": "rainbow", "color": "rainbow", "colourful": "rainbow", "colorful": "rainbow",
-    "violet": "purple", "magenta": "pink", "teal": "cyan", "round": "circle",
-    "letters": "letter", "glyphs": "glyph", "smile": "smiley", "stars": "star",
+    "stripe": "stripes",
+    "striped": "stripes",
+    "stripy": "stripes",
+    "dot": "dots",
+    "dotted": "dots",
+    "polka": "dots",
+    "spotted": "dots",
+    "ring": "rings",
+    "checker": "checkerboard",
+    "checkered": "checkerboard",
+    "chessboard": "checkerboard",
+    "wave": "waves",
+    "wavy": "waves",
+    "colour": "rainbow",
+    "color": "rainbow",
+    "colourful": "rainbow",
+    "colorful": "rainbow",
+    "violet": "purple",
+    "magenta": "pink",
+    "teal": "cyan",
+    "round": "circle",
+    "letters": "letter",
+    "glyphs": "glyph",
+    "smile": "smiley",
+    "stars": "star",
 }
 _WORD = re.compile(r"[a-z]+")
 
@@ -506,7 +541,9 @@ def _destination(out: torch.Tensor | None, count: int, size: int) -> npt.NDArray
     if out is None:
         return np.empty(shape, dtype=np.float32)
     if (
-        tuple(out.shape) != shape or out.dtype != torch.float32 or out.device.type != "cpu"
+        tuple(out.shape) != shape
+        or out.dtype != torch.float32
+        or out.device.type != "cpu"
         or not out.is_contiguous()
     ):
         raise ValueError(
@@ -527,8 +564,16 @@ def _destination(out: torch.Tensor | None, count: int, size: int) -> npt.NDArray
 
 #: The colours a prompt may name for a plain picture, by tag.
 PLAIN_COLOURS: dict[str, Color] = {
-    "red": RED, "orange": ORANGE, "yellow": YELLOW, "green": GREEN, "cyan": CYAN,
-    "blue": BLUE, "purple": PURPLE, "pink": PINK, "white": WHITE, "black": BLACK,
+    "red": RED,
+    "orange": ORANGE,
+    "yellow": YELLOW,
+    "green": GREEN,
+    "cyan": CYAN,
+    "blue": BLUE,
+    "purple": PURPLE,
+    "pink": PINK,
+    "white": WHITE,
+    "black": BLACK,
 }
 
 
@@ -538,15 +583,17 @@ def _star(c: _Canvas) -> Array:
 
 def _heart_shape(c: _Canvas) -> Array:
     s = 0.42 / math.sqrt(2)
-    return np.minimum(_box(c, 0, 0.12, s, s, math.pi / 4),
-                      np.minimum(_circle(c, -0.21, -0.1, 0.3), _circle(c, 0.21, -0.1, 0.3)))
+    return np.minimum(
+        _box(c, 0, 0.12, s, s, math.pi / 4),
+        np.minimum(_circle(c, -0.21, -0.1, 0.3), _circle(c, 0.21, -0.1, 0.3)),
+    )
 
 
 def _dots(c: _Canvas) -> Array:
     n = 3.0
     lx = (c.x * n - np.round(c.x * n)) / n
     ly = (c.y * n - np.round(c.y * n)) / n
-    return c.cover(np.sqrt(lx ** 2 + ly ** 2) - 0.11)
+    return c.cover(np.sqrt(lx**2 + ly**2) - 0.11)
 
 
 #: The shapes a prompt may name for a plain picture: coverage [S, S] in [0, 1].
@@ -560,7 +607,7 @@ PLAIN_SHAPES: dict[str, Callable[[_Canvas], Array]] = {
     "diamond": lambda c: c.cover(_box(c, 0, 0, 0.45, 0.45, math.pi / 4)),
     "cross": lambda c: c.cover(np.minimum(_box(c, 0, 0, 0.5, 0.15), _box(c, 0, 0, 0.15, 0.5))),
     "stripes": lambda c: _odd_bands(c, c.x, 4.0),
-    "rings": lambda c: _odd_bands(c, np.sqrt(c.x ** 2 + c.y ** 2), 6.0),
+    "rings": lambda c: _odd_bands(c, np.sqrt(c.x**2 + c.y**2), 6.0),
     "dots": _dots,
 }
 
@@ -651,8 +698,7 @@ def select(prompt: str) -> tuple[int, ...]:
         if _WORD.search(prompt.lower()):
             # Only fillers ("a the"): that names nothing, which is an error, not "everything".
             raise ParamsError(
-                f"mixture param 'prompt': {prompt!r} names no image; "
-                f"known words: {', '.join(VOCABULARY)}",
+                f"mixture param 'prompt': {prompt!r} names no image; known words: {', '.join(VOCABULARY)}",
                 field="prompt",
             )
         return tuple(range(len(COMPONENTS)))

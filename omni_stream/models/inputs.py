@@ -41,8 +41,14 @@ from typing import Any
 from ..errors import ParamsError
 
 __all__ = [
-    "ImageHeader", "MAX_IMAGE_BYTES", "MAX_IMAGE_PIXELS", "decode_image", "load_image", "open_image",
-    "read_data_url", "read_header",
+    "ImageHeader",
+    "MAX_IMAGE_BYTES",
+    "MAX_IMAGE_PIXELS",
+    "decode_image",
+    "load_image",
+    "open_image",
+    "read_data_url",
+    "read_header",
 ]
 
 #: Default bound on an input image's decoded pixel count (width * height).
@@ -171,21 +177,16 @@ def _data_url_bytes(url: str, max_bytes: int, where: str, field: str) -> bytes:
             field=field,
         )
     if "base64" not in parts[1:]:
-        raise ParamsError(f"{where}: the data URL must be base64 (data:{parts[0]};base64,...)",
-                          field=field)
+        raise ParamsError(f"{where}: the data URL must be base64 (data:{parts[0]};base64,...)", field=field)
     # Checked on the encoded text, before decoding: 4 characters per 3 bytes.
     if len(payload) > 4 * ((max_bytes + 2) // 3):
-        raise ParamsError(
-            f"{where}: the image is larger than {max_bytes} bytes encoded", field=field
-        )
+        raise ParamsError(f"{where}: the image is larger than {max_bytes} bytes encoded", field=field)
     try:
         data = base64.b64decode(payload, validate=True)
     except (binascii.Error, ValueError):
         raise ParamsError(f"{where}: the data URL's data is not valid base64", field=field) from None
     if len(data) > max_bytes:  # the text bound above allows up to 2 bytes over
-        raise ParamsError(
-            f"{where}: the image is larger than {max_bytes} bytes encoded", field=field
-        )
+        raise ParamsError(f"{where}: the image is larger than {max_bytes} bytes encoded", field=field)
     return data
 
 
@@ -298,8 +299,7 @@ def _decode(data: bytes, max_pixels: int, where: str, field: str) -> Any:
     except Image.DecompressionBombError:
         # PIL's own bound (far above ours by default) tripped in open().
         raise ParamsError(
-            f"{where}: the image declares more pixels than PIL decodes; at most {max_pixels} "
-            "are accepted",
+            f"{where}: the image declares more pixels than PIL decodes; at most {max_pixels} are accepted",
             field=field,
         ) from None
     except Exception as exc:  # untrusted bytes: truncated, corrupt, PIL's own bomb check

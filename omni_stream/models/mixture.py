@@ -208,8 +208,7 @@ def _make_bank(size: int, picture: images.PlainPicture | None, device: torch.dev
     del drawn
     dims = mu.shape[1]
     levels = (
-        torch.empty(rows, dims, dtype=torch.float64, device=device)
-        if dims <= LEVELS64_MAX_DIMS else None
+        torch.empty(rows, dims, dtype=torch.float64, device=device) if dims <= LEVELS64_MAX_DIMS else None
     )
     norms = torch.zeros(rows, dtype=torch.float64, device=device)
     # One narrow buffer reused for every chunk: a fresh tensor per chunk left
@@ -254,8 +253,12 @@ class _BankCache:
         self._lock = threading.Lock()
 
     def get(
-        self, size: int, device: torch.device, picture: images.PlainPicture | None = None,
-        *, pin: bool = False,
+        self,
+        size: int,
+        device: torch.device,
+        picture: images.PlainPicture | None = None,
+        *,
+        pin: bool = False,
     ) -> _Bank:
         """The bank, built now if it is not cached; ``pin`` keeps it for good (``load``)."""
         key = (size, picture, str(device))
@@ -380,7 +383,7 @@ def _mixture_mean(rq: torch.Tensor, bank: _Bank, *, shortcuts: bool) -> torch.Te
     """
     if shortcuts:
         nonzero = rq.ne(0)
-        whole = nonzero.sum(1).eq(1) & rq.amax(1).eq(2.0 ** R_BITS)
+        whole = nonzero.sum(1).eq(1) & rq.amax(1).eq(2.0**R_BITS)
         n_whole = int(whole.sum())
         if n_whole == rq.shape[0]:
             return bank.mu.index_select(0, rq.argmax(1))
@@ -442,25 +445,48 @@ class Mixture(StepModel):
     #: would go on into a picture neither makes.
     snapshot_format = 2
     params: tuple[Param, ...] = (
-        Param("prompt", "str", "", "words naming images, e.g. 'red circle', 'stripes'; "
-              "empty for all of them", max_len=200),
+        Param(
+            "prompt",
+            "str",
+            "",
+            "words naming images, e.g. 'red circle', 'stripes'; empty for all of them",
+            max_len=200,
+        ),
         seed_param(),
         images_param(DEFAULT_MAX_IMAGES),
         Param("steps", "int", 30, "sampling steps (frames)", minimum=1, maximum=10_000),
         Param("size", "int", DEFAULT_SIZE, "image width and height in pixels", minimum=32, maximum=2048),
-        Param("sampler", "str", "ddim", "ddim, euler_a (Euler ancestral) or dpmpp_2m",
-              choices=samplers.SAMPLERS),
-        Param("eta", "float", None, "ancestral noise fraction (ddim: default 0, "
-              "euler_a: default 1; not for dpmpp_2m)", minimum=0.0, maximum=1.0),
-        Param("guidance", "float", 1.0, "pull toward the prompt's images vs all of them "
-              "(0: ignore the prompt, 1: exact, >1: sharper)", minimum=0.0, maximum=MAX_GUIDANCE),
-        Param("spread", "float", 0.05, "standard deviation of each image component",
-              minimum=0.0, maximum=1.0),
+        Param(
+            "sampler", "str", "ddim", "ddim, euler_a (Euler ancestral) or dpmpp_2m", choices=samplers.SAMPLERS
+        ),
+        Param(
+            "eta",
+            "float",
+            None,
+            "ancestral noise fraction (ddim: default 0, euler_a: default 1; not for dpmpp_2m)",
+            minimum=0.0,
+            maximum=1.0,
+        ),
+        Param(
+            "guidance",
+            "float",
+            1.0,
+            "pull toward the prompt's images vs all of them (0: ignore the prompt, 1: exact, >1: sharper)",
+            minimum=0.0,
+            maximum=MAX_GUIDANCE,
+        ),
+        Param(
+            "spread", "float", 0.05, "standard deviation of each image component", minimum=0.0, maximum=1.0
+        ),
     )
 
     def __init__(
-        self, *, max_batch_size: int = 64, cache_sizes: int = CACHE_SIZES,
-        cache_bytes: int = CACHE_BYTES, max_images: int = DEFAULT_MAX_IMAGES,
+        self,
+        *,
+        max_batch_size: int = 64,
+        cache_sizes: int = CACHE_SIZES,
+        cache_bytes: int = CACHE_BYTES,
+        max_images: int = DEFAULT_MAX_IMAGES,
     ) -> None:
         """``cache_sizes`` and ``cache_bytes`` bound the image banks requests built and left (LRU);
         ``max_images`` the images one request may ask for (``num_images``, 1 to 64).
@@ -495,9 +521,7 @@ class Mixture(StepModel):
         out = super().validate(params)
         images.select(out["prompt"])  # raises ParamsError(field="prompt")
         if out["eta"] is not None and out["sampler"] == "dpmpp_2m":
-            raise ParamsError(
-                "mixture param 'eta' applies to ddim and euler_a, not dpmpp_2m", field="eta"
-            )
+            raise ParamsError("mixture param 'eta' applies to ddim and euler_a, not dpmpp_2m", field="eta")
         return out
 
     def total_steps(self, params: Mapping[str, Any]) -> int:
@@ -657,8 +681,19 @@ class Mixture(StepModel):
         for s in states:
             post = samplers.posterior(s.sigmas[s.step], s.spread)
             upd = samplers.update(s.sampler, s.sigmas, s.step, s.eta)
-            per_state.append((post.dot * scale_dot, post.norm * scale_norm, s.guidance,
-                              post.c_x, post.c_mu, upd.cx, upd.c0, upd.cp, upd.cn))
+            per_state.append(
+                (
+                    post.dot * scale_dot,
+                    post.norm * scale_norm,
+                    s.guidance,
+                    post.c_x,
+                    post.c_mu,
+                    upd.cx,
+                    upd.c0,
+                    upd.cp,
+                    upd.cn,
+                )
+            )
         counts = [s.images for s in states]
         bounds = [sum(counts[:i]) for i in range(len(states) + 1)]  # state i's rows: bounds[i]:bounds[i + 1]
         total = bounds[-1]
@@ -666,14 +701,14 @@ class Mixture(StepModel):
         c64 = torch.tensor(rows, dtype=torch.float64).to(device)
         c32 = c64[:, 3:].to(torch.float32)
         dot, norm, guide = c64[:, 0:1], c64[:, 1:2], c64[:, 2:3]
-        c_x, c_mu, cx, c0, cp, cn = (c32[:, i:i + 1] for i in range(6))
+        c_x, c_mu, cx, c0, cp, cn = (c32[:, i : i + 1] for i in range(6))
 
         # In-place ops below work on this step's own temporaries only; a
         # state's tensors are never written (a raising step changes nothing).
         x = torch.cat([s.x.view(-1, dims) for s in states])  # [R, D] float32, a fresh tensor
         # <x, mu_k>, exactly: x on a 2^-q grid, images on a 2^-7 grid, float64 integer sums.
-        lim = 2.0 ** X_RANGE_BITS
-        xq = x.clamp(-lim, lim).mul_(2.0 ** bank.x_bits).round_().to(torch.float64)
+        lim = 2.0**X_RANGE_BITS
+        xq = x.clamp(-lim, lim).mul_(2.0**bank.x_bits).round_().to(torch.float64)
         dots = _dots(xq, bank)  # [R, K]
         del xq
         logits = dots.mul_(dot).sub_(bank.norms * norm)
@@ -683,7 +718,7 @@ class Mixture(StepModel):
         weights = torch.softmax(torch.cat([logits + log_all, logits + log_w]), dim=-1)
         r_all, r_prompt = weights[:total], weights[total:]
         # Guidance mixes the two posteriors' means; the mean is linear in r.
-        rq = (r_all + guide * (r_prompt - r_all)).mul_(2.0 ** R_BITS).round_()
+        rq = (r_all + guide * (r_prompt - r_all)).mul_(2.0**R_BITS).round_()
         # E[x0 | x_t] (guided) = c_mu * mu_bar + c_x * x.
         x0 = _mixture_mean(rq, bank, shortcuts=device.type == "cpu").mul_(c_mu).add_(x * c_x)
         frames = x0.clamp(-1.0, 1.0)  # a fresh tensor each step, never written again
@@ -695,10 +730,12 @@ class Mixture(StepModel):
         # images hold no -0.0, and a zero sum with a positive weight is +0.0).
         x_next = x.mul_(cx).add_(x0 * c0)
         if any(row[7] != 0.0 for row in per_state):
-            prev = torch.cat([
-                x0[bounds[i]:bounds[i + 1]] if s.x0_prev is None else s.x0_prev.view(-1, dims)
-                for i, s in enumerate(states)
-            ])
+            prev = torch.cat(
+                [
+                    x0[bounds[i] : bounds[i + 1]] if s.x0_prev is None else s.x0_prev.view(-1, dims)
+                    for i, s in enumerate(states)
+                ]
+            )
             x_next.add_(prev.mul_(cp))
             del prev
         if any(row[8] != 0.0 for row in per_state):

@@ -54,7 +54,7 @@ def _load(spec: str) -> StepModel:
     if spec.startswith("diffusers:"):
         from .diffusers import Diffusers
 
-        model_id = spec[len("diffusers:"):]
+        model_id = spec[len("diffusers:") :]
         try:
             model = Diffusers.from_pretrained(model_id)
         except ImportError as exc:
@@ -64,8 +64,7 @@ def _load(spec: str) -> StepModel:
         return model
     if ":" not in spec:
         raise ParamsError(
-            f"unknown model {spec!r}; built-in: {', '.join(BUILTIN_MODELS)}, "
-            "or give module:attr",
+            f"unknown model {spec!r}; built-in: {', '.join(BUILTIN_MODELS)}, or give module:attr",
             field="model",
         )
     module_name, _, attr = spec.partition(":")

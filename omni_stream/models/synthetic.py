@@ -72,10 +72,23 @@ class Synthetic(StepModel):
     name = "synthetic"
     params = (
         Param("steps", "int", 20, "frames to produce", minimum=1, maximum=100_000),
-        Param("shape", "shape", [4, 64, 64],
-              f"frame shape (at most {MAX_ELEMENTS} values in all)", minimum=1, maximum=4096, max_len=5),
-        Param("work", "int", 1, "rounds of a 128x128 matmul per step (~0.05-0.2 ms each)",
-              minimum=0, maximum=MAX_WORK),
+        Param(
+            "shape",
+            "shape",
+            [4, 64, 64],
+            f"frame shape (at most {MAX_ELEMENTS} values in all)",
+            minimum=1,
+            maximum=4096,
+            max_len=5,
+        ),
+        Param(
+            "work",
+            "int",
+            1,
+            "rounds of a 128x128 matmul per step (~0.05-0.2 ms each)",
+            minimum=0,
+            maximum=MAX_WORK,
+        ),
         seed_param(),
         Param("fail_at", "int", None, "this step raises SyntheticFault", minimum=1),
         Param("hang_at", "int", None, "this step blocks for hang_s seconds", minimum=1),

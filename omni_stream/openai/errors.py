@@ -13,13 +13,17 @@ One mapping differs from ``/v1/generations``: a refusal of the params
 (our 422 ``bad_params``, ``limit_exceeded``) is OpenAI's 400
 ``invalid_request_error`` with ``param`` naming the field, and a busy server
 is 429 with ``Retry-After`` (the SDK retries those after the time it says).
+
+:class:`OpenAIError` is defined with every other error in ``omni_stream.errors``
+(one tree) and kept importable from here.
 """
 
 from __future__ import annotations
 
 from collections.abc import Mapping
-from dataclasses import dataclass
 from typing import Any, Final
+
+from ..errors import OpenAIError
 
 __all__ = ["OpenAIError", "STATUS", "error_body", "from_ours"]
 
@@ -53,26 +57,8 @@ STATUS: Final[Mapping[str, tuple[int, str]]] = {
 }
 
 
-@dataclass(frozen=True, slots=True)
-class OpenAIError(Exception):
-    """An OpenAI-shaped refusal: ``status``, ``message``, our ``code``, the ``param`` at fault.
-
-    ``retry_after_s`` (429 / 503) becomes ``Retry-After``.
-    """
-
-    status: int
-    message: str
-    code: str
-    param: str | None = None
-    type: str = "invalid_request_error"
-    retry_after_s: float | None = None
-
-    def body(self) -> dict[str, Any]:
-        return error_body(self.message, type=self.type, param=self.param, code=self.code)
-
-
 def error_body(message: str, *, type: str, param: str | None, code: str | None) -> dict[str, Any]:
-    """``{"error": {"message", "type", "param", "code"}}``."""
+    """``{"error": {"message", "type", "param", "code"}}``, as ``OpenAIError.body()`` for a raised one."""
     return {"error": {"message": message, "type": type, "param": param, "code": code}}
 
 

@@ -43,7 +43,6 @@ from __future__ import annotations
 import base64
 import io
 import json
-import math
 import re
 import uuid
 from collections.abc import Mapping, Sequence
@@ -70,21 +69,48 @@ __all__ = [
 MAX_PARTIAL_IMAGES: Final = 10
 #: ``quality`` -> the share of the model's default steps.
 QUALITY_STEPS: Final[Mapping[str, float | None]] = {
-    "auto": None, "low": 0.25, "medium": 0.5, "standard": 0.5, "high": 1.0, "hd": 1.0,
+    "auto": None,
+    "low": 0.25,
+    "medium": 0.5,
+    "standard": 0.5,
+    "high": 1.0,
+    "hd": 1.0,
 }
 OUTPUT_FORMATS: Final = ("png", "jpeg", "webp")
 #: A ``preview.every`` no request reaches: no intermediate previews at all.
 NO_PREVIEWS: Final = 1 << 30
 
 #: OpenAI fields this door reads itself (the rest are the model's params).
-_OURS: Final = frozenset({
-    "prompt", "n", "size", "quality", "output_format", "output_compression", "response_format",
-    "model", "stream", "partial_images", "background", "user", "moderation", "safety_identifier",
-})
+_OURS: Final = frozenset(
+    {
+        "prompt",
+        "n",
+        "size",
+        "quality",
+        "output_format",
+        "output_compression",
+        "response_format",
+        "model",
+        "stream",
+        "partial_images",
+        "background",
+        "user",
+        "moderation",
+        "safety_identifier",
+    }
+)
 #: OpenAI fields for its own models that mean nothing for ours: refused when set.
-_UNSUPPORTED: Final = frozenset({
-    "style", "svg", "complexity", "frame_count", "frame_duration_ms", "markup", "input_fidelity",
-})
+_UNSUPPORTED: Final = frozenset(
+    {
+        "style",
+        "svg",
+        "complexity",
+        "frame_count",
+        "frame_duration_ms",
+        "markup",
+        "input_fidelity",
+    }
+)
 _SIZE: Final = re.compile(r"([1-9][0-9]{0,4})x([1-9][0-9]{0,4})")
 
 
@@ -122,8 +148,11 @@ class ImagesRequest:
         params["prompt"] = self.prompt
         if self.n > 1:
             if "num_images" not in declared:
-                raise _bad("n", f"model {served_name or model.name} makes one image a request; n must be 1",
-                           code="unsupported")
+                raise _bad(
+                    "n",
+                    f"model {served_name or model.name} makes one image a request; n must be 1",
+                    code="unsupported",
+                )
             params["num_images"] = self.n
         if self.size is not None:
             width, height = self.size
@@ -132,8 +161,12 @@ class ImagesRequest:
             elif "size" in declared and width == height:
                 params["size"] = width
             else:
-                raise _bad("size", f"model {served_name or model.name} cannot make {self.size_text} images "
-                           "(its params have no width and height); use size 'auto'", code="unsupported")
+                raise _bad(
+                    "size",
+                    f"model {served_name or model.name} cannot make {self.size_text} images "
+                    "(its params have no width and height); use size 'auto'",
+                    code="unsupported",
+                )
         share = QUALITY_STEPS[self.quality]
         steps = declared.get("steps")
         given = "steps" in self.extra
@@ -230,8 +263,11 @@ def parse_images_request(
         raise _bad("prompt", "prompt is required: a non-empty string")
     for name in sorted(_UNSUPPORTED & set(obj)):
         if obj[name] is not None:
-            raise _bad(name, f"{name} is a parameter of OpenAI's own models; these models do not take it",
-                       code="unsupported")
+            raise _bad(
+                name,
+                f"{name} is a parameter of OpenAI's own models; these models do not take it",
+                code="unsupported",
+            )
     n = _number(form, obj.get("n", 1), "n", low=1, high=max_images) if obj.get("n") is not None else 1
     size: tuple[int, int] | None = None
     raw_size = obj.get("size")
@@ -253,8 +289,11 @@ def parse_images_request(
     if background is not None and _choice(background, "background", ("auto", "opaque", "transparent")) == (
         "transparent"
     ):
-        raise _bad("background", "the models make opaque pictures: background 'transparent' is not supported",
-                   code="unsupported")
+        raise _bad(
+            "background",
+            "the models make opaque pictures: background 'transparent' is not supported",
+            code="unsupported",
+        )
     model = obj.get("model")
     if model is not None and not isinstance(model, str):
         raise _bad("model", f"model must be a string, got {type(model).__name__}")
@@ -264,18 +303,24 @@ def parse_images_request(
         partials = _number(form, obj["partial_images"], "partial_images", low=0, high=MAX_PARTIAL_IMAGES)
     extra = {k: (form_value(v, k) if form else v) for k, v in obj.items() if k not in _OURS | _UNSUPPORTED}
     return ImagesRequest(
-        prompt=prompt, n=n, size=size, quality=quality, output_format=output_format,
-        output_compression=compression, response_format=response_format,
-        model=model if model else None, stream=stream, partial_images=partials, extra=extra,
+        prompt=prompt,
+        n=n,
+        size=size,
+        quality=quality,
+        output_format=output_format,
+        output_compression=compression,
+        response_format=response_format,
+        model=model if model else None,
+        stream=stream,
+        partial_images=partials,
+        extra=extra,
     )
 
 
 # -- answers ----------------------------------------------------------------------
 
 
-def images_response(
-    request: ImagesRequest, images: Sequence[bytes | str], *, created: int
-) -> dict[str, Any]:
+def images_response(request: ImagesRequest, images: Sequence[bytes | str], *, created: int) -> dict[str, Any]:
     """The ``ImagesResponse`` body: each image's bytes (``b64_json``) or URL (``url``), in order."""
     key = "b64_json" if request.response_format == "b64_json" else "url"
     data = [
@@ -336,18 +381,3 @@ def mask_to_paint(data: bytes, field: str = "mask") -> bytes:
     out = io.BytesIO()
     painted.save(out, "PNG")
     return out.getvalue()
-
-
-def partial_count(total_previews: int, wanted: int) -> int:
-    """How many partial images a stream sends: at most ``wanted``, at most what the previews give."""
-    return max(0, min(total_previews, wanted))
-
-
-def grid_cells(images: int, width: int, height: int) -> list[tuple[int, int, int, int]]:
-    """The boxes ``(left, top, right, bottom)`` of a preview grid of ``images`` pictures
-    (omni_stream.preview.image_grid's layout: the smallest square, row by row)."""
-    cols = math.ceil(math.sqrt(images))
-    rows = math.ceil(images / cols)
-    cell_w, cell_h = width // cols, height // rows
-    return [((k % cols) * cell_w, (k // cols) * cell_h, (k % cols + 1) * cell_w, (k // cols + 1) * cell_h)
-            for k in range(images)]

@@ -76,13 +76,19 @@ class VideoRequest:
         declared = set(by_name)
         params = dict(self.extra)
         if "prompt" not in declared:
-            raise _bad("prompt", f"model {served_name} takes no prompt (its text conditioning is fixed)",
-                       "unsupported")
+            raise _bad(
+                "prompt",
+                f"model {served_name} takes no prompt (its text conditioning is fixed)",
+                "unsupported",
+            )
         params["prompt"] = self.prompt
         if self.seconds is not None:
             if "num_frames" not in declared:
-                raise _bad("seconds", f"model {served_name} makes no videos of a set length (no num_frames)",
-                           "unsupported")
+                raise _bad(
+                    "seconds",
+                    f"model {served_name} makes no videos of a set length (no num_frames)",
+                    "unsupported",
+                )
             if "num_frames" in self.extra:
                 raise _bad("seconds", "give seconds or num_frames, not both")
             params["num_frames"] = frames_of(self.seconds, model, by_name["num_frames"], served_name)
@@ -138,11 +144,14 @@ def parse_video_request(obj: Mapping[str, Any], *, form: bool = False) -> VideoR
             seconds = float(raw) if isinstance(raw, str) else raw
         except ValueError:
             seconds = None
-        if isinstance(seconds, bool) or not isinstance(seconds, (int, float)) or not (
-            math.isfinite(seconds) and 0 < seconds <= MAX_SECONDS
+        if (
+            isinstance(seconds, bool)
+            or not isinstance(seconds, (int, float))
+            or not (math.isfinite(seconds) and 0 < seconds <= MAX_SECONDS)
         ):
-            raise _bad("seconds", f"seconds must be a number above 0, at most {MAX_SECONDS:g}; "
-                       f"got {repr(raw)[:40]}")
+            raise _bad(
+                "seconds", f"seconds must be a number above 0, at most {MAX_SECONDS:g}; got {repr(raw)[:40]}"
+            )
         seconds = float(seconds)
     size = None
     if obj.get("size") is not None:
@@ -159,8 +168,9 @@ def parse_video_request(obj: Mapping[str, Any], *, form: bool = False) -> VideoR
     if webhook is not None and not isinstance(webhook, dict):
         raise _bad("webhook", 'webhook must be an object: {"url": ..., "events": [...]}')
     extra = {k: (form_value(v, k) if form else v) for k, v in obj.items() if k not in _OURS}
-    return VideoRequest(prompt=prompt, seconds=seconds, size=size, model=model or None, extra=extra,
-                        webhook=webhook)
+    return VideoRequest(
+        prompt=prompt, seconds=seconds, size=size, model=model or None, extra=extra, webhook=webhook
+    )
 
 
 def video_object(

@@ -39,6 +39,7 @@ from .encode import (
     encode,
     encode_animation,
     fit_size,
+    grid_cells,
     image_grid,
     video_strip,
 )
@@ -95,6 +96,7 @@ __all__ = [
     "EncodedImage",
     "encode",
     "encode_animation",
+    "grid_cells",
     "image_grid",
     "video_strip",
     "check_options",

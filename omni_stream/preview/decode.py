@@ -161,9 +161,7 @@ def tensor_to_numpy(t: torch.Tensor) -> np.ndarray:
     if not isinstance(t, torch.Tensor):
         raise ParamsError(f"frame must be a torch.Tensor, got {type(t).__name__}", field="frame")
     if t.device.type != "cpu":
-        raise ParamsError(
-            f"frame must be a CPU tensor to preview, got one on {t.device}", field="frame"
-        )
+        raise ParamsError(f"frame must be a CPU tensor to preview, got one on {t.device}", field="frame")
     # detach() and view(dtype) only make new tensor headers: no kernels run.
     t = t.detach()
     dtype = t.dtype
@@ -184,9 +182,7 @@ def tensor_to_numpy(t: torch.Tensor) -> np.ndarray:
 
 def _float_array(a: np.ndarray, decoder: str) -> np.ndarray:
     if a.dtype == np.uint8:
-        raise ParamsError(
-            f"the {decoder} decoder needs a floating-point latent, got uint8", field="frame"
-        )
+        raise ParamsError(f"the {decoder} decoder needs a floating-point latent, got uint8", field="frame")
     return a
 
 
@@ -316,9 +312,7 @@ def unpack_flux(packed: np.ndarray, latent_size: tuple[int, int] | None = None) 
     channels = width // 4
     # [i, j, c, dy, dx] -> [c, i, dy, j, dx] -> [c, 2i+dy, 2j+dx]: one copy.
     latent: np.ndarray = (
-        packed.reshape(h2, w2, channels, 2, 2)
-        .transpose(2, 0, 3, 1, 4)
-        .reshape(channels, 2 * h2, 2 * w2)
+        packed.reshape(h2, w2, channels, 2, 2).transpose(2, 0, 3, 1, 4).reshape(channels, 2 * h2, 2 * w2)
     )
     return latent
 
@@ -429,12 +423,7 @@ def _is_packed_flux(a: np.ndarray) -> bool:
     # image: a square single-channel picture is likelier than an 8x8-token
     # (128 px) Flux image.
     seq = a.shape[0]
-    return (
-        a.dtype != np.uint8
-        and a.shape[1] == 64
-        and seq != 64
-        and math.isqrt(seq) ** 2 == seq
-    )
+    return a.dtype != np.uint8 and a.shape[1] == 64 and seq != 64 and math.isqrt(seq) ** 2 == seq
 
 
 def _auto_array(a: np.ndarray) -> np.ndarray:
@@ -611,8 +600,7 @@ def decoder_for(spec: str | Callable[[torch.Tensor], Any]) -> Decoder:
             return spec
         return _checked(spec)
     raise ParamsError(
-        f"decoder must be a name ({', '.join(DECODERS)}) or a callable, "
-        f"got {type(spec).__name__}",
+        f"decoder must be a name ({', '.join(DECODERS)}) or a callable, got {type(spec).__name__}",
         field="decoder",
     )
 
@@ -657,9 +645,7 @@ def _time_axis(a: np.ndarray, decoded: bool | None, name: str) -> int:
     return 1
 
 
-def _video_frames(
-    a: np.ndarray, decoded: bool | None, name: str, first_only: bool
-) -> list[np.ndarray]:
+def _video_frames(a: np.ndarray, decoded: bool | None, name: str, first_only: bool) -> list[np.ndarray]:
     axis = _time_axis(a, decoded, name)
     count = 1 if first_only else a.shape[axis]
     if axis == 1 and name == "auto" and not first_only and a.shape[0] not in (1, 3, 4, 16):

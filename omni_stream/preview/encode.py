@@ -48,6 +48,7 @@ __all__ = [
     "EncodedImage",
     "encode",
     "encode_animation",
+    "grid_cells",
     "image_grid",
     "video_strip",
     "check_options",
@@ -94,6 +95,9 @@ class EncodedImage:
     height: int
     mime: str
     frames: int = 1
+    #: A grid of several images (:func:`image_grid`): each image's box
+    #: ``(left, top, right, bottom)``, in order; empty for one image.
+    cells: tuple[tuple[int, int, int, int], ...] = ()
 
     def __repr__(self) -> str:
         frames = f", {self.frames} frames" if self.frames != 1 else ""
@@ -106,9 +110,7 @@ class EncodedImage:
 def check_options(format: Any, quality: Any, max_size: Any) -> None:
     """Validate encoder options; raise ParamsError naming ``format``, ``quality``, ``max_size``."""
     if not isinstance(format, str) or format not in FORMATS:
-        raise ParamsError(
-            f"format must be one of {', '.join(FORMATS)}; got {format!r}", field="format"
-        )
+        raise ParamsError(f"format must be one of {', '.join(FORMATS)}; got {format!r}", field="format")
     if quality is not None:
         if format not in DEFAULT_QUALITY:
             raise ParamsError(
@@ -116,9 +118,7 @@ def check_options(format: Any, quality: Any, max_size: Any) -> None:
                 field="quality",
             )
         if isinstance(quality, bool) or not isinstance(quality, int) or not 1 <= quality <= 100:
-            raise ParamsError(
-                f"quality must be an integer from 1 to 100, got {quality!r}", field="quality"
-            )
+            raise ParamsError(f"quality must be an integer from 1 to 100, got {quality!r}", field="quality")
     if max_size is not None:
         positive_int(max_size, "max_size", what="max_size (or null)")
 
@@ -263,15 +263,31 @@ def image_grid(images: Any) -> np.ndarray:
     ParamsError (field ``frames`` or ``rgb``) for bad input.
     """
     images = _check_frames(images)
-    cols = math.ceil(math.sqrt(len(images)))
-    rows = math.ceil(len(images) / cols)
+    cols, rows = _grid_shape(len(images))
     height = max(i.shape[0] for i in images)
     width = max(i.shape[1] for i in images)
     grid = np.zeros((rows * height, cols * width, 3), dtype=np.uint8)
-    for k, rgb in enumerate(images):
-        top, left = (k // cols) * height, (k % cols) * width
+    cells = grid_cells(len(images), cols * width, rows * height)
+    for rgb, (left, top, _, _) in zip(images, cells, strict=True):
         grid[top : top + rgb.shape[0], left : left + rgb.shape[1]] = rgb
     return grid
+
+
+def grid_cells(images: int, width: int, height: int) -> tuple[tuple[int, int, int, int], ...]:
+    """The boxes ``(left, top, right, bottom)`` of the ``images`` cells of a grid of
+    ``width`` x ``height`` pixels (:func:`image_grid`'s layout, also once scaled down)."""
+    cols, rows = _grid_shape(images)
+    cell_w, cell_h = width // cols, height // rows
+    return tuple(
+        ((k % cols) * cell_w, (k // cols) * cell_h, (k % cols + 1) * cell_w, (k // cols + 1) * cell_h)
+        for k in range(images)
+    )
+
+
+def _grid_shape(images: int) -> tuple[int, int]:
+    # The smallest square holding them, filled row by row: (columns, rows).
+    cols = math.ceil(math.sqrt(images))
+    return cols, math.ceil(images / cols)
 
 
 def encode_animation(
@@ -310,10 +326,5 @@ def encode_animation(
 
 def check_fps(fps: Any) -> None:
     """Raise ParamsError (field ``fps``) unless ``fps`` is a positive finite number."""
-    if (
-        isinstance(fps, bool)
-        or not isinstance(fps, (int, float))
-        or not math.isfinite(fps)
-        or fps <= 0
-    ):
+    if isinstance(fps, bool) or not isinstance(fps, (int, float)) or not math.isfinite(fps) or fps <= 0:
         raise ParamsError(f"fps must be a positive number, got {fps!r}", field="fps")

@@ -9,6 +9,7 @@ and the producer thread keeps computing the next step meanwhile.
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import functools
 from collections.abc import AsyncIterator, Awaitable, Callable, Mapping
 from dataclasses import dataclass, field
@@ -19,7 +20,7 @@ import anyio.to_thread
 import numpy as np
 import torch
 
-from ..errors import ParamsError
+from ..errors import NonFiniteFrameError, ParamsError
 from ..frame import Frame
 from ..params import positive_int
 from .decode import DECODERS, Decoder, _decode, check_decoder, decoder_for
@@ -29,12 +30,18 @@ from .encode import (
     check_options,
     encode,
     encode_animation,
+    grid_cells,
     image_grid,
     video_strip,
 )
 
 __all__ = [
-    "NonFiniteFrameError", "PreviewSpec", "Previewer", "check_finite", "should_preview", "render_sync",
+    "NonFiniteFrameError",
+    "PreviewSpec",
+    "Previewer",
+    "check_finite",
+    "should_preview",
+    "render_sync",
     "VIDEO_MODES",
 ]
 
@@ -103,13 +110,10 @@ class PreviewSpec:
         unknown = sorted(str(k) for k in data if k not in _WIRE_KEYS)
         if unknown:
             raise ParamsError(
-                f"unknown preview option(s) {', '.join(map(repr, unknown))}; "
-                f"known: {', '.join(_WIRE_KEYS)}",
+                f"unknown preview option(s) {', '.join(map(repr, unknown))}; known: {', '.join(_WIRE_KEYS)}",
                 field=unknown[0],
             )
-        if "decoder" in data and not (
-            isinstance(data["decoder"], str) and data["decoder"] in DECODERS
-        ):
+        if "decoder" in data and not (isinstance(data["decoder"], str) and data["decoder"] in DECODERS):
             # Never let a client pick a callable or anything but a known name.
             raise ParamsError(
                 f"decoder must be one of {', '.join(DECODERS)}; got {data['decoder']!r}",
@@ -128,10 +132,6 @@ def should_preview(step: int, total: int, every: int) -> bool:
     """
     positive_int(every, "every")
     return step >= total or step % every == 0
-
-
-class NonFiniteFrameError(ValueError):
-    """A frame holds NaN or infinite values: there is no picture to draw from it."""
 
 
 def check_finite(frame: Frame | torch.Tensor) -> None:
@@ -183,7 +183,9 @@ def render_sync(frame: Frame | torch.Tensor, spec: PreviewSpec, *, finite: bool 
     if isinstance(frame, Frame) and frame.image_count > 1:
         # Several images (num_images): one preview, a grid of them all.
         rgbs = [_decode(f.data, f.decoded, decoder, first_only=True)[0][0] for f in frame.split()]
-        return encode(image_grid(rgbs), format=spec.format, quality=spec.quality, max_size=spec.max_size)
+        grid = encode(image_grid(rgbs), format=spec.format, quality=spec.quality, max_size=spec.max_size)
+        # Where each image is in it: a door that shows them apart (OpenAI's partial images) crops.
+        return dataclasses.replace(grid, cells=grid_cells(len(rgbs), grid.width, grid.height))
     if isinstance(frame, Frame):
         data, decoded = frame.data, frame.decoded
     else:

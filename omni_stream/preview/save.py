@@ -132,9 +132,7 @@ def parameters_text(params: Mapping[str, Any], *, width: int, height: int) -> st
     if negative is not None:
         lines.append(f"Negative prompt: {negative}")
     fields = [
-        f"{name}: {value}"
-        for name, keys in _A1111_FIELDS
-        if (value := _first(params, keys)) is not None
+        f"{name}: {value}" for name, keys in _A1111_FIELDS if (value := _first(params, keys)) is not None
     ]
     fields.append(f"Size: {width}x{height}")
     model = _first(params, ("model", "model_name"))
@@ -174,9 +172,7 @@ def _check_quality(format: str, quality: Any) -> None:
             f"quality applies to {', '.join(OUTPUT_QUALITY)} only, not {format}", field="quality"
         )
     if isinstance(quality, bool) or not isinstance(quality, int) or not 1 <= quality <= 100:
-        raise ParamsError(
-            f"quality must be an integer from 1 to 100, got {quality!r}", field="quality"
-        )
+        raise ParamsError(f"quality must be an integer from 1 to 100, got {quality!r}", field="quality")
 
 
 def _require_av() -> Any:
@@ -214,9 +210,7 @@ def check_output(format: Any, quality: Any = None) -> None:
         return
     known = {**IMAGE_OUTPUTS, **VIDEO_OUTPUTS}
     if not isinstance(format, str) or format not in known:
-        raise ParamsError(
-            f"output format must be one of {', '.join(known)}; got {format!r}", field="format"
-        )
+        raise ParamsError(f"output format must be one of {', '.join(known)}; got {format!r}", field="format")
     if format == "mp4" and not _has_av():
         raise ParamsError(_VIDEO_HINT, field="format")
     _check_quality(format, quality)
@@ -245,9 +239,7 @@ def _suffix_format(path: Path, video: bool) -> str:
         return table[suffix]
     kind = "a video" if video else "an image"
     if suffix in IMAGE_SUFFIXES or suffix in VIDEO_SUFFIXES:
-        raise ValueError(
-            f"cannot save {kind} as {suffix!r} ({str(path)!r}); use {', '.join(table)}"
-        )
+        raise ValueError(f"cannot save {kind} as {suffix!r} ({str(path)!r}); use {', '.join(table)}")
     raise ValueError(
         f"unknown file suffix {suffix or '(none)'!r} in {str(path)!r}; known: "
         f"{', '.join(IMAGE_SUFFIXES)} for images, {', '.join(VIDEO_SUFFIXES)} for videos"
@@ -506,8 +498,7 @@ def encode_output(
     if isinstance(frame, Frame):
         if frame.image_count > 1:
             raise ParamsError(
-                f"a frame of {frame.images} images has one output per image: encode each of "
-                "frame.split()",
+                f"a frame of {frame.images} images has one output per image: encode each of frame.split()",
                 field="frame",
             )
         images, video = _decode(frame.data, frame.decoded, decoder)
@@ -522,9 +513,7 @@ def encode_output(
         video, table = True, VIDEO_OUTPUTS
     if format not in table:
         kind = "a video" if video else "an image"
-        raise ParamsError(
-            f"{kind} output can be {', '.join(table)}; got {format!r}", field="format"
-        )
+        raise ParamsError(f"{kind} output can be {', '.join(table)}; got {format!r}", field="format")
     _check_quality(format, quality)
     if not video:
         rgb = images[0]
@@ -632,18 +621,14 @@ class PreviewWriter:
         last = self._frames[-1]
         size = (last.shape[1], last.shape[0])
         frames = [
-            f
-            if f.shape == last.shape
-            else np.asarray(Image.fromarray(f).resize(size, _RESAMPLE))
+            f if f.shape == last.shape else np.asarray(Image.fromarray(f).resize(size, _RESAMPLE))
             for f in self._frames
         ]
         self._frames = []
         tmp = self.path.with_name(self.path.name + ".partial")
         try:
             with tmp.open("wb") as out:
-                _write_video(
-                    frames, self.kind, out, fps=self.fps, quality=None, hold_s=_PREVIEW_HOLD_S
-                )
+                _write_video(frames, self.kind, out, fps=self.fps, quality=None, hold_s=_PREVIEW_HOLD_S)
             os.replace(tmp, self.path)
         finally:
             tmp.unlink(missing_ok=True)

@@ -3,17 +3,12 @@
 The messages are defined once for both sides (``client_messages.py``,
 ``server_messages.py``, ``frames.py``); this module holds what only the
 client decides: :func:`server_error` maps an ``error`` code to the
-exception a caller sees. It also keeps the names the client was written
-against: :func:`parse_message` (:func:`parse_server_message`), and
-:func:`generate_message`, :func:`attach_message`, :func:`cancel_message`
-(the text of ``Generate.build(...)``, ``Attach.build(...)``,
-``Cancel.build(...)``).
+exception a caller sees, and :data:`Event` names what a client reads.
 """
 
 from __future__ import annotations
 
-from collections.abc import Mapping
-from typing import Any, Final
+from typing import Final
 
 from ..errors import (
     BusyError,
@@ -23,7 +18,7 @@ from ..errors import (
     RequestRejectedError,
 )
 from ..ids import ID_PATTERN, MAX_ID_LENGTH
-from .client_messages import Attach, Cancel, Generate, check_request_id
+from .client_messages import check_request_id
 from .codes import CLOSE_PROTOCOL_ERROR, REJECTION_CODES, REQUEST_ENDING_CODES
 from .formats import FORMATS
 from .frames import MAX_HEADER_BYTES, PreviewFrame, parse_preview_frame
@@ -35,7 +30,6 @@ from .server_messages import (
     Loading,
     Progress,
     ServerMessage,
-    parse_server_message,
 )
 
 __all__ = [
@@ -56,11 +50,7 @@ __all__ = [
     "Loading",
     "PreviewFrame",
     "Progress",
-    "attach_message",
-    "cancel_message",
     "check_request_id",
-    "generate_message",
-    "parse_message",
     "parse_preview_frame",
     "server_error",
 ]
@@ -70,15 +60,6 @@ PARAMS_CODES: Final = frozenset({"bad_params", "invalid_field", "limit_exceeded"
 
 #: Everything the client reads from a server: a text message or a preview frame.
 Event = ServerMessage | PreviewFrame
-
-
-def parse_message(text: str) -> ServerMessage | None:
-    """:func:`parse_server_message`: one server text message; None for an unknown type.
-
-    Raises ProtocolError for invalid JSON, a non-object, or a known type with
-    missing or ill-typed fields.
-    """
-    return parse_server_message(text)
 
 
 def server_error(
@@ -105,28 +86,3 @@ def server_error(
     if code in PARAMS_CODES:
         return ParamsRejectedError(message, code=code, field=field, request_id=request_id)
     return RequestRejectedError(message, code=code, field=field, request_id=request_id)
-
-
-def generate_message(
-    request_id: str,
-    params: Mapping[str, Any] | None,
-    preview: Mapping[str, Any] | None,
-    *,
-    detach: bool,
-    output: Mapping[str, Any] | None = None,
-    priority: int | None = None,
-) -> str:
-    """The text of :meth:`Generate.build` (which says what ParamsError it raises)."""
-    return Generate.build(
-        request_id, params, preview, detach=detach, output=output, priority=priority
-    ).serialize()
-
-
-def attach_message(request_id: str) -> str:
-    """The text of :meth:`Attach.build`; raises ParamsError (field ``id``) for a malformed id."""
-    return Attach.build(request_id).serialize()
-
-
-def cancel_message(request_id: str) -> str:
-    """The text of :meth:`Cancel.build`; raises ParamsError (field ``id``) for a malformed id."""
-    return Cancel.build(request_id).serialize()

@@ -238,8 +238,14 @@ class Generate(_ClientMessage):
             exc.request_id = request_id
             raise
         return cls(
-            id=request_id, params=params, preview=preview, detach=detach, output=output, priority=priority,
-            model=model, webhook=webhook,
+            id=request_id,
+            params=params,
+            preview=preview,
+            detach=detach,
+            output=output,
+            priority=priority,
+            model=model,
+            webhook=webhook,
         )
 
 
@@ -317,8 +323,12 @@ class Pause(_ClientMessage):
         request_id = check_id(obj["id"])
         to_host = obj.get("to_host", False)
         if not isinstance(to_host, bool):
-            raise MessageError("invalid_field", f"to_host must be true or false, got {type_name(to_host)}",
-                               field="to_host", request_id=request_id)
+            raise MessageError(
+                "invalid_field",
+                f"to_host must be true or false, got {type_name(to_host)}",
+                field="to_host",
+                request_id=request_id,
+            )
         return cls(request_id, to_host)
 
 
@@ -486,9 +496,7 @@ def _read_webhook(value: Any) -> dict[str, Any]:
 
 
 def _is_priority(value: Any) -> bool:
-    return (
-        isinstance(value, int) and not isinstance(value, bool) and MIN_PRIORITY <= value <= MAX_PRIORITY
-    )
+    return isinstance(value, int) and not isinstance(value, bool) and MIN_PRIORITY <= value <= MAX_PRIORITY
 
 
 def _json_object(value: Mapping[str, Any] | None, name: str) -> dict[str, Any]:

@@ -107,9 +107,9 @@ _CHECKS: Final[Mapping[Kind, Callable[[Any], bool]]] = {
     "bool": lambda value: isinstance(value, bool),
     # bool is an int subclass; JSON true is not a step number.
     "int": lambda value: isinstance(value, int) and not isinstance(value, bool),
-    "number": lambda value: isinstance(value, (int, float))
-    and not isinstance(value, bool)
-    and math.isfinite(value),
+    "number": lambda value: (
+        isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
+    ),
     "object": lambda value: isinstance(value, dict),
 }
 

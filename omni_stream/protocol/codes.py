@@ -61,7 +61,7 @@ CANCEL_REASONS: Final = frozenset({"client", "disconnect", "shutdown", "engine"}
 RESTART_REASONS: Final = frozenset(
     {"checkpoint", "no_checkpoint", "checkpoint_unusable", "cannot_resume", "replica_lost"}
 )
-#: ``paused``'s ``reason``: a client's ``pause``, or the gate's preemption (core/rules.py).
+#: ``paused``'s ``reason``: a client's ``pause``, or the gate's preemption (core/preemption.py).
 PAUSE_REASONS: Final = frozenset({"client", "preempted"})
 #: ``resumed``'s ``reason``: a client's ``resume``; the request's pauses reached
 #: ``max_pause_s`` (core/limits.py); or a preempted request let in again.

@@ -23,7 +23,7 @@ import struct
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, Final
+from typing import TYPE_CHECKING, Any, ClassVar, Final
 
 from ..errors import ProtocolError
 from .codec import dumps, load_object, require, require_id, require_steps
@@ -34,6 +34,8 @@ if TYPE_CHECKING:
 
 __all__ = [
     "MAX_HEADER_BYTES",
+    "Cell",
+    "Preview",
     "PreviewFrame",
     "PreviewHeader",
     "pack_preview",
@@ -48,8 +50,12 @@ MAX_HEADER_BYTES: Final = 64 * 1024
 
 _PILLOW_FORMATS: Final = {"jpeg": "JPEG", "png": "PNG", "webp": "WEBP", "gif": "GIF"}
 _SUFFIXES: Final[Mapping[str, tuple[str, ...]]] = {
-    "png": (".png",), "raw": (".png",), "jpeg": (".jpg", ".jpeg"), "webp": (".webp",),
-    "gif": (".gif",), "mp4": (".mp4",),
+    "png": (".png",),
+    "raw": (".png",),
+    "jpeg": (".jpg", ".jpeg"),
+    "webp": (".webp",),
+    "gif": (".gif",),
+    "mp4": (".mp4",),
 }
 
 
@@ -116,8 +122,7 @@ class PreviewHeader:
             images = require(obj, "images", "int", where)
             if not final or images < 1 or not 0 <= index < images:
                 raise ProtocolError(
-                    f"preview index {index} of {images} images is not a result's "
-                    "(final, 0 <= index < images)"
+                    f"preview index {index} of {images} images is not a result's (final, 0 <= index < images)"
                 )
         return cls(request_id, step, total, final, fmt, width, height, mime, index, images)
 
@@ -151,16 +156,32 @@ class PreviewFrame:
     def header(self) -> PreviewHeader:
         """The frame's header (its MIME type the format's)."""
         return PreviewHeader(
-            self.id, self.step, self.total, self.final, self.format, self.width, self.height, self.mime,
-            self.index, self.images,
+            self.id,
+            self.step,
+            self.total,
+            self.final,
+            self.format,
+            self.width,
+            self.height,
+            self.mime,
+            self.index,
+            self.images,
         )
 
     @classmethod
     def from_header(cls, header: PreviewHeader, data: bytes) -> PreviewFrame:
         """The frame of ``header`` and its image bytes (unchecked: :func:`parse_preview_frame` checks)."""
         return cls(
-            header.id, header.step, header.total, header.final, header.format, header.width,
-            header.height, data, header.index, header.images,
+            header.id,
+            header.step,
+            header.total,
+            header.final,
+            header.format,
+            header.width,
+            header.height,
+            data,
+            header.index,
+            header.images,
         )
 
     def pack(self) -> bytes:
@@ -180,9 +201,7 @@ class PreviewFrame:
         if self.format == "raw":
             return Image.frombytes("RGB", size, self.data)
         if self.format == "mp4":
-            raise ValueError(
-                f"request {self.id}: the result is an MP4 video; write .data to a file (save())"
-            )
+            raise ValueError(f"request {self.id}: the result is an MP4 video; write .data to a file (save())")
         try:
             image = Image.open(io.BytesIO(self.data), formats=[_PILLOW_FORMATS[self.format]])
             image.load()
@@ -218,6 +237,48 @@ class PreviewFrame:
         else:
             path.write_bytes(self.data)
         return path
+
+
+#: A picture's box in a preview of several: ``(left, top, right, bottom)`` in pixels.
+Cell = tuple[int, int, int, int]
+
+
+@dataclass(frozen=True, slots=True, eq=False)
+class Preview:
+    """A preview or result as the server publishes it: the header, and the frame packed once.
+
+    What the core hands around (records, outboxes, replays): the websocket
+    writer sends :attr:`wire`, shared by every watcher; the other doors
+    read :attr:`header` and :attr:`image` (a view into the wire: no copy,
+    no parse). ``cells`` are the boxes of the images in a preview of a
+    request for several (a grid, drawn by ``preview.image_grid``); empty
+    for one image and for results (one frame per image).
+    """
+
+    kind: ClassVar[str] = "preview"
+
+    header: PreviewHeader
+    wire: bytes = field(repr=False)
+    #: Where the image starts in ``wire``.
+    offset: int = field(repr=False)
+    cells: tuple[Cell, ...] = ()
+
+    @classmethod
+    def build(
+        cls, header: PreviewHeader, image: bytes | bytearray | memoryview, *, cells: tuple[Cell, ...] = ()
+    ) -> Preview:
+        """The preview of ``header`` and its encoded ``image``, laid out as its frame (pack_preview)."""
+        wire = pack_preview(header, image)
+        return cls(header, wire, len(wire) - len(image), tuple(cells))
+
+    @property
+    def image(self) -> memoryview:
+        """The encoded image (or video) bytes, a view into :attr:`wire`."""
+        return memoryview(self.wire)[self.offset :]
+
+    @property
+    def final(self) -> bool:
+        return self.header.final
 
 
 def pack_preview(header: PreviewHeader, image: bytes | bytearray | memoryview) -> bytes:

@@ -77,9 +77,7 @@ class Inbox:
             # docs/protocol.md: accepted comes first. Anything else first means
             # the server and this client disagree about the request's state.
             self.fail(
-                ProtocolError(
-                    f"server sent {type(event).__name__} before 'accepted'", request_id=self.id
-                )
+                ProtocolError(f"server sent {type(event).__name__} before 'accepted'", request_id=self.id)
             )
         elif isinstance(event, Loading):
             self.loading = event
@@ -102,15 +100,16 @@ class Inbox:
             self._push(event)
         elif isinstance(event, Done):
             if not self.final_seen:
-                self.fail(
-                    ProtocolError("server sent 'done' without a final preview", request_id=self.id)
-                )
+                self.fail(ProtocolError("server sent 'done' without a final preview", request_id=self.id))
                 return
             if self.finals != self.final_images:
-                self.fail(ProtocolError(
-                    f"server sent 'done' after {self.finals} of the request's {self.final_images} results",
-                    request_id=self.id,
-                ))
+                self.fail(
+                    ProtocolError(
+                        f"server sent 'done' after {self.finals} of the request's "
+                        f"{self.final_images} results",
+                        request_id=self.id,
+                    )
+                )
                 return
             self.done = event
             self._finish(None)
@@ -131,9 +130,7 @@ class Inbox:
             logger.debug("request %s: server rejected a message about it: %s", self.id, event.message)
             return
         self._finish(
-            server_error(
-                event.code, event.message, field=event.field, request_id=self.id, accepted=accepted
-            )
+            server_error(event.code, event.message, field=event.field, request_id=self.id, accepted=accepted)
         )
 
     def _push(self, item: Progress | PreviewFrame) -> None:

@@ -55,11 +55,34 @@ _S = TypeVar("_S", bound="_ServerMessage")
 
 
 class _ServerMessage:
-    """What every server text message has: a type, a wire form and a strict parser."""
+    """What every server text message has: a type, a wire form and a strict parser.
 
-    __slots__ = ()
+    The server's currency inside the core is the message object; only the
+    websocket writer sends :attr:`wire`, encoded once and cached, so a
+    message fanned out to many watchers costs one encoding.
+    """
+
+    # The cached wire form (unset until first read); not a dataclass field,
+    # so equality, repr and the parsers ignore it.
+    __slots__ = ("_wire",)
+    _wire: str
 
     TYPE: ClassVar[str]
+
+    @property
+    def kind(self) -> str:
+        """What an outbox and the metrics call it: its ``type``."""
+        return self.TYPE
+
+    @property
+    def wire(self) -> str:
+        """The text frame that carries it (:meth:`serialize`), encoded on first use and kept."""
+        try:
+            return self._wire
+        except AttributeError:
+            text = self.serialize()
+            object.__setattr__(self, "_wire", text)  # frozen: the cache is not state
+            return text
 
     def to_dict(self) -> dict[str, Any]:
         """The message as a JSON object, in wire order."""
@@ -417,16 +440,21 @@ class Restarted(_ServerMessage):
         return cls(require_id(obj, where), step, require(obj, "reason", "str", where))
 
 
-ServerMessage = (
-    Accepted | Loading | Progress | Done | Cancelled | ErrorMessage | Paused | Resumed | Restarted
-)
+ServerMessage = Accepted | Loading | Progress | Done | Cancelled | ErrorMessage | Paused | Resumed | Restarted
 
 #: Every server text message class by its ``type``.
 SERVER_MESSAGES: Final[
     Mapping[
         str,
-        type[Accepted] | type[Loading] | type[Progress] | type[Done] | type[Cancelled] | type[ErrorMessage]
-        | type[Paused] | type[Resumed] | type[Restarted],
+        type[Accepted]
+        | type[Loading]
+        | type[Progress]
+        | type[Done]
+        | type[Cancelled]
+        | type[ErrorMessage]
+        | type[Paused]
+        | type[Resumed]
+        | type[Restarted],
     ]
 ] = {
     Accepted.TYPE: Accepted,

@@ -236,8 +236,12 @@ class Server:
         self._stack = stack
         self._port = sockets[0].getsockname()[1]
         names = list(self._service.rules.models)
-        logger.info("omni_stream server listening on %s (model%s %s)", self.http_url,
-                    "s" if len(names) > 1 else "", ", ".join(names))
+        logger.info(
+            "omni_stream server listening on %s (model%s %s)",
+            self.http_url,
+            "s" if len(names) > 1 else "",
+            ", ".join(names),
+        )
         bound = {str(sock.getsockname()[0]) for sock in sockets}
         exposed = sorted(h for h in bound if not security.is_loopback(h))
         if exposed and not self._service.tokens:
@@ -492,9 +496,16 @@ def serve(
         spec = model
         model = (lambda: load_model(spec)) if names_group(device) else load_model(spec)
     options: dict[str, Any] = dict(
-        host=host, port=port, token=token, allow_origins=allow_origins, device=device,
-        stay_dead=stay_dead, metrics_public=metrics_public, webhook_secret=webhook_secret,
-        webhook_allow=webhook_allow, **limits,
+        host=host,
+        port=port,
+        token=token,
+        allow_origins=allow_origins,
+        device=device,
+        stay_dead=stay_dead,
+        metrics_public=metrics_public,
+        webhook_secret=webhook_secret,
+        webhook_allow=webhook_allow,
+        **limits,
     )
     servers: list[Server] = []
 
@@ -513,6 +524,7 @@ def serve(
                 )
             async with server:
                 await server.serve_forever()
+
     run(main, loop=loop)
     if servers and servers[0].fatal is not None:
         raise servers[0].fatal

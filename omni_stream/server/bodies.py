@@ -15,21 +15,12 @@ import anyio
 from starlette.requests import Request
 
 from ..core import admission
-from ..errors import ServerBusyError
+from ..errors import BodyRefused, ServerBusyError
 
 if TYPE_CHECKING:
     from .service import Service
 
 __all__ = ["BodyRefused", "read_body"]
-
-
-class BodyRefused(Exception):
-    """The request's body is refused: too large, or too slow (``status``, ``code``, the words)."""
-
-    def __init__(self, status: int, code: str, message: str) -> None:
-        super().__init__(message)
-        self.status = status
-        self.code = code
 
 
 async def read_body(request: Request, service: Service) -> bytes:

@@ -55,7 +55,7 @@ from .. import protocol
 from ..core.admission import OutputSpec
 from ..core.metrics import ServerMetrics
 from ..core.outbox import MemoryReservation
-from ..core.records import RequestRecord
+from ..core.records import RequestRecord, Terminal
 from ..engine.like import FrameStreamLike
 from ..errors import (
     CheckpointError,
@@ -134,7 +134,7 @@ async def stream_request(
     paced: bool = True,
     on_resume_refused: Callable[[RequestRecord, CheckpointError], None] | None = None,
     on_handed_over: Callable[[RequestRecord, int], None] | None = None,
-) -> dict[str, Any]:
+) -> Terminal:
     """Publish the request's steps into ``record``; return its terminal message.
 
     ``paced``: take the frames of a request nobody reads at most every
@@ -168,13 +168,24 @@ async def stream_request(
                 if not frame.final:
                     # A preview may poll the result ahead of it: then that comes next.
                     result = await _publish(
-                        record, frame, spec, stream=stream, previewer=previewer, metrics=metrics,
+                        record,
+                        frame,
+                        spec,
+                        stream=stream,
+                        previewer=previewer,
+                        metrics=metrics,
                         memory=memory,
                     )
                 if result is not None:
                     await _publish_result(
-                        record, result, output, decoder=spec.decoder, params=params,
-                        previewer=previewer, metrics=metrics, memory=memory,
+                        record,
+                        result,
+                        output,
+                        decoder=spec.decoder,
+                        params=params,
+                        previewer=previewer,
+                        metrics=metrics,
+                        memory=memory,
                     )
                 elif paced and not record.has_reader():
                     # Nobody would receive the next step's progress (no
@@ -184,31 +195,33 @@ async def stream_request(
                     # requests nobody reads cost the event loop little.
                     await anyio.sleep(UNREAD_PACE_S)
     except RequestCancelledError:
-        return protocol.cancelled(rid, reason=record.cancel_reason or "engine")
+        return protocol.Cancelled.build(rid, reason=record.cancel_reason or "engine")
     except StepFailedError as exc:
         cause = f": {exc.__cause__!r}" if exc.__cause__ is not None else ""
-        return protocol.error("step_failed", f"{exc.message}{cause}", request_id=rid)
+        return protocol.ErrorMessage.build("step_failed", f"{exc.message}{cause}", request_id=rid)
     except ParamsError as exc:
         # A remote engine's model may refuse params only it can check (a
         # value its card does not declare) after the request was accepted:
         # the request ends, with the model's words and the field.
-        return protocol.error(
-            "step_failed", f"the model refused the params: {exc.message}", request_id=rid,
+        return protocol.ErrorMessage.build(
+            "step_failed",
+            f"the model refused the params: {exc.message}",
+            request_id=rid,
             field=exc.field,
         )
     except StepTimeoutError as exc:
-        return protocol.error("step_timeout", exc.message, request_id=rid)
+        return protocol.ErrorMessage.build("step_timeout", exc.message, request_id=rid)
     except RenderFailedError as exc:
-        return protocol.error("preview_failed", exc.message, request_id=rid)
+        return protocol.ErrorMessage.build("preview_failed", exc.message, request_id=rid)
     except EngineError as exc:
-        return protocol.error("engine_error", exc.message, request_id=rid)
+        return protocol.ErrorMessage.build("engine_error", exc.message, request_id=rid)
     except _PreviewFailed as exc:
-        return protocol.error(
+        return protocol.ErrorMessage.build(
             "preview_failed", f"could not render a preview: {exc.__cause__}", request_id=rid
         )
     except _NonFiniteResult as exc:
         logger.warning("request %s: its final frame has no picture: %s", rid, exc.__cause__)
-        return protocol.error(
+        return protocol.ErrorMessage.build(
             "step_failed",
             f"the model's final frame holds non-finite values ({exc.__cause__}): the model diverged, "
             "and there is no result (try another seed, fewer steps or a lower guidance)",
@@ -217,7 +230,7 @@ async def stream_request(
     finally:
         if memory is not None:
             memory.release()
-    return protocol.done(rid, total=record.total, elapsed_s=time.monotonic() - record.created_at)
+    return protocol.Done.build(rid, total=record.total, elapsed_s=time.monotonic() - record.created_at)
 
 
 def _handed_over(
@@ -290,8 +303,12 @@ async def _publish(
             # No picture in it; the next step may have one again. Said once a request.
             if not record.warned_non_finite:
                 record.warned_non_finite = True
-                logger.warning("request %s: skipping previews of non-finite frames (step %d: %s)",
-                               record.id, frame.step, exc)
+                logger.warning(
+                    "request %s: skipping previews of non-finite frames (step %d: %s)",
+                    record.id,
+                    frame.step,
+                    exc,
+                )
             return None
         except Exception as exc:
             raise _PreviewFailed() from exc
@@ -315,8 +332,8 @@ def _publish_image(
         index=index,
         images=images,
     )
-    # Encoded once, shared by every watcher (and kept for attach replays).
-    record.publish_preview(protocol.pack_preview(header, image.data), final=final)
+    # Packed once, shared by every watcher (and kept for attach replays).
+    record.publish_preview(protocol.Preview.build(header, image.data, cells=image.cells))
 
 
 async def _publish_result(
@@ -372,6 +389,4 @@ def _progress(record: RequestRecord, frame: Frame, metrics: ServerMetrics) -> No
         metrics.restart_first_frame.labels(settled[0]).observe(settled[1])
     elapsed = time.monotonic() - record.created_at
     eta = elapsed / frame.step * (frame.total - frame.step)
-    record.publish_progress(
-        frame.step, protocol.progress(record.id, step=frame.step, total=frame.total, eta_s=eta)
-    )
+    record.publish_progress(protocol.Progress.build(record.id, step=frame.step, total=frame.total, eta_s=eta))

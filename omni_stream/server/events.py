@@ -44,26 +44,25 @@ def sse_event(item: OutboxItem, *, after_step: int | None = None) -> bytes | Non
     ``after_step``: the client's ``Last-Event-ID``; progress and non-final
     previews at or before it were seen already, and so was ``accepted``.
     """
-    data = item.data
-    if isinstance(data, (bytes, bytearray, memoryview)):
-        header, image = protocol.unpack_preview(data)
+    message = item.message
+    if isinstance(message, protocol.Preview):
+        header = message.header
         if after_step is not None and header.step <= after_step and not header.final:
             return None
         payload = header.to_dict()
-        payload["image"] = f"data:{header.mime};base64," + base64.b64encode(image).decode("ascii")
+        payload["image"] = f"data:{header.mime};base64," + base64.b64encode(message.image).decode("ascii")
         return _format("preview", json.dumps(payload, separators=(",", ":")), event_id=header.step)
-    message = json.loads(data)
-    kind = str(message.get("type", item.kind))
     event_id: int | None = None
-    if kind == "progress":
-        event_id = int(message["step"])
+    if isinstance(message, protocol.Progress):
+        event_id = message.step
         if after_step is not None and event_id <= after_step:
             return None
-    elif kind == "done":
-        event_id = int(message.get("total", 0))
-    elif kind == "accepted" and after_step is not None:
+    elif isinstance(message, protocol.Done):
+        event_id = message.total
+    elif isinstance(message, protocol.Accepted) and after_step is not None:
         return None
-    return _format(kind, data, event_id=event_id)
+    # The event's data is the message's JSON, the websocket's text frame.
+    return _format(message.kind, message.wire, event_id=event_id)
 
 
 def _format(event: str, data: str, *, event_id: int | None) -> bytes:
@@ -160,9 +159,7 @@ class EventStream:
             with anyio.move_on_after(self._send_timeout_s) as scope:
                 await send({"type": "http.response.body", "body": chunk, "more_body": True})
             if scope.cancelled_caught:
-                logger.warning(
-                    "ending an event stream: a send was blocked for %g s", self._send_timeout_s
-                )
+                logger.warning("ending an event stream: a send was blocked for %g s", self._send_timeout_s)
                 return False
             if terminal:
                 return True  # one request per stream: its outcome ends it
@@ -180,4 +177,3 @@ def parse_last_event_id(value: str | None) -> int | None:
     except ValueError:
         return None
     return step if step >= 0 else None
-

@@ -195,7 +195,7 @@ class DeadlineH11Protocol(H11Protocol):
         # so a body of tiny chunks is refused after a bounded amount of
         # parsing, not after all of what one read brought (up to 256 KiB).
         for start in range(0, len(data), _SLICE_BYTES):
-            piece = data[start:start + _SLICE_BYTES] if len(data) > _SLICE_BYTES else data
+            piece = data[start : start + _SLICE_BYTES] if len(data) > _SLICE_BYTES else data
             cycle = self.cycle
             counting = cycle is not None and cycle is self._body_cycle
             counting = counting and cycle.more_body and not cycle.response_complete

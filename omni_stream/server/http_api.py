@@ -29,8 +29,7 @@ from starlette.requests import ClientDisconnect, Request
 from starlette.responses import Response
 
 from .. import protocol
-from ..core.outbox import Outbox
-from ..core.records import RequestRecord
+from ..core.records import RequestRecord, error_view
 from ..core.rules import Client
 from ..ids import is_valid_id
 from . import responses
@@ -100,7 +99,10 @@ def status_payload(
         # Ids are scoped to their principal (issue #39, attack 9), and so is what a request is:
         # its seed, model, priority and errors are its principal's to see.
         return {
-            "id": None, "status": status, "step": record.latest_step, "total": record.total,
+            "id": None,
+            "status": status,
+            "step": record.latest_step,
+            "total": record.total,
             "queue_position": positions.get(record.id),
         }
     out: dict[str, Any] = {
@@ -119,9 +121,8 @@ def status_payload(
         "restarted": record.restart_view(),
         "error": None,
     }
-    terminal = record.terminal_message()
-    if terminal is not None and status in ("failed", "cancelled"):
-        out["error"] = {k: terminal[k] for k in ("code", "message", "reason") if k in terminal}
+    if status in ("failed", "cancelled"):
+        out["error"] = error_view(record.terminal_message())
     if record.webhook is not None:
         # Its URL and how each delivery went (docs/webhooks.md); only to who may see the id.
         out["webhook"] = record.webhook.view()
@@ -144,22 +145,27 @@ class HttpApi:
         # root_path: a mounted app's URLs carry the mount prefix.
         base = f"{request.scope.get('root_path', '')}/v1/generations/{request_id}"
         return {
-            "self": base, "events": base + "/events", "output": base + "/output", "preview": base + "/preview"
+            "self": base,
+            "events": base + "/events",
+            "output": base + "/output",
+            "preview": base + "/preview",
         }
 
     def _error(self, exc: protocol.MessageError, *, request_id: str | None) -> Response:
         reply = self._service.rules.error_reply(exc, request_id=request_id)
-        body = {"error": exc.code, "message": reply["message"]}
-        for key in ("field", "retry_after_s"):
-            if key in reply:
-                body[key] = reply[key]
+        fields: dict[str, Any] = {}
+        if reply.field is not None:
+            fields["field"] = reply.field
+        if reply.retry_after_s is not None:
+            fields["retry_after_s"] = reply.retry_after_s
         if request_id is not None:
             # A path's id is anything a client typed: echoed only as far as the protocol echoes.
-            body["id"] = request_id if is_valid_id(request_id) else protocol.clip(request_id)
+            fields["id"] = request_id if is_valid_id(request_id) else protocol.clip(request_id)
         extra = {}
-        if "retry_after_s" in reply:
-            extra["Retry-After"] = str(max(1, math.ceil(float(reply["retry_after_s"]))))
-        return responses.json_response(STATUS.get(exc.code, 400), body, extra=extra)
+        if reply.retry_after_s is not None:
+            extra["Retry-After"] = str(max(1, math.ceil(reply.retry_after_s)))
+        status = STATUS.get(exc.code, 400)
+        return responses.error_response(status, exc.code, reply.message, extra=extra, **fields)
 
     def _lookup(self, request: Request, client: Client) -> RequestRecord:
         return self._service.rules.lookup(client, request.path_params["request_id"])
@@ -173,7 +179,7 @@ class HttpApi:
         """``POST /v1/generations``: 202 and the URLs; or the events (SSE); or, with ``?wait``, the result."""
         try:
             body = await self._read_body(request)
-            msg = await self._service.prepare(client, self._parse(body))
+            msg = self._parse(body)
         except protocol.MessageError as exc:
             unknown = exc.code in ("bad_json", "bad_message")
             return self._error(exc, request_id=None if unknown else exc.request_id)
@@ -184,8 +190,7 @@ class HttpApi:
                 400, "bad_message", "the client went away before its body arrived"
             )
         try:
-            assert isinstance(msg, protocol.Generate)
-            record = self._service.rules.generate(client, msg)
+            record = await self._service.submit(client, msg)
         except protocol.MessageError as exc:
             return self._error(exc, request_id=msg.id)
         if request.query_params.get("wait", "").lower() in ("1", "true", "yes"):
@@ -205,7 +210,7 @@ class HttpApi:
         obj = protocol.decode_json(body)
         if not isinstance(obj, dict):
             raise protocol.MessageError(
-                "bad_message", "the body must be a JSON object: {\"params\": {...}, \"preview\": {...}}"
+                "bad_message", 'the body must be a JSON object: {"params": {...}, "preview": {...}}'
             )
         unknown = sorted(set(obj) - _BODY_KEYS)
         if unknown:
@@ -231,18 +236,11 @@ class HttpApi:
         return self._output_response(request, record)
 
     def _events(self, client: Client, record: RequestRecord, *, after_step: int | None) -> Response:
-        limits = self._service.limits
-        metrics = self._service.metrics
-        client.outbox = Outbox(
-            max_pending=limits.max_pending,
-            max_pending_bytes=limits.max_pending_bytes,
-            budget=self._service.memory,
-            on_replaced=lambda kind: metrics.messages_dropped.labels(kind).inc(),
-        )
-        record.watch(client.id, client.outbox, attached=after_step is not None)
+        outbox = self._service.rules.open_outbox(client)
+        record.watch(client.id, outbox, attached=after_step is not None)
         # The call's client stays open while the stream is (asgi.py closes it after).
         return EventStream(  # type: ignore[return-value]
-            client.outbox, send_timeout_s=limits.send_timeout_s, after_step=after_step
+            outbox, send_timeout_s=self._service.limits.send_timeout_s, after_step=after_step
         )
 
     async def status(self, request: Request, client: Client) -> Response:
@@ -280,9 +278,11 @@ class HttpApi:
         if raw_index is not None:
             if not raw_index.isdigit() or len(raw_index) > 4:
                 return responses.error_response(
-                    400, "invalid_field",
+                    400,
+                    "invalid_field",
                     f"index must be an image's number, 0 or more; got {protocol.clip(raw_index)!r}",
-                    field="index", id=record.id,
+                    field="index",
+                    id=record.id,
                 )
             index = int(raw_index)
         count = record.result_count
@@ -290,21 +290,23 @@ class HttpApi:
             return self._results_listing(request, record)
         if count and index >= count:
             return responses.error_response(
-                404, "not_found",
+                404,
+                "not_found",
                 f"request {record.id} has {count} image(s): index {index} is not one of them",
-                field="index", id=record.id,
+                field="index",
+                id=record.id,
             )
         result = record.result(index)
         if result is None:
             payload = status_payload(record, self._positions())
             terminal = record.terminal_message()
-            if record.ended and terminal is not None and terminal.get("type") == "error":
-                code = str(terminal.get("code"))
-                body = {"error": code, "message": terminal.get("message"), "id": record.id, "status": payload}
+            if isinstance(terminal, protocol.ErrorMessage):
+                code = terminal.code
+                body = {"error": code, "message": terminal.message, "id": record.id, "status": payload}
                 return responses.json_response(500 if code == "internal" else 409, body)
-            if record.ended and terminal is not None and terminal.get("type") == "cancelled":
+            if isinstance(terminal, protocol.Cancelled):
                 # Not "not ready": it never will be.
-                reason = str(terminal.get("reason") or "engine")
+                reason = terminal.reason or "engine"
                 return responses.json_response(
                     409,
                     {
@@ -327,7 +329,7 @@ class HttpApi:
                     "status": payload,
                 },
             )
-        header, image = result
+        header, image = result.header, result.image
         ext = {"jpeg": "jpg"}.get(header.format, header.format)
         name = record.id if count == 1 else f"{record.id}-{index}"
         return responses.BufferResponse(
@@ -350,11 +352,18 @@ class HttpApi:
         for index in range(record.result_count):
             found = record.result(index)
             assert found is not None  # index < result_count
-            header, image = found
-            items.append({
-                "index": index, "url": f"{output}?index={index}", "format": header.format,
-                "mime": header.mime, "width": header.width, "height": header.height, "bytes": len(image),
-            })
+            header, image = found.header, found.image
+            items.append(
+                {
+                    "index": index,
+                    "url": f"{output}?index={index}",
+                    "format": header.format,
+                    "mime": header.mime,
+                    "width": header.width,
+                    "height": header.height,
+                    "bytes": len(image),
+                }
+            )
         return responses.json_response(200, {"id": record.id, "seed": record.seed, "images": items})
 
     async def preview(self, request: Request, client: Client) -> Response:
@@ -368,9 +377,12 @@ class HttpApi:
             return responses.error_response(
                 404, "not_found", f"request {record.id} has no preview yet", id=record.id
             )
-        header, image = latest
+        header, image = latest.header, latest.image
         return responses.BufferResponse(
-            image, status_code=200, media_type=header.mime, headers={"X-Omni-Stream-Step": str(header.step)},
+            image,
+            status_code=200,
+            media_type=header.mime,
+            headers={"X-Omni-Stream-Step": str(header.step)},
             budget=self._service.memory,
         )
 

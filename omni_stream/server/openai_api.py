@@ -52,8 +52,8 @@ from starlette.responses import Response
 
 from .. import protocol
 from ..core import inputs
-from ..core.outbox import Outbox, OutboxItem
-from ..core.records import RequestRecord
+from ..core.outbox import OutboxItem
+from ..core.records import RequestRecord, Terminal
 from ..core.rules import Client
 from ..errors import MessageError, ParamsError, ServerBusyError
 from ..openai import images as oi
@@ -69,7 +69,14 @@ if TYPE_CHECKING:
     from .service import Service
 
 __all__ = [
-    "REFUSALS", "OpenAIApi", "as_sent", "checked_uploads", "error_answer", "openai_shaped", "read_form",
+    "REFUSALS",
+    "OpenAIApi",
+    "as_sent",
+    "checked_uploads",
+    "error_answer",
+    "model_for",
+    "openai_shaped",
+    "read_form",
     "refusal",
 ]
 
@@ -112,20 +119,12 @@ def refusal(exc: Exception) -> Response:
 
 
 def openai_shaped(response: Response) -> Response:
-    """``response`` with our error body (``{"error": CODE, "message", "field"?}``) rewritten in
-    OpenAI's shape, status and headers kept (the front door's refusals on an OpenAI route)."""
-    raw = getattr(response, "body", None)  # a streamed or wrapped answer has none: ours already
-    if response.status_code < 400 or not isinstance(raw, (bytes, bytearray)):
+    """``response``, when it is our error answer (responses.ErrorResponse: the front door's
+    refusals on an OpenAI route), rebuilt in OpenAI's shape from what it says, status and
+    headers kept; any other answer as it is (a streamed or an OpenAI one: ours already)."""
+    if not isinstance(response, responses.ErrorResponse):
         return response
-    if response.headers.get("content-type") != "application/json":
-        return response
-    try:
-        body = json.loads(bytes(raw))
-    except ValueError:
-        return response
-    if not isinstance(body, dict) or not isinstance(body.get("error"), str):
-        return response
-    error = from_ours(body["error"], str(body.get("message", "")), field=body.get("field"))
+    error = from_ours(response.code, response.message, field=response.fields.get("field"))
     shaped = responses.json_response(
         response.status_code,
         error_body(error.message, type=error.type, param=error.param, code=error.code),
@@ -180,8 +179,9 @@ class OpenAIApi:
             req = oi.parse_images_request(fields, form=True, max_images=MAX_IMAGES)
             name, model = self._model(req)
             if "image" not in files:
-                raise OpenAIError(400, "an edit needs its image: a file field 'image'", "invalid_field",
-                                  param="image")
+                raise OpenAIError(
+                    400, "an edit needs its image: a file field 'image'", "invalid_field", param="image"
+                )
             msg = req.to_generate(model, served_name=name, detach=_detached(req))
             sent = {f: p for f, p in _FILE_PARAMS.items() if f in files}
             try:
@@ -197,19 +197,19 @@ class OpenAIApi:
     # -- one images request --------------------------------------------------------------
 
     def _model(self, req: oi.ImagesRequest) -> tuple[str, Any]:
-        try:
-            return self._service.rules.model_for(req.model)
-        except MessageError as exc:
-            raise OpenAIError(404, exc.message, "model_not_found", param="model") from None
+        return model_for(self._service, req.model)
 
     async def _images(
-        self, request: Request, client: Client, req: oi.ImagesRequest, msg: protocol.Generate, model: Any,
-        *, kind: str,
+        self,
+        request: Request,
+        client: Client,
+        req: oi.ImagesRequest,
+        msg: protocol.Generate,
+        model: Any,
+        *,
+        kind: str,
     ) -> Response:
-        rules = self._service.rules
-        prepared = await self._service.prepare(client, msg)
-        assert isinstance(prepared, protocol.Generate)
-        record = rules.generate(client, prepared)
+        record = await self._service.submit(client, msg)
         created = int(time.time())
         if req.stream:
             return self._stream(client, record, req, kind=kind, created=created, size=_image_size(req, model))
@@ -218,36 +218,32 @@ class OpenAIApi:
             if not await self._wait(request, record.wait_ended):
                 return Response(status_code=499)  # nobody reads it; the request goes on
             if record.outcome != "done":
-                return error_answer(_ended_error(record, record.terminal_message() or {}))
+                return error_answer(_ended_error(record, record.terminal_message()))
             base = str(request.base_url).rstrip("/") + str(request.scope.get("root_path", ""))
             output = f"{base}/v1/generations/{record.id}/output"
             urls: list[bytes | str] = [f"{output}?index={i}" for i in range(record.result_count)]
             return responses.json_response(200, oi.images_response(req, urls, created=created))
         # Attached: the results come through this call's outbox, as to a websocket
         # (the record lets go of them when the request ends).
-        client.outbox = self._outbox()
-        record.watch(client.id, client.outbox, attached=False)
+        outbox = self._service.rules.open_outbox(client)
+        record.watch(client.id, outbox, attached=False)
         images: list[bytes | str] = []
-        terminal: dict[str, Any] = {}
 
         async def collect() -> None:
-            assert client.outbox is not None
             while True:
-                item = await client.outbox.get()
-                if isinstance(item.data, (bytes, bytearray, memoryview)):
-                    header, image = protocol.unpack_preview(item.data)
-                    if header.final:
-                        images.append(bytes(image))
-                elif item.kind in _TERMINAL:
-                    terminal.update(json.loads(item.data))
+                message = (await outbox.get()).message
+                if isinstance(message, protocol.Preview):
+                    if message.final:
+                        images.append(bytes(message.image))
+                elif message.kind in _TERMINAL:
                     return
 
         if not await self._wait(request, collect):
             # The caller hung up: its request ends with its call (the door's
             # disconnect), as a websocket's does; nobody reads this answer.
             return Response(status_code=499)
-        if terminal.get("type") != "done":
-            return error_answer(_ended_error(record, terminal))
+        if record.outcome != "done":
+            return error_answer(_ended_error(record, record.terminal_message()))
         return responses.json_response(200, oi.images_response(req, images, created=created))
 
     async def _wait(self, request: Request, until: Callable[[], Awaitable[None]]) -> bool:
@@ -267,15 +263,6 @@ class OpenAIApi:
             tg.cancel_scope.cancel()
         return not gone
 
-    def _outbox(self) -> Outbox:
-        limits = self._service.limits
-        return Outbox(
-            max_pending=limits.max_pending,
-            max_pending_bytes=limits.max_pending_bytes,
-            budget=self._service.memory,
-            on_replaced=lambda k: self._service.metrics.messages_dropped.labels(k).inc(),
-        )
-
     def _stream(
         self,
         client: Client,
@@ -287,10 +274,10 @@ class OpenAIApi:
         size: tuple[int, int] | None,
     ) -> Response:
         limits = self._service.limits
-        client.outbox = self._outbox()
-        record.watch(client.id, client.outbox, attached=False)
+        outbox = self._service.rules.open_outbox(client)
+        record.watch(client.id, outbox, attached=False)
         events = _ImageEvents(req, kind=kind, created=created, record=record, size=size)
-        return EventStream(client.outbox, send_timeout_s=limits.send_timeout_s, encode=events)  # type: ignore[return-value]
+        return EventStream(outbox, send_timeout_s=limits.send_timeout_s, encode=events)  # type: ignore[return-value]
 
 
 async def read_form(
@@ -300,15 +287,19 @@ async def read_form(
     names the file fields allowed (and what each is, for the error). Raises OpenAIError."""
     content_type = request.headers.get("content-type", "")
     if not content_type.startswith("multipart/form-data"):
-        raise OpenAIError(400, f"the body must be multipart/form-data, got {content_type[:60]!r}",
-                          "bad_message")
+        raise OpenAIError(
+            400, f"the body must be multipart/form-data, got {content_type[:60]!r}", "bad_message"
+        )
 
     async def replay() -> Any:
         yield body
 
     parser = MultiPartParser(
-        Headers(headers={"content-type": content_type}), replay(),
-        max_files=len(files) + 2, max_fields=_MAX_FORM_FIELDS, max_part_size=max_part_size,
+        Headers(headers={"content-type": content_type}),
+        replay(),
+        max_files=len(files) + 2,
+        max_fields=_MAX_FORM_FIELDS,
+        max_part_size=max_part_size,
     )
     try:
         form = await parser.parse()
@@ -323,8 +314,12 @@ async def read_form(
                 continue
             name = key[:-2] if key.endswith("[]") else key  # the SDK's image[] for a list
             if name not in files:
-                raise OpenAIError(400, f"unexpected file field {name[:40]!r}; this call takes "
-                                  f"{', '.join(files)}", "invalid_field", param=name)
+                raise OpenAIError(
+                    400,
+                    f"unexpected file field {name[:40]!r}; this call takes {', '.join(files)}",
+                    "invalid_field",
+                    param=name,
+                )
             if name in found:
                 raise OpenAIError(400, f"one {name} file a call", "unsupported", param=name)
             found[name] = await value.read()
@@ -351,14 +346,16 @@ def _put_field(fields: dict[str, Any], key: str, value: str) -> None:
         if following == "":  # name[]: a list of the values
             items = node.setdefault(part, [])
             if not isinstance(items, list):
-                raise OpenAIError(400, f"form field {key[:60]!r} mixes a list and a value", "invalid_field",
-                                  param=head)
+                raise OpenAIError(
+                    400, f"form field {key[:60]!r} mixes a list and a value", "invalid_field", param=head
+                )
             items.append(value)
             return
         child = node.setdefault(part, {})
         if not isinstance(child, dict):
-            raise OpenAIError(400, f"form field {key[:60]!r} mixes an object and a value", "invalid_field",
-                              param=head)
+            raise OpenAIError(
+                400, f"form field {key[:60]!r} mixes an object and a value", "invalid_field", param=head
+            )
         node = child
 
 
@@ -399,8 +396,11 @@ async def checked_uploads(
         param = params[field_name]
         if param not in declared:
             raise OpenAIError(
-                400, f"model {served_name} takes no {field_name} (its pipeline has no {param} input); "
-                "/v1/models and /models list the models", "unsupported", param=field_name,
+                400,
+                f"model {served_name} takes no {field_name} (its pipeline has no {param} input); "
+                "/v1/models and /models list the models",
+                "unsupported",
+                param=field_name,
             )
         pending[field_name] = inputs.check_encoded(
             param, data, service.limits, request_id=msg.id, field=field_name
@@ -425,6 +425,17 @@ async def checked_uploads(
     return dataclasses.replace(msg, params={**msg.params, **urls})
 
 
+def model_for(service: Service, name: str | None) -> tuple[str, Any]:
+    """The served model an OpenAI request names, and its name; an unknown one is OpenAI's 404
+    ``model_not_found``, counted as the refusal it is (the core's ``bad_params`` on ``model``,
+    as every door counts it)."""
+    try:
+        return service.rules.model_for(name)
+    except MessageError as exc:
+        service.rules.refused(exc)
+        raise OpenAIError(404, exc.message, "model_not_found", param="model") from None
+
+
 def as_sent(exc: Exception, params: Mapping[str, str]) -> Exception:
     """``exc`` naming the form field a file was sent in where it names the param the file became
     (``params``: form field -> param; the core names ``mask_image``, the caller sent ``mask``)."""
@@ -436,10 +447,10 @@ def as_sent(exc: Exception, params: Mapping[str, str]) -> Exception:
     return MessageError(exc.code, exc.message, field=sent[exc.field], request_id=exc.request_id)
 
 
-def _ended_error(record: RequestRecord, terminal: dict[str, Any]) -> OpenAIError:
-    if terminal.get("type") == "error":
-        return from_ours(str(terminal.get("code")), str(terminal.get("message")), field=terminal.get("field"))
-    reason = str(terminal.get("reason") or "engine")
+def _ended_error(record: RequestRecord, terminal: Terminal | None) -> OpenAIError:
+    if isinstance(terminal, protocol.ErrorMessage):
+        return from_ours(terminal.code, terminal.message, field=terminal.field)
+    reason = terminal.reason if isinstance(terminal, protocol.Cancelled) else "engine"
     if reason == "shutdown":
         return from_ours("shutting_down", f"request {record.id} was cancelled: the server is shutting down")
     return from_ours("cancelled", f"request {record.id} was cancelled ({reason}): it has no images")
@@ -469,51 +480,50 @@ class _ImageEvents:
         self._partials = 0
 
     async def __call__(self, item: OutboxItem) -> bytes | None:
-        data = item.data
-        if isinstance(data, (bytes, bytearray, memoryview)):
-            header, image = protocol.unpack_preview(data)
+        message = item.message
+        if isinstance(message, protocol.Preview):
+            header = message.header
             if header.final:
                 payload = oi.completed_event(
-                    self._kind, self._req, bytes(image), image_index=header.index, created_at=self._created
+                    self._kind,
+                    self._req,
+                    bytes(message.image),
+                    image_index=header.index,
+                    created_at=self._created,
                 )
                 return _sse(payload["type"], payload)
             if self._partials >= self._req.partial_images:
                 return None
             index, self._partials = self._partials, self._partials + 1
-            parts = [bytes(image)]
-            if self._req.n > 1 or (self._size is not None and (header.width, header.height) != self._size):
-                # A grid of the n images is cut into one partial image each; a preview
-                # at the latents' size (the linear decoders) is brought to the image's.
-                parts = await anyio.to_thread.run_sync(_partials, bytes(image), self._req, self._size)
+            parts = [bytes(message.image)]
+            if message.cells or (self._size is not None and (header.width, header.height) != self._size):
+                # A preview of the n images holds each in its cell (the previewer says where);
+                # a preview at the latents' size (the linear decoders) is brought to the image's.
+                parts = await anyio.to_thread.run_sync(_partials, message, self._req, self._size)
             return b"".join(
-                _sse(f"{self._kind}.partial_image", oi.partial_event(
-                    self._kind, self._req, part, index=index, image_index=i, created_at=self._created
-                ))
+                _sse(
+                    f"{self._kind}.partial_image",
+                    oi.partial_event(
+                        self._kind, self._req, part, index=index, image_index=i, created_at=self._created
+                    ),
+                )
                 for i, part in enumerate(parts)
             )
-        message = json.loads(data)
-        kind = message.get("type")
-        if kind == "error":
-            error = from_ours(
-                str(message.get("code")), str(message.get("message")), field=message.get("field")
-            )
-            return _sse("error", {"type": "error", **error.body()})
-        if kind == "cancelled":
+        if isinstance(message, (protocol.ErrorMessage, protocol.Cancelled)):
             error = _ended_error(self._record, message)
             return _sse("error", {"type": "error", **error.body()})
         return None  # accepted, progress, loading, done: nothing OpenAI streams
 
 
-def _partials(preview: bytes, req: oi.ImagesRequest, size: tuple[int, int] | None) -> list[bytes]:
-    """A preview as ``req.n`` partial images at ``size`` in the output format (worker thread):
-    a grid cut into its images, each scaled to the image's size where it is not."""
+def _partials(preview: protocol.Preview, req: oi.ImagesRequest, size: tuple[int, int] | None) -> list[bytes]:
+    """A preview as its partial images at ``size`` in the output format (worker thread): each
+    image of several from its cell, each scaled to the image's size where it is not."""
     from PIL import Image
 
-    with Image.open(io.BytesIO(preview)) as picture:
+    with Image.open(io.BytesIO(preview.image)) as picture:
         picture.load()
-        cells = oi.grid_cells(req.n, picture.width, picture.height)
         out = []
-        for box in cells:
+        for box in preview.cells or ((0, 0, picture.width, picture.height),):
             part = picture.crop(box).convert("RGB")
             if size is not None and part.size != size:
                 part = part.resize(size, Image.Resampling.BILINEAR)

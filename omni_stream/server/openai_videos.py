@@ -20,7 +20,6 @@ as on ``/v1/generations`` (issue #39: both answered 404 here after a restart).
 
 from __future__ import annotations
 
-import contextlib
 import io
 import time
 from collections.abc import Mapping
@@ -40,7 +39,7 @@ from ..openai import videos as ov
 from ..openai.errors import OpenAIError, from_ours
 from . import responses
 from .bodies import read_body
-from .openai_api import REFUSALS, as_sent, checked_uploads, error_answer, read_form, refusal
+from .openai_api import REFUSALS, as_sent, checked_uploads, error_answer, model_for, read_form, refusal
 
 if TYPE_CHECKING:
     from .asgi import FrontDoor
@@ -106,27 +105,23 @@ class OpenAIVideos:
                 if not isinstance(obj, dict):
                     raise OpenAIError(400, "the body must be a JSON object", "bad_message")
                 req = ov.parse_video_request(obj)
-            try:
-                name, model = self._service.rules.model_for(req.model)
-            except MessageError as exc:
-                raise OpenAIError(404, exc.message, "model_not_found", param="model") from None
+            name, model = model_for(self._service, req.model)
             msg = req.to_generate(model, served_name=name)
             try:
                 # The reference image is checked by the core from its header, then
-                # decoded by Service.prepare, as every door's input image is.
+                # decoded by Service.submit, as every door's input image is.
                 msg = await checked_uploads(self._service, client, msg, files, _FILES, model=(name, model))
-                prepared = await self._service.prepare(client, msg)
-                assert isinstance(prepared, protocol.Generate)
-                msg = prepared
                 size = f"{req.size[0]}x{req.size[1]}" if req.size is not None else _size_of(msg.params, model)
                 job = _Job(
-                    principal=client.principal.key, model=name, prompt=req.prompt,
-                    seconds=_seconds(msg.params, model), size=size, created_at=int(time.time()),
+                    principal=client.principal.key,
+                    model=name,
+                    prompt=req.prompt,
+                    seconds=_seconds(msg.params, model),
+                    size=size,
+                    created_at=int(time.time()),
                 )
-                state, video_id = self._service.state, msg.id
-                assert video_id is not None  # to_generate names every job
-                with state.written_with(video_id, _NOTE, asdict(job)) if state else contextlib.nullcontext():
-                    record = self._service.rules.generate(client, msg)
+                # The job is written down with the request, in one write (a restart keeps both or neither).
+                record = await self._service.submit(client, msg, note=(_NOTE, asdict(job)))
             except MessageError as exc:
                 raise as_sent(exc, _FILES) from None
         except REFUSALS as exc:
@@ -150,20 +145,28 @@ class OpenAIVideos:
             return found
         variant = request.query_params.get("variant", "video")
         if variant not in ("video", "thumbnail"):
-            return error_answer(OpenAIError(
-                400, f"variant {variant[:20]!r} is not served here: video or thumbnail", "unsupported",
-                param="variant",
-            ))
+            return error_answer(
+                OpenAIError(
+                    400,
+                    f"variant {variant[:20]!r} is not served here: video or thumbnail",
+                    "unsupported",
+                    param="variant",
+                )
+            )
         result = found.result(0)
         if result is None:
             status = self._status(found)
-            return error_answer(OpenAIError(
-                409, f"video {found.id} is {status}: its content exists once it is completed", "not_ready"
-            ))
-        header, data = result
+            return error_answer(
+                OpenAIError(
+                    409, f"video {found.id} is {status}: its content exists once it is completed", "not_ready"
+                )
+            )
+        header, data = result.header, result.image
         if variant == "video":
             return responses.BufferResponse(
-                data, status_code=200, media_type=header.mime,
+                data,
+                status_code=200,
+                media_type=header.mime,
                 headers={"Content-Disposition": f'inline; filename="{found.id}.{header.format}"'},
                 budget=self._service.memory,
             )
@@ -186,10 +189,13 @@ class OpenAIVideos:
         try:
             limit_text = request.query_params.get("limit", "20")
             if not limit_text.isdigit():
-                raise OpenAIError(400, f"limit must be a number, got {limit_text[:20]!r}", "invalid_field",
-                                  param="limit")
+                raise OpenAIError(
+                    400, f"limit must be a number, got {limit_text[:20]!r}", "invalid_field", param="limit"
+                )
             page = ov.list_page(
-                mine, after=request.query_params.get("after"), limit=int(limit_text),
+                mine,
+                after=request.query_params.get("after"),
+                limit=int(limit_text),
                 order=request.query_params.get("order", "desc"),
             )
         except OpenAIError as exc:
@@ -218,8 +224,14 @@ class OpenAIVideos:
         job = self._jobs.get(video_id)
         record: RequestRecord | None = self._service.registry.get(video_id) if job is not None else None
         if job is None or record is None or job.principal != client.principal.key:
-            return error_answer(OpenAIError(404, f"no video {protocol.clip(video_id)!r} (unknown, expired, "
-                                           "deleted or not yours)", "not_found", param="video_id"))
+            return error_answer(
+                OpenAIError(
+                    404,
+                    f"no video {protocol.clip(video_id)!r} (unknown, expired, deleted or not yours)",
+                    "not_found",
+                    param="video_id",
+                )
+            )
         return record
 
     def _status(self, record: RequestRecord) -> str:
@@ -238,11 +250,12 @@ class OpenAIVideos:
         status = self._status(record)
         error = None
         if status == "failed":
-            terminal = record.terminal_message() or {}
-            if terminal.get("type") == "error":
-                error = {"code": terminal.get("code"), "message": terminal.get("message")}
+            terminal = record.terminal_message()
+            if isinstance(terminal, protocol.ErrorMessage):
+                error = {"code": terminal.code, "message": terminal.message}
             else:
-                failure = from_ours("cancelled", f"cancelled ({terminal.get('reason', 'engine')})")
+                reason = terminal.reason if isinstance(terminal, protocol.Cancelled) else "engine"
+                failure = from_ours("cancelled", f"cancelled ({reason})")
                 error = {"code": failure.code, "message": failure.message}
         ended = None if record.ended_at is None else int(record.ended_at + self._wall_offset)
         retention = self._service.limits.retention_s

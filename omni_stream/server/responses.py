@@ -41,6 +41,7 @@ __all__ = [
     "preview_wire",
     "respond",
     "BufferResponse",
+    "ErrorResponse",
     "until_sent",
 ]
 
@@ -64,6 +65,22 @@ def json_response(status: int, payload: Any, *, extra: Mapping[str, str] | None 
     return respond(status, body, "application/json", extra=extra)
 
 
+class ErrorResponse(Response):
+    """Our error answer, ``{"error": code, "message": message, **fields}``, keeping what it says:
+    a door with another error shape (the OpenAI routes') rebuilds it from these, not the body."""
+
+    def __init__(
+        self, status: int, code: str, message: str, *, extra: Mapping[str, str] | None, fields: dict[str, Any]
+    ) -> None:
+        payload = {"error": code, "message": message, **fields}
+        body = json.dumps(payload, separators=(",", ":"), allow_nan=False).encode()
+        headers = {**_COMMON, **(extra or {})}
+        super().__init__(body, status_code=status, headers=headers, media_type="application/json")
+        self.code = code
+        self.message = message
+        self.fields = fields
+
+
 def error_response(
     status: int,
     code: str,
@@ -71,9 +88,9 @@ def error_response(
     *,
     extra: Mapping[str, str] | None = None,
     **fields: Any,
-) -> Response:
+) -> ErrorResponse:
     """``{"error": code, "message": message, **fields}`` with ``status``."""
-    return json_response(status, {"error": code, "message": message, **fields}, extra=extra)
+    return ErrorResponse(status, code, message, extra=extra, fields=fields)
 
 
 def method_not_allowed(method: str, path: str, *, allow: tuple[str, ...]) -> Response:

@@ -8,7 +8,9 @@ decodes input images off the event loop for the doors (:meth:`prepare`),
 logs one line per request, and shuts down gracefully
 (:meth:`shutdown_requests`). The doors (the websocket in ``websocket.py``,
 the HTTP API and its event streams in ``http_api.py``) call the rules
-through :attr:`rules` and the few async steps here.
+through :attr:`rules` and the few async steps here. What it reports has
+a module each: the request's log line (``request_log.py``), ``/health``'s
+body (``health.py``), the descriptors counted (``descriptors.py``).
 
 Lifecycle: ``async with service:`` (one task enters and leaves it) starts
 the engine when the service owns it and the task group; on leaving it
@@ -18,13 +20,10 @@ cancels what still runs.
 from __future__ import annotations
 
 import dataclasses
-import errno
-import json
 import logging
 import math
-import os
 import time
-from collections.abc import Awaitable, Callable, Coroutine
+from collections.abc import Awaitable, Callable, Coroutine, Mapping
 from contextlib import AsyncExitStack
 from types import TracebackType
 from typing import TYPE_CHECKING, Any
@@ -44,14 +43,18 @@ from ..errors import EngineDeadError, LifecycleError, OmniStreamError, ParamsErr
 from ..lifecycle import Lifecycle
 from ..preview import Previewer
 from .consumer import stream_request
+from .descriptors import FdWarning, fd_soft_limit, open_fds
+from .health import health_payload
+from .request_log import log_request_done
 from .state import StateKeeper, StateOptions
 
 if TYPE_CHECKING:
-    from ..core.records import RequestRecord
+    from ..core.records import RequestRecord, Terminal
+    from ..core.webhooks import Delivery
     from ..engine.like import EngineLike, FrameStreamLike
     from .webhooks import WebhookSender
 
-__all__ = ["NOT_STARTED", "Service"]
+__all__ = ["NOT_STARTED", "FdWarning", "Service"]
 
 logger = logging.getLogger("omni_stream.server")
 
@@ -61,7 +64,6 @@ _ENGINE_WATCH_S = 0.2
 #: calls "out of descriptors".
 _FD_WATCH_S = 5.0
 _FD_HEADROOM = 8
-_FD_WARN_EVERY_S = 60.0
 #: Input images decoded at once (each a worker thread, off the event loop):
 #: one, so decoding never takes both cores of a small box from the producer.
 _DECODE_THREADS = 1
@@ -101,7 +103,6 @@ class Service:
         self.rules = Rules(engine, limits=limits, tokens=tokens, webhooks=webhooks)
         #: The state directory (requests, checkpoints, results on disk), None without one.
         self.state = StateKeeper(self.rules, state) if state is not None and state.path is not None else None
-        self.rules.on_start = self._start_consumer
         self.webhooks: WebhookSender | None = None
         if webhooks is not None:
             try:
@@ -112,11 +113,7 @@ class Service:
                     field="webhook_allow",
                 ) from None
             self.webhooks = WebhookSender(webhooks)
-            self.rules.on_webhook = self.webhooks.submit
-        self.rules.on_requests_idle = lambda: self._requests_idle.set()
         self._pause_changed = anyio.Event()
-        self.rules.on_paused = lambda: self._pause_changed.set()
-        self.rules.on_clients_idle = lambda: self._connections_idle.set()
         self.engine = engine
         self.model = self.rules.model
         self.limits = limits
@@ -133,6 +130,8 @@ class Service:
         self._on_fatal = on_fatal
         self.fd_warning = FdWarning()
         self._trimming = False
+        # Last: the core acts through this service (core/effects.py's Shell) from here on.
+        self.rules.bind(self)
 
     # -- what the doors read --------------------------------------------------------
 
@@ -282,7 +281,7 @@ class Service:
         for record in self.registry.running():
             # Still rendering a preview: its watchers hear the outcome now
             # (finish is idempotent; the consumer's own finish is ignored).
-            record.finish(protocol.cancelled(record.id, reason="shutdown"), now=time.monotonic())
+            record.finish(protocol.Cancelled.build(record.id, reason="shutdown"), now=time.monotonic())
         if self.webhooks is not None:
             # The ends just sent get a short grace to reach their receivers;
             # what is still pending then is dropped, with a log line.
@@ -333,69 +332,82 @@ class Service:
         )
         return dataclasses.replace(msg, params=inputs.with_images(msg.params, decoded))
 
+    async def submit(
+        self, client: Client, msg: protocol.Generate, *, note: tuple[str, Mapping[str, Any]] | None = None
+    ) -> RequestRecord:
+        """The one way a door puts a ``generate`` into the core: its images prepared (:meth:`prepare`),
+        then admitted (``Rules.generate``); ``client``'s outbox, if it has one, watches it.
+
+        ``note``: ``(key, value)`` the state directory writes down with the request (a door's
+        own record of it, such as an OpenAI video job), atomically with its admission.
+        Raises MessageError with the code to answer, the refusal counted once by its code,
+        whichever step refused it (the metrics agree across doors).
+        """
+        try:
+            prepared = await self.prepare(client, msg)
+        except protocol.MessageError as exc:
+            self.rules.refused(exc)
+            raise
+        assert isinstance(prepared, protocol.Generate)
+        if note is None or self.state is None or prepared.id is None:
+            return self.rules.generate(client, prepared)
+        with self.state.written_with(prepared.id, *note):
+            return self.rules.generate(client, prepared)
+
     async def receive(self, client: Client, data: str | bytes) -> None:
-        """One client message, start to end: parsed, its images prepared, acted on (replies in its outbox)."""
+        """One websocket message, start to end: parsed, a ``generate`` submitted (:meth:`submit`), the
+        others acted on; every reply in the client's outbox."""
         msg = self.rules.receive(client, data)
         if msg is None:
             return
-        try:
-            msg = await self.prepare(client, msg)
-        except protocol.MessageError as exc:
-            self.rules.metrics.rejections.labels(exc.code).inc()
-            self.rules.metrics.requests.labels("rejected").inc()
-            self.rules.reply_error(client, exc, request_id=exc.request_id)
+        if not isinstance(msg, protocol.Generate):
+            self.rules.dispatch(client, msg)
             return
-        self.rules.dispatch(client, msg)
+        try:
+            await self.submit(client, msg)
+        except protocol.MessageError as exc:
+            # An id the server made up means nothing to the client.
+            request_id = None if msg.id is None else exc.request_id
+            self.rules.reply_error(client, exc, request_id=request_id)
+        except Exception as exc:
+            # A bug: this message gets ``internal``; the client and the server go on.
+            logger.exception("handling a message from client %s failed", client.id)
+            self.rules.reply_error(
+                client,
+                protocol.MessageError("internal", f"internal server error: {exc!r}"),
+                request_id=msg.id,
+            )
 
     def health_payload(self) -> tuple[int, dict[str, Any]]:
-        """``/health``: (HTTP status, body). 200 while it can serve, busy included."""
-        rules = self.rules
-        health = self.engine.health()
-        payload = health.to_dict()
-        load = rules.load(health)
-        # One meaning for active and queued: the server's (load's), which
-        # counts the requests waiting in the gate; the engine's own counts
-        # (where requests sit inside it) are under "engine".
-        engine_view = {"active": payload["active"], "queued": payload["queued"]}
-        payload.update(active=load.active, queued=load.queued, engine=engine_view)
-        payload["server"] = {
-            "connections": len(rules.clients),
-            "principals": len(rules.open_by_principal),
-            "requests": len(self.registry.running()),
-            "retained": len(self.registry.retained()),
-        }
-        payload["load"] = load.to_dict()
-        if not self.started:
-            # Mounted without its lifespan: a 200 here would be a zombie
-            # that passes every probe and refuses every request.
-            payload.update(status="not_started", ok=False, reason=NOT_STARTED)
-        elif self.closing and health.ok:
-            payload.update(status="shutting_down", ok=False, reason="the server is shutting down")
-        elif health.ok and load.busy:
-            # 200: a full server is healthy (a 503 would make a liveness
-            # probe restart it, killing the work it is busy with).
-            payload.update(
-                status="busy",
-                reason=f"the server holds {load.held} requests, max_active + max_queued; "
-                "a generate gets error busy",
-            )
-            payload["load"]["retry_after_s"] = rules.retry_after(load)
-        if self.fatal is not None and payload["ok"]:
-            # A failed server task (stay_dead keeps the process up): not
-            # able to serve, though the engine is.
-            payload.update(status="dead", ok=False, reason=str(self.fatal))
-        return (200 if payload["ok"] else 503), payload
+        """``/health``: (HTTP status, body). 200 while it can serve, busy included (health.py)."""
+        return health_payload(self)
 
     # -- one consumer per request ------------------------------------------------
 
-    def _start_consumer(self, admitted: Admitted, stream: FrameStreamLike) -> None:
+    # -- the core's effects (core/effects.py's Shell) ----------------------------------
+
+    def send_webhook(self, delivery: Delivery) -> None:
+        assert self.webhooks is not None  # the core refuses webhooks on a server without them
+        self.webhooks.submit(delivery)
+
+    def pause_changed(self) -> None:
+        self._pause_changed.set()
+
+    def requests_idle(self) -> None:
+        self._requests_idle.set()
+
+    def clients_idle(self) -> None:
+        self._connections_idle.set()
+
+    def start_consumer(self, admitted: Admitted, stream: FrameStreamLike) -> None:
         if self._tg is None:
             raise LifecycleError("the server is not started")
         self._tg.start_soon(self._consume, admitted, stream, name=f"omni_stream request {admitted.record.id}")
 
     async def _consume(self, admitted: Admitted, stream: FrameStreamLike) -> None:
         record = admitted.record
-        message: dict[str, Any] | None = None
+        journal = self.rules.journal
+        message: Terminal | None = None
         if getattr(stream, "loading", False):
             # Its model is not on the device yet (engine/router.py): its first
             # frame waits for the load; say so until it comes.
@@ -414,18 +426,20 @@ class Service:
                 # replaces what the server has not taken); under another
                 # policy the engine would wait on it.
                 paced="policy" in self.rules.stream_keywords,
-                on_resume_refused=self.rules.on_resume_refused,
-                on_handed_over=self.rules.on_handed_over,
+                on_resume_refused=None if journal is None else journal.resume_refused,
+                on_handed_over=None if journal is None else journal.handed_over,
             )
         except Exception as exc:
             logger.exception("request %s: the server failed while streaming it", record.id)
-            message = protocol.error("internal", f"internal server error: {exc!r}", request_id=record.id)
+            message = protocol.ErrorMessage.build(
+                "internal", f"internal server error: {exc!r}", request_id=record.id
+            )
         finally:
             if message is None:  # the service's task group was cancelled
-                message = protocol.cancelled(record.id, reason="shutdown")
+                message = protocol.Cancelled.build(record.id, reason="shutdown")
             try:
                 self.rules.consumer_done(record, message)
-                _log_request_done(record, message, model=admitted.model)
+                log_request_done(record, message, model=admitted.model)
                 if not self.registry.running() and not self._trimming and self._tg is not None:
                     self._trimming = True
                     self._tg.start_soon(self._trim_heap, name="omni_stream heap trim")
@@ -500,13 +514,13 @@ class Service:
         # the process is out of descriptors (libuv's EMFILE trick), so count
         # them: what asyncio's own loop reports goes through serve()'s
         # exception handler to the same once-a-minute warning.
-        limit = _fd_soft_limit()
-        if limit is None or _open_fds() is None:
+        limit = fd_soft_limit()
+        if limit is None or open_fds() is None:
             return  # no RLIMIT_NOFILE or no /proc/self/fd (/dev/fd) here
         while True:
             await anyio.sleep(_FD_WATCH_S)
-            count = _open_fds()
-            limit = _fd_soft_limit() or limit
+            count = open_fds()
+            limit = fd_soft_limit() or limit
             if count is not None and count >= limit - _FD_HEADROOM:
                 self.fd_warning.warn(f"{count} of RLIMIT_NOFILE={limit} descriptors are open")
 
@@ -521,76 +535,3 @@ class Service:
             self.rules.rates.sweep(self.rules.clock())
             if self.state is not None:
                 await self.state.prune()
-
-
-class FdWarning:
-    """The out-of-file-descriptors warning, at most once a minute (it recurs on every accept)."""
-
-    def __init__(self) -> None:
-        self._last: float | None = None
-
-    def warn(self, detail: str) -> bool:
-        """Log it unless it was logged less than a minute ago; returns whether it was."""
-        now = time.monotonic()
-        if self._last is not None and now - self._last < _FD_WARN_EVERY_S:
-            return False
-        self._last = now
-        logger.warning(
-            "out of file descriptors (%s): new connections are refused or dropped unanswered; "
-            "raise the limit (ulimit -n, systemd LimitNOFILE=) or lower max_connections",
-            detail,
-        )
-        return True
-
-
-def _fd_soft_limit() -> int | None:
-    try:
-        import resource
-    except ImportError:  # pragma: no cover - Windows
-        return None
-    soft, _ = resource.getrlimit(resource.RLIMIT_NOFILE)
-    return None if soft == resource.RLIM_INFINITY else int(soft)
-
-
-def _open_fds() -> int | None:
-    """Descriptors this process has open; None where it cannot tell."""
-    for folder in ("/proc/self/fd", "/dev/fd"):
-        try:
-            return len(os.listdir(folder))
-        except OSError as exc:
-            if exc.errno in (errno.EMFILE, errno.ENFILE):
-                # Listing needs a descriptor itself: none is left.
-                return _fd_soft_limit()
-    return None
-
-
-def _kv(value: Any) -> str:
-    text = str(value)
-    return json.dumps(text) if not text or any(c.isspace() or c in '"=' for c in text) else text
-
-
-def _log_request_done(record: RequestRecord, message: dict[str, Any], *, model: str) -> None:
-    """One INFO line per request as it ends: key=value text, the same fields in ``extra``."""
-    outcome = record.outcome or str(message.get("type"))
-    same = outcome == message.get("type")  # (shutdown may have ended it first)
-    fields: dict[str, Any] = {
-        "request_id": record.id,
-        "connection": record.owner,
-        "principal": record.principal,
-        "model": model,
-        "outcome": outcome,
-        "code": message.get("code") if same else None,
-        "reason": message.get("reason") if same else None,
-        "steps": record.latest_step,
-        "total_steps": record.total,
-        # Frames the server took from the engine, those the engine replaced
-        # with newer ones while the server was busy (latest-wins), previews sent.
-        "frames": record.frames_taken,
-        "frames_dropped": max(0, record.latest_step - record.frames_taken),
-        "previews": record.previews_sent,
-        "elapsed_s": round((record.ended_at or time.monotonic()) - record.created_at, 3),
-        "detach": record.detach,
-    }
-    names = {"request_id": "id", "connection": "conn", "total_steps": "total"}
-    text = " ".join(f"{names.get(k, k)}={_kv(v)}" for k, v in fields.items() if v is not None)
-    logger.info("request done %s", text, extra=fields)

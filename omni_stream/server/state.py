@@ -41,22 +41,24 @@ request's writes go through its own lane, in order (recorded, then
 checkpoints, then its end, then its deletion), and a lane holds at most one
 checkpoint waiting: a newer one replaces it (latest wins), so a slow disk
 costs more redone steps after a crash, never memory or the engine's time.
+
+Its parts, a module each: the lanes that run the writes
+(``state_lanes.py``), the restart's reading back and re-admitting
+(``state_restore.py``), and the forms a request takes in the folder, both
+ways (``state_forms.py``, pure); here are the settings, the rules' hooks
+and the checkpoints' hand-over from the producer thread.
 """
 
 from __future__ import annotations
 
-import base64
-import collections
 import contextlib
 import dataclasses
 import functools
-import io
-import json
 import logging
 import math
 import threading
 import time
-from collections.abc import Callable, Iterator, Mapping
+from collections.abc import Iterator, Mapping
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Final
 
@@ -66,22 +68,26 @@ import anyio.to_thread
 
 from .. import config, protocol
 from .._backend import ThreadsafeLoop, running_loop
-from ..core import inputs
-from ..core.principal import Principal
-from ..core.records import RequestRecord
-from ..core.rules import Admitted, Client
-from ..engine.like import resumes_from_bytes
-from ..errors import CheckpointError, LifecycleError, ParamsError, StoreError
+from ..core.records import RequestRecord, Terminal
+from ..core.rules import Admitted
+from ..errors import CheckpointError, ParamsError
 from ..params import positive_int
 from ..store import RequestEntry, Store, StoredResult
+from .state_forms import NOTES, wire_message
+from .state_lanes import Lane
+from .state_restore import Restorer
 
 if TYPE_CHECKING:
     from ..checkpoint import Checkpoint, CheckpointLike
     from ..core.rules import Rules
-    from ..store import Saved, Status
+    from ..store import Status
 
 __all__ = [
-    "DEFAULT_CHECKPOINT_EVERY", "DEFAULT_STATE_MAX_BYTES", "STATE_OPTIONS", "StateKeeper", "StateOptions",
+    "DEFAULT_CHECKPOINT_EVERY",
+    "DEFAULT_STATE_MAX_BYTES",
+    "STATE_OPTIONS",
+    "StateKeeper",
+    "StateOptions",
 ]
 
 logger = logging.getLogger("omni_stream.server")
@@ -98,10 +104,6 @@ STATE_OPTIONS: Final = ("state_dir", "checkpoint_every", "checkpoint_seconds", "
 _STORE_THREADS = 2
 #: The least seconds between two prunes of the store by the retention sweep.
 _PRUNE_EVERY_S = 5.0
-#: The door of a request re-admitted after a restart (its client is gone).
-_RESTART_DOOR = "restart"
-#: Where a recorded request keeps what doors wrote with it (StateKeeper.written_with).
-_NOTES = "notes"
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
@@ -164,26 +166,7 @@ class StateOptions:
         )
 
 
-@dataclasses.dataclass(eq=False)
-class _Lane:
-    """One request's writes, run in order; at most one checkpoint waiting (latest wins)."""
-
-    ops: collections.deque[Callable[[], None]] = dataclasses.field(default_factory=collections.deque)
-    checkpoint: CheckpointLike | None = None
-    running: bool = False
-    #: Its end is queued: a checkpoint arriving now would be refused by the store anyway.
-    ending: bool = False
-    #: Deleted from the store: the lane goes once idle.
-    forgotten: bool = False
-
-    def next(self) -> Callable[[], None] | CheckpointLike | None:
-        if self.ops:
-            return self.ops.popleft()
-        checkpoint, self.checkpoint = self.checkpoint, None
-        return checkpoint
-
-
-class StateKeeper:
+class StateKeeper(Restorer):
     """The state directory's side of a server (see the module docstring).
 
     Built with the server's :class:`~omni_stream.core.rules.Rules`, whose
@@ -202,7 +185,7 @@ class StateKeeper:
         #: The step of each request's latest checkpoint written in this process.
         self.checkpoint_steps: dict[str, int] = {}
         self._limiter = anyio.CapacityLimiter(_STORE_THREADS)
-        self._lanes: dict[str, _Lane] = {}
+        self._lanes: dict[str, Lane] = {}
         self._busy = 0
         self._idle: anyio.Event | None = None
         self._send, self._ready = anyio.create_memory_object_stream[str](math.inf)
@@ -229,11 +212,7 @@ class StateKeeper:
         self._last_prune = -math.inf
         take = {"checkpoint_every", "on_checkpoint"}
         self._takes_checkpoints = take <= rules.stream_keywords
-        rules.on_admitted = self._admitted
-        rules.stream_options = self._stream_options
-        rules.on_resume_refused = self._resume_refused
-        rules.on_handed_over = self._handed_over
-        rules.on_finished = self._finished
+        rules.keep_journal(self)  # the core writes down through this (core/effects.py's Journal)
         rules.registry.on_forget = self._forgotten
 
     # -- lifecycle -----------------------------------------------------------------
@@ -265,17 +244,13 @@ class StateKeeper:
         logger.info(
             "state directory %s: %d finished requests served again, %d unfinished resumed "
             "(checkpoint every %d steps%s, max %d bytes)",
-            self.path, restored, resumed, options.checkpoint_every,
+            self.path,
+            restored,
+            resumed,
+            options.checkpoint_every,
             f", at most every {options.checkpoint_seconds:g} s" if options.checkpoint_seconds else "",
             options.max_bytes,
         )
-
-    async def flush(self) -> None:
-        """Return once every write queued so far is done (a graceful shutdown's last step)."""
-        while self._busy:
-            if self._idle is None:
-                self._idle = anyio.Event()
-            await self._idle.wait()
 
     async def close(self) -> None:
         """Stop taking checkpoints and close the folder; idempotent."""
@@ -321,7 +296,7 @@ class StateKeeper:
 
     # -- the rules' hooks (event loop) -------------------------------------------------
 
-    def _admitted(self, admitted: Admitted, msg: protocol.Generate) -> None:
+    def admitted(self, admitted: Admitted, msg: protocol.Generate) -> None:
         record = admitted.record
         rid = record.id
         if rid in self._restoring:
@@ -333,7 +308,7 @@ class StateKeeper:
                 self._publish_restart(admitted, resume if self._resumable else None, self._restarts[rid])
             return
         principal = record.principal
-        accepted = json.loads(record.accepted_message(attached=False))
+        accepted = record.accepted_message(attached=False).to_dict()
         message: dict[str, Any] = {
             "type": "generate",
             "id": rid,
@@ -347,14 +322,14 @@ class StateKeeper:
         }
         created_at = time.time()
         # What its priority counts against other principals' (its token's grant
-        # applied): a restart gives it back (_principal), capped by the token then.
+        # applied): a restart gives it back (state_forms.principal_of), capped by the token then.
         cross = admitted.cross_priority
         notes = self._noted.pop(rid, None)
 
         def write() -> None:
-            recorded = {"generate": _wire(message), "accepted": accepted, "cross_priority": cross}
+            recorded = {"generate": wire_message(message), "accepted": accepted, "cross_priority": cross}
             if notes:
-                recorded[_NOTES] = notes
+                recorded[NOTES] = notes
             entry = RequestEntry(
                 rid, principal, admitted.model, recorded, created_at, record.total, record.seed
             )
@@ -372,7 +347,7 @@ class StateKeeper:
         """The engine takes a checkpoint to resume from."""
         return "resume" in self.rules.stream_keywords
 
-    def _stream_options(self, admitted: Admitted) -> dict[str, Any]:
+    def stream_options(self, admitted: Admitted) -> dict[str, Any]:
         rid = admitted.record.id
         options: dict[str, Any] = {}
         resume = self._resume.pop(rid, None)
@@ -429,7 +404,7 @@ class StateKeeper:
         self.rules.metrics.restarts.labels(reason).inc()
         self._note_restart(record, from_step, reason)
 
-    def _handed_over(self, record: RequestRecord, from_step: int) -> None:
+    def handed_over(self, record: RequestRecord, from_step: int) -> None:
         # A Ray replica died and another goes on with the request (the consumer said and counted
         # it): written down like a restart of ours, so a later start says it too.
         self._note_restart(record, from_step, "replica_lost")
@@ -439,7 +414,7 @@ class StateKeeper:
         rid, notice = record.id, {"from_step": from_step, "reason": reason}
         self._queue(rid, lambda: self._open_store().annotate(rid, "restarted", notice), "noting the restart")
 
-    def _resume_refused(self, record: RequestRecord, exc: CheckpointError) -> None:
+    def resume_refused(self, record: RequestRecord, exc: CheckpointError) -> None:
         logger.warning(
             "request %s: its model refused its checkpoint (%s): it starts again from step 0", record.id, exc
         )
@@ -448,10 +423,10 @@ class StateKeeper:
         self._said_restarted(record, 0, "checkpoint_unusable")
         self._queue(rid, lambda: self._open_store().discard_checkpoint(rid), "dropping a checkpoint")
 
-    def _finished(self, record: RequestRecord, message: dict[str, Any]) -> None:
+    def finished(self, record: RequestRecord, ended: Terminal) -> None:
         rid = record.id
-        kind = str(message.get("type"))
-        if kind == "cancelled" and message.get("reason") == "shutdown" and self.rules.closing:
+        kind = ended.kind
+        if isinstance(ended, protocol.Cancelled) and ended.reason == "shutdown" and self.rules.closing:
             # A deploy or a restart, not the client's wish: it stays running in
             # the folder, and the next start resumes it from its checkpoint.
             self._kept.add(rid)
@@ -463,14 +438,23 @@ class StateKeeper:
             lane.ending = True
             lane.checkpoint = None
         ended_at = time.time()
+        # The store keeps the message as the wire's JSON object.
+        message = ended.to_dict()
         results = [record.result(i) for i in range(record.result_count)]
         if kind == "done" and results:
             stored = [
                 StoredResult(
-                    header.step, header.format, header.mime, header.width, header.height, data,
-                    index=header.index, images=header.images,
+                    r.header.step,
+                    r.header.format,
+                    r.header.mime,
+                    r.header.width,
+                    r.header.height,
+                    r.image,
+                    index=r.header.index,
+                    images=r.header.images,
                 )
-                for header, data in (r for r in results if r is not None)
+                for r in results
+                if r is not None
             ]
             self._queue(
                 rid,
@@ -482,7 +466,8 @@ class StateKeeper:
             return
         status: Status = "done" if kind == "done" else "cancelled" if kind == "cancelled" else "failed"
         self._queue(
-            rid, lambda: self._open_store().mark_ended(rid, status, ended_at, terminal=message),
+            rid,
+            lambda: self._open_store().mark_ended(rid, status, ended_at, terminal=message),
             "recording the end",
         )
 
@@ -527,269 +512,3 @@ class StateKeeper:
             return
         lane.checkpoint = checkpoint
         self._kick(request_id, lane)
-
-    def _write_checkpoint(self, request_id: str, checkpoint: CheckpointLike) -> None:
-        # (Worker thread.) The bytes are made here, not on the producer or the loop.
-        data = checkpoint.to_bytes()
-        saved = self._open_store().save_checkpoint(request_id, checkpoint.step, data)
-        if saved.stored:
-            self.checkpoint_steps[request_id] = checkpoint.step
-            logger.debug("request %s: checkpoint at step %d written", request_id, checkpoint.step)
-        self._saved(request_id, saved)
-
-    # -- the lanes -----------------------------------------------------------------
-
-    def _queue(self, request_id: str, op: Callable[[], object], doing: str, *, new: bool = False) -> None:
-        lane = self._lanes.get(request_id)
-        if lane is None:
-            lane = self._lanes[request_id] = _Lane()
-        elif new:
-            lane.ending = lane.forgotten = False  # an id used again, after its deletion
-        lane.ops.append(lambda: self._logged(doing, request_id, op))
-        self._kick(request_id, lane)
-
-    def _kick(self, request_id: str, lane: _Lane) -> None:
-        if not lane.running and self.store is not None:
-            lane.running = True
-            self._busy += 1
-            self._send.send_nowait(request_id)
-
-    async def _dispatch(self) -> None:
-        assert self._tg is not None
-        async with self._ready:
-            async for request_id in self._ready:
-                self._tg.start_soon(self._drain, request_id, name=f"omni_stream state {request_id}")
-
-    async def _drain(self, request_id: str) -> None:
-        lane = self._lanes[request_id]
-        try:
-            while (item := lane.next()) is not None:
-                if callable(item):
-                    await self._run(item)
-                else:
-                    write = functools.partial(self._write_checkpoint, request_id, item)
-                    await self._run(
-                        functools.partial(self._logged, "writing a checkpoint", request_id, write)
-                    )
-        finally:
-            lane.running = False
-            if lane.forgotten and not lane.ops and self._lanes.get(request_id) is lane:
-                del self._lanes[request_id]
-                with self._lock:
-                    self._last_taken.pop(request_id, None)
-            self._busy -= 1
-            if self._busy == 0 and self._idle is not None:
-                self._idle.set()
-                self._idle = None
-
-    # -- a restart: what the folder holds comes back ----------------------------------
-
-    async def _restore_finished(self) -> int:
-        store = self._open_store()
-        wall = time.time()
-        entries = await self._run(lambda: store.finished(wall))
-        count = 0
-        for entry in entries:  # the longest ended first: the registry's bounds drop those first
-            accepted = entry.message.get("accepted")
-            if not isinstance(accepted, Mapping) or entry.ended_at is None:
-                continue
-            frames: list[bytes] = []
-            if entry.status == "done" and entry.result_count:
-                stored = await self._run(functools.partial(store.load_results, entry.request_id))
-                frames = [_pack(entry, r) for r in stored or ()]
-            terminal = entry.terminal or protocol.error(
-                "internal", "ended before a restart", request_id=entry.request_id
-            )
-            # The registry's clock (monotonic), as far back as the wall clock says it ended.
-            now = self.rules.clock()
-            try:
-                record = RequestRecord.restored(
-                    accepted, owner=f"{_RESTART_DOOR}:{entry.request_id}", principal=entry.principal,
-                    created_at=now - max(0.0, wall - entry.created_at),
-                    ended_at=now - max(0.0, wall - entry.ended_at),
-                    terminal=terminal, results=frames,
-                    priority=int(entry.message.get("generate", {}).get("priority") or 0),
-                    restarted=_restart_notice(entry.message.get("restarted")),
-                )
-            except (KeyError, ValueError) as exc:
-                logger.warning("request %s: not served again after the restart: %r", entry.request_id, exc)
-                continue
-            try:
-                self.rules.registry.add(record)
-            except protocol.MessageError as exc:
-                logger.warning(
-                    "request %s: not served again after the restart: %s", entry.request_id, exc.message
-                )
-                continue
-            self._keep_notes(entry)
-            count += 1
-        return count
-
-    async def _resume_unfinished(self) -> int:
-        store = self._open_store()
-        keep_bytes = resumes_from_bytes(self.rules.engine)
-        count = 0
-        for entry in await self._run(store.unfinished):
-            rid = entry.request_id
-            checkpoint = None
-            reason = "no_checkpoint"
-            if entry.checkpoint_step is not None:
-                # A torn or refused file: None, and the store says so (one WARNING).
-                # With its file's bytes only for an engine that sends them on (a Ray
-                # front door's): otherwise the tensors alone, half the memory, held
-                # until the request goes into the engine.
-                checkpoint = await self._run(
-                    functools.partial(store.load_checkpoint, rid, keep_bytes=keep_bytes)
-                )
-                if checkpoint is None:
-                    reason = "checkpoint_unusable"
-                    logger.info("request %s: resumed from step 0 (its checkpoint could not be read)", rid)
-                else:
-                    reason = "checkpoint"
-            else:
-                logger.warning("request %s: no checkpoint was written: it starts again from step 0", rid)
-            if self._readmit(entry, checkpoint, reason):
-                self._keep_notes(entry)
-                count += 1
-        return count
-
-    def _keep_notes(self, entry: RequestEntry) -> None:
-        notes = entry.message.get(_NOTES)
-        if isinstance(notes, Mapping) and notes:
-            self._restored_notes[entry.request_id] = dict(notes)
-
-    def _readmit(self, entry: RequestEntry, checkpoint: Checkpoint | None, reason: str) -> bool:
-        rid = entry.request_id
-        generate = dict(entry.message.get("generate") or {})
-        generate["detach"] = True  # its client is gone; the id gets it back (attach, GET)
-        if generate.get("webhook") is not None and self.rules.webhooks is None:
-            logger.warning("request %s: resumed without its webhook (this server sends none)", rid)
-            generate.pop("webhook")
-        principal = _principal(entry.principal, rid, grant=self._grant_of(entry))
-        client = Client(f"{_RESTART_DOOR}:{rid}", principal, _RESTART_DOOR)
-        if checkpoint is not None:
-            self._resume[rid] = checkpoint
-        self._restarts[rid] = reason
-        self._restoring.add(rid)
-        self._lanes.setdefault(rid, _Lane())
-        try:
-            msg = protocol.parse_client_message(json.dumps(generate))
-            if not isinstance(msg, protocol.Generate):
-                raise protocol.MessageError("bad_message", "the recorded message is not a generate")
-            self.rules.generate(client, msg)
-        except protocol.MessageError as exc:
-            self._restoring.discard(rid)
-            self._resume.pop(rid, None)
-            self._restarts.pop(rid, None)
-            logger.warning("request %s: could not be resumed after the restart: %s", rid, exc.message)
-            terminal = protocol.error(
-                "engine_error", f"the server restarted and could not resume this request: {exc.message}",
-                request_id=rid,
-            )
-            store = self._open_store()
-            self._queue(
-                rid, lambda: store.mark_ended(rid, "failed", time.time(), terminal=terminal),
-                "recording the end",
-            )
-            return False
-        if checkpoint is not None:
-            self.checkpoint_steps[rid] = checkpoint.step
-        return True
-
-    def _grant_of(self, entry: RequestEntry) -> int:
-        """The priority grant ``entry``'s request is resumed with: what it carried against other
-        principals when it was accepted, never more than its token grants on this server (0 for a
-        token no longer configured, and for a principal that is not a token)."""
-        kind, _, name = entry.principal.partition(":")
-        recorded = entry.message.get("cross_priority")
-        if kind != "token" or isinstance(recorded, bool) or not isinstance(recorded, int):
-            return 0  # (a folder written before the grant was recorded: none)
-        token = self.rules.tokens.named(name)
-        return max(0, min(recorded, token.priority if token is not None else 0))
-
-    # -- plumbing ------------------------------------------------------------------
-
-    def _open_store(self) -> Store:
-        if self.store is None:
-            raise LifecycleError("the state directory is closed")
-        return self.store
-
-    async def _run(self, fn: Callable[[], Any]) -> Any:
-        return await anyio.to_thread.run_sync(fn, limiter=self._limiter)
-
-    async def _guarded(self, doing: str, fn: Callable[[], Any]) -> Any:
-        return await self._run(lambda: self._logged(doing, None, fn))
-
-    def _logged(self, doing: str, request_id: str | None, fn: Callable[[], Any]) -> Any:
-        # (Worker thread.) A full disk or a closed store costs what it wrote,
-        # never the request or the server: one WARNING, and on.
-        try:
-            return fn()
-        except LifecycleError:
-            return None  # closed under it: shutting down
-        except (StoreError, CheckpointError, OSError) as exc:
-            where = f"request {request_id}: " if request_id else ""
-            logger.warning("%sstate directory %s: %s failed: %s", where, self.path, doing, exc)
-            return None
-
-    def _saved(self, request_id: str, saved: Saved) -> None:
-        if saved.evicted:
-            logger.info(
-                "state directory %s: %d finished requests deleted to make room for %s",
-                self.path, len(saved.evicted), request_id,
-            )
-
-
-def _principal(key: str, request_id: str, *, grant: int = 0) -> Principal:
-    """The principal of ``key`` (``kind:name``), counted as it was before the restart; a token's
-    with ``grant`` (:meth:`StateKeeper._grant_of`), so the request ranks against other
-    principals' as it did."""
-    kind, _, name = key.partition(":")
-    if kind == "token":
-        return Principal("token", name, priority_grant=grant)
-    if kind == "address":
-        return Principal("address", name)
-    return Principal.of_connection(name or request_id)
-
-
-def _pack(entry: RequestEntry, result: StoredResult) -> bytes:
-    header = protocol.PreviewHeader(
-        entry.request_id, result.step, entry.total, True, result.format, result.width, result.height,
-        result.mime, index=result.index, images=result.images,
-    )
-    return protocol.pack_preview(header, result.data)
-
-
-def _wire(message: dict[str, Any]) -> dict[str, Any]:
-    """``message`` as JSON can carry it: a decoded input image back to a ``data:`` URL.
-
-    (Worker thread.) An image decoded from what the client sent goes back as
-    those bytes, a JPEG as the same JPEG (core/inputs.py keeps them on the
-    image), so a restart decodes the same pixels; one that came another way
-    (a model's own param object) as the PNG of its pixels.
-    """
-    params = message.get("params")
-    if not isinstance(params, Mapping):
-        return message
-    out = dict(params)
-    for name, value in params.items():
-        if hasattr(value, "save") and hasattr(value, "size") and hasattr(value, "mode"):  # a PIL image
-            source = inputs.source_of(value)
-            if source is not None:
-                kind, data = source
-            else:
-                buffer = io.BytesIO()
-                value.save(buffer, format="PNG")
-                kind, data = "PNG", buffer.getvalue()
-            out[name] = f"data:image/{kind.lower()};base64," + base64.b64encode(data).decode()
-    return {**message, "params": out}
-
-
-def _restart_notice(value: Any) -> tuple[int, str] | None:
-    """A recorded restart (``{"from_step", "reason"}``, ``StateKeeper._said_restarted``), else None."""
-    if not isinstance(value, Mapping):
-        return None
-    step, reason = value.get("from_step"), value.get("reason")
-    if isinstance(step, int) and not isinstance(step, bool) and isinstance(reason, str):
-        return step, reason
-    return None

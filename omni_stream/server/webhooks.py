@@ -128,8 +128,12 @@ class WebhookSender:
         try:
             async with (
                 httpx.AsyncClient(
-                    timeout=timeout, limits=limits, follow_redirects=False, transport=self._transport,
-                    headers={"user-agent": _USER_AGENT}, trust_env=False,
+                    timeout=timeout,
+                    limits=limits,
+                    follow_redirects=False,
+                    transport=self._transport,
+                    headers={"user-agent": _USER_AGENT},
+                    trust_env=False,
                 ) as client,
                 anyio.create_task_group() as tg,
             ):
@@ -190,7 +194,9 @@ class WebhookSender:
                 delivery.settle("failed", url)
                 logger.warning(
                     "webhook for request %s (%s) to %s not sent: httpx would send its URL in another "
-                    "form than the one the allow-list matched", delivery.request_id, delivery.event,
+                    "form than the one the allow-list matched",
+                    delivery.request_id,
+                    delivery.event,
                     _origin(delivery.url),
                 )
             self._check_idle()
@@ -221,7 +227,11 @@ class WebhookSender:
             self._queue.retry_at(delivery, due)
             logger.info(
                 "webhook for request %s (%s) failed try %d of %d: %s; trying again",
-                delivery.request_id, delivery.event, delivery.attempts, delivery.max_attempts, error,
+                delivery.request_id,
+                delivery.event,
+                delivery.attempts,
+                delivery.max_attempts,
+                error,
             )
         else:
             self.failed += 1
@@ -229,7 +239,10 @@ class WebhookSender:
             log = logger.warning if delivery.terminal else logger.info
             log(
                 "webhook for request %s (%s) to %s failed after %d tries: %s",
-                delivery.request_id, delivery.event, _origin(delivery.url), delivery.attempts,
+                delivery.request_id,
+                delivery.event,
+                _origin(delivery.url),
+                delivery.attempts,
                 delivery.last_error,
             )
         self._check_idle()

@@ -27,7 +27,7 @@ from starlette.websockets import WebSocket, WebSocketDisconnect
 
 from .. import protocol
 from ..core.limits import ServerLimits
-from ..core.outbox import Outbox, OutboxOverflowError
+from ..core.outbox import OutboxOverflowError
 from ..core.principal import Principal
 from ..core.rates import COST_BYTES, message_cost
 from ..core.rules import Client, Rules
@@ -62,21 +62,14 @@ class ClientConnection:
     def __init__(self, ws: WebSocket, *, rules: Rules, service: Service, principal: Principal) -> None:
         self.ws = ws
         self.remote = _remote(ws)
-        limits, metrics = rules.limits, rules.metrics
-        self.outbox = Outbox(
-            max_pending=limits.max_pending,
-            max_pending_bytes=limits.max_pending_bytes,
-            budget=rules.memory,
-            on_replaced=lambda kind: metrics.messages_dropped.labels(kind).inc(),
-            on_overflow=self._overflowed,
-        )
-        self.client: Client = rules.connect(principal, "websocket", self.outbox)
+        self.client: Client = rules.connect(principal, "websocket")
+        self.outbox = rules.open_outbox(self.client, on_overflow=self._overflowed)
         #: The client's id: the owner of the requests it starts.
         self.id = self.client.id
         self._rules = rules
         self._service = service
-        self._limits = limits
-        self._metrics = metrics
+        self._limits = rules.limits
+        self._metrics = rules.metrics
         # Set by close_soon: the writer closes the socket with it once drained.
         self._close_with: tuple[int, str] | None = None
         # The writer's current send: an overflowing outbox cancels it, since a
@@ -181,7 +174,7 @@ class ClientConnection:
                     self._send_scope = scope
                     self._send_started = anyio.current_time()
                     try:
-                        await self._send(item.data)
+                        await self._send(item.message.wire)
                     finally:
                         self._send_scope = None
                         self._send_started = None

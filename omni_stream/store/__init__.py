@@ -8,15 +8,21 @@ layout and what is safe to delete.
 
 .. code-block:: text
 
-    store.py    Store: open (and repair), record, checkpoint, results, bound, prune
-    entries.py  the records it takes and returns: RequestEntry, StoredResult, Saved, ...
-    schema.py   the database: tables, schema version, WAL
-    files.py    atomic writes (temporary file, fsync, rename, fsync of the folder), the folder lock
+    store.py        Store: open (and repair what a crash left), close; the parts below
+    requests.py     record, annotate, end, read, list, prune and delete requests
+    checkpoints.py  a request's latest checkpoint: save, load, discard
+    results.py      a done request's results: save (with its end), load (checked)
+    base.py         what the parts share: the database and its lock, the bound (eviction),
+                    the error boundary (StoreError)
+    entries.py      the records it takes and returns: RequestEntry, StoredResult, Saved, ...
+    schema.py       the database: tables, schema version, WAL
+    files.py        atomic writes (temporary file, fsync, rename, fsync of the folder), the folder lock
 
 Every Store method that touches the disk is synchronous: the server calls
 it in a worker thread (``anyio.to_thread.run_sync`` with a limiter).
 """
 
+from .base import CHECKPOINTS, DATABASE, RESULTS
 from .entries import (
     ENDED,
     STATUSES,
@@ -28,7 +34,7 @@ from .entries import (
     StoreStatistics,
 )
 from .schema import SCHEMA_VERSION
-from .store import CHECKPOINTS, DATABASE, RESULTS, Store
+from .store import Store
 
 __all__ = [
     "CHECKPOINTS",

@@ -21,7 +21,7 @@ from typing import Final
 
 from ..errors import StoreError
 
-__all__ = ["SCHEMA_VERSION", "connect"]
+__all__ = ["RESULT_COUNT", "ROW_BYTES", "SCHEMA_VERSION", "connect"]
 
 #: The layout of the tables below.
 SCHEMA_VERSION: Final = 1
@@ -65,6 +65,14 @@ CREATE TABLE results (
     PRIMARY KEY (request, idx)
 );
 """
+
+#: A request row's result count, as a column of a query over ``requests``.
+RESULT_COUNT: Final = "(SELECT COUNT(*) FROM results WHERE results.request = requests.id)"
+#: What a request row costs against ``max_bytes``: its message, its checkpoint, its results.
+ROW_BYTES: Final = (
+    "message_bytes + checkpoint_bytes"
+    " + COALESCE((SELECT SUM(bytes) FROM results WHERE results.request = requests.id), 0)"
+)
 
 
 def connect(path: Path, folder: Path) -> sqlite3.Connection:

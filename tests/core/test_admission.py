@@ -160,8 +160,8 @@ class _TakesImage(Synthetic):
 def test_an_input_image_larger_than_max_image_size_is_refused_from_its_header_before_a_decode() -> None:
     limits = ServerLimits(max_image_size=64)
     model = _TakesImage()
-    total, checked = check_params(model, {"image": _png_url(64, 8)}, limits, request_id="r")
-    assert total == 20 and checked["image"].size == (64, 8) and _TakesImage.decoded == 1
+    total, params = check_params(model, {"image": _png_url(64, 8)}, limits, request_id="r")
+    assert total == 20 and params.checked["image"].size == (64, 8) and _TakesImage.decoded == 1
     with pytest.raises(MessageError) as info:
         check_params(model, {"image": _png_url(65, 8)}, limits, request_id="r")
     assert (info.value.code, info.value.field) == ("limit_exceeded", "image")
@@ -177,10 +177,10 @@ def test_an_input_image_counts_at_its_decoded_size_in_the_memory_estimate() -> N
     model = _TakesImage()
     _, small = check_params(model, {"image": _png_url(16, 16)}, limits, request_id="r")
     _, large = check_params(model, {"image": _png_url(1024, 1024)}, limits, request_id="r")
-    big = estimate_memory(model, large)
+    big = estimate_memory(model, large.checked)
     assert big.field == "image"
     assert big.alone > 1024 * 1024 * 3 * 4 * 6  # at least its frames at 1024x1024
-    assert big.alone > 50 * estimate_memory(model, small).alone
+    assert big.alone > 50 * estimate_memory(model, small.checked).alone
 
 
 # -- load: max_active, max_queued, fair shares, retry_after ---------------------------

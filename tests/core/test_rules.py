@@ -23,6 +23,8 @@ from omni_stream.core.tokens import TokenGrant, Tokens
 from omni_stream.engine.stats import EngineStatistics, Health
 from omni_stream.models import Synthetic
 
+from .shell import RecordingShell
+
 SMALL = {"shape": [3, 8, 8], "work": 0, "steps": 4}
 
 
@@ -80,15 +82,16 @@ class StandIn:
 def make_rules(*, tokens: Tokens | None = None, **limits: Any) -> tuple[Rules, StandIn, list[str]]:
     engine = StandIn()
     rules = Rules(engine, limits=ServerLimits.from_env(limits), tokens=tokens)  # type: ignore[arg-type]
-    started: list[str] = []
-    rules.on_start = lambda admitted, stream: started.append(admitted.record.id)
+    shell = RecordingShell()
+    rules.bind(shell)
     rules.started = True
-    return rules, engine, started
+    return rules, engine, shell.started
 
 
 def connect(rules: Rules, principal: Principal, door: str = "websocket") -> Client:
-    outbox = Outbox(max_pending=64)
-    return rules.connect(principal, door, outbox)
+    client = rules.connect(principal, door)
+    client.outbox = Outbox(max_pending=64)
+    return client
 
 
 def generate(rules: Rules, client: Client, rid: str, **fields: Any) -> dict[str, Any]:
@@ -98,7 +101,7 @@ def generate(rules: Rules, client: Client, rid: str, **fields: Any) -> dict[str,
     assert client.outbox is not None
     item = client.outbox.get_nowait()
     assert item is not None, "no reply"
-    return json.loads(item.data)
+    return json.loads(item.message.wire)
 
 
 ANN = Principal.of_token(TokenGrant("ann", "a"))
@@ -217,7 +220,7 @@ def test_a_queued_request_goes_in_as_one_leaves_and_a_shutdowns_grace_still_lets
     assert generate(rules, client, "late")["code"] == "shutting_down"
     first = rules.registry.get("first")
     assert first is not None
-    rules.consumer_done(first, protocol.done("first", total=4, elapsed_s=0.1))
+    rules.consumer_done(first, protocol.Done.build("first", total=4, elapsed_s=0.1))
     assert started == ["first", "queued"]
 
 
@@ -229,7 +232,7 @@ def test_once_the_grace_is_over_nothing_queued_goes_in() -> None:
     rules.closing, rules.letting_in = True, False
     first = rules.registry.get("first")
     assert first is not None
-    rules.consumer_done(first, protocol.done("first", total=4, elapsed_s=0.1))
+    rules.consumer_done(first, protocol.Done.build("first", total=4, elapsed_s=0.1))
     assert started == ["first"]
 
 
@@ -241,7 +244,7 @@ def test_a_tenant_sees_and_cancels_its_own_requests_and_never_anothers() -> None
     for verb in ("cancel", "attach"):
         rules.handle(bob, json.dumps({"type": verb, "id": "secret"}))
         assert bob.outbox is not None
-        reply = json.loads(bob.outbox.get_nowait().data)  # type: ignore[union-attr]
+        reply = json.loads(bob.outbox.get_nowait().message.wire)  # type: ignore[union-attr]
         assert reply["code"] == "not_found"
     rules.handle(ann2, json.dumps({"type": "cancel", "id": "secret"}))
     assert engine.cancelled == ["secret"]
@@ -325,17 +328,17 @@ def pausing_rules(**limits: Any) -> tuple[Rules, Pausing, list[str], list[float]
     engine = Pausing()
     now = [0.0]
     rules = Rules(engine, limits=ServerLimits.from_env(limits), clock=lambda: now[0])  # type: ignore[arg-type]
-    started: list[str] = []
-    rules.on_start = lambda admitted, stream: started.append(admitted.record.id)
+    shell = RecordingShell()
+    rules.bind(shell)
     rules.started = True
-    return rules, engine, started, now
+    return rules, engine, shell.started, now
 
 
 def said(client: Client) -> list[dict[str, Any]]:
     out = []
     assert client.outbox is not None
     while (item := client.outbox.get_nowait()) is not None:
-        out.append(json.loads(item.data))
+        out.append(json.loads(item.message.wire))
     return out
 
 
@@ -356,7 +359,7 @@ def test_a_paused_request_gives_its_place_to_the_next_and_comes_back_through_the
     # Resumed while every place is held: it waits for one, paused in the engine meanwhile.
     rules.handle(ann, json.dumps({"type": "resume", "id": "a1"}))
     assert "a1" in engine.paused and "a1" in rules.gate and said(ann) == []
-    rules.consumer_done(rules.registry.get("b1"), protocol.done("b1", total=4, elapsed_s=1))
+    rules.consumer_done(rules.registry.get("b1"), protocol.Done.build("b1", total=4, elapsed_s=1))
     assert "a1" not in engine.paused and rules.gate.in_engine == 2
     assert said(ann)[-1] == {"type": "resumed", "id": "a1", "step": 0, "reason": "client"}
 
@@ -394,5 +397,5 @@ def test_a_paused_request_that_ends_gives_back_no_place_twice() -> None:
     assert started == ["a1", "b1"]
     rules.cancel(ann, "a1")  # cancelled while paused: its consumer ends it
     assert engine.cancelled == ["a1"]
-    rules.consumer_done(rules.registry.get("a1"), protocol.cancelled("a1", reason="client"))
+    rules.consumer_done(rules.registry.get("a1"), protocol.Cancelled.build("a1", reason="client"))
     assert started == ["a1", "b1"] and rules.gate.in_engine == 1 and rules.gate.waiting == 1

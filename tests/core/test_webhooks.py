@@ -34,6 +34,7 @@ from omni_stream.core.webhooks import (
 from omni_stream.errors import MessageError, ParamsError
 from omni_stream.protocol.client_messages import Generate
 
+from .shell import RecordingShell
 from .test_rules import StandIn, connect, generate
 
 SECRET = "whsec_" + base64.b64encode(bytes(range(32))).decode()
@@ -186,11 +187,10 @@ def test_a_url_matching_a_pattern_is_admitted() -> None:
 
 def make_rules(webhooks: WebhookConfig | None) -> tuple[Rules, list[Delivery]]:
     rules = Rules(StandIn(), limits=ServerLimits.from_env({}), webhooks=webhooks)  # type: ignore[arg-type]
-    rules.on_start = lambda admitted, stream: None
+    shell = RecordingShell(webhooks=webhooks is not None)
+    rules.bind(shell)
     rules.started = True
-    sent: list[Delivery] = []
-    if webhooks is not None:
-        rules.on_webhook = sent.append
+    sent: list[Delivery] = shell.sent
     return rules, sent
 
 
@@ -209,7 +209,7 @@ def test_admission_keeps_the_webhook_on_the_record_and_counts_it_until_its_end_i
     assert generate(rules, client, "r1", webhook={"url": HOOK}, detach=True)["type"] == "accepted"
     record = rules.registry.get("r1")
     assert record is not None and record.webhook is not None and rules.webhook_book.held == 1
-    rules.consumer_done(record, protocol.done("r1", total=4, elapsed_s=0.1))
+    rules.consumer_done(record, protocol.Done.build("r1", total=4, elapsed_s=0.1))
     [delivery] = sent
     assert delivery.event == "completed" and rules.webhook_book.held == 1
     delivery.settle("delivered")
@@ -259,8 +259,8 @@ def test_the_completed_payload_says_what_the_status_says() -> None:
     hook, sent, _, _ = state()
     record = record_of()
     record.webhook = hook
-    record.publish_progress(4, protocol.progress("r1", step=4, total=4, eta_s=0.0))
-    record.finish(protocol.done("r1", total=4, elapsed_s=0.5), now=1.0)
+    record.publish_progress(protocol.Progress.build("r1", step=4, total=4, eta_s=0.0))
+    record.finish(protocol.Done.build("r1", total=4, elapsed_s=0.5), now=1.0)
     [delivery] = sent
     payload = json.loads(delivery.body)
     assert payload == {
@@ -276,14 +276,14 @@ def test_the_completed_payload_says_what_the_status_says() -> None:
 
 def test_failed_and_cancelled_carry_the_error_and_an_unasked_end_sends_nothing() -> None:
     hook, sent, _, _ = state()
-    hook.ended(record_of(), protocol.error("step_failed", "boom", request_id="r1"))
+    hook.ended(record_of(), protocol.ErrorMessage.build("step_failed", "boom", request_id="r1"))
     assert json.loads(sent[0].body)["data"]["error"] == {"code": "step_failed", "message": "boom"}
     assert json.loads(sent[0].body)["type"] == "generation.failed"
     hook, sent, _, _ = state()
-    hook.ended(record_of(), protocol.cancelled("r1", reason="client"))
+    hook.ended(record_of(), protocol.Cancelled.build("r1", reason="client"))
     assert json.loads(sent[0].body)["data"]["error"] == {"reason": "client"}
     hook, sent, book, _ = state(["completed"])
-    hook.ended(record_of(), protocol.cancelled("r1", reason="client"))
+    hook.ended(record_of(), protocol.Cancelled.build("r1", reason="client"))
     assert sent == [] and book.held == 0  # nothing to deliver: released at once
 
 
@@ -309,7 +309,7 @@ def test_the_view_holds_the_latest_progress_and_the_end_only() -> None:
     for step in range(1, 50):
         hook.progressed(step, 100, None)
         clock.now += 2.0
-    hook.ended(record_of(), protocol.done("r1", total=100, elapsed_s=1.0))
+    hook.ended(record_of(), protocol.Done.build("r1", total=100, elapsed_s=1.0))
     view = hook.view()
     assert view["url"] == HOOK and view["events"] == ["progress", "completed"]
     assert [d["event"] for d in view["deliveries"]] == ["progress", "completed"]
@@ -321,7 +321,7 @@ def test_the_view_holds_the_latest_progress_and_the_end_only() -> None:
 
 def test_a_delivery_settles_once_and_releases_its_request_once() -> None:
     hook, sent, book, _ = state()
-    hook.ended(record_of(), protocol.done("r1", total=4, elapsed_s=0.1))
+    hook.ended(record_of(), protocol.Done.build("r1", total=4, elapsed_s=0.1))
     sent[0].settle("failed", "HTTP 500")
     sent[0].settle("delivered")
     assert (sent[0].status, sent[0].last_error, book.held) == ("failed", "HTTP 500", 0)

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
+import pickle
 import re
 from collections.abc import Mapping
 from typing import Any
@@ -11,10 +12,14 @@ from typing import Any
 import pytest
 
 import omni_stream as om
+from omni_stream.checkpoint import plain_params
 from omni_stream.engine.intake import (
+    CheckedParams,
     CheckedRequest,
     already_running,
     as_params_error,
+    check_checkpointed,
+    check_params,
     check_request,
     check_request_id,
 )
@@ -143,6 +148,68 @@ def test_output_is_split_off_and_checked_unless_the_model_declares_it():
         params = (*Synthetic.params, om.Param("output", "str", "mine"))
 
     assert check_request(OwnOutput(), params(steps=2)).params["output"] == "mine"
+
+
+# -- validated once (issue #36) ---------------------------------------------------------------
+
+
+class _Counted(Synthetic):
+    """Synthetic counting its ``validate`` calls."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.validated = 0
+
+    def validate(self, params: Mapping[str, Any] | None) -> dict[str, Any]:
+        self.validated += 1
+        return super().validate(params)
+
+
+def test_params_the_same_model_checked_are_not_validated_again():
+    model = _Counted()
+    checked = check_params(model, params(steps=3))
+    assert model.validated == 1
+    request = check_request(model, checked, request_id="r", policy="latest")
+    assert model.validated == 1  # the server's check was the one
+    assert check_params(model, checked) is checked
+    assert request.params == checked.checked and request.params is not checked.checked  # its own dict
+    assert request.total == 3 and request.pinned is checked
+    # The checks that are not the params' still apply.
+    with pytest.raises(om.ParamsError) as info:
+        check_request(model, checked, request_id="r", priority=11)
+    assert info.value.field == "priority" and model.validated == 1
+
+
+def test_checked_params_read_as_the_callers_with_the_drawn_seed_pinned():
+    model = _Counted()
+    checked = check_params(model, params(steps=2))
+    seed = checked.checked["seed"]  # none given: drawn
+    assert dict(checked) == {**params(steps=2), "seed": seed}
+    assert checked.checked == Synthetic().validate(params(steps=2, seed=seed)) | {"output": "image"}
+    # Checked by another model (an engine that is not the server's), they are validated as they
+    # read: once, with the seed drawn the first time, not a second draw.
+    other = _Counted()
+    again = check_request(other, checked, request_id="r")
+    assert other.validated == 1 and again.params == checked.checked
+    assert check_params(model, None).keys() == {"seed"}  # none given: only what was drawn
+    with pytest.raises(TypeError):
+        checked["seed"] = 1  # type: ignore[index]  # read-only: what was checked is what runs
+    # Another process gets the plain params (its engine validates them), not the model.
+    sent = pickle.loads(pickle.dumps(checked))
+    assert type(sent) is dict and sent == dict(checked)
+
+
+def test_a_resumed_request_runs_its_checkpoints_params_validated_once():
+    model = _Counted()
+    checked = check_params(model, params(steps=3))
+    resume = om.Checkpoint(
+        model=model.snapshot_kind, format=model.snapshot_format, step=1, total=3,
+        params=plain_params({**checked.checked, "seed": 5}),
+    )
+    model.validated = 0
+    request = check_checkpointed(model, checked, resume=resume, checkpoint_every=None, request_id="r")
+    # The checkpoint's params (restored_params validates them), not the ones given.
+    assert model.validated == 1 and request.params["seed"] == 5 and request.total == 3
 
 
 class _Raises(Synthetic):

@@ -243,9 +243,9 @@ _FAILED_STATUS = (
     '  File "/omni_stream/integrations/ray_serve/replica.py", line 205, in _build_model\n'
     "    model = source()\n"
     "            ^^^^^^^^\n"
-    '  File "/omni_stream/cli.py", line 516, in __call__\n'
-    '    raise _UsageError(f"--max-images: model {spec!r} makes one image a request; "\n'
-    "omni_stream.cli._UsageError: --max-images: model 'mixture' makes one image a request; "
+    '  File "/omni_stream/cli/loader.py", line 111, in __call__\n'
+    '    raise UsageError(f"--max-images: model {spec!r} makes one image a request; "\n'
+    "omni_stream.cli.console.UsageError: --max-images: model 'mixture' makes one image a request; "
     "diffusers:... image models make several"
 )
 
@@ -273,7 +273,7 @@ def test_replicas_that_fail_to_start_are_a_dead_engine_naming_what_they_raised(m
     with pytest.raises(om.EngineDeadError) as err:
         _deploy_module.deploy("mixture")
     assert str(err.value) == (
-        "the Serve application 'omni_stream' failed to start: a replica raised _UsageError: --max-images: "
+        "the Serve application 'omni_stream' failed to start: a replica raised UsageError: --max-images: "
         "model 'mixture' makes one image a request; diffusers:... image models make several"
     )
     assert err.value.__cause__ is ran

@@ -459,6 +459,27 @@ async def test_the_server_in_front_streams_every_message_type(cpu: str) -> None:
 
 
 @ASYNCIO
+async def test_the_server_in_front_validates_against_the_card_once(cpu: str, monkeypatch: Any) -> None:
+    # Issue #36: the server's check, then RemoteEngine's, made two in the front door's process.
+    # The replica's model validates once more in its own (the card checks less than the model).
+    from omni_stream.integrations.ray_serve.card import ModelCard
+
+    calls: list[Any] = []
+    original = ModelCard.validate
+
+    def counted(self: ModelCard, params: Any) -> dict[str, Any]:
+        calls.append(params)
+        return original(self, params)
+
+    monkeypatch.setattr(ModelCard, "validate", counted)
+    async with RemoteEngine(cpu) as engine, front_door(engine) as server, connect(server.url) as ws:
+        await send(ws, type="generate", id="once", params={**SMALL, "steps": 3})
+        msgs = await until_end(ws, "once")
+    check_stream(msgs, "once", 3)
+    assert len(calls) == 1
+
+
+@ASYNCIO
 @pytest.mark.parametrize("how", ["cancel-message", "tcp-drop"])
 async def test_the_server_in_front_cancels_on_the_replica(sim: str, how: str) -> None:
     async with RemoteEngine(sim) as engine, front_door(engine) as server:

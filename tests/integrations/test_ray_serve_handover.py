@@ -402,10 +402,10 @@ class _Watcher:
         self.messages: list[dict[str, Any]] = []
         self.step_at_restarted: list[int] = []
 
-    def put(self, data: str | bytes, kind: str, **_: Any) -> None:
-        if isinstance(data, str):
-            self.messages.append(json.loads(data))
-        if kind == "restarted":
+    def put(self, message: Any, **_: Any) -> None:
+        if isinstance(message.wire, str):  # a text message (a preview's wire is bytes)
+            self.messages.append(json.loads(message.wire))
+        if message.kind == "restarted":
             self.step_at_restarted.append(self.record.latest_step)
 
     def held_since(self, key: Any) -> None:
@@ -461,7 +461,7 @@ async def test_the_requests_watchers_get_restarted_replica_lost_from_the_step_it
         metrics=metrics, paced=False,  # type: ignore[arg-type]
         on_handed_over=lambda rec, step: noted.append((rec.id, step)),
     )
-    assert message["type"] == "done"
+    assert message.kind == "done"
     told = {
         "from its checkpoint": [(5, "replica_lost")],
         "without a checkpoint": [(0, "replica_lost")],

@@ -190,3 +190,24 @@ def test_jpeg_falls_back_to_pillow_with_the_same_picture(monkeypatch):
     assert np.abs(a - b).mean() < 2.0
     assert np.abs(a - rgb.astype(np.int16)).mean() < 4.0
     assert 0.5 < len(fast.data) / len(pillow.data) < 2.0
+
+
+def test_grid_cells_are_where_image_grid_draws_each_image_and_scale_with_it():
+    from omni_stream.preview import grid_cells, image_grid
+
+    images = [np.full((2, 4, 3), 10 * (k + 1), np.uint8) for k in range(3)]
+    grid = image_grid(images)  # 3 images: 2 columns, 2 rows, the last cell black
+    assert grid.shape == (4, 8, 3)
+    cells = grid_cells(3, 8, 4)
+    assert cells == ((0, 0, 4, 2), (4, 0, 8, 2), (0, 2, 4, 4))
+    for (left, top, right, bottom), rgb in zip(cells, images, strict=True):
+        assert np.array_equal(grid[top:bottom, left:right], rgb)
+    # Once the grid is shrunk (max_size), the boxes are the shrunk grid's.
+    assert grid_cells(3, 4, 2) == ((0, 0, 2, 1), (2, 0, 4, 1), (0, 1, 2, 2))
+    assert grid_cells(1, 8, 4) == ((0, 0, 8, 4),)
+
+
+def test_an_encoded_image_has_no_cells_unless_it_is_a_grid():
+    out = encode(_image(4, 4), format="png")
+    assert out.cells == ()
+

@@ -259,3 +259,20 @@ def test_spec_from_dict_takes_taesd_and_checks_it_against_the_model():
         PreviewSpec.from_dict({"decoder": "taesd"}, model=om.models.Mixture())
     assert info.value.field == "decoder" and "--preview-vae" in info.value.message
     assert PreviewSpec.from_dict({}, model=om.models.Mixture()).decoder == "auto"
+
+
+def test_a_frame_of_several_images_previews_as_a_grid_that_says_where_each_image_is():
+    # Three decoded 3x8x12 images: a 2x2 grid of 24x16; the cells let a door crop each one.
+    data = torch.stack([torch.full((3, 8, 12), v) for v in (-1.0, 0.0, 1.0)])
+    frame = Frame(request_id="r1", step=1, total=4, data=data, decoded=True, image_count=3)
+    out = render_sync(frame, PreviewSpec(format="raw"))
+    assert (out.width, out.height) == (24, 16)
+    assert out.cells == ((0, 0, 12, 8), (12, 0, 24, 8), (0, 8, 12, 16))
+    rgb = np.frombuffer(out.data, np.uint8).reshape(16, 24, 3)
+    firsts = [int(rgb[top, left, 0]) for left, top, _, _ in out.cells]
+    assert firsts[0] < firsts[1] < firsts[2]  # each cell holds its own image, in order
+    shrunk = render_sync(frame, PreviewSpec(format="png", max_size=12))
+    assert (shrunk.width, shrunk.height) == (12, 8)
+    assert shrunk.cells == ((0, 0, 6, 4), (6, 0, 12, 4), (0, 4, 6, 8))
+    single = render_sync(frame.split()[0], PreviewSpec(format="raw"))
+    assert single.cells == ()

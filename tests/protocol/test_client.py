@@ -1,8 +1,6 @@
-"""protocol/client.py: what an ``error`` means to a caller, and the client's older names."""
+"""protocol/client.py: what an ``error`` means to a caller, and the names a client reads."""
 
 from __future__ import annotations
-
-import json
 
 import pytest
 
@@ -14,8 +12,8 @@ from omni_stream.errors import (
     RequestRejectedError,
 )
 from omni_stream.protocol import client as wire
-from omni_stream.protocol.client_messages import Attach, Cancel, Generate
-from omni_stream.protocol.server_messages import Done
+from omni_stream.protocol.frames import PreviewFrame
+from omni_stream.protocol.server_messages import Done, ErrorMessage
 
 
 @pytest.mark.parametrize(
@@ -40,17 +38,5 @@ def test_server_error_maps_a_code_to_the_callers_exception(code: str, accepted: 
         assert err.retry_after_s == 3.0  # type: ignore[attr-defined]
 
 
-def test_the_older_builders_send_what_the_classes_serialize() -> None:
-    assert wire.generate_message("r", {"steps": 2}, {"every": 1}, detach=True, priority=3) == (
-        Generate.build("r", {"steps": 2}, {"every": 1}, detach=True, priority=3).serialize()
-    )
-    assert wire.attach_message("r") == Attach.build("r").serialize()
-    assert wire.cancel_message("r") == Cancel.build("r").serialize()
-    with pytest.raises(om.ParamsError):
-        wire.cancel_message("..")
-
-
-def test_parse_message_reads_into_the_shared_classes() -> None:
-    text = json.dumps({"type": "done", "id": "r", "total": 3, "elapsed_s": 1.5})
-    assert wire.parse_message(text) == Done("r", 3, 1.5)
-    assert wire.Done is Done
+def test_the_names_the_client_reads_are_the_shared_classes() -> None:
+    assert (wire.Done, wire.ErrorMessage, wire.PreviewFrame) == (Done, ErrorMessage, PreviewFrame)

@@ -14,6 +14,7 @@ from omni_stream.errors import ProtocolError
 from omni_stream.protocol.formats import FORMATS
 from omni_stream.protocol.frames import (
     MAX_HEADER_BYTES,
+    Preview,
     PreviewFrame,
     PreviewHeader,
     pack_preview,
@@ -74,6 +75,30 @@ def test_the_server_unpacks_its_own_frames_without_copying() -> None:
     header, view = unpack_preview(frame)
     assert header == RAW and isinstance(view, memoryview) and bytes(view) == bytes(range(6))
     assert view.obj is frame
+
+
+def test_a_preview_is_its_frame_packed_once_and_its_image_a_view_into_it() -> None:
+    image = bytes(range(6))
+    preview = Preview.build(RAW, bytearray(image))
+    assert preview.kind == "preview" and preview.header == RAW and not preview.final
+    assert preview.wire == pack_preview(RAW, image) and isinstance(preview.wire, bytes)
+    assert isinstance(preview.image, memoryview) and bytes(preview.image) == image
+    assert preview.image.obj is preview.wire  # no copy: the doors read the image out of the wire
+    assert unpack_preview(preview.wire) == (RAW, preview.image)
+    assert parse_preview_frame(preview.wire) == PreviewFrame("r-1", 2, 5, False, "raw", 2, 1, image)
+    assert preview.cells == ()
+    empty = Preview.build(RAW, b"")
+    assert bytes(empty.image) == b"" and empty.wire == pack_preview(RAW, b"")
+
+
+def test_a_grid_preview_keeps_its_cells_off_the_wire() -> None:
+    header = PreviewHeader("g", 1, 4, False, "jpeg", 8, 4, "image/jpeg")
+    cells = [(0, 0, 4, 4), (4, 0, 8, 4)]
+    grid = Preview.build(header, b"jpeg", cells=cells)  # type: ignore[arg-type]
+    assert grid.cells == ((0, 0, 4, 4), (4, 0, 8, 4))
+    assert grid.wire == pack_preview(header, b"jpeg")  # the client sees one image
+    result = Preview.build(PreviewHeader("g", 4, 4, True, "png", 4, 4, "image/png"), b"png")
+    assert result.final and result.cells == ()
 
 
 @pytest.mark.parametrize(

@@ -526,6 +526,18 @@ async def test_page_route_serves_the_page_or_404(monkeypatch: pytest.MonkeyPatch
         assert unknown.status == 404 and "/nope" in unknown.json()["message"]
 
 
+def test_an_error_response_keeps_what_it_says_beside_its_body() -> None:
+    # The OpenAI doors rebuild our error in their shape from these fields, not from the body.
+    from omni_stream.server.responses import ErrorResponse, error_response
+
+    reply = error_response(429, "busy", "full", extra={"Retry-After": "2"}, retry_after_s=1.5, id="r")
+    assert isinstance(reply, ErrorResponse) and reply.status_code == 429
+    assert (reply.code, reply.message, reply.fields) == ("busy", "full", {"retry_after_s": 1.5, "id": "r"})
+    assert json.loads(reply.body) == {"error": "busy", "message": "full", "retry_after_s": 1.5, "id": "r"}
+    assert reply.headers["Retry-After"] == "2" and reply.headers["Cache-Control"] == "no-store"
+    assert reply.headers["Content-Type"] == "application/json"
+
+
 @pytest.mark.asyncio
 async def test_health_reports_statistics_and_turns_503_when_dead(monkeypatch: pytest.MonkeyPatch) -> None:
     # stay_dead: otherwise the server shuts itself down once it sees the engine dead.

@@ -154,4 +154,5 @@ async def test_synthetic_params_past_the_models_bounds_are_refused(params: dict,
 
 def test_busy_is_a_rejection_code() -> None:
     assert "busy" in protocol.REJECTION_CODES
-    assert protocol.error("busy", "full", request_id="x")["code"] == "busy"
+    busy = protocol.ErrorMessage.build("busy", "full", request_id="x", retry_after_s=1.0)
+    assert busy.code == "busy" and busy.to_dict()["retry_after_s"] == 1.0

@@ -194,9 +194,9 @@ async def test_the_log_line_counts_frames_a_busy_server_let_the_engine_replace(
     caplog.set_level(logging.INFO, logger="omni_stream.server")
     real = records.RequestRecord.publish_progress
 
-    def slow_publish(self: Any, step: int, message: Any) -> None:
+    def slow_publish(self: Any, message: Any) -> None:
         time.sleep(0.02)  # the server falls behind a fast engine: latest-wins replaces frames
-        real(self, step, message)
+        real(self, message)
 
     monkeypatch.setattr(records.RequestRecord, "publish_progress", slow_publish)
     async with running() as server, connect(server.url) as ws:

@@ -21,8 +21,9 @@ from starlette.routing import Mount, Route
 from websockets.asyncio.client import connect
 
 import omni_stream as om
+from omni_stream import protocol
 from omni_stream.models import Synthetic
-from omni_stream.protocol import PreviewHeader, pack_preview
+from omni_stream.protocol import PreviewHeader
 from omni_stream.server import create_app
 from omni_stream.server.events import sse_event
 from omni_stream.core.outbox import OutboxItem
@@ -366,25 +367,33 @@ def test_queue_positions_follow_granted_priority_then_arrival() -> None:
 
 
 def test_sse_event_formats_and_skips_what_was_seen() -> None:
-    progress = OutboxItem(json.dumps({"type": "progress", "id": "r", "step": 3, "total": 5, "eta_s": 1.0}), "progress", False)
+    progress = OutboxItem(protocol.Progress.build("r", step=3, total=5, eta_s=1.0), False)
     assert sse_event(progress) == (
-        b'event: progress\nid: 3\ndata: {"type": "progress", "id": "r", "step": 3, "total": 5, "eta_s": 1.0}\n\n'
+        b'event: progress\nid: 3\ndata: {"type":"progress","id":"r","step":3,"total":5,"eta_s":1.0}\n\n'
     )
     assert sse_event(progress, after_step=3) is None
     assert sse_event(progress, after_step=2) is not None
     header = PreviewHeader(id="r", step=2, total=5, final=False, format="jpeg", width=4, height=2, mime="image/jpeg")
-    frame = OutboxItem(pack_preview(header, b"\xff\xd8img"), "preview", False)
+    frame = OutboxItem(protocol.Preview.build(header, b"\xff\xd8img"), False)
     text = sse_event(frame)
     assert text is not None and text.startswith(b"event: preview\nid: 2\ndata: ")
     data = json.loads(text.split(b"data: ", 1)[1])
     assert data["image"] == "data:image/jpeg;base64," + base64.b64encode(b"\xff\xd8img").decode()
+    assert {k: v for k, v in data.items() if k != "image"} == header.to_dict()
     assert sse_event(frame, after_step=2) is None
-    final = OutboxItem(pack_preview(PreviewHeader(**{**header.to_dict(), "final": True}), b"x"), "preview", True)
+    final_header = PreviewHeader(**{**header.to_dict(), "final": True})
+    final = OutboxItem(protocol.Preview.build(final_header, b"x"), True)
     assert sse_event(final, after_step=9) is not None  # the result is never skipped
-    accepted = OutboxItem(json.dumps({"type": "accepted", "id": "r"}), "accepted", True)
+    accepted_message = protocol.Accepted.build("r", total=5, detach=False, attached=False, preview={})
+    accepted = OutboxItem(accepted_message, True)
     assert sse_event(accepted) is not None and sse_event(accepted, after_step=0) is None
-    done = OutboxItem(json.dumps({"type": "done", "id": "r", "total": 5}), "done", True)
-    assert sse_event(done, after_step=5) == b'event: done\nid: 5\ndata: {"type": "done", "id": "r", "total": 5}\n\n'
+    done = OutboxItem(protocol.Done.build("r", total=5, elapsed_s=1.0), True)
+    assert sse_event(done, after_step=5) == (
+        b'event: done\nid: 5\ndata: {"type":"done","id":"r","total":5,"elapsed_s":1.0}\n\n'
+    )
+    # An event's data is the message's wire form, the websocket's text frame.
+    error = OutboxItem(protocol.ErrorMessage.build("step_failed", "boom", request_id="r"), True)
+    assert sse_event(error) == b"event: error\ndata: " + error.message.wire.encode() + b"\n\n"
 
 
 # -- mounted in a host application ------------------------------------------------------------

@@ -19,11 +19,13 @@ from websockets.http11 import Response
 from websockets.uri import parse_uri
 
 import omni_stream as om
+from omni_stream import protocol
 from omni_stream.models import Synthetic
 from omni_stream.server import Server
 from omni_stream.core.admission import estimate_memory
 from omni_stream.core.outbox import MemoryBudget, Outbox
 
+from ..core.test_outbox import U, done, preview
 from .conftest import (
     SMALL,
     RawClient,
@@ -48,6 +50,19 @@ FLOOD = {
 
 class Big(bytearray):
     """A payload a weak reference can watch (bytes cannot be weakly referenced)."""
+
+
+def big(nbytes: int) -> protocol.Preview:
+    """A result ``nbytes`` long on the wire, whose wire is a :class:`Big` a weak reference can watch.
+
+    Laid out as ``Preview.build`` lays it (pack_preview), the wire kept as a Big:
+    ``build`` packs into bytes, which cannot be weakly referenced.
+    """
+    header = protocol.PreviewHeader("big", 1, 1, True, "raw", 1, 1, "application/octet-stream")
+    head = protocol.pack_preview(header, b"")
+    frame = protocol.Preview(header, Big(head + bytes(nbytes - len(head))), len(head))  # type: ignore[arg-type]
+    assert len(frame.wire) == nbytes
+    return frame
 
 
 def _budget(server: Server) -> Any:
@@ -95,7 +110,7 @@ async def _stalled(server: Server) -> tuple[RawClient, Any]:
     raw = await RawClient.connect(server)
     await wait_for(lambda: set(_connections(server)) - before, what="the connection")
     (conn,) = [c for cid, c in _connections(server).items() if cid not in before]
-    conn.outbox.put(Big(4 << 20), "preview")  # more than the socket buffers take
+    conn.outbox.put(big(4 << 20))  # more than the socket buffers take
     await wait_for(lambda: _writer_blocked(conn), what="the writer to block on the socket")
     return raw, conn
 
@@ -112,11 +127,11 @@ async def test_a_closed_connection_frees_its_queue_without_the_cyclic_gc() -> No
             raw, conn = await _stalled(server)
             for _ in range(5):
                 await raw.send_text("not json")  # replies it never reads
-            payloads = [Big(1 << 20) for _ in range(4)]
+            payloads = [big(1 << 20) for _ in range(4)]
             for payload in payloads:
-                conn.outbox.put(payload, "done")
+                conn.outbox.put(payload)
             assert conn.outbox.statistics().pending_must >= 4  # the writer is blocked
-            refs = [weakref.ref(conn), weakref.ref(conn.outbox)] + [weakref.ref(p) for p in payloads]
+            refs = [weakref.ref(conn), weakref.ref(conn.outbox)] + [weakref.ref(p.wire) for p in payloads]
             conn_id = conn.id
             del conn, payloads, payload
             raw.close()
@@ -257,7 +272,7 @@ async def test_must_deliver_bytes_over_the_bound_close_a_client_not_reading() ->
         raw, conn = await _stalled(server)
         try:
             for _ in range(3):  # large must-deliver messages (results): the third does not fit
-                conn.outbox.put(Big(100 * 1024), "preview")
+                conn.outbox.put(big(100 * 1024))
             await wait_for(lambda: conn.id not in _connections(server), what="the disconnect")
             close = _close_text(conn)
             assert close.startswith("1008 client not reading")
@@ -282,7 +297,7 @@ async def test_previews_give_way_to_must_deliver_bytes() -> None:
                 lambda: _writer_blocked(conn) and conn.outbox.pending_bytes > (512 << 10),
                 what="a preview queued",
             )
-            conn.outbox.put(b"r" * (900 << 10), "preview")  # must-deliver; a preview is ~770 KiB
+            conn.outbox.put(big(900 << 10))  # must-deliver; a preview is ~770 KiB
             stats = conn.outbox.statistics()
             assert not stats.overflowed
             assert stats.pending_bytes <= 1 << 20
@@ -302,10 +317,10 @@ async def test_over_max_memory_the_connection_holding_most_is_closed() -> None:
         raw_b, b = await _stalled(server)
         try:
             while a.outbox.pending_bytes < 3 * mib:
-                a.outbox.put(Big(mib), "done")
-            b.outbox.put(Big(mib), "done")
+                a.outbox.put(big(mib))
+            b.outbox.put(big(mib))
             assert not a.outbox.overflowed  # 4 MiB: under the bound
-            b.outbox.put(Big(mib), "done")  # 5 MiB: the connection holding 3 goes
+            b.outbox.put(big(mib))  # 5 MiB: the connection holding 3 goes
             assert _budget(server).used == 2 * mib
             assert a.outbox.overflowed and not b.outbox.overflowed
             await wait_for(lambda: a.id not in _connections(server), what="the disconnect")
@@ -316,7 +331,7 @@ async def test_over_max_memory_the_connection_holding_most_is_closed() -> None:
             assert b.id in _connections(server)
             # Over the budget, new previews are refused.
             held = _budget(server).used
-            b.outbox.put(b"p" * (4 * mib), "preview", latest_key=("x", "preview"))
+            b.outbox.put(preview("x", 4 * mib), latest_key=("x", "preview"))
             assert _budget(server).used == held
         finally:
             raw_a.close()
@@ -402,23 +417,23 @@ async def test_a_reading_client_bursting_while_a_big_preview_is_sent_is_not_clos
 
 
 def test_reservations_count_against_the_bound_and_previews_give_way() -> None:
-    budget = MemoryBudget(100)
+    budget = MemoryBudget(100 * U)
     dropped: list[str] = []
     box = Outbox(max_pending=8, budget=budget, on_replaced=dropped.append)
-    held = budget.reserve(90)
-    assert (budget.reserved, budget.total) == (90, 90) and budget.over(11)
-    box.put("i" * 20, "preview", latest_key="k")  # would go over: refused
+    held = budget.reserve(90 * U)
+    assert (budget.reserved, budget.total) == (90 * U, 90 * U) and budget.over(11 * U)
+    box.put(preview("i", 20 * U), latest_key="k")  # would go over: refused
     assert dropped == ["preview"] and budget.used == 0
     held.release()
-    box.put("i" * 20, "preview", latest_key="k")
-    assert budget.used == 20
+    box.put(preview("i", 20 * U), latest_key="k")
+    assert budget.used == 20 * U
 
 
 def test_over_the_bound_with_reservations_retained_results_go_before_connections() -> None:
     class Retained:
         def __init__(self) -> None:
-            self.sizes = [30]
-            budget.add(30)
+            self.sizes = [30 * U]
+            budget.add(30 * U)
 
         def evict_oldest_retained(self) -> bool:
             if not self.sizes:
@@ -426,17 +441,17 @@ def test_over_the_bound_with_reservations_retained_results_go_before_connections
             budget.release(self.sizes.pop(0))
             return True
 
-    budget = MemoryBudget(100)
+    budget = MemoryBudget(100 * U)
     retained = Retained()
     budget.set_retained(retained)
-    running_request = budget.reserve(60)
+    running_request = budget.reserve(60 * U)
     box = Outbox(max_pending=8, budget=budget)
-    box.put("m" * 30, "done")  # 120: reserved + retained (90) > queued (30): the result goes
-    assert retained.sizes == [] and not box.overflowed and budget.total == 90
-    box.put("n" * 20, "done")  # 110: nothing retained left; the running request holds the most
-    assert not box.overflowed and budget.total == 110
-    box.put("o" * 30, "done")  # queued (80) > reserved (60): this connection goes
-    assert box.overflowed and budget.total == 60
+    box.put(done("m", 30 * U))  # 120: reserved + retained (90) > queued (30): the result goes
+    assert retained.sizes == [] and not box.overflowed and budget.total == 90 * U
+    box.put(done("n", 20 * U))  # 110: nothing retained left; the running request holds the most
+    assert not box.overflowed and budget.total == 110 * U
+    box.put(done("o", 30 * U))  # queued (80) > reserved (60): this connection goes
+    assert box.overflowed and budget.total == 60 * U
     running_request.release()
     assert budget.total == 0
 
@@ -467,11 +482,11 @@ def test_a_reservation_grows_when_frames_are_larger_than_estimated() -> None:
 
 
 def test_a_grown_reservation_over_the_bound_sheds_previews() -> None:
-    budget = MemoryBudget(1000)
+    budget = MemoryBudget(1000 * U)
     box = Outbox(max_pending=8, budget=budget)
-    box.put("i" * 300, "preview", latest_key="k")
-    r = budget.reserve(100, own_per_byte=10, frame_bytes=10)
-    r.observe_frame(80)  # 800 + 300 > 1000
+    box.put(preview("i", 300 * U), latest_key="k")
+    r = budget.reserve(100 * U, own_per_byte=10, frame_bytes=10 * U)
+    r.observe_frame(80 * U)  # 800 + 300 > 1000
     assert budget.used == 0 and len(box) == 0
 
 
@@ -570,14 +585,14 @@ class _Record:
         self.budget = budget
         self.reserved_at_result: int | None = None
 
-    def publish_progress(self, step: int, message: Any) -> None:
+    def publish_progress(self, message: protocol.Progress) -> None:
         pass
 
     def restart_settled(self) -> None:
         return None  # never restarted
 
-    def publish_preview(self, frame: bytes, *, final: bool) -> None:
-        if final:
+    def publish_preview(self, frame: protocol.Preview) -> None:
+        if frame.final:
             self.reserved_at_result = self.budget.reserved
 
     def wants_preview(self) -> bool:
@@ -616,6 +631,6 @@ async def test_the_consumer_releases_the_reservation_before_the_result_is_publis
             record, stream, PreviewSpec(format="raw"), output=OutputSpec("raw"),
             previewer=Previewer(), metrics=_Metrics(), memory=memory,  # type: ignore[arg-type]
         )
-    assert message["type"] == "done"
+    assert message.kind == "done"
     assert record.reserved_at_result == 0
     assert memory.released and budget.reserved == 0

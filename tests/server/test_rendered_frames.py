@@ -134,7 +134,7 @@ class RawClient(Client):
     def _take(self) -> list[dict[str, Any]]:
         out = []
         while (item := self.outbox.get_nowait()) is not None:
-            out.append(self._decode(item.data))
+            out.append(self._decode(item.message.wire))
         return out
 
     async def recv(self, timeout: float = 10.0) -> dict[str, Any]:
@@ -142,7 +142,7 @@ class RawClient(Client):
             return self._backlog.pop(0)
         with anyio.fail_after(timeout):
             item = await self.outbox.get()
-        return self._decode(item.data)
+        return self._decode(item.message.wire)
 
     def _decode(self, data: str | bytes) -> dict[str, Any]:
         if isinstance(data, bytes):

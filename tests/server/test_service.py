@@ -24,8 +24,8 @@ from omni_stream import Engine
 from omni_stream.protocol import (
     REJECTION_CODES,
     MessageError,
+    Preview,
     PreviewHeader,
-    pack_preview,
     unpack_preview,
 )
 from omni_stream.core.limits import ServerLimits
@@ -85,7 +85,8 @@ class Client:
         self.outbox = Outbox(budget=service.memory, **outbox)
         headers = {"authorization": f"Bearer {token}"} if token else {}
         principal = service.rules.principal_of_connection("pending", headers=headers, query="")
-        self.client = service.rules.connect(principal, "websocket", self.outbox)
+        self.client = service.rules.connect(principal, "websocket")
+        self.client.outbox = self.outbox  # this test's bounds, not the server's (Rules.open_outbox)
         self.id = self.client.id
         self._backlog: list[dict[str, Any]] = []
 
@@ -98,7 +99,7 @@ class Client:
     def _take(self) -> list[dict[str, Any]]:
         out = []
         while (item := self.outbox.get_nowait()) is not None:
-            out.append(decode(item.data))
+            out.append(decode(item.message.wire))
         return out
 
     def pending(self) -> list[dict[str, Any]]:
@@ -130,7 +131,7 @@ class Client:
             return self._backlog.pop(0)
         with anyio.fail_after(timeout):
             item = await self.outbox.get()
-        return decode(item.data)
+        return decode(item.message.wire)
 
     async def until_end(self, rid: str, timeout: float = WAIT_S) -> list[dict[str, Any]]:
         """This request's messages up to and including its terminal one.
@@ -720,7 +721,7 @@ async def test_cancelling_an_ended_detached_request_is_ignored() -> None:
         await a.until_end("fin")
         a.send(type="cancel", id="fin")
         assert a.pending() == []
-        assert service.registry.get("fin").terminal_message()["type"] == "done"
+        assert service.registry.get("fin").terminal_message().kind == "done"  # type: ignore[union-attr]
 
 
 @pytest.mark.asyncio
@@ -774,7 +775,7 @@ async def test_attach_replays_the_latest_state_then_goes_live_without_duplicates
         # No await from here to the replay: the creator's backlog, then the attach.
         a.pending()
         latest_step = record.latest_step
-        latest_preview = record.latest_preview()[0].step
+        latest_preview = record.latest_preview().header.step  # type: ignore[union-attr]
         b.send(type="attach", id="live")
         replay = b.pending()
         assert [m["type"] for m in replay] == ["accepted", "progress", "preview"]
@@ -789,7 +790,7 @@ async def test_attach_replays_the_latest_state_then_goes_live_without_duplicates
                 live_a.append(await a.recv())
                 item = b.outbox.get_nowait()
                 assert item is not None, f"b missed {live_a[-1]}"
-                live_b.append(decode(item.data))
+                live_b.append(decode(item.message.wire))
         assert b.pending() == []
         assert live_b == live_a
         assert live_b[-1]["type"] == "done"
@@ -886,7 +887,7 @@ async def test_final_preview_and_outcome_reach_a_watcher_whose_outbox_is_full_of
     async with serving() as service:
         a = Client(service, max_pending_bytes=bound)
         filler = [
-            pack_preview(
+            Preview.build(
                 PreviewHeader(
                     id=f"other{i}",
                     step=1,
@@ -902,8 +903,8 @@ async def test_final_preview_and_outcome_reach_a_watcher_whose_outbox_is_full_of
             for i in range(4)
         ]
         for i, frame in enumerate(filler):
-            a.outbox.put(frame, "preview", latest_key=(f"other{i}", "preview"))
-        assert a.outbox.pending_bytes > bound - len(filler[0])  # no room for one more
+            a.outbox.put(frame, latest_key=(f"other{i}", "preview"))
+        assert a.outbox.pending_bytes > bound - len(filler[0].wire)  # no room for one more
         for rid, total in totals.items():
             a.send(type="generate", id=rid, params={**SMALL, "steps": total}, preview=RAW)
         records = [service.registry.get(rid) for rid in totals]

@@ -154,9 +154,9 @@ async def test_a_ray_hand_over_is_written_down_and_said_by_a_later_start(tmp_pat
         await wait_for(lambda: (r := rules.registry.get("moved")) is not None and r.latest_step >= 5,
                        what="a few steps")
         record = rules.registry.get("moved")
-        assert record is not None and rules.on_handed_over is not None
+        assert record is not None and rules.journal is not None
         assert record.publish_restarted(4, "replica_lost", rewind=False)
-        rules.on_handed_over(record, 4)
+        rules.journal.handed_over(record, 4)
         assert (await until_end(ws, "moved"))[-1]["type"] == "done"
         await server.service.state.flush()
     with _open(tmp_path) as store:

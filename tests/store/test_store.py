@@ -176,7 +176,7 @@ def test_mark_ended_records_the_end_and_deletes_the_checkpoint(tmp_path):
 
 
 def test_a_request_that_ends_while_its_checkpoint_is_written_keeps_none(tmp_path, monkeypatch):
-    from omni_stream.store import store as store_module
+    from omni_stream.store import checkpoints as store_module
 
     with open_store(tmp_path) as store:
         store.record_request(entry("a"))

@@ -92,8 +92,10 @@ def build_app(
     batch = kwargs.get("max_batch_size", _ENGINE_BATCH)
     if max_ongoing_requests is None:
         max_ongoing_requests = max(16, 2 * int(batch))
-    if isinstance(max_ongoing_requests, bool) or not isinstance(max_ongoing_requests, int) or (
-        max_ongoing_requests < batch
+    if (
+        isinstance(max_ongoing_requests, bool)
+        or not isinstance(max_ongoing_requests, int)
+        or (max_ongoing_requests < batch)
     ):
         raise ParamsError(
             f"max_ongoing_requests must be an int of at least the engine's max_batch_size ({batch}), "
@@ -136,8 +138,10 @@ def _unpicklable(sources: ModelSources, engine_kwargs: Mapping[str, Any], exc: T
             "instance, not a closure over unpicklable state)",
             field="model",
         )
-    return ParamsError(f"engine_kwargs cannot be sent to the replicas: Ray could not pickle them ({why})",
-                       field="engine_kwargs")
+    return ParamsError(
+        f"engine_kwargs cannot be sent to the replicas: Ray could not pickle them ({why})",
+        field="engine_kwargs",
+    )
 
 
 def _served(model: ModelSources, max_models: int | None) -> tuple[ModelSources, int | None]:
@@ -238,8 +242,12 @@ def deploy(
     except RuntimeError as exc:  # DEPLOY_FAILED; the why is only in the deployment's status
         raise startup_failed(name, exc, _deployment_status(name)) from exc
     engine = RemoteEngine(
-        name, address=address, window=window, checkpoint_every=checkpoint_every,
-        max_handovers=max_handovers, checkpoint_max_bytes=checkpoint_max_bytes,
+        name,
+        address=address,
+        window=window,
+        checkpoint_every=checkpoint_every,
+        max_handovers=max_handovers,
+        checkpoint_max_bytes=checkpoint_max_bytes,
     )
     if not _in_running_loop():
         engine.connect()

@@ -47,7 +47,6 @@ one task; the Serve application outlives it (``undeploy`` deletes it).
 
 from __future__ import annotations
 
-import asyncio
 import logging
 import pickle
 import threading
@@ -55,7 +54,7 @@ import time
 import uuid
 import weakref
 from collections.abc import Callable, Mapping
-from types import MappingProxyType, TracebackType
+from types import MappingProxyType
 from typing import TYPE_CHECKING, Any
 
 import anyio
@@ -68,19 +67,13 @@ from ray.serve.exceptions import RayServeException
 from ray.serve.handle import DeploymentHandle, DeploymentResponseGenerator
 
 from ...checkpoint import Checkpoint
+from ...engine.facade import RoutingFacade
 from ...engine.group import GroupStatistics
 from ...engine.intake import already_running, check_request, check_request_id
-from ...engine.like import final_frame
+from ...engine.options import RemoteOptions, RequestOptions, pick, stream_keywords
 from ...engine.stats import Health
-from ...errors import (
-    EngineClosedError,
-    EngineDeadError,
-    EngineStalledError,
-    ParamsError,
-)
-from ...frame import Frame
-from ...lifecycle import Lifecycle
-from ...params import pin_drawn, positive_int
+from ...errors import EngineClosedError, EngineDeadError, ParamsError
+from ...params import positive_int
 from ...preview.remote import RenderRequest
 from .card import ModelCard
 from .handover import (
@@ -96,6 +89,8 @@ from .stream import RemoteStream, cancel_response
 from .wire import Description, Item, Submit
 
 if TYPE_CHECKING:
+    from typing_extensions import Unpack  # typing's from Python 3.11
+
     from .replica import EngineReplica
 
 __all__ = ["DEFAULT_WINDOW", "RemoteEngine", "connect_ray"]
@@ -122,7 +117,7 @@ def connect_ray(address: str | None = None) -> None:
         ray.init(address=address, logging_level=logging.WARNING, log_to_driver=True)
 
 
-class RemoteEngine:
+class RemoteEngine(RoutingFacade):
     """The Serve application ``name`` of EngineReplicas, as one EngineLike.
 
     ``address``: the Ray cluster to connect to (see :func:`connect_ray`);
@@ -150,6 +145,10 @@ class RemoteEngine:
     #: a server keeps the bytes it read one from, and none is encoded again on its loop.
     resume_as_bytes = True
 
+    _noun = "RemoteEngine"
+    #: Closing it stops this front door; the Serve application keeps running.
+    _closed_as = "closed"
+
     def __init__(
         self,
         name: str = "omni_stream",
@@ -166,8 +165,10 @@ class RemoteEngine:
     ) -> None:
         if isinstance(window, bool) or not isinstance(window, int) or window < 1:
             raise ParamsError(f"window must be a positive int, got {window!r}", field="window")
+        super().__init__()
         self.handover = HandoverSettings(
-            checkpoint_every=checkpoint_every, max_handovers=max_handovers,
+            checkpoint_every=checkpoint_every,
+            max_handovers=max_handovers,
             checkpoint_max_bytes=checkpoint_max_bytes,
         )
         #: Each request's newest checkpoint from its replica, for a hand-over (handover.py).
@@ -200,9 +201,6 @@ class RemoteEngine:
         self._lost: set[str] = set()  # replicas a stream saw die, until their reports age out
         self._polled_at = time.monotonic()
         self._unreachable_since: float | None = None
-        self._state = Lifecycle.NEW
-        self._loop: asyncio.AbstractEventLoop | None = None
-        self._loop_thread: int | None = None
         self._tg: anyio.abc.TaskGroup | None = None
 
     # -- what it is ------------------------------------------------------------------
@@ -227,11 +225,6 @@ class RemoteEngine:
         raises EngineClosedError before connecting."""
         self.model  # noqa: B018 - raises before connecting
         return MappingProxyType(self._cards)
-
-    @property
-    def default(self) -> str:
-        """The name of the model a request that names none runs on."""
-        return next(iter(self.models))
 
     @property
     def loaded(self) -> tuple[str, ...] | None:
@@ -286,80 +279,39 @@ class RemoteEngine:
         self._card = next(iter(self._cards.values()))
         return self
 
-    async def __aenter__(self) -> RemoteEngine:
-        await self.start()
-        return self
-
-    async def __aexit__(
-        self,
-        exc_type: type[BaseException] | None,
-        exc: BaseException | None,
-        tb: TracebackType | None,
-    ) -> None:
-        await self.aclose()
-
-    async def start(self) -> None:
-        """Connect (in a worker thread) if need be, read the reports once, start the poller.
-
-        Raises EngineClosedError if started before or when the application
-        is not reachable.
-        """
-        if self._state is not Lifecycle.NEW:
-            raise EngineClosedError("a RemoteEngine can be started once; create a new one")
+    async def _start(self) -> None:
+        """Connect (in a worker thread) if need be, read the reports once, start the poller;
+        EngineClosedError when the application is not reachable."""
         if self._card is None:
             await anyio.to_thread.run_sync(self.connect)
-        self._loop = asyncio.get_running_loop()
-        self._loop_thread = threading.get_ident()
-        self._state = Lifecycle.RUNNING
         await self.refresh()
-        self._tg = anyio.create_task_group()
-        await self._tg.__aenter__()
-        self._tg.start_soon(self._poll_forever)
+        tg = anyio.create_task_group()
+        await tg.__aenter__()
+        self._tg = tg
+        tg.start_soon(self._poll_forever)
 
-    async def aclose(self) -> None:
+    async def _shutdown(self) -> None:
         """Stop polling; open streams end with EngineClosedError (their replica requests cancelled).
 
         The Serve application keeps running (``undeploy`` deletes it).
         """
-        if self._state.ending:
-            return
-        was = self._state
-        self._state = Lifecycle.CLOSING
-        try:
-            for stream in self._open_streams():
-                stream._cancel(EngineClosedError("the RemoteEngine was closed", request_id=stream.request_id))
-            if was is Lifecycle.RUNNING and self._tg is not None:
-                self._tg.cancel_scope.cancel()
-                await self._tg.__aexit__(None, None, None)
-        finally:
-            self._state = Lifecycle.CLOSED
+        for stream in self._open_streams():
+            stream._cancel(EngineClosedError("the RemoteEngine was closed", request_id=stream.request_id))
+        if self._tg is not None:
+            self._tg.cancel_scope.cancel()
+            await self._tg.__aexit__(None, None, None)
 
     # -- submitting ------------------------------------------------------------------------
 
-    def _check_open(self, request_id: str | None) -> None:
-        if self._state is not Lifecycle.RUNNING:
-            what = "closed"
-            if self._state is Lifecycle.NEW:
-                what = "not started (use `async with RemoteEngine(...)`)"
-            raise EngineClosedError(f"the RemoteEngine is {what}", request_id=request_id)
+    def _check_open(self, request_id: str | None = None) -> None:
+        super()._check_open(request_id)
         h = self.health()
         if h.status == "dead":
             raise EngineDeadError(h.reason or "the deployment is unreachable", request_id=request_id)
 
+    @stream_keywords(RemoteOptions)
     def stream(
-        self,
-        params: Mapping[str, Any] | None = None,
-        *,
-        request_id: str | None = None,
-        policy: str = "all",
-        timeout: float | None = None,
-        preview_every: int | None = None,
-        priority: int = 0,
-        render: RenderRequest | None = None,
-        model: str | None = None,
-        resume: Checkpoint | None = None,
-        checkpoint_every: int | None = None,
-        on_checkpoint: Callable[[str, KeptCheckpoint], None] | None = None,
+        self, params: Mapping[str, Any] | None = None, **options: Unpack[RemoteOptions[KeptCheckpoint]]
     ) -> RemoteStream:
         """Submit a request to the deployment (Serve picks the replica); returns its frames.
 
@@ -391,7 +343,9 @@ class RemoteEngine:
         ``on_resume_refused`` is set: then it starts again from step 0 and
         that callback hears why.
         """
-        request_id = check_request_id(request_id)
+        request_id = options["request_id"] = check_request_id(options["request_id"])
+        render, model, resume = options["render"], options["model"], options["resume"]
+        checkpoint_every, on_checkpoint = options["checkpoint_every"], options["on_checkpoint"]
         if render is not None and not isinstance(render, RenderRequest):
             raise ParamsError(
                 f"render must be a RenderRequest or None, got {type(render).__name__}",
@@ -411,11 +365,8 @@ class RemoteEngine:
         with self._lock:
             if self._live(request_id) is not None:
                 raise already_running(request_id)
-        # Against the card: the replica's engine checks again with the model.
-        checked = check_request(
-            card, params, request_id=request_id, policy=policy, timeout=timeout,
-            preview_every=preview_every, priority=priority,
-        )
+        # Against the card, unless checked against it already (a server in front: CheckedParams).
+        checked = check_request(card, params, **pick(options, RequestOptions))
         submit = Submit(
             key=uuid.uuid4().hex,
             request_id=request_id,
@@ -434,17 +385,29 @@ class RemoteEngine:
         # Whether the request will wait for its model to load: decided now, with
         # the reports at hand (the server asks as soon as stream() returns).
         loading = self._model_handles != {} and name not in (self.loaded or ())
-        # The replica checks the params again: with the seed drawn here (the
-        # one stream.params reports), not a second draw. A hand-over sends the same.
-        sent = pin_drawn(card.params, params, checked.params)
+        # The replica's model validates them once more, in its process: the card checks only the
+        # declared params, not what the model's own validate adds (a size multiple, Synthetic's
+        # cap, an image's contents), so the replica cannot take this check on trust, and the
+        # card cannot run the model's code. It gets the params pinned (the caller's, with the
+        # seed drawn here: the one stream.params reports), not checked.params, which a model's
+        # validate need not take back (LoRAs). A hand-over sends the same.
+        sent = dict(checked.pinned)
         response = self._submit(sent, submit)
         if resume is not None and submit.resume is not None and self.handover.sends_checkpoints:
             # Lost before its first checkpoint of this run, it is handed over from this one.
             self.checkpoints.put(request_id, resume.step, submit.resume)
         stream = RemoteStream(
-            self, response, key=submit.key, request_id=request_id, total=checked.total, params=checked.params,
-            model=name, loading=loading, resubmit=(sent, submit),
-            resumed_from=0 if resume is None else resume.step, on_checkpoint=on_checkpoint,
+            self,
+            response,
+            key=submit.key,
+            request_id=request_id,
+            total=checked.total,
+            params=checked.params,
+            model=name,
+            loading=loading,
+            resubmit=(sent, submit),
+            resumed_from=0 if resume is None else resume.step,
+            on_checkpoint=on_checkpoint,
         )
         with self._lock:
             self._streams[request_id] = weakref.ref(stream)
@@ -459,25 +422,6 @@ class RemoteEngine:
         if not wanted:
             return None
         return every if every is not None else self.handover.checkpoint_every or DEFAULT_CHECKPOINT_EVERY
-
-    async def generate(
-        self,
-        params: Mapping[str, Any] | None = None,
-        *,
-        request_id: str | None = None,
-        policy: str = "latest",
-        timeout: float | None = None,
-        preview_every: int | None = None,
-        priority: int = 0,
-        model: str | None = None,
-    ) -> Frame:
-        """Run a request to its end on ``model``; returns the final Frame. Raises as ``stream`` does."""
-        return await final_frame(
-            self.stream(
-                params, request_id=request_id, policy=policy, timeout=timeout,
-                preview_every=preview_every, priority=priority, model=model,
-            )
-        )
 
     def _submit(self, params: Mapping[str, Any] | None, submit: Submit) -> DeploymentResponseGenerator[Item]:
         """``submit`` sent to a replica (Serve picks it; routed by model where replicas load on demand)."""
@@ -513,13 +457,8 @@ class RemoteEngine:
             stream = self._live(request_id)
         if stream is None or stream._done:
             return False
-        if self._loop is not None and threading.get_ident() != self._loop_thread:
-            try:
-                self._loop.call_soon_threadsafe(stream._cancel)
-            except RuntimeError:
-                return False
-            return True
-        return stream._cancel()
+        scheduled = self._call_soon_threadsafe(stream._cancel)
+        return stream._cancel() if scheduled is None else scheduled
 
     def _live(self, request_id: str) -> RemoteStream | None:
         ref = self._streams.get(request_id)
@@ -541,15 +480,10 @@ class RemoteEngine:
         self._board.ack.remote(key, seq)  # fire and forget
 
     def _cancel_threadsafe(self, response: DeploymentResponseGenerator[Item]) -> None:
-        # From a stream's __del__, wherever the collector runs it.
-        loop = self._loop
-        if loop is not None and not loop.is_closed() and threading.get_ident() != self._loop_thread:
-            try:
-                loop.call_soon_threadsafe(cancel_response, response)
-                return
-            except RuntimeError:
-                pass
-        cancel_response(response)
+        # From a stream's __del__, wherever the collector runs it: here when there is no loop to
+        # call onto (on it already, or it has finished).
+        if not self._call_soon_threadsafe(cancel_response, response):
+            cancel_response(response)
 
     # -- reports: health and statistics ------------------------------------------------------
 
@@ -619,9 +553,7 @@ class RemoteEngine:
     def health(self) -> Health:
         """ok while any replica is ok; stalled when none is (Serve replaces them); dead when the
         deployment has not answered for ``dead_after_s``; closed outside ``async with``."""
-        unreachable = (
-            None if self._unreachable_since is None else time.monotonic() - self._unreachable_since
-        )
+        unreachable = None if self._unreachable_since is None else time.monotonic() - self._unreachable_since
         return summarize(
             self.replicas(),
             name=self._name,
@@ -629,16 +561,3 @@ class RemoteEngine:
             unreachable_s=unreachable,
             dead_after_s=self._dead_after_s,
         )
-
-    def check_health(self) -> None:
-        """Return while any replica is ok; raise EngineStalledError, EngineDeadError or EngineClosedError."""
-        h = self.health()
-        if h.status == "ok":
-            return
-        reason = h.reason or f"the deployment is {h.status}"
-        if h.status == "dead":
-            raise EngineDeadError(reason)
-        if h.status == "stalled":
-            raise EngineStalledError(reason)
-        raise EngineClosedError(reason)
-

@@ -82,6 +82,7 @@ from ray.exceptions import RayActorError
 
 from ...checkpoint import Checkpoint
 from ...engine import Engine, FrameStreamLike
+from ...engine.options import RequestOptions, keywords_of
 from ...engine.router import ModelRouter
 from ...errors import (
     CheckpointError,
@@ -268,7 +269,10 @@ class EngineReplica:
             raise self._failure
         logger.info(
             "replica %s: %s on %s, max_batch_size %d",
-            self._replica, ", ".join(self._cards), where, self._engine.max_batch_size,
+            self._replica,
+            ", ".join(self._cards),
+            where,
+            self._engine.max_batch_size,
         )
 
     async def _own(self) -> None:
@@ -334,8 +338,13 @@ class EngineReplica:
                 if self._hold is not None:
                     await self._hold(name)
                 yield Header(
-                    self._replica, frames.request_id, frames.total, loading=loading, window=flow.window,
-                    checkpoints=checkpoints, step=0 if resume is None else resume.step,
+                    self._replica,
+                    frames.request_id,
+                    frames.total,
+                    loading=loading,
+                    window=flow.window,
+                    checkpoints=checkpoints,
+                    step=0 if resume is None else resume.step,
                 )
                 latest = submit.policy == "latest"
                 while True:
@@ -406,20 +415,19 @@ class EngineReplica:
         """The request submitted to the engine, and whether it sends checkpoints (it was asked to
         and its model can snapshot it). Raises what ``Engine.stream`` raises (CheckpointError for
         a ``resume`` the model refuses)."""
-        options: dict[str, Any] = {
-            "request_id": submit.request_id,
-            "policy": submit.policy,
-            "timeout": submit.timeout,
-            "preview_every": submit.preview_every,
-            "priority": submit.priority,
-            "resume": resume,
-        }
+        # A Submit carries stream()'s request keywords under their own names.
+        options: dict[str, Any] = {name: getattr(submit, name) for name in keywords_of(RequestOptions)}
+        options["resume"] = resume
         if submit.checkpoint_every is not None:
             try:
                 frames = self._submit(
-                    params, name,
-                    {**options, "checkpoint_every": submit.checkpoint_every,
-                     "on_checkpoint": self._checkpointer(flow)},
+                    params,
+                    name,
+                    {
+                        **options,
+                        "checkpoint_every": submit.checkpoint_every,
+                        "on_checkpoint": self._checkpointer(flow),
+                    },
                 )
                 return frames, True
             except CheckpointError:
@@ -432,6 +440,9 @@ class EngineReplica:
     def _submit(
         self, params: Mapping[str, Any] | None, name: str, options: dict[str, Any]
     ) -> FrameStreamLike:
+        # The engine validates ``params`` with the model: the request's one check in this process.
+        # The front door's was against the card, which checks less than the model (card.py), so
+        # it is not trusted here; its drawn seed is in ``params`` (RemoteEngine.stream), not drawn again.
         if isinstance(self._engine, ModelRouter):
             return self._engine.stream(params, model=name, **options)
         return self._engine.stream(params, **options)
@@ -459,7 +470,10 @@ class EngineReplica:
         """``frame`` rendered as its reader asked; raises RenderFailedError saying why not."""
         try:
             return await render_frame(
-                frame, request, spec=spec, previewer=self._previewer,
+                frame,
+                request,
+                spec=spec,
+                previewer=self._previewer,
                 # The result's metadata, as a server writes it for a local engine.
                 params={"model": model, **params},
             )
@@ -467,7 +481,8 @@ class EngineReplica:
             what = "the result" if frame.final else f"the preview of step {frame.step}"
             error = RenderFailedError(
                 f"replica {self._replica}: could not render {what}: {exc}",
-                request_id=frame.request_id, step=frame.step,
+                request_id=frame.request_id,
+                step=frame.step,
             )
             raise error from exc
 

@@ -216,8 +216,12 @@ class RemoteStream:
         """Submit the request again from its newest checkpoint when ``exc`` says its replica is gone
         (handover.py); False when it is not handed over (then ``exc`` ends it)."""
         settings = self._engine.handover
-        if self._resubmit is None or self._done or not should_hand_over(
-            exc, cancelled=self._cancelled, handovers=len(self._handovers), limit=settings.max_handovers
+        if (
+            self._resubmit is None
+            or self._done
+            or not should_hand_over(
+                exc, cancelled=self._cancelled, handovers=len(self._handovers), limit=settings.max_handovers
+            )
         ):
             return False
         lost = self._replica
@@ -233,8 +237,13 @@ class RemoteStream:
             logger.warning(
                 "request %s: replica %s was lost (%s); it goes on on another replica after step %d "
                 "(hand-over %d of at most %d; %d steps made again, not sent again)",
-                self._request_id, lost, type(exc).__name__, step, len(self._handovers),
-                settings.max_handovers, self._received - step,
+                self._request_id,
+                lost,
+                type(exc).__name__,
+                step,
+                len(self._handovers),
+                settings.max_handovers,
+                self._received - step,
             )
         else:
             why = (
@@ -245,8 +254,13 @@ class RemoteStream:
             logger.warning(
                 "request %s: replica %s was lost (%s) and %s: it starts again from step 0 on another "
                 "replica (hand-over %d of at most %d; the %d frames its reader has are not sent again)",
-                self._request_id, lost, type(exc).__name__, why, len(self._handovers),
-                settings.max_handovers, self._received,
+                self._request_id,
+                lost,
+                type(exc).__name__,
+                why,
+                len(self._handovers),
+                settings.max_handovers,
+                self._received,
             )
         self._send_again(None if kept is None else kept.data, step)
         if self.on_handover is not None:
@@ -263,7 +277,9 @@ class RemoteStream:
             return False  # the caller asked to resume from it: refused is its answer
         logger.warning(
             "request %s: %s refused its checkpoint (%s): it starts again from step 0",
-            self._request_id, f"replica {self._replica}" if self._replica else "the replica", error.message,
+            self._request_id,
+            f"replica {self._replica}" if self._replica else "the replica",
+            error.message,
         )
         self._engine.checkpoints.discard(self._request_id)
         self._send_again(None, 0)

@@ -85,7 +85,7 @@ def _raised(status: str) -> str | None:
     text = " ".join(line.strip() for line in rest if line.strip())
     if not text:
         return None
-    # "omni_stream.cli._UsageError: ..." reads as "_UsageError: ...".
+    # "omni_stream.cli.console.UsageError: ..." reads as "UsageError: ...".
     return re.sub(r"^(?:[A-Za-z_][\w]*\.)+(?=\w+(?::|$))", "", text)
 
 
@@ -94,9 +94,7 @@ def _first_line(exc: BaseException) -> str:
     return text[0] if text else type(exc).__name__
 
 
-def translate(
-    exc: BaseException, *, request_id: str, replica: str | None, step: int = 0
-) -> OmniStreamError:
+def translate(exc: BaseException, *, request_id: str, replica: str | None, step: int = 0) -> OmniStreamError:
     """This project's error for ``exc``, raised while reading request ``request_id``.
 
     ``replica`` names the replica running it where known (its Header came),

@@ -46,7 +46,14 @@ from ...preview.remote import RenderRequest
 from .card import ModelCard
 
 __all__ = [
-    "CANCELLED_SEQ", "Description", "Header", "Item", "Submit", "WireBatch", "WireCheckpoint", "WireError",
+    "CANCELLED_SEQ",
+    "Description",
+    "Header",
+    "Item",
+    "Submit",
+    "WireBatch",
+    "WireCheckpoint",
+    "WireError",
     "WireFrame",
 ]
 

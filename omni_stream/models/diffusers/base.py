@@ -158,15 +158,16 @@ class Diffusers(StepModel):
         for i, param in enumerate(self.params):
             if param.name == "num_images":
                 if param.default > max_images:
-                    raise ParamsError(f"max_images {max_images} is below num_images' default "
-                                      f"{param.default}", field="max_images")
+                    raise ParamsError(
+                        f"max_images {max_images} is below num_images' default {param.default}",
+                        field="max_images",
+                    )
                 # The default (a model's defaults= may set it) stays.
                 new = dataclasses.replace(images_param(max_images), default=param.default)
                 self.params = (*self.params[:i], new, *self.params[i + 1 :])
                 self._max_images = max_images
                 return
-        raise ParamsError(f"{self.name} makes one image a request (it has no num_images)",
-                          field="max_images")
+        raise ParamsError(f"{self.name} makes one image a request (it has no num_images)", field="max_images")
 
     def __new__(cls, pipe: Any = None, *args: Any, mode: str = "auto", **kwargs: Any) -> Diffusers:
         if cls is Diffusers:

@@ -81,11 +81,18 @@ _MAX_FRAMES = 2048
 _DEFAULT_STEPS = 50
 
 # Arguments this adapter sets itself on every call; call_kwargs may not.
-_RESERVED = frozenset({
-    "callback_on_step_end", "callback_on_step_end_tensor_inputs", "output_type", "return_dict",
-    # One request is one output, drawn from its own seeded generator.
-    "generator", "num_images_per_prompt", "num_videos_per_prompt",
-})
+_RESERVED = frozenset(
+    {
+        "callback_on_step_end",
+        "callback_on_step_end_tensor_inputs",
+        "output_type",
+        "return_dict",
+        # One request is one output, drawn from its own seeded generator.
+        "generator",
+        "num_images_per_prompt",
+        "num_videos_per_prompt",
+    }
+)
 
 #: The input images a pipeline's ``__call__`` may take, and what each is.
 _IMAGE_ARGS: dict[str, str] = {
@@ -169,7 +176,8 @@ class CallbackDiffusers(Diffusers):
             )
         signature = inspect.signature(pipe.__call__).parameters
         named = {
-            k for k, p in signature.items()
+            k
+            for k, p in signature.items()
             if p.kind not in (inspect.Parameter.VAR_KEYWORD, inspect.Parameter.VAR_POSITIONAL)
         }
         if "output_type" not in named:
@@ -224,7 +232,8 @@ class CallbackDiffusers(Diffusers):
         # Which of them a request must give: the pipeline cannot run without them
         # although its signature may default them to None.
         self._required_images = {
-            name for name in self.image_params
+            name
+            for name in self.image_params
             if signature[name].default is inspect.Parameter.empty
             or (name == "image" and ("strength" in named or bool(_NEEDS_IMAGE.search(kind))))
             # Flux's Fill and Control pipelines take them too (defaulting them to None).
@@ -297,44 +306,114 @@ class CallbackDiffusers(Diffusers):
         if takes("prompt") and "prompt_embeds" not in self._fixed:
             add(Param("prompt", "str", "", "text prompt", max_len=_MAX_PROMPT_CHARS), "prompt")
         if takes("negative_prompt") and "negative_prompt_embeds" not in self._fixed:
-            add(Param("negative_prompt", "str", "", "what to steer away from (with guidance)",
-                      max_len=_MAX_PROMPT_CHARS), "negative_prompt")
+            add(
+                Param(
+                    "negative_prompt",
+                    "str",
+                    "",
+                    "what to steer away from (with guidance)",
+                    max_len=_MAX_PROMPT_CHARS,
+                ),
+                "negative_prompt",
+            )
         if takes("num_inference_steps"):
             steps = self._literal("num_inference_steps", (int,)) or _DEFAULT_STEPS
-            add(Param("steps", "int", steps, "denoise steps (num_inference_steps)",
-                      minimum=1, maximum=1000), "num_inference_steps")
+            add(
+                Param("steps", "int", steps, "denoise steps (num_inference_steps)", minimum=1, maximum=1000),
+                "num_inference_steps",
+            )
         if takes("guidance_scale"):
-            add(Param("guidance_scale", "float", self._literal("guidance_scale", (int, float)),
-                      "classifier-free guidance scale", minimum=0.0, maximum=100.0), "guidance_scale")
+            add(
+                Param(
+                    "guidance_scale",
+                    "float",
+                    self._literal("guidance_scale", (int, float)),
+                    "classifier-free guidance scale",
+                    minimum=0.0,
+                    maximum=100.0,
+                ),
+                "guidance_scale",
+            )
         if takes("true_cfg_scale"):
             # Qwen-Image's classifier-free guidance (on with a negative prompt);
             # its guidance_scale is for guidance-distilled checkpoints.
-            add(Param("true_cfg_scale", "float", self._literal("true_cfg_scale", (int, float)),
-                      "true classifier-free guidance scale (with a negative prompt)",
-                      minimum=0.0, maximum=100.0), "true_cfg_scale")
+            add(
+                Param(
+                    "true_cfg_scale",
+                    "float",
+                    self._literal("true_cfg_scale", (int, float)),
+                    "true classifier-free guidance scale (with a negative prompt)",
+                    minimum=0.0,
+                    maximum=100.0,
+                ),
+                "true_cfg_scale",
+            )
         if "generator" in self._signature:
             add(seed_param("seed of the request's CPU generator"), "generator")
         if "num_images_per_prompt" in self._signature and not self._video:
             add(images_param(self._max_images), "num_images_per_prompt")
         if self._samplers is not None and "scheduler" not in self._fixed:
             # Not a pipeline argument: run() puts the request's scheduler on the pipeline.
-            add(Param("sampler", "str", samplers.DEFAULT,
-                      f"the scheduler: default is the pipeline's own ({type(self._template).__name__}); "
-                      "the others by their AUTOMATIC1111 / ComfyUI names", choices=self.sampler_names), "")
+            add(
+                Param(
+                    "sampler",
+                    "str",
+                    samplers.DEFAULT,
+                    f"the scheduler: default is the pipeline's own ({type(self._template).__name__}); "
+                    "the others by their AUTOMATIC1111 / ComfyUI names",
+                    choices=self.sampler_names,
+                ),
+                "",
+            )
         sides = [s for s in ("height", "width") if takes(s)]
         for side in sides:
-            add(Param(side, "int", self._literal(side, (int,)), f"{side} in pixels",
-                      minimum=8, maximum=_MAX_SIDE), side)
+            add(
+                Param(
+                    side,
+                    "int",
+                    self._literal(side, (int,)),
+                    f"{side} in pixels",
+                    minimum=8,
+                    maximum=_MAX_SIDE,
+                ),
+                side,
+            )
         if len(sides) == 2:
-            add(Param("size", "int", None, "height and width in pixels, both at once",
-                      minimum=8, maximum=_MAX_SIDE), "")
+            add(
+                Param(
+                    "size",
+                    "int",
+                    None,
+                    "height and width in pixels, both at once",
+                    minimum=8,
+                    maximum=_MAX_SIDE,
+                ),
+                "",
+            )
         if takes("num_frames"):
-            add(Param("num_frames", "int", self._literal("num_frames", (int,)), "video frames",
-                      minimum=1, maximum=_MAX_FRAMES), "num_frames")
+            add(
+                Param(
+                    "num_frames",
+                    "int",
+                    self._literal("num_frames", (int,)),
+                    "video frames",
+                    minimum=1,
+                    maximum=_MAX_FRAMES,
+                ),
+                "num_frames",
+            )
         if takes("strength"):
-            add(Param("strength", "float", self._literal("strength", (int, float)),
-                      "how far from the input image: 1 starts from pure noise",
-                      minimum=0.0, maximum=1.0), "strength")
+            add(
+                Param(
+                    "strength",
+                    "float",
+                    self._literal("strength", (int, float)),
+                    "how far from the input image: 1 starts from pure noise",
+                    minimum=0.0,
+                    maximum=1.0,
+                ),
+                "strength",
+            )
         where = "a data:image/png;base64 or data:image/jpeg;base64 URL" + (
             ", or a PNG/JPEG file path" if self._image_paths else ""
         )
@@ -373,9 +452,16 @@ class CallbackDiffusers(Diffusers):
                     + (" or a file path)" if self._image_paths else ")"),
                     field=name,
                 )
-            out[name] = None if image is None else load_image(
-                image, field=name, max_pixels=self._max_image_pixels,
-                max_bytes=self._max_image_bytes, allow_paths=self._image_paths,
+            out[name] = (
+                None
+                if image is None
+                else load_image(
+                    image,
+                    field=name,
+                    max_pixels=self._max_image_pixels,
+                    max_bytes=self._max_image_bytes,
+                    allow_paths=self._image_paths,
+                )
             )
         self.total_steps(out)
         return out
@@ -458,9 +544,10 @@ class CallbackDiffusers(Diffusers):
         else:
             scheduler = type(template).from_config(template.config)
         kwargs: dict[str, Any] = {}
-        if getattr(scheduler.config, "use_dynamic_shifting", False) and "mu" in inspect.signature(
-            scheduler.set_timesteps
-        ).parameters:
+        if (
+            getattr(scheduler.config, "use_dynamic_shifting", False)
+            and "mu" in inspect.signature(scheduler.set_timesteps).parameters
+        ):
             kwargs["mu"] = 1.0  # the pipeline computes mu from the image size; the count ignores it
         try:
             scheduler.set_timesteps(steps, **kwargs)
@@ -474,7 +561,8 @@ class CallbackDiffusers(Diffusers):
         if scheduler is not None and inspect.isfunction(get):
             names = list(inspect.signature(get).parameters)[1:]
             if names[:2] == ["num_inference_steps", "strength"] and set(names[2:]) <= {
-                "device", "denoising_start"
+                "device",
+                "denoising_start",
             }:
                 # Run the pipeline's rule against the throwaway scheduler: SD
                 # truncates steps * strength, Flux rounds t_start instead.
@@ -484,14 +572,16 @@ class CallbackDiffusers(Diffusers):
                     timesteps, _ = get(proxy, steps, strength, **extra)
                     return len(timesteps)
                 except (AttributeError, TypeError):
-                    logger.debug("%s.get_timesteps needs more than a scheduler; using SD's rule",
-                                 type(self._pipe).__name__)
+                    logger.debug(
+                        "%s.get_timesteps needs more than a scheduler; using SD's rule",
+                        type(self._pipe).__name__,
+                    )
         # diffusers' StableDiffusionImg2ImgPipeline.get_timesteps.
         init = min(int(steps * strength), steps)
         t_start = max(steps - init, 0)
         if scheduler is None:
             return steps - t_start
-        return len(scheduler.timesteps[t_start * scheduler.order:])
+        return len(scheduler.timesteps[t_start * scheduler.order :])
 
     def batch_key(self, params: Mapping[str, Any]) -> Hashable | None:
         """None: the pipeline runs one request per call, never batched."""
@@ -522,9 +612,15 @@ class CallbackDiffusers(Diffusers):
                 continue
             kwargs[arg] = value
         output = params.get("output", "image")
-        return _State(kwargs=kwargs, total=self.total_steps(params), output=output,
-                      unpack=self._unpacker(kwargs), sampler=str(params.get("sampler") or samplers.DEFAULT),
-                      loras=tuple(params.get("loras", ())), images=int(params.get("num_images", 1)))
+        return _State(
+            kwargs=kwargs,
+            total=self.total_steps(params),
+            output=output,
+            unpack=self._unpacker(kwargs),
+            sampler=str(params.get("sampler") or samplers.DEFAULT),
+            loras=tuple(params.get("loras", ())),
+            images=int(params.get("num_images", 1)),
+        )
 
     def step(self, states: Sequence[Any]) -> Sequence[torch.Tensor]:
         """Never called: the engine calls :meth:`run`. Raises RuntimeError."""
@@ -606,8 +702,12 @@ class CallbackDiffusers(Diffusers):
                 latents = state.unpack(latents)
             except (RuntimeError, ValueError) as exc:
                 # Sizes guessed wrong: keep this request's frames packed, all of them.
-                logger.warning("cannot unpack %s latents %s (%s); streaming them packed",
-                               type(self._pipe).__name__, tuple(latents.shape), exc)
+                logger.warning(
+                    "cannot unpack %s latents %s (%s); streaming them packed",
+                    type(self._pipe).__name__,
+                    tuple(latents.shape),
+                    exc,
+                )
                 state.unpack = None
         # One image: [C, h, w]; several (num_images): all of them, [n, C, h, w].
         frame = latents[0] if state.images == 1 else latents
@@ -637,10 +737,15 @@ class CallbackDiffusers(Diffusers):
             return lambda x: unpack(x, height, width, factor)
         # LTX: sizes in latent units, patch sizes from the pipeline.
         frames = kwargs.get("num_frames", self._literal("num_frames", (int,)) if self._video else None)
-        attrs = [getattr(pipe, a, None) for a in (
-            "vae_temporal_compression_ratio", "vae_spatial_compression_ratio",
-            "transformer_spatial_patch_size", "transformer_temporal_patch_size",
-        )]
+        attrs = [
+            getattr(pipe, a, None)
+            for a in (
+                "vae_temporal_compression_ratio",
+                "vae_spatial_compression_ratio",
+                "transformer_spatial_patch_size",
+                "transformer_temporal_patch_size",
+            )
+        ]
         if height is None or width is None or frames is None or not all(isinstance(a, int) for a in attrs):
             return None
         temporal, spatial, patch, patch_t = attrs

@@ -202,9 +202,7 @@ class FluxDiffusers(FlowDiffusers[_FluxConditioning]):
             embeds=embeds, pooled=pooled, text_ids=text_ids, image_ids=image_ids, guidance=guidance
         )
 
-    def _initial_latents(
-        self, noise: torch.Tensor, scheduler: Any, height: int, width: int
-    ) -> torch.Tensor:
+    def _initial_latents(self, noise: torch.Tensor, scheduler: Any, height: int, width: int) -> torch.Tensor:
         images, channels, h, w = noise.shape
         packed: torch.Tensor = self._flux._pack_latents(noise, images, channels, h, w)
         return packed

@@ -23,6 +23,7 @@ MAX_PROMPT_CHARS = 10_000
 #: The largest image side a native loop takes, in pixels (a pipeline may take less).
 MAX_SIDE = 8192
 
+
 @dataclass(slots=True)
 class Saved:
     """What a failed ``step`` must put back: the scheduler's attributes, the generator."""
@@ -161,16 +162,13 @@ def _negative(value: Any, positive: torch.Tensor, field: str, family: str) -> to
     if negative.shape != positive.shape:
         like = field.removeprefix("negative_")
         raise ParamsError(
-            f"{field} {tuple(negative.shape)} and {like} {tuple(positive.shape)} "
-            "must have the same shape",
+            f"{field} {tuple(negative.shape)} and {like} {tuple(positive.shape)} must have the same shape",
             field=field,
         )
     return negative
 
 
-def with_defaults(
-    params: list[Param], defaults: Mapping[str, Any] | None, model: str
-) -> tuple[Param, ...]:
+def with_defaults(params: list[Param], defaults: Mapping[str, Any] | None, model: str) -> tuple[Param, ...]:
     """``params`` with ``defaults`` applied; raises ParamsError for unknown names or bad values."""
     if defaults:
         by_name = {p.name: i for i, p in enumerate(params)}
@@ -190,8 +188,14 @@ def with_defaults(
 
 def size_param(multiple: int, maximum: int) -> Param:
     """``size``: both sides at once, as every image model takes it (see ``params.square_size``)."""
-    return Param("size", "int", None, f"height and width in pixels, both at once, a multiple of {multiple}",
-                 minimum=multiple, maximum=maximum)
+    return Param(
+        "size",
+        "int",
+        None,
+        f"height and width in pixels, both at once, a multiple of {multiple}",
+        minimum=multiple,
+        maximum=maximum,
+    )
 
 
 def check_multiple(params: Mapping[str, Any], multiple: int, model: str) -> None:
@@ -225,8 +229,7 @@ def timestep_count(make: Callable[[int], Any], steps: int, model: str) -> int:
     count = len(scheduler.timesteps)
     if count < 1:
         raise ParamsError(
-            f"{model} param 'steps': {type(scheduler).__name__} gives no timesteps for "
-            f"{steps} steps",
+            f"{model} param 'steps': {type(scheduler).__name__} gives no timesteps for {steps} steps",
             field="steps",
         )
     failure = _dry_run(scheduler)
@@ -234,13 +237,10 @@ def timestep_count(make: Callable[[int], Any], steps: int, model: str) -> int:
         name = type(scheduler).__name__
         trained = getattr(scheduler.config, "num_train_timesteps", None)
         what = f"{name} ({trained} training timesteps)" if trained else name
-        bound = next(
-            (m for m in range(steps - 1, max(steps - _BOUND_SEARCH, 0), -1) if _runs(make, m)), None
-        )
+        bound = next((m for m in range(steps - 1, max(steps - _BOUND_SEARCH, 0), -1) if _runs(make, m)), None)
         limit = f"must be at most {bound} for {what}" if bound else f"cannot be run by {what}"
         raise ParamsError(
-            f"{model} param 'steps' {limit}, got {steps} "
-            f"({type(failure).__name__} at that count: {failure})",
+            f"{model} param 'steps' {limit}, got {steps} ({type(failure).__name__} at that count: {failure})",
             field="steps",
         )
     return count
@@ -367,4 +367,3 @@ def same_device(a: torch.device, b: torch.device) -> bool:
         return d.index if d.index is not None else torch.cuda.current_device()
 
     return index(a) == index(b)
-

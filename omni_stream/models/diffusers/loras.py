@@ -64,20 +64,24 @@ def check_loras(value: Any, known: Sequence[str], *, model: str) -> LoraSet:
         return ()
     where = f"{model} param 'loras'"
     if isinstance(value, (str, bytes)) or not isinstance(value, Sequence):
-        raise ParamsError(f"{where} must be a list of {{\"name\", \"scale\"}} objects, got {value!r:.80}",
-                          field="loras")
+        raise ParamsError(
+            f'{where} must be a list of {{"name", "scale"}} objects, got {value!r:.80}', field="loras"
+        )
     if len(value) > MAX_LORAS:
         raise ParamsError(f"{where} names {len(value)} LoRAs; at most {MAX_LORAS}", field="loras")
     chosen: dict[str, float] = {}
     for i, entry in enumerate(value):
         field = f"loras[{i}]"
         if not isinstance(entry, Mapping):
-            raise ParamsError(f"{where}: entry {i} must be an object with name and scale, got {entry!r:.80}",
-                              field=field)
+            raise ParamsError(
+                f"{where}: entry {i} must be an object with name and scale, got {entry!r:.80}", field=field
+            )
         extra = sorted(str(k) for k in entry if k not in ("name", "scale"))
         if extra:
-            raise ParamsError(f"{where}: entry {i} has unknown key(s) {extra}; it takes name and scale",
-                              field=f"{field}.{extra[0]}")
+            raise ParamsError(
+                f"{where}: entry {i} has unknown key(s) {extra}; it takes name and scale",
+                field=f"{field}.{extra[0]}",
+            )
         name = entry.get("name")
         if not isinstance(name, str) or name not in known:
             listed = ", ".join(sorted(known)) if known else "none are loaded (serve --lora NAME=PATH)"
@@ -87,8 +91,9 @@ def check_loras(value: Any, known: Sequence[str], *, model: str) -> LoraSet:
             )
         scale = entry.get("scale", 1.0)
         if isinstance(scale, bool) or not isinstance(scale, (int, float)) or not finite_number(scale):
-            raise ParamsError(f"{where}: entry {i}'s scale must be a number, got {scale!r:.80}",
-                              field=f"{field}.scale")
+            raise ParamsError(
+                f"{where}: entry {i}'s scale must be a number, got {scale!r:.80}", field=f"{field}.scale"
+            )
         if not -MAX_SCALE <= scale <= MAX_SCALE:
             raise ParamsError(
                 f"{where}: entry {i}'s scale must be from {-MAX_SCALE:g} to {MAX_SCALE:g}, got {scale!r}",
@@ -165,8 +170,9 @@ class LoraBank:
             except ImportError as exc:
                 raise ImportError(f'LoRAs need peft: pip install "omni-stream[diffusers]" ({exc})') from exc
             except Exception as exc:  # noqa: BLE001 - diffusers and peft raise many kinds
-                raise ValueError(f"LoRA {name!r} from {str(path)!r} could not be loaded: "
-                                 f"{type(exc).__name__}: {exc}") from exc
+                raise ValueError(
+                    f"LoRA {name!r} from {str(path)!r} could not be loaded: {type(exc).__name__}: {exc}"
+                ) from exc
             self._names.append(name)
         self._active = None  # loading enables the new adapter: set the next request's set afresh
 

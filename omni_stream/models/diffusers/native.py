@@ -271,23 +271,53 @@ class NativeDiffusers(Diffusers, Generic[CondT]):
         height, width = self._default_size
         params = [Param("prompt", "str", "", "text prompt", max_len=MAX_PROMPT_CHARS)]
         if self.takes_negative_prompt:
-            params.append(Param("negative_prompt", "str", "", "what to steer away from (with guidance)",
-                                max_len=MAX_PROMPT_CHARS))
+            params.append(
+                Param(
+                    "negative_prompt",
+                    "str",
+                    "",
+                    "what to steer away from (with guidance)",
+                    max_len=MAX_PROMPT_CHARS,
+                )
+            )
         return [
             *params,
-            Param("steps", "int", self.default_steps, "denoise steps (num_inference_steps)",
-                  minimum=1, maximum=1000),
+            Param(
+                "steps",
+                "int",
+                self.default_steps,
+                "denoise steps (num_inference_steps)",
+                minimum=1,
+                maximum=1000,
+            ),
             *self._guidance_params(),
             seed_param("seed of the request's CPU generator"),
             images_param(self._max_images),
-            Param("height", "int", height, f"image height in pixels, a multiple of {multiple}",
-                  minimum=multiple, maximum=largest),
-            Param("width", "int", width, f"image width in pixels, a multiple of {multiple}",
-                  minimum=multiple, maximum=largest),
+            Param(
+                "height",
+                "int",
+                height,
+                f"image height in pixels, a multiple of {multiple}",
+                minimum=multiple,
+                maximum=largest,
+            ),
+            Param(
+                "width",
+                "int",
+                width,
+                f"image width in pixels, a multiple of {multiple}",
+                minimum=multiple,
+                maximum=largest,
+            ),
             size_param(multiple, largest),
-            Param("sampler", "str", samplers.DEFAULT,
-                  f"the scheduler: default is the pipeline's own ({self._scheduler_cls.__name__}); "
-                  "the others by their AUTOMATIC1111 / ComfyUI names", choices=self.sampler_names),
+            Param(
+                "sampler",
+                "str",
+                samplers.DEFAULT,
+                f"the scheduler: default is the pipeline's own ({self._scheduler_cls.__name__}); "
+                "the others by their AUTOMATIC1111 / ComfyUI names",
+                choices=self.sampler_names,
+            ),
             *self._sampler_params(),
         ]
 
@@ -363,8 +393,12 @@ class NativeDiffusers(Diffusers, Generic[CondT]):
             return None
         # Requests on different samplers, or with other LoRAs, are never
         # batched together: one batch, one kind of step, one set of weights.
-        return (params["height"], params["width"], params.get("sampler", samplers.DEFAULT),
-                params.get("loras", ()))
+        return (
+            params["height"],
+            params["width"],
+            params.get("sampler", samplers.DEFAULT),
+            params.get("loras", ()),
+        )
 
     # -- producer thread -------------------------------------------------------
 
@@ -615,8 +649,13 @@ class NativeDiffusers(Diffusers, Generic[CondT]):
     def _reference_scheduler(self, params: Mapping[str, Any], device: torch.device) -> Any:
         """A fresh scheduler for ``params``, kept (it is only read: what a snapshot compares
         against): building one costs milliseconds, a snapshot is taken every few steps."""
-        key = (int(params["steps"]), int(params["height"]), int(params["width"]),
-               params.get("sampler", samplers.DEFAULT), str(device))
+        key = (
+            int(params["steps"]),
+            int(params["height"]),
+            int(params["width"]),
+            params.get("sampler", samplers.DEFAULT),
+            str(device),
+        )
         cache: dict[Any, Any] = self.__dict__.setdefault("_reference_schedulers", {})
         fresh = cache.get(key)
         if fresh is None:
@@ -628,7 +667,10 @@ class NativeDiffusers(Diffusers, Generic[CondT]):
     def _fresh_scheduler(self, params: Mapping[str, Any], device: torch.device) -> Any:
         """The scheduler ``start`` makes for ``params``: the base a snapshot's state is a difference to."""
         return self._scheduler(
-            int(params["steps"]), device, int(params["height"]), int(params["width"]),
+            int(params["steps"]),
+            device,
+            int(params["height"]),
+            int(params["width"]),
             params.get("sampler", samplers.DEFAULT),
         )
 
@@ -705,8 +747,16 @@ class NativeDiffusers(Diffusers, Generic[CondT]):
 
     def _guidance_params(self) -> list[Param]:
         """The params that set guidance: classifier-free guidance's scale, unless the pipeline differs."""
-        return [Param("guidance_scale", "float", self.default_guidance,
-                      "classifier-free guidance; 1 or less turns it off", minimum=0.0, maximum=100.0)]
+        return [
+            Param(
+                "guidance_scale",
+                "float",
+                self.default_guidance,
+                "classifier-free guidance; 1 or less turns it off",
+                minimum=0.0,
+                maximum=100.0,
+            )
+        ]
 
     def _sampler_params(self) -> list[Param]:
         """Params the scheduler takes (``eta``), declared last."""
@@ -738,9 +788,7 @@ class NativeDiffusers(Diffusers, Generic[CondT]):
         """The noise's ``(h, w)`` for an image of ``height`` x ``width`` pixels."""
         return (height // self._vae_scale, width // self._vae_scale)
 
-    def _initial_latents(
-        self, noise: torch.Tensor, scheduler: Any, height: int, width: int
-    ) -> torch.Tensor:
+    def _initial_latents(self, noise: torch.Tensor, scheduler: Any, height: int, width: int) -> torch.Tensor:
         """The first latents from the noise ``[1, C, h, w]``, in the denoiser's layout."""
         return noise
 

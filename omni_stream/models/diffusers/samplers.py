@@ -32,8 +32,17 @@ from typing import Any, Final
 from ...errors import ParamsError
 
 __all__ = [
-    "DEFAULT", "EXTRAS", "FLOW", "NOISE", "UNCAPTURED_NOISE", "Sampler", "build", "check_installed",
-    "missing_packages", "offered", "sampler_names",
+    "DEFAULT",
+    "EXTRAS",
+    "FLOW",
+    "NOISE",
+    "UNCAPTURED_NOISE",
+    "Sampler",
+    "build",
+    "check_installed",
+    "missing_packages",
+    "offered",
+    "sampler_names",
 ]
 
 #: The pipeline's own scheduler, as it was loaded (its class and config unchanged).

@@ -166,8 +166,14 @@ class UNetDiffusers(NativeDiffusers[_UNetConditioning]):
     def _guidance_params(self) -> list[Param]:
         return [
             *super()._guidance_params(),
-            Param("guidance_rescale", "float", 0.0, "rescale guided noise (arXiv 2305.08891)",
-                  minimum=0.0, maximum=1.0),
+            Param(
+                "guidance_rescale",
+                "float",
+                0.0,
+                "rescale guided noise (arXiv 2305.08891)",
+                minimum=0.0,
+                maximum=1.0,
+            ),
         ]
 
     def _sampler_params(self) -> list[Param]:
@@ -175,8 +181,16 @@ class UNetDiffusers(NativeDiffusers[_UNetConditioning]):
         self._eta_takers = takers = self._eta_samplers()
         if not takers:
             return []
-        return [Param("eta", "float", 0.0, f"DDIM eta: 0 is deterministic, 1 is DDPM-like "
-                      f"(sampler {' or '.join(takers)})", minimum=0.0, maximum=1.0)]
+        return [
+            Param(
+                "eta",
+                "float",
+                0.0,
+                f"DDIM eta: 0 is deterministic, 1 is DDPM-like (sampler {' or '.join(takers)})",
+                minimum=0.0,
+                maximum=1.0,
+            )
+        ]
 
     def _eta_samplers(self) -> tuple[str, ...]:
         """The samplers whose step takes ``eta`` (DDIM's; ``default`` where the pipeline's does)."""
@@ -212,9 +226,7 @@ class UNetDiffusers(NativeDiffusers[_UNetConditioning]):
             kwargs["eta"] = float(params.get("eta", 0.0))
         return kwargs
 
-    def _initial_latents(
-        self, noise: torch.Tensor, scheduler: Any, height: int, width: int
-    ) -> torch.Tensor:
+    def _initial_latents(self, noise: torch.Tensor, scheduler: Any, height: int, width: int) -> torch.Tensor:
         latents: torch.Tensor = noise * scheduler.init_noise_sigma
         return latents
 
