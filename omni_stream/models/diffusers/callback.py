@@ -434,7 +434,7 @@ class CallbackDiffusers(Diffusers):
             # Param kinds have no image: take them out, check them here.
             params = dict(params)
             images = {name: params.pop(name, None) for name in self.image_params}
-        params, loras = split_loras(params)
+        params, loras = split_loras(samplers.with_canonical(params))
         if "sampler" in self._args:
             samplers.check_installed(params, self._sampler_table, model=self.name)
         out = super().validate(params)

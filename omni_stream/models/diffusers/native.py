@@ -323,7 +323,7 @@ class NativeDiffusers(Diffusers, Generic[CondT]):
 
     def validate(self, params: Mapping[str, Any] | None) -> dict[str, Any]:
         """Checked params with defaults filled in; raises ParamsError naming the field."""
-        params, loras = split_loras(params)
+        params, loras = split_loras(samplers.with_canonical(params))
         samplers.check_installed(params, self.sampler_table, model=self.name)
         out = super().validate(params)
         out["loras"] = check_loras(loras, self.lora_names, model=self.name)

@@ -32,17 +32,23 @@ from typing import Any, Final
 from ...errors import ParamsError
 
 __all__ = [
+    "A1111_NAMES",
+    "COMFY_NAMES",
     "DEFAULT",
+    "SCHEDULES",
     "EXTRAS",
     "FLOW",
     "NOISE",
     "UNCAPTURED_NOISE",
     "Sampler",
     "build",
+    "canonical",
     "check_installed",
     "missing_packages",
     "offered",
     "sampler_names",
+    "spellings",
+    "with_canonical",
 ]
 
 #: The pipeline's own scheduler, as it was loaded (its class and config unchanged).
@@ -102,6 +108,9 @@ FLOW: Final[tuple[Sampler, ...]] = (
 )
 
 
+#: Every name of ours, in either table (what :func:`canonical` passes through as it is).
+_OURS: Final = frozenset(s.name for s in (*NOISE, *FLOW))
+
 #: Scheduler classes whose noise does not come from the request's generator,
 #: so a snapshot cannot capture it and a request on them is never
 #: checkpointed. DPMSolverSDEScheduler (dpmpp_sde) builds a torchsde Brownian
@@ -114,6 +123,140 @@ UNCAPTURED_NOISE: Final = frozenset({"DPMSolverSDEScheduler"})
 #: installed by its own name. tests/test_extras.py checks this against
 #: pyproject.toml, so the error below never names an extra that lacks it.
 EXTRAS: Final = {"scipy": "diffusers"}
+
+
+#: AUTOMATIC1111's display names (and Forge's), lower-cased, for ours. A trailing " Karras"
+#: (A1111 before 1.6: "DPM++ 2M Karras") or a ``scheduler`` of ``karras`` (1.6 and after, and
+#: ComfyUI) picks the ``_karras`` twin.
+A1111_NAMES: Final[Mapping[str, str]] = {
+    "euler": "euler",
+    "euler a": "euler_a",
+    "heun": "heun",
+    "dpm2": "dpm_2",
+    "dpm2 a": "dpm_2_a",
+    "lms": "lms",
+    "dpm++ 2m": "dpmpp_2m",
+    "dpm++ 2m sde": "dpmpp_2m_sde",
+    "dpm++ sde": "dpmpp_sde",
+    "ddim": "ddim",
+    "ddpm": "ddpm",
+    "plms": "pndm",
+    "unipc": "unipc",
+    "deis": "deis",
+    "lcm": "lcm",
+    "tcd": "tcd",
+}
+
+#: ComfyUI's ``sampler_name`` values for ours (its ``scheduler`` is a separate field).
+COMFY_NAMES: Final[Mapping[str, str]] = {
+    "euler": "euler",
+    "euler_ancestral": "euler_a",
+    "heun": "heun",
+    "dpm_2": "dpm_2",
+    "dpm_2_ancestral": "dpm_2_a",
+    "lms": "lms",
+    "dpmpp_2m": "dpmpp_2m",
+    "dpmpp_2m_sde": "dpmpp_2m_sde",
+    "dpmpp_sde": "dpmpp_sde",
+    "ddim": "ddim",
+    "ddpm": "ddpm",
+    "uni_pc": "unipc",
+    "deis": "deis",
+    "lcm": "lcm",
+    "tcd": "tcd",
+}
+
+#: Schedules (A1111 1.6's ``scheduler``, ComfyUI's ``scheduler``) and what they make of a sampler:
+#: Karras noise levels, or the sampler's own. Others (exponential, beta, ...) are refused by name.
+SCHEDULES: Final[Mapping[str, bool]] = {
+    "karras": True,
+    "normal": False,
+    "simple": False,
+    "automatic": False,
+    "uniform": False,
+    "sgm_uniform": False,
+}
+
+
+def canonical(name: Any, schedule: Any = None) -> Any:
+    """Our name for ``name`` as AUTOMATIC1111 ("Euler a", "DPM++ 2M Karras") or ComfyUI
+    ("euler_ancestral", "uni_pc") spell it, with ``schedule`` ("karras", "normal", ...) applied;
+    ``name`` itself when it is ours or unknown (the param's choices then answer it).
+
+    Raises ParamsError (field ``scheduler``) for a schedule that is not in :data:`SCHEDULES`,
+    or ``karras`` on a sampler without a Karras twin.
+    """
+    if not isinstance(name, str):
+        return name
+    text = name.strip()
+    lower = text.lower()
+    karras = False
+    if lower.endswith(" karras"):
+        lower, karras = lower[: -len(" karras")].rstrip(), True
+    ours = A1111_NAMES.get(lower) or COMFY_NAMES.get(lower) or (lower if lower in _OURS else None)
+    if ours is None:
+        return name
+    if ours.endswith("_karras"):
+        ours, karras = ours[: -len("_karras")], True
+    if schedule is not None:
+        key = str(schedule).strip().lower()
+        if key not in SCHEDULES:
+            raise ParamsError(
+                f"scheduler {str(schedule)[:40]!r} is not one of {', '.join(SCHEDULES)}", field="scheduler"
+            )
+        karras = karras or SCHEDULES[key]
+    if not karras:
+        return ours
+    if f"{ours}_karras" not in _OURS:
+        raise ParamsError(f"sampler {name!r} has no Karras schedule", field="scheduler")
+    return f"{ours}_karras"
+
+
+def with_canonical(params: Mapping[str, Any] | None) -> Mapping[str, Any] | None:
+    """``params`` with its ``sampler`` spelled as ours (:func:`canonical`), the rest untouched."""
+    if not isinstance(params, Mapping) or "sampler" not in params:
+        return params
+    ours = canonical(params["sampler"])
+    return params if ours == params["sampler"] else {**params, "sampler": ours}
+
+
+def spellings(names: Sequence[str]) -> dict[str, list[str]]:
+    """For each of our sampler ``names``, the other spellings :func:`canonical` takes for it
+    (A1111's display names, ComfyUI's ``sampler_name`` with ``scheduler: karras`` where it
+    applies): what ``/samplers`` lists."""
+    out: dict[str, list[str]] = {}
+    for name in names:
+        base, karras = (name[: -len("_karras")], True) if name.endswith("_karras") else (name, False)
+        found: list[str] = []
+        for display, ours in A1111_NAMES.items():
+            if ours == base:
+                found.append(_title(display) + (" Karras" if karras else ""))
+        for comfy, ours in COMFY_NAMES.items():
+            if ours == base:
+                found.append(f"{comfy} + karras" if karras else comfy)
+        out[name] = [f for f in dict.fromkeys(found) if f != name]
+    return out
+
+
+def _title(display: str) -> str:
+    # A1111's own capitalisation ("Euler a", "DPM++ 2M SDE", "UniPC", "PLMS").
+    special = {
+        "unipc": "UniPC",
+        "plms": "PLMS",
+        "ddim": "DDIM",
+        "ddpm": "DDPM",
+        "lms": "LMS",
+        "lcm": "LCM",
+        "tcd": "TCD",
+        "deis": "DEIS",
+    }
+    if display in special:
+        return special[display]
+    words = display.split(" ")
+    return " ".join(
+        w.upper() if w.startswith(("dpm", "2m", "sde")) else w.capitalize() if i == 0 else w
+        for i, w in enumerate(words)
+    )
 
 
 def sampler_names(table: Sequence[Sampler]) -> tuple[str, ...]:
