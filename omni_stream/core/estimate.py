@@ -35,6 +35,7 @@ __all__ = [
     "check_memory",
     "estimate_memory",
     "frame_bytes",
+    "largest_fitting",
     "host_engines",
     "reserve_memory",
     "state_on_host",
@@ -326,6 +327,39 @@ def _mib(n: int) -> str:
     return f"{n / (1 << 20):.1f} MiB"
 
 
+#: The grain of a suggested size: a multiple every diffusion model takes (8 for SD's VAE, 16 for
+#: Flux's and most video models' patches, 32 or 64 for some).
+_SUGGEST_GRAIN = 64
+
+
+def largest_fitting(
+    model: StepModel, params: Mapping[str, Any], cap: int, *, on_host: bool, batch_size: int
+) -> str | None:
+    """The largest picture size, of the request's aspect ratio, whose estimate is within ``cap``:
+    ``"WxH"`` (``"N"`` for a model with a square ``size``), in multiples of 64; None when the
+    request's size is not what is over (another param is) or not even 64 px fits."""
+    values = _param_values(model, params)
+    ints = {spec.name for spec in getattr(model, "params", ()) if spec.kind == "int"}
+    found = frame_bytes(model, params)
+    if found is None or found[1] not in _SIDES:
+        return None
+    square = "size" in ints and not {"width", "height"} <= ints
+    width = int(values.get("width") or values.get("size") or 0) if not square else int(values["size"])
+    height = int(values.get("height") or values.get("size") or 0) if not square else width
+    if width <= 0 or height <= 0:
+        return None
+    w = width - width % _SUGGEST_GRAIN
+    while w >= _SUGGEST_GRAIN:
+        h = max(_SUGGEST_GRAIN, (height * w // width) // _SUGGEST_GRAIN * _SUGGEST_GRAIN)
+        trial = {**params, "size": w} if square else {**params, "width": w, "height": h}
+        if not square and "size" in trial and "size" in ints:
+            trial["size"] = max(w, h)
+        if estimate_memory(model, trial, on_host=on_host, batch_size=batch_size).alone <= cap:
+            return str(w) if square else f"{w}x{h}"
+        w -= _SUGGEST_GRAIN
+    return None
+
+
 def check_memory(
     budget: MemoryBudget,
     model: StepModel,
@@ -351,11 +385,12 @@ def check_memory(
     cap = int(limit * MAX_REQUEST_MEMORY_SHARE)
     if est.alone > cap:
         frame = f" (one frame {_mib(est.frame_bytes)})" if est.frame_bytes else ""
+        fits = largest_fitting(model, params, cap, on_host=on_host, batch_size=batch_size)
         raise MessageError(
             "limit_exceeded",
             f"this request would hold about {_mib(est.alone)} of memory while it runs{frame}, over "
             f"half of this server's max_memory_bytes={limit} ({env}); ask for a smaller "
-            f"{est.field}",
+            f"{est.field}" + (f": the largest that fits here is {fits}" if fits else ""),
             field=est.field,
             request_id=request_id,
         )

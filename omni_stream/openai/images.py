@@ -139,10 +139,13 @@ class ImagesRequest:
     def size_text(self) -> str:
         return "auto" if self.size is None else f"{self.size[0]}x{self.size[1]}"
 
-    def to_generate(self, model: StepModel, *, served_name: str | None, detach: bool) -> Generate:
+    def to_generate(
+        self, model: StepModel, *, served_name: str | None, detach: bool, route: str | None = None
+    ) -> Generate:
         """The ``generate`` this request is on ``model``; OpenAIError (400) naming an OpenAI field
         the model cannot honour (``n`` above 1 for a model of one image a request, ``size`` for
-        one without sides)."""
+        one without sides). ``route``: the served name it runs on when the door chose another
+        than the request's ``model`` (an edit's ``NAME.edit``)."""
         declared = {p.name: p for p in model.params}
         params: dict[str, Any] = dict(self.extra)
         params["prompt"] = self.prompt
@@ -186,7 +189,9 @@ class ImagesRequest:
             preview=preview,
             detach=detach,
             output=output,
-            model=self.model,
+            # The served model it runs on: the one asked for, or the one the door chose in its place
+            # (NAME.edit for an edit of NAME: server/openai_api.py).
+            model=route if route is not None else self.model,
         )
 
 

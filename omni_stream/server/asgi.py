@@ -14,6 +14,7 @@ Routes (docs/protocol.md, docs/http.md)::
     GET  /v1/generations/{id}/output    the result
     GET  /v1/generations/{id}/preview   the newest preview
     DELETE /v1/generations/{id}    cancel
+    /v1/images/..., /v1/videos/..., GET /v1/models[/{id}]   OpenAI's (openai_api.py, openai_videos.py)
 
 Every route answers HEAD like GET without a body, other methods 405 with
 ``Allow``, unknown paths 404, all errors as ``{"error", "message"}`` JSON.
@@ -338,6 +339,7 @@ def app_for(door: FrontDoor) -> OmniStreamApp:
         methods("/v1/images/generations", POST=openai_call(openai_api.image_generations)),
         methods("/v1/images/edits", POST=openai_call(openai_api.image_edits)),
         methods("/v1/models", GET=openai_call(openai_api.models)),
+        methods("/v1/models/{model:path}", GET=openai_call(openai_api.model)),
         methods("/v1/videos", GET=openai_call(videos.listing), POST=openai_call(videos.create)),
         methods("/v1/videos/{video_id}", GET=openai_call(videos.retrieve), DELETE=openai_call(videos.delete)),
         methods("/v1/videos/{video_id}/content", GET=openai_call(videos.content)),

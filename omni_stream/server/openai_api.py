@@ -58,7 +58,7 @@ from ..core.rules import Client
 from ..errors import MessageError, ParamsError, ServerBusyError
 from ..openai import images as oi
 from ..openai.errors import OpenAIError, error_body, from_ours
-from ..openai.models import models_list
+from ..openai.models import model_object, models_list
 from ..params import MAX_IMAGES
 from . import responses
 from .bodies import BodyRefused, read_body
@@ -155,6 +155,22 @@ class OpenAIApi:
         """``GET /v1/models``: the served models, OpenAI's list shape."""
         return responses.json_response(200, models_list(self._service.rules.models, created=self._started))
 
+    async def model(self, request: Request, client: Client) -> Response:
+        """``GET /v1/models/{model}``: one served model (``models.retrieve``); 404 ``model_not_found``
+        naming the served ones for another name (not counted: nothing was submitted)."""
+        name = request.path_params["model"]
+        if name not in self._service.rules.models:
+            served = ", ".join(self._service.rules.models)
+            return error_answer(
+                OpenAIError(
+                    404,
+                    f"model {protocol.clip(name)!r} is not served here; the models are {served}",
+                    "model_not_found",
+                    param="model",
+                )
+            )
+        return responses.json_response(200, model_object(name, created=self._started))
+
     async def image_generations(self, request: Request, client: Client) -> Response:
         """``POST /v1/images/generations`` (JSON)."""
         try:
@@ -177,12 +193,13 @@ class OpenAIApi:
                 request, body, files=_FILE_PARAMS, max_part_size=self._service.limits.max_message_bytes
             )
             req = oi.parse_images_request(fields, form=True, max_images=MAX_IMAGES)
-            name, model = self._model(req)
+            name, model = self._model(req, edit=True)
             if "image" not in files:
                 raise OpenAIError(
                     400, "an edit needs its image: a file field 'image'", "invalid_field", param="image"
                 )
-            msg = req.to_generate(model, served_name=name, detach=_detached(req))
+            route = name if name.endswith(EDIT_SUFFIX) and req.model != name else None
+            msg = req.to_generate(model, served_name=name, detach=_detached(req), route=route)
             sent = {f: p for f, p in _FILE_PARAMS.items() if f in files}
             try:
                 msg = await checked_uploads(
@@ -196,8 +213,8 @@ class OpenAIApi:
 
     # -- one images request --------------------------------------------------------------
 
-    def _model(self, req: oi.ImagesRequest) -> tuple[str, Any]:
-        return model_for(self._service, req.model)
+    def _model(self, req: oi.ImagesRequest, *, edit: bool = False) -> tuple[str, Any]:
+        return model_for(self._service, req.model, edit=edit)
 
     async def _images(
         self,
@@ -321,7 +338,16 @@ async def read_form(
                     param=name,
                 )
             if name in found:
-                raise OpenAIError(400, f"one {name} file a call", "unsupported", param=name)
+                # OpenAI's multi-image edit (image[] repeated): the models served here take one
+                # input image a call (diffusers' img2img and inpaint pipelines), so it is refused
+                # whole rather than run on the first image alone.
+                raise OpenAIError(
+                    400,
+                    f"several {name!r} files were sent; the models here take one {name} a call "
+                    "(a multi-image edit needs a pipeline that takes a list of images): send one",
+                    "unsupported",
+                    param=name,
+                )
             found[name] = await value.read()
     finally:
         await form.close()
@@ -425,14 +451,25 @@ async def checked_uploads(
     return dataclasses.replace(msg, params={**msg.params, **urls})
 
 
-def model_for(service: Service, name: str | None) -> tuple[str, Any]:
-    """The served model an OpenAI request names, and its name; an unknown one is OpenAI's 404
-    ``model_not_found``, counted as the refusal it is (the core's ``bad_params`` on ``model``,
-    as every door counts it)."""
+#: A served model named ``NAME`` + this takes OpenAI's edits for ``NAME`` (docs/openai.md):
+#: one served name, a text-to-image pipeline for generations and an img2img or inpaint one for
+#: edits, as OpenAI's own samples use ``gpt-image-1`` for both.
+EDIT_SUFFIX = ".edit"
+
+
+def model_for(service: Service, name: str | None, *, edit: bool = False) -> tuple[str, Any]:
+    """The served model an OpenAI request names, and its name; for an ``edit``, ``NAME.edit``
+    where one is served. An unknown one is OpenAI's 404 ``model_not_found``, counted as the
+    refusal it is (the core's ``bad_params`` on ``model``, as every door counts it)."""
+    rules = service.rules
+    if edit:
+        base = name if name is not None else next(iter(rules.models))
+        if not base.endswith(EDIT_SUFFIX) and base + EDIT_SUFFIX in rules.models:
+            return rules.model_for(base + EDIT_SUFFIX)
     try:
-        return service.rules.model_for(name)
+        return rules.model_for(name)
     except MessageError as exc:
-        service.rules.refused(exc)
+        rules.refused(exc)
         raise OpenAIError(404, exc.message, "model_not_found", param="model") from None
 
 

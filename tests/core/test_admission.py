@@ -536,3 +536,37 @@ def test_requests_batched_together_share_one_batch_of_temporaries() -> None:
     for r in (a, b, *c):
         r.release()
     assert budget.reserved == 0
+
+
+def test_a_picture_over_the_memory_bound_is_answered_with_the_largest_size_that_fits() -> None:
+    # Issue #37: OpenAI's sora-2 sample asked for the video's default size and got a 400 saying
+    # only "ask for a smaller size". The answer names the largest size of its aspect that fits.
+    class Video(Synthetic):
+        params = (
+            om.Param("width", "int", 1280, minimum=8, maximum=4096),
+            om.Param("height", "int", 720, minimum=8, maximum=4096),
+            om.Param("num_frames", "int", 49, minimum=1, maximum=2048),
+        )
+
+        def total_steps(self, params: dict) -> int:
+            return 30
+
+    from omni_stream.core.estimate import MAX_REQUEST_MEMORY_SHARE
+
+    budget = MemoryBudget(256 * MIB)
+    with pytest.raises(MessageError) as info:
+        reserve_memory(budget, Video(), {}, request_id="v")
+    err = info.value
+    assert (err.code, err.field) == ("limit_exceeded", "width")
+    suggested = err.message.rsplit("the largest that fits here is ", 1)[1]
+    width, height = (int(side) for side in suggested.split("x"))
+    assert width % 64 == 0 and height % 64 == 0 and width < 1280 and abs(width / height - 1280 / 720) < 0.3
+    cap = int(budget.limit * MAX_REQUEST_MEMORY_SHARE)
+    assert estimate_memory(Video(), {"width": width, "height": height}).alone <= cap
+    wider = {"width": width + 64, "height": (720 * (width + 64) // 1280) // 64 * 64}
+    assert estimate_memory(Video(), wider).alone > cap
+    reserve_memory(budget, Video(), {"width": width, "height": height}, request_id="v2").release()
+    # A frame that is not a picture (Synthetic's shape) gets no size to try.
+    with pytest.raises(MessageError) as shaped:
+        reserve_memory(MemoryBudget(64 * MIB), Synthetic(), {"shape": [3, 1024, 1024]}, request_id="s")
+    assert "largest that fits" not in shaped.value.message

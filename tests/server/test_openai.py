@@ -61,12 +61,17 @@ async def test_images_generate_answers_the_sdks_images_response() -> None:
             async with httpx.AsyncClient(timeout=30) as http:
                 fetched = await http.get(urls.data[0].url)
             models = await client.models.list()
+            one = await client.models.retrieve("diffusers")
+            with pytest.raises(openai.NotFoundError) as missing:
+                await client.models.retrieve("gpt-image-1")
     assert [pixels(base64.b64decode(d.b64_json)) for d in two.data] == expected
     assert two.output_format == "png" and two.size == "24x16"
     assert urls.data[0].b64_json is None and fetched.status_code == 200
     assert fetched.headers["content-type"] == "image/jpeg"
     assert Image.open(io.BytesIO(fetched.content)).size == (24, 16)
     assert [m.id for m in models.data] == ["diffusers"] and models.data[0].object == "model"
+    assert (one.id, one.object, one.owned_by) == ("diffusers", "model", "omni_stream")
+    assert missing.value.status_code == 404 and "diffusers" in str(missing.value)
 
 
 @pytest.mark.asyncio
@@ -159,8 +164,30 @@ async def test_images_edit_runs_the_img2img_pipeline_on_the_uploaded_image(text_
             image=("in.png", upload.getvalue(), "image/png"), prompt="a red cat",
             extra_body={"negative_prompt": "dog", "steps": 5, "strength": 0.6, "seed": 3, "guidance_scale": 6.0},
         )
+        # OpenAI's multi-image edit (the SDK sends image[] twice): refused whole, saying why.
+        with pytest.raises(openai.BadRequestError) as several:
+            await client.images.edit(
+                image=[("a.png", upload.getvalue(), "image/png"), ("b.png", upload.getvalue(), "image/png")],
+                prompt="a red cat",
+            )
         text_only = Diffusers(sd.sd_pipe(), encode_prompt=sd.fixed_embeddings)
     assert pixels(base64.b64decode(edited.data[0].b64_json)) == expected.images[0].tobytes()
+    assert (several.value.body["param"], several.value.body["code"]) == ("image", "unsupported")
+    assert "one image a call" in several.value.body["message"]
+    # One served name for both, as OpenAI's samples use gpt-image-1: generations on the
+    # text-to-image pipeline, edits on NAME.edit (the img2img one).
+    both = {"gpt-image-1": text_only, "gpt-image-1.edit": model}
+    async with running(both) as server:
+        client = client_for(server)
+        made = await client.images.generate(
+            model="gpt-image-1", prompt="a cat", size="24x16", extra_body={"steps": 2, "seed": 3}
+        )
+        again = await client.images.edit(  # no model: the default's edit pipeline
+            image=("in.png", upload.getvalue(), "image/png"), prompt="a red cat",
+            extra_body={"negative_prompt": "dog", "steps": 5, "strength": 0.6, "seed": 3, "guidance_scale": 6.0},
+        )
+    assert Image.open(io.BytesIO(base64.b64decode(made.data[0].b64_json))).size == (24, 16)
+    assert pixels(base64.b64decode(again.data[0].b64_json)) == expected.images[0].tobytes()
     async with running(text_only) as server:
         with pytest.raises(openai.BadRequestError) as info:
             await client_for(server).images.edit(image=("in.png", upload.getvalue(), "image/png"), prompt="x")
