@@ -8,19 +8,9 @@
 
 from __future__ import annotations
 
-from . import device, models, preview
-from .checkpoint import Checkpoint
-from .config import timeout
-from .engine import (
-    Engine,
-    EngineGroup,
-    EngineLike,
-    EngineStatistics,
-    FrameStream,
-    FrameStreamLike,
-    GroupStatistics,
-    Health,
-)
+import importlib
+from typing import TYPE_CHECKING, Any
+
 from .errors import (
     CheckpointError,
     EngineClosedError,
@@ -37,9 +27,24 @@ from .errors import (
     StoreError,
     UnsupportedBackendError,
 )
-from .frame import Frame, StepTimings
-from .model import GeneratorModel, StepModel, from_generator
-from .params import Param, seed_param
+
+if TYPE_CHECKING:
+    from . import client, device, models, preview
+    from .checkpoint import Checkpoint
+    from .config import timeout
+    from .engine import (
+        Engine,
+        EngineGroup,
+        EngineLike,
+        EngineStatistics,
+        FrameStream,
+        FrameStreamLike,
+        GroupStatistics,
+        Health,
+    )
+    from .frame import Frame, StepTimings
+    from .model import GeneratorModel, StepModel, from_generator
+    from .params import Param, seed_param
 
 __version__ = "0.1.0"
 
@@ -83,12 +88,41 @@ __all__ = [
 ]
 
 
-def __getattr__(name: str) -> object:
-    # The client needs websockets; importing it lazily keeps `import
-    # omni_stream` working where only the engine is wanted (a GPU box with
-    # torch and anyio alone runs scripts/gpu_check.sh that way).
-    if name == "client":
-        import importlib
+#: Where each name of the package lives: imported on first use (PEP 562), so that
+#: ``from omni_stream import client`` (a websocket client) does not import torch (1.4-2.3 s),
+#: and ``import omni_stream`` on a GPU box with torch and anyio alone needs no websockets.
+_LAZY: dict[str, str] = {
+    "Checkpoint": ".checkpoint",
+    "timeout": ".config",
+    "Engine": ".engine",
+    "EngineGroup": ".engine",
+    "EngineLike": ".engine",
+    "EngineStatistics": ".engine",
+    "FrameStream": ".engine",
+    "FrameStreamLike": ".engine",
+    "GroupStatistics": ".engine",
+    "Health": ".engine",
+    "Frame": ".frame",
+    "StepTimings": ".frame",
+    "GeneratorModel": ".model",
+    "StepModel": ".model",
+    "from_generator": ".model",
+    "Param": ".params",
+    "seed_param": ".params",
+}
+_SUBPACKAGES = frozenset({"client", "device", "models", "preview"})
 
-        return importlib.import_module(".client", __name__)
-    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+
+def __getattr__(name: str) -> Any:
+    if name in _SUBPACKAGES:
+        value: Any = importlib.import_module(f".{name}", __name__)
+    elif name in _LAZY:
+        value = getattr(importlib.import_module(_LAZY[name], __name__), name)
+    else:
+        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+    globals()[name] = value  # once: the next lookup is a plain attribute
+    return value
+
+
+def __dir__() -> list[str]:
+    return sorted({*globals(), *__all__})
