@@ -277,7 +277,7 @@ async def _rejections(http_url: str) -> dict[str, float]:
 def _refused(before: dict[str, float], after: dict[str, float]) -> dict[str, int]:
     out = {}
     for key, value in after.items():
-        code = key.split('code="')[-1].rstrip('"}')
+        code = key.split('code="')[-1].split('"')[0]
         n = int(value - before.get(key, 0.0))
         if n:
             out[f"refused_{code}"] = n

@@ -93,10 +93,10 @@ class Dispatch:
         if msg is not None:
             self.dispatch(client, msg)
 
-    def refused(self, exc: protocol.MessageError) -> None:
-        """Count a ``generate`` refused with ``exc``, once, whichever step of whichever door refused it."""
-        self.metrics.rejections.labels(exc.code).inc()
-        self.metrics.requests.labels("rejected").inc()
+    def refused(self, exc: protocol.MessageError, model: str | None = None) -> None:
+        """Count a ``generate`` refused with ``exc``, once, whichever step of whichever door refused
+        it; ``model``: the name it asked for (None: the default)."""
+        self.metrics.refused(exc.code, model)
 
     def reply_error(self, client: Client, exc: protocol.MessageError, *, request_id: str | None) -> None:
         if client.outbox is not None:

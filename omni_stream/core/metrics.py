@@ -2,6 +2,9 @@
 
 A registry per :class:`ServerMetrics` (not prometheus-client's global one)
 so that several servers in one process, and every test, count separately.
+Every request metric carries a ``model`` label: the served model's name (a
+server of one: its model's name; a refusal naming a model not served:
+``unknown``, so a client cannot make series by inventing names).
 Engine gauges (queue depth, host buffers, up) are read from
 ``engine.statistics()`` / ``engine.health()`` at scrape time by a collector,
 never copied on a timer.
@@ -9,7 +12,7 @@ never copied on a timer.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Sequence
 from typing import Any
 
 from prometheus_client import (
@@ -53,6 +56,25 @@ _STEP_BUCKETS = (
     60.0,
     300.0,
 )
+#: A request's waits and lengths: a queue of seconds to a video's tens of minutes.
+_WAIT_BUCKETS = (
+    0.01,
+    0.05,
+    0.1,
+    0.25,
+    0.5,
+    1.0,
+    2.5,
+    5.0,
+    10.0,
+    30.0,
+    60.0,
+    120.0,
+    300.0,
+    600.0,
+    1800.0,
+    3600.0,
+)
 _ENCODE_BUCKETS = (0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5)
 #: Weight of the newest frame in the recent step averages (``busy``'s
 #: ``retry_after_s``): about the last 20 frames, so a change of load shows
@@ -85,20 +107,47 @@ class _EngineCollector(Collector):
 
 
 class ServerMetrics:
-    """Every metric one server exports; ``render()`` is the ``/metrics`` body."""
+    """Every metric one server exports; ``render()`` is the ``/metrics`` body.
 
-    def __init__(self, engine: Any, *, running: Callable[[], int]) -> None:
+    ``models``: the served models' names, the default first (the ``model`` label's values).
+    """
+
+    def __init__(
+        self, engine: Any, *, running: Callable[[], int], models: Sequence[str] = ("model",)
+    ) -> None:
         r = self.registry = CollectorRegistry(auto_describe=True)
+        self._models = tuple(models) or ("model",)
         self.requests = Counter(
             "omni_stream_requests",
-            "requests by outcome: done, cancelled, error, rejected",
-            ["outcome"],
+            "requests by outcome (done, cancelled, error, rejected) and model",
+            ["outcome", "model"],
             registry=r,
         )
         self.rejections = Counter(
             "omni_stream_rejections",
-            "generate messages rejected after parsing, by error code",
-            ["code"],
+            "generate messages rejected after parsing, by error code and model",
+            ["code", "model"],
+            registry=r,
+        )
+        self.queue_wait = Histogram(
+            "omni_stream_queue_wait_seconds",
+            "from a request's admission to its going into the engine (the server's queue), by model",
+            ["model"],
+            buckets=_WAIT_BUCKETS,
+            registry=r,
+        )
+        self.first_preview = Histogram(
+            "omni_stream_first_preview_seconds",
+            "from a request's admission to its first preview published, by model",
+            ["model"],
+            buckets=_WAIT_BUCKETS,
+            registry=r,
+        )
+        self.time_to_result = Histogram(
+            "omni_stream_request_seconds",
+            "from a request's admission to its end, for requests that finished (done), by model",
+            ["model"],
+            buckets=_WAIT_BUCKETS,
             registry=r,
         )
         #: Recent mean model-call time and batch size (None before the first frame).
@@ -106,19 +155,22 @@ class ServerMetrics:
         self.recent_batch_size: float | None = None
         self.step_compute = Histogram(
             "omni_stream_step_compute_seconds",
-            "step compute time (frames the server observed)",
+            "step compute time (frames the server observed), by model",
+            ["model"],
             buckets=_STEP_BUCKETS,
             registry=r,
         )
         self.step_queued = Histogram(
             "omni_stream_step_queued_seconds",
-            "time a step waited before it ran",
+            "time a step waited before it ran, by model",
+            ["model"],
             buckets=_STEP_BUCKETS,
             registry=r,
         )
         self.step_copy = Histogram(
             "omni_stream_step_copy_seconds",
-            "device-to-host copy time of a step's frame",
+            "device-to-host copy time of a step's frame, by model",
+            ["model"],
             buckets=_STEP_BUCKETS,
             registry=r,
         )
@@ -219,10 +271,24 @@ class ServerMetrics:
         self.memory_bytes.set_function(lambda: float(budget.used))
         self.memory_reserved_bytes.set_function(lambda: float(budget.reserved))
 
-    def observe_timings(self, timings: StepTimings) -> None:
-        self.step_compute.observe(timings.compute_s)
-        self.step_queued.observe(timings.queued_s)
-        self.step_copy.observe(timings.copy_s)
+    def model(self, name: str | None) -> str:
+        """The ``model`` label of a request naming ``name``: the default's for None, ``unknown``
+        for a name not served (a refusal: the label's values stay the served models)."""
+        if name is None:
+            return self._models[0]
+        return name if name in self._models else "unknown"
+
+    def refused(self, code: str, model: str | None) -> None:
+        """A ``generate`` refused with ``code``, for ``model`` (its name as asked, None: the default)."""
+        label = self.model(model)
+        self.rejections.labels(code, label).inc()
+        self.requests.labels("rejected", label).inc()
+
+    def observe_timings(self, timings: StepTimings, model: str | None = None) -> None:
+        label = self.model(model)
+        self.step_compute.labels(label).observe(timings.compute_s)
+        self.step_queued.labels(label).observe(timings.queued_s)
+        self.step_copy.labels(label).observe(timings.copy_s)
         self.recent_step_s = _mix(self.recent_step_s, timings.compute_s)
         self.recent_batch_size = _mix(self.recent_batch_size, float(max(1, timings.batch_size)))
 

@@ -153,7 +153,9 @@ class Rules(Clients, Dispatch, Preemption, LoadReport):
             budget=self.memory,
             clock=clock,
         )
-        self.metrics = ServerMetrics(engine, running=lambda: len(self.registry.running()))
+        self.metrics = ServerMetrics(
+            engine, running=lambda: len(self.registry.running()), models=tuple(self.models)
+        )
         self.metrics.watch_memory(self.memory)
         #: Engines computing on this host's CPU (max_active's default depends on it).
         self.host_engines = admission.host_engines(engine)
@@ -206,7 +208,7 @@ class Rules(Clients, Dispatch, Preemption, LoadReport):
             admitted = self._admit(client, msg)
             stream = self._open_stream(admitted) if self.gate.has_room() else None
         except protocol.MessageError as exc:
-            self.refused(exc)
+            self.refused(exc, msg.model)
             raise
         record = admitted.record
         self.registry.add(record)
@@ -476,6 +478,10 @@ class Rules(Clients, Dispatch, Preemption, LoadReport):
 
     def _start(self, admitted: Admitted, stream: FrameStreamLike) -> None:
         record = admitted.record
+        if record.frames_taken == 0 and record.latest_step == 0:  # its first time in (not a resume)
+            self.metrics.queue_wait.labels(self.metrics.model(record.model)).observe(
+                self.clock() - record.created_at
+            )
         record.entered_step = record.latest_step
         self.gate.entered(record.principal, record.total)
         if self._preempts():
@@ -586,7 +592,11 @@ class Rules(Clients, Dispatch, Preemption, LoadReport):
                 # Before the registry forgets it (and its results with it).
                 self.journal.finished(record, message)
             self.registry.ended(record)
-            self.metrics.requests.labels(record.outcome or "error").inc()
+            if not ended_before:  # counted once, whoever ended it first
+                model = self.metrics.model(record.model)
+                self.metrics.requests.labels(record.outcome or "error", model).inc()
+                if record.outcome == "done" and record.ended_at is not None:
+                    self.metrics.time_to_result.labels(model).observe(record.ended_at - record.created_at)
         finally:
             self.memory.recount_model()
             if not self.registry.running() and self.shell is not None:

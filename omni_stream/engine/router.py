@@ -51,6 +51,7 @@ import anyio.abc
 import anyio.to_thread
 
 from ..checkpoint import Checkpoint
+from ..device import Device, resolve_device
 from ..errors import CheckpointError, EngineDeadError, ParamsError, RequestCancelledError
 from ..frame import Frame
 from ..ids import model_name_problem
@@ -309,6 +310,7 @@ class ModelRouter(RoutingFacade):
         if max_loaded is not None:
             positive_int(max_loaded, "max_loaded")
         self._slots = {name: _Slot(name, model) for name, model in models.items()}
+        self._device: Device | None = None  # resolved from the options on first ask
         self._default = next(iter(self._slots))
         self._max_loaded = max_loaded
         self._engine_options = dict(engine_options)
@@ -333,6 +335,19 @@ class ModelRouter(RoutingFacade):
     def model(self) -> StepModel:
         """The default model."""
         return self._slots[self._default].model
+
+    @property
+    def device(self) -> Device:
+        """The device its engines compute on (one for all: they share its options): a loaded
+        engine's, else the one its ``device`` option names. What a server reads to size
+        ``max_active`` (the host's CPU takes 4 requests an engine, an accelerator two batches),
+        so a server of several models sizes as a server of one."""
+        for slot in self._slots.values():
+            if slot.engine is not None:
+                return slot.engine.device
+        if self._device is None:
+            self._device = resolve_device(self._engine_options.get("device", "auto"))
+        return self._device
 
     @property
     def loaded(self) -> tuple[str, ...]:

@@ -269,7 +269,7 @@ async def _publish(
     """Publish a step's progress and, if due, its preview; return a result polled meanwhile."""
     _progress(record, frame, metrics)
     if frame.encoded is not None:
-        _publish_image(record, frame, frame.encoded, final=False)
+        _publish_image(record, frame, frame.encoded, final=False, metrics=metrics)
         return None
     if frame.data.numel() == 0 or not should_preview(frame.step, frame.total, spec.every):
         # Not due, or rendered remotely and not due there (no pixels came).
@@ -313,13 +313,24 @@ async def _publish(
         except Exception as exc:
             raise _PreviewFailed() from exc
     metrics.preview_encode.observe(time.perf_counter() - started)
-    _publish_image(record, frame, image, final=False)
+    _publish_image(record, frame, image, final=False, metrics=metrics)
     return None
 
 
 def _publish_image(
-    record: RequestRecord, frame: Frame, image: EncodedImage, *, final: bool, index: int = 0, images: int = 1
+    record: RequestRecord,
+    frame: Frame,
+    image: EncodedImage,
+    *,
+    final: bool,
+    metrics: ServerMetrics,
+    index: int = 0,
+    images: int = 1,
 ) -> None:
+    if record.previews_sent == 0:  # its first picture (a preview, or the result of one without)
+        metrics.first_preview.labels(metrics.model(record.model)).observe(
+            time.monotonic() - record.created_at
+        )
     header = protocol.PreviewHeader(
         id=record.id,
         step=frame.step,
@@ -351,7 +362,7 @@ async def _publish_result(
     if frame.encoded is not None:
         if memory is not None:
             memory.release()
-        _publish_image(record, frame, frame.encoded, final=True)
+        _publish_image(record, frame, frame.encoded, final=True, metrics=metrics)
         return
     started = time.perf_counter()
     try:
@@ -372,7 +383,7 @@ async def _publish_result(
         memory.release()
     # One result per image (num_images), each its own final frame, in order.
     for index, image in enumerate(encoded):
-        _publish_image(record, frame, image, final=True, index=index, images=len(encoded))
+        _publish_image(record, frame, image, final=True, metrics=metrics, index=index, images=len(encoded))
 
 
 def _encode_finite(frame: Frame, *args: Any, **kwargs: Any) -> list[EncodedImage]:
@@ -383,7 +394,7 @@ def _encode_finite(frame: Frame, *args: Any, **kwargs: Any) -> list[EncodedImage
 
 
 def _progress(record: RequestRecord, frame: Frame, metrics: ServerMetrics) -> None:
-    metrics.observe_timings(frame.timings)
+    metrics.observe_timings(frame.timings, record.model)
     settled = record.restart_settled()
     if settled is not None:  # the first frame since a restart was said: how long it took
         metrics.restart_first_frame.labels(settled[0]).observe(settled[1])

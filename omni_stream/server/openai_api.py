@@ -469,7 +469,7 @@ def model_for(service: Service, name: str | None, *, edit: bool = False) -> tupl
     try:
         return rules.model_for(name)
     except MessageError as exc:
-        rules.refused(exc)
+        rules.refused(exc, name)
         raise OpenAIError(404, exc.message, "model_not_found", param="model") from None
 
 

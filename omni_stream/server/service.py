@@ -346,7 +346,7 @@ class Service:
         try:
             prepared = await self.prepare(client, msg)
         except protocol.MessageError as exc:
-            self.rules.refused(exc)
+            self.rules.refused(exc, msg.model)
             raise
         assert isinstance(prepared, protocol.Generate)
         if note is None or self.state is None or prepared.id is None:

@@ -216,7 +216,7 @@ async def test_malformed_messages_get_errors_and_the_connection_stays_open() -> 
     text = server.metrics.render().decode()
     # Rejected requests: well-formed generates refused (8 above, the duplicate);
     # messages that are not a well-formed generate are not requests.
-    assert 'omni_stream_requests_total{outcome="rejected"} 9.0' in text
+    assert 'omni_stream_requests_total{model="slow",outcome="rejected"} 9.0' in text
 
 
 @pytest.mark.asyncio
@@ -667,8 +667,11 @@ async def test_metrics_count_what_happened() -> None:
     names = {line.split("{")[0].split(" ")[0] for line in text.splitlines() if line and line[0] != "#"}
     assert all(name.startswith("omni_stream_") for name in names)
     for expected in (
-        'omni_stream_requests_total{outcome="done"} 1.0',
-        'omni_stream_requests_total{outcome="rejected"} 1.0',
+        'omni_stream_requests_total{model="synthetic",outcome="done"} 1.0',
+        'omni_stream_requests_total{model="synthetic",outcome="rejected"} 1.0',
+        'omni_stream_queue_wait_seconds_count{model="synthetic"} 1.0',
+        'omni_stream_first_preview_seconds_count{model="synthetic"} 1.0',
+        'omni_stream_request_seconds_count{model="synthetic"} 1.0',
         'omni_stream_messages_sent_total{kind="accepted"} 1.0',
         'omni_stream_messages_sent_total{kind="done"} 1.0',
         'omni_stream_messages_sent_total{kind="error"} 1.0',

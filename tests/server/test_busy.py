@@ -40,8 +40,8 @@ async def test_past_max_active_plus_max_queued_a_generate_gets_busy_with_retry_a
         }
         assert 1.0 <= load["retry_after_s"] <= 60.0
         metrics = (await http_get(server, "/metrics")).body.decode()
-        assert 'omni_stream_rejections_total{code="busy"} 1.0' in metrics
-        assert 'omni_stream_requests_total{outcome="rejected"} 1.0' in metrics
+        assert 'omni_stream_rejections_total{code="busy",model="slow"} 1.0' in metrics
+        assert 'omni_stream_requests_total{model="slow",outcome="rejected"} 1.0' in metrics
         # A slot frees: the next one is taken, and the server is no longer busy.
         await send(ws, type="cancel", id="r0")
         assert (await until_end(ws, "r0"))[-1]["type"] == "cancelled"

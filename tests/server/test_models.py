@@ -74,9 +74,20 @@ async def test_a_server_of_a_mapping_loads_every_model_at_start() -> None:
             card = (await http.get("/models")).json()
             made = await http.post("/v1/generations?wait=true", json={"params": P, "model": "two"})
             health = (await http.get("/health")).json()
+            metrics = (await http.get("/metrics")).text
     assert [m["loaded"] for m in card["models"]] == [True, True]
     assert made.headers["x-omni-stream-width"] == "16"
     assert health["ok"]
+    # Request metrics by model (issue #38): the request ran on "two", and only there.
+    for line in (
+        'omni_stream_requests_total{model="two",outcome="done"} 1.0',
+        'omni_stream_queue_wait_seconds_count{model="two"} 1.0',
+        'omni_stream_first_preview_seconds_count{model="two"} 1.0',
+        'omni_stream_request_seconds_count{model="two"} 1.0',
+    ):
+        assert line in metrics, line
+    assert 'omni_stream_step_compute_seconds_count{model="two"}' in metrics
+    assert 'model="one"' not in metrics
 
 
 def test_wide_makes_wider_frames() -> None:

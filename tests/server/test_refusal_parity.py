@@ -76,12 +76,12 @@ def counts(text: str, code: str) -> tuple[float, float]:
     """(rejections with ``code``, requests rejected) from /metrics' text."""
 
     def value(pattern: str) -> float:
-        found = re.search(pattern + r" ([0-9.e+]+)", text)
-        return float(found.group(1)) if found else 0.0
+        # Summed over the ``model`` label: whichever model a refusal was counted against.
+        return sum(float(v) for v in re.findall(pattern + r" ([0-9.e+]+)", text))
 
     return (
-        value(rf'omni_stream_rejections_total\{{code="{code}"\}}'),
-        value(r'omni_stream_requests_total\{outcome="rejected"\}'),
+        value(rf'omni_stream_rejections_total\{{code="{code}",model="[^"]*"\}}'),
+        value(r'omni_stream_requests_total\{model="[^"]*",outcome="rejected"\}'),
     )
 
 
@@ -105,6 +105,10 @@ async def test_an_unknown_model_is_refused_and_counted_alike_by_every_door() -> 
         await refused_alike(
             server, {"model": "nope", "params": PARAMS}, "bad_params", openai_code="model_not_found"
         )
+        # Counted under "unknown": a client cannot grow the metrics by inventing model names.
+        text = await metrics(server)
+        assert 'omni_stream_rejections_total{code="bad_params",model="unknown"} 4.0' in text
+        assert 'model="nope"' not in text
 
 
 @pytest.mark.asyncio
