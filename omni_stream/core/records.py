@@ -124,6 +124,9 @@ class RequestRecord:
         self.warned_non_finite = False
         #: The latest progress's estimate of the time left, None before the first.
         self.latest_eta_s: float | None = None
+        #: The digest of the message it was submitted with (core/retries.py), None when it came
+        #: another way (a restart): a retry with the same id and message is this request again.
+        self.fingerprint: str | None = None
         #: Its webhook (core/webhooks.py), set at admission when it asked for one: told of
         #: each progress and of the end, it decides what is delivered.
         self.webhook: WebhookState | None = None

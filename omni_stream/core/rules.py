@@ -197,6 +197,20 @@ class Rules(Clients, Dispatch, Preemption, LoadReport):
 
     # -- generate ----------------------------------------------------------------
 
+    def retried(self, client: Client, msg: protocol.Generate, fingerprint: str) -> RequestRecord | None:
+        """The request ``msg`` submits again, if it is a retry: the same id, of the same principal,
+        with the same message (``fingerprint``: core/retries.py); ``client``'s outbox, if it has one,
+        then watches it (``accepted`` and the replay, as an ``attach``). None otherwise (a new
+        request, or a ``duplicate_id`` that :meth:`generate` answers)."""
+        record = self.registry.get(msg.id) if msg.id is not None else None
+        if record is None or record.fingerprint != fingerprint:
+            return None
+        if record.principal != client.principal.key:
+            return None
+        if client.outbox is not None:
+            record.watch(client.id, client.outbox, attached=True)
+        return record
+
     def generate(self, client: Client, msg: protocol.Generate) -> RequestRecord:
         """Admit ``msg`` for ``client`` (its outbox, if any, watches it); it goes into the engine
         now, or waits in the gate.

@@ -19,6 +19,7 @@ buffer, never copied per call (responses.BufferResponse).
 
 from __future__ import annotations
 
+import dataclasses
 import math
 import time
 from collections.abc import Callable
@@ -29,6 +30,7 @@ from starlette.requests import ClientDisconnect, Request
 from starlette.responses import Response
 
 from .. import protocol
+from ..core import retries
 from ..core.records import RequestRecord, error_view
 from ..core.rules import Client
 from ..ids import is_valid_id
@@ -180,6 +182,10 @@ class HttpApi:
         try:
             body = await self._read_body(request)
             msg = self._parse(body)
+            key = request.headers.get(retries.IDEMPOTENCY_HEADER)
+            if key is not None and msg.id is None:
+                # The caller names its job by a key: sent again, it is the same job (core/retries.py).
+                msg = dataclasses.replace(msg, id=retries.id_for_key(client.principal.key, key))
         except protocol.MessageError as exc:
             unknown = exc.code in ("bad_json", "bad_message")
             return self._error(exc, request_id=None if unknown else exc.request_id)

@@ -51,7 +51,7 @@ from starlette.requests import ClientDisconnect, Request
 from starlette.responses import Response
 
 from .. import protocol
-from ..core import inputs
+from ..core import inputs, retries
 from ..core.outbox import OutboxItem
 from ..core.records import RequestRecord, Terminal
 from ..core.rules import Client
@@ -180,7 +180,7 @@ class OpenAIApi:
                 raise OpenAIError(400, "the body must be a JSON object", "bad_message")
             req = oi.parse_images_request(obj, max_images=MAX_IMAGES)
             name, model = self._model(req)
-            msg = req.to_generate(model, served_name=name, detach=_detached(req))
+            msg = keyed(request, client, req.to_generate(model, served_name=name, detach=_detached(req)))
             return await self._images(request, client, req, msg, model, kind="image_generation")
         except REFUSALS as exc:
             return refusal(exc)
@@ -200,6 +200,7 @@ class OpenAIApi:
                 )
             route = name if name.endswith(EDIT_SUFFIX) and req.model != name else None
             msg = req.to_generate(model, served_name=name, detach=_detached(req), route=route)
+            msg = keyed(request, client, msg)
             sent = {f: p for f, p in _FILE_PARAMS.items() if f in files}
             try:
                 msg = await checked_uploads(
@@ -471,6 +472,15 @@ def model_for(service: Service, name: str | None, *, edit: bool = False) -> tupl
     except MessageError as exc:
         rules.refused(exc, name)
         raise OpenAIError(404, exc.message, "model_not_found", param="model") from None
+
+
+def keyed(request: Request, client: Client, msg: protocol.Generate) -> protocol.Generate:
+    """``msg`` under the id its ``Idempotency-Key`` header names for the caller (core/retries.py):
+    sent again, it is the same job, not a second one. Raises MessageError for a bad key."""
+    key = request.headers.get(retries.IDEMPOTENCY_HEADER)
+    if key is None:
+        return msg
+    return dataclasses.replace(msg, id=retries.id_for_key(client.principal.key, key))
 
 
 def as_sent(exc: Exception, params: Mapping[str, str]) -> Exception:

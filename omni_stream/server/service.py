@@ -33,7 +33,7 @@ import anyio.abc
 import anyio.to_thread
 
 from .. import protocol
-from ..core import inputs
+from ..core import inputs, retries
 from ..core.limits import ServerLimits
 from ..core.rules import NOT_STARTED, Admitted, Client, Rules
 from ..core.tokens import Tokens
@@ -340,9 +340,14 @@ class Service:
 
         ``note``: ``(key, value)`` the state directory writes down with the request (a door's
         own record of it, such as an OpenAI video job), atomically with its admission.
-        Raises MessageError with the code to answer, the refusal counted once by its code,
-        whichever step refused it (the metrics agree across doors).
+        A retry (the same id and message, from the same principal: core/retries.py) returns
+        the request it made. Raises MessageError with the code to answer, the refusal counted
+        once by its code, whichever step refused it (the metrics agree across doors).
         """
+        sent = retries.fingerprint(msg)
+        again = self.rules.retried(client, msg, sent)
+        if again is not None:
+            return again  # a retry of its own submit: the job it made (nothing decoded again)
         try:
             prepared = await self.prepare(client, msg)
         except protocol.MessageError as exc:
@@ -350,9 +355,12 @@ class Service:
             raise
         assert isinstance(prepared, protocol.Generate)
         if note is None or self.state is None or prepared.id is None:
-            return self.rules.generate(client, prepared)
-        with self.state.written_with(prepared.id, *note):
-            return self.rules.generate(client, prepared)
+            record = self.rules.generate(client, prepared)
+        else:
+            with self.state.written_with(prepared.id, *note):
+                record = self.rules.generate(client, prepared)
+        record.fingerprint = sent
+        return record
 
     async def receive(self, client: Client, data: str | bytes) -> None:
         """One websocket message, start to end: parsed, a ``generate`` submitted (:meth:`submit`), the
