@@ -5,8 +5,9 @@ that waits, threads or touches the disk goes out through one of these, set
 once when the server is built (``Rules.bind``, ``Rules.keep_journal``):
 
 - :class:`Shell` (the service, server/service.py): run a request's
-  consumer, send a webhook delivery, and hear that a pause began or that
-  the last request or client is gone (shutdown waits on those);
+  consumer, send a webhook delivery, keep the time of the core's timers
+  (pauses, deadlines), and hear that the last request or client is gone
+  (shutdown waits on those);
 - :class:`Journal` (the state directory, server/state.py; none without
   one): write down what a restart needs: a request admitted, refused a
   checkpoint, handed over to another replica, ended, and what its stream
@@ -40,8 +41,9 @@ class Shell(Protocol):
     def send_webhook(self, delivery: Delivery) -> None:
         """Queue a webhook delivery for sending (never waits)."""
 
-    def pause_changed(self) -> None:
-        """A client's pause began: look at ``Rules.expire_pauses`` again when it may be due."""
+    def timers_changed(self) -> None:
+        """A client's pause began, or a request with a deadline was admitted: call
+        ``Rules.expire_pauses`` and ``Rules.expire_deadlines`` again when the next is due."""
 
     def requests_idle(self) -> None:
         """The last running request ended."""

@@ -129,6 +129,13 @@ class ServerMetrics:
             ["code", "model"],
             registry=r,
         )
+        self.deadlines = Counter(
+            "omni_stream_deadlines",
+            "requests ended by their deadline_s (Cancel-After): expired (before they started) or "
+            "deadline (while they ran), by model",
+            ["reason", "model"],
+            registry=r,
+        )
         self.queue_wait = Histogram(
             "omni_stream_queue_wait_seconds",
             "from a request's admission to its going into the engine (the server's queue), by model",

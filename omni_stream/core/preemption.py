@@ -208,7 +208,7 @@ class Preemption:
         # of a CPU server, and another tenant's request waited with no end (issue #39, attack 1).
         self.gate.left(record.principal)
         if self.shell is not None:
-            self.shell.pause_changed()
+            self.shell.timers_changed()
         self.let_in()
         return record
 
@@ -253,7 +253,7 @@ class Preemption:
         """Resume every request its clients paused ``max_pause_s`` in all (its watchers get
         ``resumed`` with ``reason: max_pause`` as it runs again); seconds until the next one is
         due, None when none is paused. The shell calls it when that time comes, and again
-        whenever its shell hears that a pause began (``Shell.pause_changed``)."""
+        whenever its shell hears that a pause began (``Shell.timers_changed``)."""
         now = self.clock()
         bound = self.limits.max_pause_s
         due: float | None = None

@@ -124,6 +124,8 @@ class RequestRecord:
         self.warned_non_finite = False
         #: The latest progress's estimate of the time left, None before the first.
         self.latest_eta_s: float | None = None
+        #: When (the registry's clock) its deadline_s ends it, None without one (deadlines.py).
+        self.deadline_at: float | None = None
         #: The digest of the message it was submitted with (core/retries.py), None when it came
         #: another way (a restart): a retry with the same id and message is this request again.
         self.fingerprint: str | None = None

@@ -49,6 +49,7 @@ from ..model import StepModel
 from ..preview import PreviewSpec, RenderRequest
 from . import admission, inputs
 from .clients import Client, Clients, Refusal, who
+from .deadlines import Deadlines
 from .dispatch import Dispatch
 from .effects import Journal, Shell
 from .gate import Gate
@@ -102,7 +103,7 @@ def _seed_of(checked: Mapping[str, Any]) -> int | None:
     return seed if isinstance(seed, int) and not isinstance(seed, bool) else None
 
 
-class Rules(Clients, Dispatch, Preemption, LoadReport):
+class Rules(Clients, Dispatch, Preemption, Deadlines, LoadReport):
     """The server's rules for every door (see the module docstring).
 
     ``engine``: what serves the requests (its ``stream`` given only the
@@ -166,6 +167,8 @@ class Rules(Clients, Dispatch, Preemption, LoadReport):
         #: Requests their clients paused, by id: in the engine, holding no place in the gate's
         #: count (they come back through the gate when resumed), each for max_pause_s at most.
         self.paused: dict[str, RequestRecord] = {}
+        #: Requests with a deadline_s that have not ended (deadlines.py).
+        self.deadlines: dict[str, RequestRecord] = {}
         #: Called when a client's pause starts: the shell's timer looks at :meth:`expire_pauses` again.
         #: Open clients (websockets, HTTP calls, event streams), by id.
         self.clients: dict[str, Client] = {}
@@ -226,6 +229,7 @@ class Rules(Clients, Dispatch, Preemption, LoadReport):
             raise
         record = admitted.record
         self.registry.add(record)
+        self.keep_deadline(record, msg.deadline_s)
         if self.journal is not None:
             self.journal.admitted(admitted, msg)
         if record.webhook is not None:

@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import heapq
 import json
+import re
 from collections.abc import Iterator, Mapping
 from contextlib import contextmanager
 from dataclasses import dataclass
@@ -33,6 +34,7 @@ from .codes import MAX_PRIORITY, MIN_PRIORITY
 __all__ = [
     "CLIENT_MESSAGES",
     "DEFAULT_WEBHOOK_EVENTS",
+    "MAX_DEADLINE_S",
     "MAX_WEBHOOK_URL_CHARS",
     "WEBHOOK_EVENTS",
     "Attach",
@@ -43,8 +45,10 @@ __all__ = [
     "Resume",
     "check_id",
     "check_request_id",
+    "deadline_problem",
     "parse_client_message",
     "parse_client_object",
+    "parse_duration",
 ]
 
 _M = TypeVar("_M", bound="_ClientMessage")
@@ -110,6 +114,44 @@ class _ClientMessage:
         raise NotImplementedError
 
 
+#: The longest deadline a request may name: a week (a deadline is a bound, not a schedule).
+MAX_DEADLINE_S: Final = 7 * 24 * 3600.0
+
+
+def deadline_problem(value: Any) -> str | None:
+    """Why ``value`` is not a ``deadline_s`` (a number of seconds, over 0, at most a week); None if it is."""
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        return f"deadline_s must be a number of seconds, got {type_name(value)}"
+    if not 0 < value <= MAX_DEADLINE_S or value != value:
+        return f"deadline_s must be over 0 and at most {MAX_DEADLINE_S:g} s (a week), got {value!r:.40}"
+    return None
+
+
+_DURATION_PART = re.compile(r"(\d+(?:\.\d+)?)(ms|s|m|h|d)")
+
+
+def parse_duration(text: str) -> float:
+    """Seconds in a Replicate-style duration (``Cancel-After: 30s``, ``5m``, ``1h30m``, ``500ms``;
+    a bare number is seconds); raises MessageError (``bad_message``, field ``Cancel-After``)."""
+    units = {"ms": 0.001, "s": 1.0, "m": 60.0, "h": 3600.0, "d": 86400.0}
+    spelled = text.strip().lower()
+    try:
+        seconds = float(spelled)
+    except ValueError:
+        parts = _DURATION_PART.findall(spelled)
+        if not parts or "".join(n + u for n, u in parts) != spelled:
+            raise MessageError(
+                "bad_message",
+                f"Cancel-After must be a duration such as 30s, 5m, 1h30m or 500ms, got {clip(text)!r}",
+                field="Cancel-After",
+            ) from None
+        seconds = sum(float(n) * units[u] for n, u in parts)
+    problem = deadline_problem(seconds)
+    if problem is not None:
+        raise MessageError("bad_message", problem.replace("deadline_s", "Cancel-After"), field="Cancel-After")
+    return seconds
+
+
 @dataclass(frozen=True, slots=True)
 class Generate(_ClientMessage):
     """``{"type": "generate", ...}``; ``preview`` and ``output`` are None when the client sent none.
@@ -121,7 +163,7 @@ class Generate(_ClientMessage):
     TYPE: ClassVar[str] = "generate"
     REQUIRED: ClassVar[frozenset[str]] = frozenset({"params"})
     OPTIONAL: ClassVar[frozenset[str]] = frozenset(
-        {"id", "preview", "detach", "output", "priority", "model", "webhook"}
+        {"id", "preview", "detach", "output", "priority", "model", "webhook", "deadline_s"}
     )
 
     id: str | None
@@ -135,6 +177,9 @@ class Generate(_ClientMessage):
     #: Where to be told how it ended: ``{"url", "events"}`` (events defaulted), None without one.
     #: Only its shape is checked here; the server's allow-list is core/webhooks.py's.
     webhook: dict[str, Any] | None = None
+    #: Seconds from its admission after which it is ended: ``expired`` if it has not started,
+    #: cancelled (reason ``deadline``) if it runs. None: no deadline.
+    deadline_s: float | None = None
 
     @classmethod
     def build(
@@ -148,6 +193,7 @@ class Generate(_ClientMessage):
         priority: int | None = None,
         model: str | None = None,
         webhook: Mapping[str, Any] | None = None,
+        deadline_s: float | None = None,
     ) -> Generate:
         """A ``generate`` as the client sends it (``params`` None: ``{}``).
 
@@ -173,6 +219,8 @@ class Generate(_ClientMessage):
             hook = None if webhook is None else _read_webhook(webhook)
         except MessageError as exc:
             raise ParamsError(exc.message, field=exc.field or "webhook") from None
+        if deadline_s is not None and (problem := deadline_problem(deadline_s)) is not None:
+            raise ParamsError(problem, field="deadline_s")
         return cls(
             id=request_id,
             params=_json_object(params, "params"),
@@ -182,6 +230,7 @@ class Generate(_ClientMessage):
             priority=0 if priority is None else priority,
             model=model,
             webhook=hook,
+            deadline_s=None if deadline_s is None else float(deadline_s),
         )
 
     def to_dict(self) -> dict[str, Any]:
@@ -200,6 +249,8 @@ class Generate(_ClientMessage):
             message["model"] = self.model
         if self.webhook is not None:
             message["webhook"] = self.webhook
+        if self.deadline_s is not None:
+            message["deadline_s"] = self.deadline_s
         return message
 
     @classmethod
@@ -237,6 +288,9 @@ class Generate(_ClientMessage):
         except MessageError as exc:
             exc.request_id = request_id
             raise
+        deadline = obj.get("deadline_s")
+        if deadline is not None and (problem := deadline_problem(deadline)) is not None:
+            raise bad("deadline_s", problem)
         return cls(
             id=request_id,
             params=params,
@@ -246,6 +300,7 @@ class Generate(_ClientMessage):
             priority=priority,
             model=model,
             webhook=webhook,
+            deadline_s=None if deadline is None else float(deadline),
         )
 
 

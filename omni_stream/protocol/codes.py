@@ -50,7 +50,9 @@ REJECTION_CODES: Final = frozenset(
 REQUEST_ENDING_CODES: Final = frozenset(
     {"step_failed", "step_timeout", "engine_error", "preview_failed", "internal"}
 )
-CANCEL_REASONS: Final = frozenset({"client", "disconnect", "shutdown", "engine"})
+#: ``expired``: its ``deadline_s`` came before it started (it never ran); ``deadline``: it came
+#: while it ran.
+CANCEL_REASONS: Final = frozenset({"client", "disconnect", "shutdown", "engine", "expired", "deadline"})
 #: Why a request the server brought back after a restart starts where it does
 #: (``restarted``): from its last ``checkpoint``; from step 0 because none was
 #: written yet (``no_checkpoint``), the one written could not be used (torn,

@@ -21,6 +21,7 @@ from .client_messages import (
     check_id,
     parse_client_message,
     parse_client_object,
+    parse_duration,
 )
 from .codec import clip, decode_json, dumps
 from .codes import (
@@ -79,5 +80,6 @@ __all__ = [
     "pack_preview",
     "parse_client_message",
     "parse_client_object",
+    "parse_duration",
     "unpack_preview",
 ]

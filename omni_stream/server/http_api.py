@@ -67,10 +67,12 @@ _CANCELLED_BY = {
     "disconnect": "because the connection that started it closed (it was not detached)",
     "shutdown": "because the server shut down",
     "engine": "by the engine",
+    "expired": "at its deadline_s (Cancel-After) before it started",
+    "deadline": "at its deadline_s (Cancel-After) while it ran",
 }
 
 #: The body's keys: the websocket's ``generate`` fields (``detach`` is implied).
-_BODY_KEYS = frozenset({"id", "params", "preview", "output", "priority", "model", "webhook"})
+_BODY_KEYS = frozenset({"id", "params", "preview", "output", "priority", "model", "webhook", "deadline_s"})
 
 
 #: The request's body is refused (server/bodies.py).
@@ -81,7 +83,8 @@ def _status_name(record: RequestRecord, positions: dict[str, int]) -> str:
     if record.outcome == "done":
         return "done"
     if record.outcome == "cancelled":
-        return "cancelled"
+        # Replicate's "aborted": its deadline came before it started; it never ran.
+        return "expired" if record.cancel_reason == "expired" else "cancelled"
     if record.outcome is not None:
         return "failed"
     if record.paused:
@@ -123,7 +126,7 @@ def status_payload(
         "restarted": record.restart_view(),
         "error": None,
     }
-    if status in ("failed", "cancelled"):
+    if status in ("failed", "cancelled", "expired"):
         out["error"] = error_view(record.terminal_message())
     if record.webhook is not None:
         # Its URL and how each delivery went (docs/webhooks.md); only to who may see the id.
@@ -186,6 +189,10 @@ class HttpApi:
             if key is not None and msg.id is None:
                 # The caller names its job by a key: sent again, it is the same job (core/retries.py).
                 msg = dataclasses.replace(msg, id=retries.id_for_key(client.principal.key, key))
+            after = request.headers.get("cancel-after")
+            if after is not None and msg.deadline_s is None:
+                # Replicate's header: the request's deadline_s (core/deadlines.py).
+                msg = dataclasses.replace(msg, deadline_s=protocol.parse_duration(after))
         except protocol.MessageError as exc:
             unknown = exc.code in ("bad_json", "bad_message")
             return self._error(exc, request_id=None if unknown else exc.request_id)
@@ -427,7 +434,7 @@ class HttpApi:
         positions = self._positions()
         principal = client.principal
         records = list(self._service.registry)
-        order = {"running": 0, "paused": 0, "loading": 1, "queued": 1, "done": 2, "failed": 2, "cancelled": 2}
+        order = {"running": 0, "paused": 0, "loading": 1, "queued": 1, "done": 2, "failed": 2, "cancelled": 2, "expired": 2}
 
         def key(record: RequestRecord) -> tuple[int, int, float]:
             status = _status_name(record, positions)

@@ -180,7 +180,9 @@ class OpenAIApi:
                 raise OpenAIError(400, "the body must be a JSON object", "bad_message")
             req = oi.parse_images_request(obj, max_images=MAX_IMAGES)
             name, model = self._model(req)
-            msg = keyed(request, client, req.to_generate(model, served_name=name, detach=_detached(req)))
+            msg = from_headers(
+                request, client, req.to_generate(model, served_name=name, detach=_detached(req))
+            )
             return await self._images(request, client, req, msg, model, kind="image_generation")
         except REFUSALS as exc:
             return refusal(exc)
@@ -200,7 +202,7 @@ class OpenAIApi:
                 )
             route = name if name.endswith(EDIT_SUFFIX) and req.model != name else None
             msg = req.to_generate(model, served_name=name, detach=_detached(req), route=route)
-            msg = keyed(request, client, msg)
+            msg = from_headers(request, client, msg)
             sent = {f: p for f, p in _FILE_PARAMS.items() if f in files}
             try:
                 msg = await checked_uploads(
@@ -474,13 +476,17 @@ def model_for(service: Service, name: str | None, *, edit: bool = False) -> tupl
         raise OpenAIError(404, exc.message, "model_not_found", param="model") from None
 
 
-def keyed(request: Request, client: Client, msg: protocol.Generate) -> protocol.Generate:
-    """``msg`` under the id its ``Idempotency-Key`` header names for the caller (core/retries.py):
-    sent again, it is the same job, not a second one. Raises MessageError for a bad key."""
+def from_headers(request: Request, client: Client, msg: protocol.Generate) -> protocol.Generate:
+    """``msg`` as its headers say: under the id its ``Idempotency-Key`` names for the caller
+    (core/retries.py: sent again, it is the same job), with the deadline its ``Cancel-After``
+    gives (``30s``, ``5m``: Replicate's). Raises MessageError naming a bad header."""
     key = request.headers.get(retries.IDEMPOTENCY_HEADER)
-    if key is None:
-        return msg
-    return dataclasses.replace(msg, id=retries.id_for_key(client.principal.key, key))
+    if key is not None:
+        msg = dataclasses.replace(msg, id=retries.id_for_key(client.principal.key, key))
+    after = request.headers.get("cancel-after")
+    if after is not None and msg.deadline_s is None:
+        msg = dataclasses.replace(msg, deadline_s=protocol.parse_duration(after))
+    return msg
 
 
 def as_sent(exc: Exception, params: Mapping[str, str]) -> Exception:

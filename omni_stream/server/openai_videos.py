@@ -39,7 +39,16 @@ from ..openai import videos as ov
 from ..openai.errors import OpenAIError, from_ours
 from . import responses
 from .bodies import read_body
-from .openai_api import REFUSALS, as_sent, checked_uploads, error_answer, keyed, model_for, read_form, refusal
+from .openai_api import (
+    REFUSALS,
+    as_sent,
+    checked_uploads,
+    error_answer,
+    from_headers,
+    model_for,
+    read_form,
+    refusal,
+)
 
 if TYPE_CHECKING:
     from .asgi import FrontDoor
@@ -106,7 +115,7 @@ class OpenAIVideos:
                     raise OpenAIError(400, "the body must be a JSON object", "bad_message")
                 req = ov.parse_video_request(obj)
             name, model = model_for(self._service, req.model)
-            msg = keyed(request, client, req.to_generate(model, served_name=name))
+            msg = from_headers(request, client, req.to_generate(model, served_name=name))
             try:
                 # The reference image is checked by the core from its header, then
                 # decoded by Service.submit, as every door's input image is.

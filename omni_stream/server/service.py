@@ -113,7 +113,7 @@ class Service:
                     field="webhook_allow",
                 ) from None
             self.webhooks = WebhookSender(webhooks)
-        self._pause_changed = anyio.Event()
+        self._timers_changed = anyio.Event()
         self.engine = engine
         self.model = self.rules.model
         self.limits = limits
@@ -208,7 +208,7 @@ class Service:
         self._stack = stack
         self._tg.start_soon(self._supervised, "retention sweep", self._sweep_retained)
         self._tg.start_soon(self._supervised, "engine watch", self._watch_engine)
-        self._tg.start_soon(self._supervised, "pause bound", self._bound_pauses)
+        self._tg.start_soon(self._supervised, "timers", self._keep_time)
         self._tg.start_soon(self._supervised, "file descriptor watch", self._watch_file_descriptors)
         if self.webhooks is not None:
             config = self.webhooks.config
@@ -398,8 +398,8 @@ class Service:
         assert self.webhooks is not None  # the core refuses webhooks on a server without them
         self.webhooks.submit(delivery)
 
-    def pause_changed(self) -> None:
-        self._pause_changed.set()
+    def timers_changed(self) -> None:
+        self._timers_changed.set()
 
     def requests_idle(self) -> None:
         self._requests_idle.set()
@@ -508,14 +508,15 @@ class Service:
                 self.die(EngineDeadError(f"the engine died: {health.reason}"))
                 return
 
-    async def _bound_pauses(self) -> None:
-        # A client's pause ends by itself after max_pause_s (Rules.expire_pauses decides which
-        # and when; this only keeps the time): woken when one is due, or when a pause begins.
+    async def _keep_time(self) -> None:
+        # A client's pause ends by itself after max_pause_s, a request at its deadline_s
+        # (Rules.expire_pauses and expire_deadlines decide which and when; this only keeps the
+        # time): woken when the next is due, or when a pause begins or a deadline is set.
         while True:
-            self._pause_changed = anyio.Event()
-            due = self.rules.expire_pauses()
-            with anyio.move_on_after(math.inf if due is None else due):
-                await self._pause_changed.wait()
+            self._timers_changed = anyio.Event()
+            dues = [d for d in (self.rules.expire_pauses(), self.rules.expire_deadlines()) if d is not None]
+            with anyio.move_on_after(min(dues, default=math.inf)):
+                await self._timers_changed.wait()
 
     async def _watch_file_descriptors(self) -> None:
         # uvloop (serve()'s loop) accepts and drops connections silently when

@@ -7,12 +7,12 @@ from typing import Any
 
 class RecordingShell:
     """The core's effects, written down: consumers started (request ids), webhook deliveries
-    sent, and how often it heard of a pause or of idleness."""
+    sent, and how often it heard of a timer or of idleness."""
 
     def __init__(self, *, webhooks: bool = True) -> None:
         self.started: list[str] = []
         self.sent: list[Any] = []
-        self.pauses = 0
+        self.timers = 0
         self.requests_idled = 0
         self.clients_idled = 0
         self._webhooks = webhooks
@@ -24,8 +24,8 @@ class RecordingShell:
         assert self._webhooks, "the core sent a webhook on a server without them"
         self.sent.append(delivery)
 
-    def pause_changed(self) -> None:
-        self.pauses += 1
+    def timers_changed(self) -> None:
+        self.timers += 1
 
     def requests_idle(self) -> None:
         self.requests_idled += 1

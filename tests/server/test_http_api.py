@@ -262,10 +262,11 @@ async def test_bad_bodies_get_the_websocket_codes_with_http_statuses() -> None:
             reply = await client.post("/v1/generations", content=body)
             assert (reply.status_code, reply.json()["error"]) == (status, code), body[:40]
             assert len(reply.content) < 1024  # never an echo of what was sent
-        # A duplicate id is a conflict; an unknown one not found.
+        # An id taken by another job is a conflict (the same body again is a retry: its job,
+        # tests/server/test_retries.py); an unknown one not found.
         ok = await client.post("/v1/generations", json={"id": "same", "params": {**SMALL, "steps": 2}})
         assert ok.status_code == 202
-        dup = await client.post("/v1/generations", json={"id": "same", "params": {**SMALL, "steps": 2}})
+        dup = await client.post("/v1/generations", json={"id": "same", "params": {**SMALL, "steps": 3}})
         assert (dup.status_code, dup.json()["error"]) == (409, "duplicate_id")
         for method, path in [("GET", "/v1/generations/nope"), ("DELETE", "/v1/generations/nope"),
                              ("GET", "/v1/generations/nope/output"), ("GET", "/v1/generations/nope/events")]:
