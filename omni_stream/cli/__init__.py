@@ -11,7 +11,9 @@ Every error is one line on stderr, never a traceback.
     console.py   what a user reads on stderr: one-line errors, the library's log records
     progress.py  ProgressBar: step/total, steps/s and ETA on one line
     loader.py    ModelLoader: the model a SPEC names, with the command's options
-                 (a value: serve --ray pickles it to every replica); the LoRAs named
+                 (a value: serve --ray pickles it to every replica); --model-config
+    loras.py     the LoRAs named: for every model that takes them, or bound to one
+    model_dir.py serve --model-dir: a checkpoint folder, a model per file
     generate.py  generate: one request, its previews and its result written
     models.py    models: the models and their params, listed
     serve.py     serve: the models, here or on Ray replicas, behind the server

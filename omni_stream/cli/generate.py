@@ -13,7 +13,8 @@ from ..config import run
 from ..errors import ParamsError
 from ..model import StepModel, split_output
 from .console import UsageError, describe_error
-from .loader import build_model, lora_paths
+from .loader import build_model, check_model_configs
+from .loras import lora_options
 from .progress import ProgressBar
 
 __all__ = ["cmd_generate"]
@@ -138,7 +139,17 @@ def cmd_generate(args: argparse.Namespace) -> int:
     args.log.show_info("omni_stream.models")
     # A request here is the whole run: whatever count it asks for is allowed.
     wanted = args.num_images if args.num_images is not None and args.num_images > 4 else None
-    model = build_model(args.model, args.preview_vae, lora_paths(args), max_images=wanted)
+    loras = lora_options(args)
+    bound = [option for (model_name, _), option in loras.sources.items() if model_name]
+    if bound:
+        raise UsageError(f"{bound[0]}: generate runs one model: give its LoRAs without MODEL")
+    model = build_model(
+        args.model,
+        args.preview_vae,
+        loras.shared,
+        max_images=wanted,
+        model_configs=check_model_configs(args.model_config or ()),
+    )
     params = _model_params(model, args)
     # Checked here for an early error; the engine gets the params as given
     # (validating a validated dict twice is not always the same: size vs
@@ -167,6 +178,10 @@ def cmd_generate(args: argparse.Namespace) -> int:
             # The result at full size; a PNG says how it was made. Several
             # images (--num-images): one file each, out.png -> out-0.png, ...
             meta = {"model": args.model, **checked}
+            hashes = getattr(model, "weight_hashes", None)
+            found = hashes(checked) if callable(hashes) else None
+            if found:
+                meta["hashes"] = found  # A1111's Model hash and Lora hashes, for the infotext
             parts = final.split()
             paths = (
                 [output]

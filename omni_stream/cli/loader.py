@@ -1,4 +1,5 @@
-"""The model a ``--model SPEC`` names, built with the command's options; the LoRAs it names.
+"""The model a ``--model SPEC`` names, built with the command's options (its LoRAs, the configs
+of single-file checkpoints).
 
 :class:`ModelLoader` is a value, not a closure: ``serve --ray`` pickles it
 to every replica, which builds its model with it.
@@ -6,15 +7,18 @@ to every replica, which builds its model with it.
 
 from __future__ import annotations
 
-import argparse
-from collections.abc import Mapping
+import logging
+from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
+from pathlib import Path
 
 from ..errors import OmniStreamError, ParamsError
 from ..model import StepModel
 from .console import UsageError, describe_error
 
-__all__ = ["ModelLoader", "build_model", "lora_paths", "named_spec"]
+logger = logging.getLogger("omni_stream.models")
+
+__all__ = ["ModelLoader", "build_model", "check_model_configs", "named_spec"]
 
 
 def build_model(
@@ -24,9 +28,12 @@ def build_model(
     *,
     no_batch: bool = False,
     max_images: int | None = None,
+    model_configs: Mapping[str, str] | None = None,
 ) -> StepModel:
     """The model named by ``spec``, built now (:class:`ModelLoader`'s arguments)."""
-    return ModelLoader.of(spec, preview_vae, loras, no_batch=no_batch, max_images=max_images)()
+    return ModelLoader.of(
+        spec, preview_vae, loras, no_batch=no_batch, max_images=max_images, model_configs=model_configs
+    )()
 
 
 @dataclass(frozen=True, slots=True)
@@ -47,6 +54,11 @@ class ModelLoader:
     loras: tuple[tuple[str, str], ...] = ()
     no_batch: bool = False
     max_images: int | None = None
+    #: Whether a model that takes no LoRAs is an error (LoRAs bound to it, or the only model)
+    #: rather than passed over (LoRAs given for every model, one of several).
+    loras_required: bool = True
+    #: Single-file checkpoints' config folders by diffusers' model type ("" for any).
+    model_configs: tuple[tuple[str, str], ...] = ()
 
     @classmethod
     def of(
@@ -57,17 +69,30 @@ class ModelLoader:
         *,
         no_batch: bool = False,
         max_images: int | None = None,
+        loras_required: bool = True,
+        model_configs: Mapping[str, str] | None = None,
     ) -> ModelLoader:
-        """``spec`` with the LoRAs (``{name: path}``), ``no_batch`` (one request per model call:
+        """``spec`` with the LoRAs (``{name: path}``; ``loras_required``: a model that takes
+        none is an error, else they are passed over), ``no_batch`` (one request per model call:
         a diffusers pipeline's results then equal ``pipe()``'s bit for bit whatever else runs),
-        ``max_images`` (the most images a request may ask for, ``num_images``) and the preview
-        autoencoder, else ``$OMNI_STREAM_PREVIEW_VAE``'s."""
+        ``max_images`` (the most images a request may ask for, ``num_images``), the config
+        folders of single-file checkpoints and the preview autoencoder, else
+        ``$OMNI_STREAM_PREVIEW_VAE``'s."""
         from ..config import PREVIEW_VAE_ENV, preview_vae as env_preview_vae
 
-        pairs = tuple((loras or {}).items())
-        if preview_vae:
-            return cls(spec, preview_vae, "--preview-vae", pairs, no_batch, max_images)
-        return cls(spec, env_preview_vae(), PREVIEW_VAE_ENV, pairs, no_batch, max_images)
+        vae, vae_from = (
+            (preview_vae, "--preview-vae") if preview_vae else (env_preview_vae(), PREVIEW_VAE_ENV)
+        )
+        return cls(
+            spec,
+            vae,
+            vae_from,
+            loras=tuple((loras or {}).items()),
+            no_batch=no_batch,
+            max_images=max_images,
+            loras_required=loras_required,
+            model_configs=tuple((model_configs or {}).items()),
+        )
 
     def __call__(self) -> StepModel:
         """A new model; raises ParamsError for a spec that does not load, UsageError for an
@@ -76,7 +101,7 @@ class ModelLoader:
 
         spec = self.spec
         try:
-            model = load_model(spec)
+            model = load_model(spec, model_configs=dict(self.model_configs))
         except OmniStreamError:
             raise
         except Exception as exc:  # noqa: BLE001 - a user's factory may raise anything
@@ -97,14 +122,18 @@ class ModelLoader:
                 raise UsageError(f"{flag} {vae!r}: {describe_error(exc)}") from exc
         if self.loras:
             load = getattr(model, "load_loras", None)
-            if load is None:
+            names = ", ".join(name for name, _ in self.loras)
+            if load is None and self.loras_required:
                 raise UsageError(
-                    f"--lora: model {spec!r} takes no LoRAs; they work with diffusers:... models"
+                    f"--lora: model {spec!r} takes no LoRAs ({names}); they work with diffusers models"
                 )
-            try:
-                load(dict(self.loras))
-            except (ImportError, ValueError, OSError) as exc:
-                raise UsageError(f"--lora: {describe_error(exc)}") from exc
+            if load is None:
+                logger.info("model %s takes no LoRAs: %s not loaded into it", spec, names)
+            else:
+                try:
+                    load(dict(self.loras))
+                except (ImportError, ValueError, OSError) as exc:
+                    raise UsageError(f"--lora: model {spec!r}: {describe_error(exc)}") from exc
         if self.no_batch:
             model.max_batch_size = 1  # the engine reads it when it starts
         if self.max_images is not None:
@@ -121,24 +150,22 @@ class ModelLoader:
         return model
 
 
-def lora_paths(args: argparse.Namespace) -> dict[str, str]:
-    """``{name: path}`` from --lora NAME=PATH and --lora-dir DIR; UsageError for a clash or a bad folder."""
-    from ..models.diffusers.loras import lora_dir
-
-    sources: list[tuple[str, dict[str, str]]] = []
-    for folder in args.lora_dir or ():
-        try:
-            sources.append((f"--lora-dir {folder}", lora_dir(folder)))
-        except ValueError as exc:
-            raise UsageError(f"--lora-dir: {exc}") from None
-    sources += [(f"--lora {name}=...", {name: path}) for name, path in args.lora or ()]
-    found: dict[str, str] = {}
-    for source, loras in sources:
-        for name, path in loras.items():
-            if name in found:
-                raise UsageError(f"{source}: a LoRA named {name!r} is given twice")
-            found[name] = path
-    return found
+def check_model_configs(given: Iterable[tuple[str, str]]) -> dict[str, str]:
+    """``--model-config [TYPE=]DIR`` as ``{model type or "": DIR}``; UsageError for a type given
+    twice or a DIR that is not a diffusers folder (no model_index.json)."""
+    out: dict[str, str] = {}
+    for model_type, folder in given:
+        option = f"--model-config {model_type + '=' if model_type else ''}{folder}"
+        if model_type in out:
+            which = f"for {model_type!r}" if model_type else "without a type"
+            raise UsageError(f"{option}: a config folder is given twice {which}")
+        if not (Path(folder) / "model_index.json").is_file():
+            raise UsageError(
+                f"{option}: not a diffusers pipeline's folder (it has no model_index.json); "
+                "save_pretrained writes one, and `hf download REPO` of a diffusers repo brings one"
+            )
+        out[model_type] = folder
+    return out
 
 
 def named_spec(text: str) -> tuple[str | None, str]:

@@ -8,7 +8,7 @@ from typing import Any
 
 from ..model import StepModel
 from .console import PROG, UsageError, describe_error
-from .loader import build_model, named_spec
+from .loader import build_model, check_model_configs, named_spec
 
 __all__ = ["cmd_models"]
 
@@ -48,17 +48,23 @@ def _preview_default(model: StepModel) -> str:
 
 
 def cmd_models(args: argparse.Namespace) -> int:
+    from ..models.diffusers.single_file import is_single_file
     from ..models.registry import BUILTIN_MODELS
     from ..params import describe
 
     given = [named_spec(n) for n in args.names or list(BUILTIN_MODELS)]
     names = [spec for _, spec in given]
-    unknown = [n for n in names if n not in BUILTIN_MODELS and ":" not in n]
+    unknown = [
+        n
+        for n in names
+        if n not in BUILTIN_MODELS and ":" not in n and not is_single_file(n.partition("?")[0])
+    ]
     if unknown:
         raise UsageError(
             f"unknown model(s) {', '.join(map(repr, unknown))}; "
-            f"built-in: {', '.join(BUILTIN_MODELS)}, or diffusers:ID|PATH, or module:attr"
+            f"built-in: {', '.join(BUILTIN_MODELS)}, or diffusers:ID|PATH, PATH.safetensors, or module:attr"
         )
+    configs = check_model_configs(args.model_config or ())
     default = next(iter(BUILTIN_MODELS))
     named = any(served is not None for served, _ in given)
     rows: list[dict[str, Any]] = []
@@ -66,7 +72,9 @@ def cmd_models(args: argparse.Namespace) -> int:
     # one must not hide the others.
     for served, name in given:
         try:
-            model = BUILTIN_MODELS[name]() if name in BUILTIN_MODELS else build_model(name)
+            model = (
+                BUILTIN_MODELS[name]() if name in BUILTIN_MODELS else build_model(name, model_configs=configs)
+            )
         except Exception as exc:  # noqa: BLE001 - reported, and the listing goes on
             first = (served, name) == given[0] if named else name == default
             rows.append({"name": served or name, "default": first, "error": describe_error(exc)})

@@ -20,7 +20,13 @@ __all__ = ["build_parser"]
 
 _MODEL_HELP = (
     "mixture (the embedded default), synthetic, diffusers:ID|PATH (a diffusers pipeline: "
-    "a hub id or a saved folder; the diffusers extra), or module:attr"
+    "a hub id or a saved folder; the diffusers extra), PATH.safetensors[?config=DIR] (a "
+    "single-file checkpoint: SD 1.x/2.x, SDXL, SD3, Flux), or module:attr"
+)
+_MODEL_CONFIG_HELP = (
+    "the diffusers folder single-file checkpoints take their config from (no network): "
+    "TYPE=DIR for those of one architecture (diffusers' model type: v1, v2, xl_base, sd3, "
+    "sd35_medium, sd35_large, flux-dev, flux-schnell), DIR for any; repeatable (docs/models.md)"
 )
 _PREVIEW_VAE_HELP = (
     "decode previews with a tiny autoencoder (taesd, taesdxl, taesd3, taef1: a folder or "
@@ -84,28 +90,79 @@ def _seed(text: str) -> int:
     return value
 
 
-def _lora(text: str) -> tuple[str, str]:
-    name, sep, path = text.partition("=")
-    if not sep or not name.strip() or not path:
-        raise argparse.ArgumentTypeError(f"expected NAME=PATH (a LoRA file or folder), got {text!r}")
-    return name.strip(), path
+def _lora(text: str) -> tuple[str | None, str, str]:
+    """``[MODEL:]NAME=PATH`` as (MODEL or None, NAME, PATH)."""
+    from ..ids import MODEL_NAME
+
+    left, sep, path = text.partition("=")
+    model, colon, name = left.partition(":")
+    if not colon:
+        model, name = "", left
+    model, name = model.strip(), name.strip()
+    if not sep or not name or not path or (colon and not MODEL_NAME.fullmatch(model)):
+        raise argparse.ArgumentTypeError(
+            f"expected NAME=PATH, or MODEL:NAME=PATH for one model's (a LoRA file or folder), got {text!r}"
+        )
+    from ..models.diffusers.loras import lora_name_problem
+
+    problem = lora_name_problem(name)
+    if problem is not None:
+        raise argparse.ArgumentTypeError(problem)
+    return model or None, name, path
 
 
-def _add_lora_args(parser: argparse.ArgumentParser) -> None:
-    """``--lora`` and ``--lora-dir``, the same on ``generate`` and ``serve``."""
+def _lora_dir(text: str) -> tuple[str | None, str]:
+    """``[MODEL=]DIR`` as (MODEL or None, DIR); a folder whose own name holds ``=`` is DIR."""
+    from pathlib import Path
+
+    from ..ids import MODEL_NAME
+
+    model, sep, folder = text.partition("=")
+    if sep and folder and MODEL_NAME.fullmatch(model) and not Path(text).is_dir():
+        return model, folder
+    return None, text
+
+
+def _model_config(text: str) -> tuple[str, str]:
+    """``[TYPE=]DIR`` as (TYPE or "", DIR); TYPE one of the single-file architectures."""
+    from pathlib import Path
+
+    from ..models.diffusers.single_file import ARCHITECTURES
+
+    model_type, sep, folder = text.partition("=")
+    if not sep or Path(text).is_dir():
+        return "", text
+    if model_type not in ARCHITECTURES or not folder:
+        raise argparse.ArgumentTypeError(
+            f"expected DIR or TYPE=DIR, TYPE one of {', '.join(ARCHITECTURES)}; got {text!r}"
+        )
+    return model_type, folder
+
+
+def _add_lora_args(parser: argparse.ArgumentParser, *, bound: bool) -> None:
+    """``--lora`` and ``--lora-dir``; ``bound``: the MODEL spellings of serve's several models."""
     parser.add_argument(
         "--lora",
         type=_lora,
         action="append",
-        metavar="NAME=PATH",
-        help="load a LoRA (a .safetensors file or a folder) that requests name in "
-        "params.loras; repeatable; diffusers models",
+        metavar="[MODEL:]NAME=PATH" if bound else "NAME=PATH",
+        help="load a LoRA (a .safetensors file or a folder) that requests name in params.loras "
+        "or the prompt (<lora:NAME:WEIGHT>); repeatable; diffusers models"
+        + ("; MODEL: only that model's (else every model that takes LoRAs)" if bound else ""),
     )
     parser.add_argument(
         "--lora-dir",
+        type=_lora_dir,
         action="append",
-        metavar="DIR",
-        help="load every LoRA in DIR (.safetensors files, each named by its stem)",
+        metavar="[MODEL=]DIR" if bound else "DIR",
+        help="load every LoRA in DIR (.safetensors files, each named by its stem)"
+        + ("; MODEL=: only that model's" if bound else ""),
+    )
+
+
+def _add_model_config_arg(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument(
+        "--model-config", type=_model_config, action="append", metavar="[TYPE=]DIR", help=_MODEL_CONFIG_HELP
     )
 
 
@@ -170,8 +227,9 @@ def build_parser() -> argparse.ArgumentParser:
         default="auto",
         help="preview decoder: auto (the model's, else by the frame's shape), rgb, sd15, sdxl, sd3, flux",
     )
+    _add_model_config_arg(gen)
     gen.add_argument("--preview-vae", metavar="PATH|ID", default=None, help=_PREVIEW_VAE_HELP)
-    _add_lora_args(gen)
+    _add_lora_args(gen, bound=False)
     gen.add_argument(
         "--previews",
         metavar="OUT.gif|.webp|.mp4|DIR",
@@ -209,6 +267,14 @@ def build_parser() -> argparse.ArgumentParser:
         help=_MODEL_HELP + "; repeat as NAME=SPEC to serve several, a request's "
         "'model' naming one (default: the first; default SPEC: mixture)",
     )
+    srv.add_argument(
+        "--model-dir",
+        action="append",
+        metavar="DIR",
+        help="serve every .safetensors checkpoint in DIR (an AUTOMATIC1111 or ComfyUI "
+        "checkpoint folder), each a model named by its stem; repeatable",
+    )
+    _add_model_config_arg(srv)
     srv.add_argument(
         "--scheduling",
         choices=POLICIES,
@@ -250,7 +316,7 @@ def build_parser() -> argparse.ArgumentParser:
         "(default: $OMNI_STREAM_MAX_SWAPS_PER_MIN, else 6)",
     )
     srv.add_argument("--preview-vae", metavar="PATH|ID", default=None, help=_PREVIEW_VAE_HELP)
-    _add_lora_args(srv)
+    _add_lora_args(srv, bound=True)
     srv.add_argument(
         "--max-images",
         type=_positive_int,
@@ -421,8 +487,9 @@ def build_parser() -> argparse.ArgumentParser:
         "names",
         nargs="*",
         metavar="SPEC",
-        help="only these: built-in names, diffusers:ID|PATH or module:attr",
+        help="only these: built-in names, diffusers:ID|PATH, PATH.safetensors or module:attr",
     )
+    _add_model_config_arg(mod)
     mod.add_argument("--json", action="store_true", help="print JSON")
     mod.set_defaults(handler=cmd_models)
 

@@ -12,7 +12,9 @@ from typing import Any
 from ..config import run, token as env_token
 from ..engine.like import looks_like_engine
 from .console import PROG, UsageError, describe_error, print_error
-from .loader import ModelLoader, lora_paths, named_spec
+from .loader import ModelLoader, check_model_configs, named_spec
+from .loras import lora_options
+from .model_dir import model_dir_specs
 
 __all__ = ["EXIT_ENGINE_DEAD", "EXIT_SERVER_FAILED", "cmd_serve"]
 
@@ -21,21 +23,29 @@ EXIT_ENGINE_DEAD = 3
 EXIT_SERVER_FAILED = 4
 
 
-def _served_specs(given: list[str]) -> list[tuple[str, str]]:
-    """Each ``--model`` as (name, spec); one plain SPEC is named after the model it makes."""
+def _served_specs(given: list[str], folders: list[str]) -> list[tuple[str, str]]:
+    """Each ``--model`` as (name, spec), then each checkpoint of each ``--model-dir``; one plain
+    SPEC alone is named after the model it makes; none at all: mixture."""
     named = [named_spec(text) for text in given]
-    if len(named) == 1 and named[0][0] is None:
+    if not folders and len(named) == 1 and named[0][0] is None:
         return [("", named[0][1])]
     out: dict[str, str] = {}
     for (name, spec), text in zip(named, given, strict=True):
         if name is None:
-            raise UsageError(f"--model {text!r}: with several --model, give each a name: NAME=SPEC")
+            raise UsageError(f"--model {text!r}: with several models, give each a name: NAME=SPEC")
         if not spec:
             raise UsageError(f"--model {text!r}: no SPEC after {name}=")
         if name in out:
             raise UsageError(f"--model: the name {name!r} is given twice")
         out[name] = spec
-    return list(out.items())
+    for folder in folders:
+        for name, path in model_dir_specs(folder):
+            if name in out:
+                raise UsageError(
+                    f"--model-dir {folder}: {path} would be model {name!r}, which is named already"
+                )
+            out[name] = path
+    return list(out.items()) or [("", "mixture")]
 
 
 def _door_options(args: argparse.Namespace) -> dict[str, Any]:
@@ -78,8 +88,10 @@ def cmd_serve(args: argparse.Namespace) -> int:
     token: Any = (args.token[0] if len(args.token) == 1 else list(args.token)) if args.token else env_token()
     from ..engine.group import names_group
 
-    loras = lora_paths(args)  # a bad folder or a name twice: said before anything loads
-    specs = _served_specs(args.model or ["mixture"])
+    loras = lora_options(args)  # a bad folder or a name twice: said before anything loads
+    configs = check_model_configs(args.model_config or ())
+    specs = _served_specs(args.model or [], args.model_dir or [])
+    loras.check_models(name for name, _ in specs)
     if args.max_loaded is not None and not specs[0][0]:
         raise UsageError("--max-loaded bounds the models loaded at once: give them as --model NAME=SPEC")
     residency = [
@@ -102,7 +114,14 @@ def cmd_serve(args: argparse.Namespace) -> int:
     # Values, not closures: with --ray they are pickled to every replica, which builds its models.
     loaders = {
         name: ModelLoader.of(
-            spec, args.preview_vae, loras, no_batch=args.no_batch, max_images=args.max_images
+            spec,
+            args.preview_vae,
+            loras.for_model(name),
+            no_batch=args.no_batch,
+            max_images=args.max_images,
+            # LoRAs for every model pass over one that takes none, unless it is the only one.
+            loras_required=len(specs) == 1 or name in loras.bound,
+            model_configs=configs,
         )
         for name, spec in specs
     }

@@ -6,7 +6,7 @@ JPEG and WebP at quality 95, H.264 at CRF 18.
 
 - ``save_image`` / ``save_video``: a decoded RGB array to a file, the format
   from the path's suffix. PNGs carry the request's params (AUTOMATIC1111's
-  ``parameters`` text, and JSON under ``omni_stream``).
+  ``parameters`` text, written by :mod:`.infotext`, and JSON under ``omni_stream``).
 - ``encode_output``: a final frame to bytes for the server's last message.
 - ``PreviewWriter``: collects a request's previews into a GIF, an animated
   WebP, an MP4 or a folder of numbered PNGs.
@@ -44,6 +44,7 @@ from .encode import (
     image_grid,
     video_strip,
 )
+from .infotext import parameters_text
 
 __all__ = [
     "IMAGE_SUFFIXES",
@@ -97,49 +98,8 @@ _WEBP_METHOD = 4
 _PREVIEW_HOLD_S = 1.0
 _PREVIEW_FPS = 10
 
-# params keys -> AUTOMATIC1111's names, first key present wins.
-_A1111_FIELDS: tuple[tuple[str, tuple[str, ...]], ...] = (
-    ("Steps", ("steps", "num_inference_steps")),
-    ("Sampler", ("sampler", "scheduler")),
-    ("CFG scale", ("guidance_scale", "cfg_scale", "cfg", "guidance")),
-    ("Seed", ("seed",)),
-)
-
 
 # -- metadata -------------------------------------------------------------------
-
-
-def _first(params: Mapping[str, Any], keys: tuple[str, ...]) -> Any:
-    for key in keys:
-        value = params.get(key)
-        if value is not None and value != "":
-            return value
-    return None
-
-
-def parameters_text(params: Mapping[str, Any], *, width: int, height: int) -> str:
-    """AUTOMATIC1111's ``parameters`` text for ``params`` (only what is present).
-
-    ``{prompt}``, then ``Negative prompt: {negative_prompt}``, then ``Steps:
-    N, Sampler: X, CFG scale: G, Seed: S, Size: WxH, Model: name`` (``Size``
-    is the image's; ``Model`` is ``params["model"]``). Raises nothing.
-    """
-    lines = []
-    prompt = _first(params, ("prompt",))
-    if prompt is not None:
-        lines.append(str(prompt))
-    negative = _first(params, ("negative_prompt", "negative"))
-    if negative is not None:
-        lines.append(f"Negative prompt: {negative}")
-    fields = [
-        f"{name}: {value}" for name, keys in _A1111_FIELDS if (value := _first(params, keys)) is not None
-    ]
-    fields.append(f"Size: {width}x{height}")
-    model = _first(params, ("model", "model_name"))
-    if model is not None:
-        fields.append(f"Model: {model}")
-    lines.append(", ".join(fields))
-    return "\n".join(lines)
 
 
 def _json_value(value: Any) -> str:

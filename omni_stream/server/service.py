@@ -412,6 +412,18 @@ class Service:
             raise LifecycleError("the server is not started")
         self._tg.start_soon(self._consume, admitted, stream, name=f"omni_stream request {admitted.record.id}")
 
+    def _result_params(self, admitted: Admitted, params: Mapping[str, Any]) -> dict[str, Any]:
+        # What a result's PNG says of how it was made (preview/infotext.py): its params, its
+        # served model, and the hashes of its weights where the model knows them (A1111's
+        # "Model hash" and "Lora hashes", so its png-info reproduces it).
+        out = {"model": admitted.model, **params}
+        hashes = getattr(self.rules.models.get(admitted.model), "weight_hashes", None)
+        if callable(hashes):
+            found = hashes(params)
+            if found:
+                out["hashes"] = found
+        return out
+
     async def _consume(self, admitted: Admitted, stream: FrameStreamLike) -> None:
         record = admitted.record
         journal = self.rules.journal
@@ -426,7 +438,7 @@ class Service:
                 stream,
                 admitted.spec,
                 output=admitted.output,
-                params={"model": admitted.model, **stream.params},
+                params=self._result_params(admitted, stream.params),
                 previewer=self.previewer,
                 metrics=self.metrics,
                 memory=admitted.memory,

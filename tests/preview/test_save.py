@@ -79,7 +79,8 @@ def test_parameters_text_has_only_what_is_present():
     assert parameters_text({}, width=8, height=4) == "Size: 8x4"
     assert parameters_text({"prompt": "x", "num_inference_steps": 4, "scheduler": "ddim",
                             "cfg": 2, "negative_prompt": ""}, width=1, height=2) == (
-        "x\nSteps: 4, Sampler: ddim, CFG scale: 2, Size: 1x2"
+        # A1111's keys, and the params' own names, which give them back (test_infotext.py).
+        "x\nSteps: 4, Sampler: ddim, CFG scale: 2, Size: 1x2, num_inference_steps: 4, scheduler: ddim, cfg: 2"
     )
     assert parameters_text({"seed": 0}, width=1, height=1) == "Seed: 0, Size: 1x1"
 

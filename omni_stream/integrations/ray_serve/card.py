@@ -38,7 +38,7 @@ import torch
 
 from ...errors import ParamsError
 from ...model import StepModel
-from ...models.diffusers.loras import check_loras, split_loras
+from ...models.diffusers.loras import check_request_loras, split_loras
 from ...params import Param
 
 __all__ = ["ModelCard"]
@@ -142,7 +142,13 @@ class ModelCard(StepModel):
             return super().validate(params)
         params, loras = split_loras(params)
         out = super().validate(params)
-        out["loras"] = check_loras(loras, self._facts.lora_names, model=self.name)
+        # The prompt's <lora:name:weight> tags too, as the replica's model reads them: refused
+        # here, at the front door, with the words the replica would use.
+        out["prompt"], out["loras"] = check_request_loras(
+            out.get("prompt"), loras, self._facts.lora_names, model=self.name
+        )
+        if out["prompt"] is None:
+            del out["prompt"]
         return out
 
     def total_steps(self, params: Mapping[str, Any]) -> int:

@@ -26,16 +26,21 @@ from __future__ import annotations
 import dataclasses
 import importlib
 import inspect
+import os
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 
 from ...errors import ParamsError
 from ...model import StepModel
 from ...params import MAX_IMAGES, images_param, positive_int
+from .file_hashes import model_hash
 from .loras import LoraBank
+
+if TYPE_CHECKING:
+    from .single_file import ConfigSource
 
 __all__ = ["Diffusers", "PromptEmbeddings", "EncodePrompt", "MODES", "INSTALL_HINT", "adapter_for"]
 
@@ -210,6 +215,56 @@ class Diffusers(StepModel):
             # What Diffusers(pipe, mode=mode) does: the adapter that fits.
             return adapter_for(pipe, mode)(pipe, mode=mode)
         return cls(pipe)
+
+    @classmethod
+    def from_single_file(
+        cls,
+        path: str | os.PathLike[str],
+        *,
+        config: ConfigSource | None = None,
+        torch_dtype: torch.dtype | None = None,
+        mode: str = "auto",
+        **pipeline_kwargs: Any,
+    ) -> Diffusers:
+        """Load a single-file checkpoint (``.safetensors``: SD 1.x/2.x, SDXL, SD3, Flux) and wrap it.
+
+        ``config`` is the diffusers folder of its architecture that ``from_single_file``
+        takes the pipeline's config from, or such folders by diffusers' model type
+        (:mod:`.single_file`). Sets :attr:`model_hash` (reading the file once more).
+        Raises ValueError naming the file (an architecture not streamed, a pickle, no
+        config offline: saying what to give), ImportError without diffusers, ParamsError
+        as :class:`Diffusers` does.
+        """
+        try:
+            import diffusers  # noqa: F401
+        except ImportError as exc:
+            raise ImportError(INSTALL_HINT) from exc
+        from .single_file import load_pipeline
+
+        pipe = load_pipeline(path, config=config, torch_dtype=torch_dtype, **pipeline_kwargs)
+        pipe.set_progress_bar_config(disable=True)
+        model = adapter_for(pipe, mode)(pipe, mode=mode) if cls is Diffusers else cls(pipe)
+        # What A1111 writes as "Model hash", and so what a PNG's reader looks the file up by.
+        model.model_hash = model_hash(path)
+        return model
+
+    #: The checkpoint file's hash as A1111 writes ``Model hash`` (from_single_file sets it).
+    model_hash: str | None = None
+
+    def weight_hashes(self, params: Mapping[str, Any]) -> dict[str, Any]:
+        """The weights behind a request with these checked params, as a PNG's infotext names
+        them (omni_stream.preview.infotext): ``{"model": hash, "loras": {name: hash}}``, each
+        only where known, the LoRAs only those the request uses."""
+        out: dict[str, Any] = {}
+        if self.model_hash is not None:
+            out["model"] = self.model_hash
+        known = self._loras.hashes
+        # Checked loras are ((name, scale), ...); as sent, [{"name", "scale"}, ...].
+        names = [e.get("name") if isinstance(e, Mapping) else e[0] for e in params.get("loras") or ()]
+        used = {name: known[name] for name in names if name in known}
+        if used:
+            out["loras"] = used
+        return out
 
     def unload(self) -> None:
         """Move the pipeline back to the CPU (``load`` moves it to the device again) and let the

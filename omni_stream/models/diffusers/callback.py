@@ -69,7 +69,7 @@ from ..inputs import MAX_IMAGE_BYTES, MAX_IMAGE_PIXELS, load_image
 from . import samplers
 from .base import DEFAULT_MAX_IMAGES, Diffusers, checked_max_images, takes_step_callback
 from .loop import same_device, signature_params, timestep_count, with_defaults
-from .loras import LoraBank, LoraSet, check_loras, split_loras
+from .loras import LoraBank, LoraSet, check_request_loras, split_loras
 
 __all__ = ["CallbackDiffusers"]
 
@@ -438,7 +438,10 @@ class CallbackDiffusers(Diffusers):
         if "sampler" in self._args:
             samplers.check_installed(params, self._sampler_table, model=self.name)
         out = super().validate(params)
-        out["loras"] = check_loras(loras, self.lora_names, model=self.name)
+        # A1111's <lora:NAME:WEIGHT> in the prompt is a `loras` entry (every door gets it here).
+        prompt, out["loras"] = check_request_loras(out.get("prompt"), loras, self.lora_names, model=self.name)
+        if "prompt" in out:
+            out["prompt"] = prompt
         if "size" in self._args:
             square_size(out, params, model=self.name)
         for name in self.image_params:

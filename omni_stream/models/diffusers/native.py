@@ -74,7 +74,7 @@ from .loop import (
     vae_scale_factor,
     with_defaults,
 )
-from .loras import LoraBank, LoraSet, check_loras, split_loras
+from .loras import LoraBank, LoraSet, check_request_loras, split_loras
 
 __all__ = ["DEFAULT_MAX_BATCH", "NativeDiffusers", "NativeState", "TextConditioning"]
 
@@ -326,7 +326,10 @@ class NativeDiffusers(Diffusers, Generic[CondT]):
         params, loras = split_loras(samplers.with_canonical(params))
         samplers.check_installed(params, self.sampler_table, model=self.name)
         out = super().validate(params)
-        out["loras"] = check_loras(loras, self.lora_names, model=self.name)
+        # A1111's <lora:NAME:WEIGHT> in the prompt is a `loras` entry (every door gets it here).
+        out["prompt"], out["loras"] = check_request_loras(
+            out["prompt"], loras, self.lora_names, model=self.name
+        )
         square_size(out, params, model=self.name)
         # Some pipelines only warn and round down; a request gets the size it asked for.
         check_multiple(out, self._multiple, self.name)
