@@ -110,14 +110,19 @@ _LAZY: dict[str, str] = {
     "Param": ".params",
     "seed_param": ".params",
 }
-_SUBPACKAGES = frozenset({"client", "device", "models", "preview"})
 
 
 def __getattr__(name: str) -> Any:
-    if name in _SUBPACKAGES:
-        value: Any = importlib.import_module(f".{name}", __name__)
-    elif name in _LAZY:
-        value = getattr(importlib.import_module(_LAZY[name], __name__), name)
+    if name in _LAZY:
+        value: Any = getattr(importlib.import_module(_LAZY[name], __name__), name)
+    elif name.isidentifier() and not name.startswith("__"):
+        # A submodule (``om.models``, ``om.client``, ``om.engine``): imported when first read.
+        try:
+            value = importlib.import_module(f".{name}", __name__)
+        except ModuleNotFoundError as exc:
+            if exc.name != f"{__name__}.{name}":
+                raise  # the submodule exists and failed to import: say why
+            raise AttributeError(f"module {__name__!r} has no attribute {name!r}") from None
     else:
         raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
     globals()[name] = value  # once: the next lookup is a plain attribute

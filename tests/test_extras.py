@@ -45,6 +45,8 @@ SOURCES: dict[str, tuple[str, str]] = {
     # Diffusers pipelines (models/diffusers/), and the lms samplers' integrals.
     "diffusers": ("diffusers", "diffusers"),
     "scipy": ("diffusers", "scipy"),
+    "safetensors": ("diffusers", "safetensors"),  # a single-file checkpoint's header
+    "huggingface_hub": ("diffusers", "huggingface_hub"),  # the hub cache's config folders
     # MP4 results and previews.
     "av": ("video", "av"),
     # Ray Serve replicas (integrations/ray_serve/).

@@ -182,8 +182,11 @@ class WebhookConfig:
 
     def retry_due(self, delivery: Delivery, now: float) -> float | None:
         """When ``delivery``, whose try just failed, is tried again; None: give it up (its
-        tries are spent, or the receiver has had its ``max_delivery_s``)."""
-        if delivery.attempts >= delivery.max_attempts or self.try_timeout_s(delivery) <= 0:
+        tries are spent, or the receiver has had its ``max_delivery_s``: what is left of it is
+        under a tenth of a try's bound, too short for a receiver that already needed longer)."""
+        if delivery.attempts >= delivery.max_attempts:
+            return None
+        if self.try_timeout_s(delivery) < self.attempt_timeout_s / 10:
             return None
         return now + backoff_s(delivery.attempts, first_s=self.first_retry_s, max_s=self.max_retry_s)
 

@@ -14,7 +14,10 @@ Routes (docs/protocol.md, docs/http.md)::
     GET  /v1/generations/{id}/output    the result
     GET  /v1/generations/{id}/preview   the newest preview
     DELETE /v1/generations/{id}    cancel
+    /prompt, /history, /view, /queue, /interrupt, /object_info, /system_stats, /upload/image,
+    WS /ws?clientId=...            ComfyUI's API (comfyui_api.py, comfyui_ws.py; docs/comfyui.md)
     /v1/images/..., /v1/videos/..., GET /v1/models[/{id}]   OpenAI's (openai_api.py, openai_videos.py)
+    /sdapi/v1/...                  AUTOMATIC1111's API (a1111_api.py; docs/a1111.md)
 
 Every route answers HEAD like GET without a body, other methods 405 with
 ``Allow``, unknown paths 404, all errors as ``{"error", "message"}`` JSON.
@@ -64,6 +67,9 @@ from ..errors import ParamsError
 from ..model import StepModel
 from ..preview import Previewer
 from . import responses
+from .a1111_api import A1111Api, a1111_shaped, with_basic_as_bearer
+from .comfyui_api import ComfyUIApi, comfy_shaped
+from .comfyui_ws import ComfyConnection
 from .front_door import STATE_CHANGING, FrontDoor, handshake_refusal
 from .http11 import BoundedSend
 from .http_api import HttpApi
@@ -214,6 +220,8 @@ def app_for(door: FrontDoor) -> OmniStreamApp:
     """The Starlette application serving ``door``."""
     api = HttpApi(door)
     openai_api = OpenAIApi(door)
+    comfy = ComfyUIApi(door)
+    a1111 = A1111Api(door)
     videos = OpenAIVideos(door)
     service = door.service
     rules = door.rules
@@ -251,12 +259,35 @@ def app_for(door: FrontDoor) -> OmniStreamApp:
 
         return guarded(endpoint)
 
+    def comfy_call(handler: ApiHandler) -> Handler:
+        """An API call on a ComfyUI route: its basic auth read as the token (ComfyUI's clients,
+        comfy-api-simplified among them, send only basic auth), every refusal in ComfyUI's error
+        shape, the door's too."""
+        inner = call(handler)
+
+        async def endpoint(request: Request) -> Response:
+            with_basic_as_bearer(request)
+            return comfy_shaped(await inner(request))
+
+        return endpoint
+
     def openai_call(handler: ApiHandler) -> Handler:
         """An API call on an OpenAI route: every refusal in OpenAI's error shape, the door's too."""
         inner = call(handler)
 
         async def endpoint(request: Request) -> Response:
             return openai_shaped(await inner(request))
+
+        return endpoint
+
+    def a1111_call(handler: ApiHandler) -> Handler:
+        """An API call on an A1111 route: its basic auth read as the token, every refusal in
+        A1111's error shape, the door's too."""
+        inner = call(handler)
+
+        async def endpoint(request: Request) -> Response:
+            with_basic_as_bearer(request)
+            return a1111_shaped(await inner(request))
 
         return endpoint
 
@@ -301,7 +332,7 @@ def app_for(door: FrontDoor) -> OmniStreamApp:
         )
 
     async def websocket(ws: WebSocket) -> None:
-        await _serve_websocket(door, ws)
+        await _serve_websocket(door, ws, comfy)
 
     def methods(path: str, **handlers: Handler) -> Route:
         # One route per path, so a wrong method's 405 lists every allowed one.
@@ -343,6 +374,23 @@ def app_for(door: FrontDoor) -> OmniStreamApp:
         methods("/v1/videos", GET=openai_call(videos.listing), POST=openai_call(videos.create)),
         methods("/v1/videos/{video_id}", GET=openai_call(videos.retrieve), DELETE=openai_call(videos.delete)),
         methods("/v1/videos/{video_id}/content", GET=openai_call(videos.content)),
+        # ComfyUI's API (server/comfyui_api.py, docs/comfyui.md); its websocket is /ws?clientId=.
+        methods("/prompt", GET=comfy_call(comfy.get_prompt), POST=comfy_call(comfy.post_prompt)),
+        methods("/history", GET=comfy_call(comfy.history)),
+        methods("/history/{prompt_id}", GET=comfy_call(comfy.history_of)),
+        methods("/view", GET=comfy_call(comfy.view)),
+        methods("/queue", GET=comfy_call(comfy.get_queue), POST=comfy_call(comfy.post_queue)),
+        methods("/interrupt", POST=comfy_call(comfy.interrupt)),
+        methods("/object_info", GET=comfy_call(comfy.object_info)),
+        methods("/object_info/{node_class}", GET=comfy_call(comfy.object_info_of)),
+        methods("/system_stats", GET=comfy_call(comfy.system_stats)),
+        methods("/embeddings", GET=comfy_call(comfy.embeddings)),
+        methods("/upload/image", POST=comfy_call(comfy.upload_image)),
+        # AUTOMATIC1111's API (server/a1111_api.py, docs/a1111.md).
+        *(
+            methods(path, **{method: a1111_call(handler) for method, handler in handlers.items()})
+            for path, handlers in a1111.routes().items()
+        ),
     ]
 
     async def http_error(request: Request, exc: Exception) -> Response:
@@ -408,8 +456,9 @@ class OmniStreamApp(Starlette):
             yield
 
 
-async def _serve_websocket(door: FrontDoor, ws: WebSocket) -> None:
-    """One websocket: the handshake rules, then a :class:`ClientConnection` until it closes."""
+async def _serve_websocket(door: FrontDoor, ws: WebSocket, comfy: ComfyUIApi) -> None:
+    """One websocket: the handshake rules, then a :class:`ClientConnection` until it closes (a
+    ComfyUI client's, ``?clientId=``, a :class:`ComfyConnection`: comfyui_ws.py)."""
     service, rules = door.service, door.rules
     # Without a token, a websocket is its own principal (rules.connect names it).
     principal = rules.principal_of_connection("pending", headers=ws.headers, query=ws.url.query)
@@ -421,7 +470,22 @@ async def _serve_websocket(door: FrontDoor, ws: WebSocket) -> None:
             await ws.close(protocol.CLOSE_POLICY_VIOLATION, "refused")
         return
     await ws.accept()
-    conn = ClientConnection(ws, rules=rules, service=service, principal=principal)
+    client_id = ws.query_params.get("clientId")
+    conn = (
+        ClientConnection(ws, rules=rules, service=service, principal=principal)
+        if client_id is None
+        else ComfyConnection(
+            ws,
+            rules=rules,
+            service=service,
+            principal=principal,
+            # What its prompts were posted as: its token's name, else its address (comfyui/book.py).
+            owner=door.http_principal(ws).key,
+            client_id=client_id,
+            book=comfy.book,
+            sockets=comfy.sockets,
+        )
+    )
     door.websockets[conn.id] = conn
     logger.debug("connection %s (%s) from %s", conn.id, conn.client.principal, conn.remote)
     try:

@@ -434,7 +434,16 @@ class HttpApi:
         positions = self._positions()
         principal = client.principal
         records = list(self._service.registry)
-        order = {"running": 0, "paused": 0, "loading": 1, "queued": 1, "done": 2, "failed": 2, "cancelled": 2, "expired": 2}
+        order = {
+            "running": 0,
+            "paused": 0,
+            "loading": 1,
+            "queued": 1,
+            "done": 2,
+            "failed": 2,
+            "cancelled": 2,
+            "expired": 2,
+        }
 
         def key(record: RequestRecord) -> tuple[int, int, float]:
             status = _status_name(record, positions)

@@ -488,6 +488,13 @@ def test_a_receivers_time_per_delivery_is_capped_across_its_tries() -> None:
     assert cap.retry_due(hung, 100.0) == 101.0 and cap.try_timeout_s(hung) == 15.0
     hung.attempts, hung.spent_s = 2, 45.0
     assert cap.retry_due(hung, 200.0) is None  # 2 of 5 tries, and the receiver had its 45 s
+    # A sliver left (under a tenth of a try's bound) starts no try: a receiver that needed
+    # longer than that before gets nothing from it (a loaded machine once began a third try
+    # with 75 microseconds left).
+    hung.spent_s = 45.0 - 2.9
+    assert cap.retry_due(hung, 200.0) is None
+    hung.spent_s = 45.0 - 3.1
+    assert cap.retry_due(hung, 200.0) == 202.0
     assert "45 s" in cap.given_up(hung, "no answer within 15 s")
     hung.attempts, hung.spent_s = 5, 1.0
     assert cap.retry_due(hung, 0.0) is None and cap.given_up(hung, "HTTP 500") == "HTTP 500"

@@ -422,8 +422,13 @@ class _Metrics:
         self.restarts = Counter("restarted", "restarts", ["reason"], registry=registry)
         self.restart_first_frame = Histogram("first", "first frame", ["reason"], registry=registry)
 
-    def observe_timings(self, timings: Any) -> None:
+        self.first_preview = Histogram("first_preview", "first preview", ["model"], registry=registry)
+
+    def observe_timings(self, timings: Any, model: str | None = None) -> None:
         pass
+
+    def model(self, name: str | None) -> str:
+        return name or "model"
 
 
 def _shown(messages: Sequence[Mapping[str, Any]]) -> list[Any]:

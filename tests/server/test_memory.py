@@ -580,6 +580,8 @@ class _Record:
     def __init__(self, budget: MemoryBudget, total: int) -> None:
         self.id = "r"
         self.total = total
+        self.model = None  # a server of one (the metrics' model label: its default)
+        self.previews_sent = 0
         self.created_at = time.monotonic()
         self.cancel_reason = None
         self.budget = budget
@@ -607,10 +609,17 @@ class _Metrics:
         def observe(self, value: float) -> None:
             pass
 
-    preview_encode = _Histogram()
+        def labels(self, *values: str) -> _Metrics._Histogram:
+            return self
 
-    def observe_timings(self, timings: Any) -> None:
+    preview_encode = _Histogram()
+    first_preview = _Histogram()
+
+    def observe_timings(self, timings: Any, model: str | None = None) -> None:
         pass
+
+    def model(self, name: str | None) -> str:
+        return name or "model"
 
 
 @pytest.mark.asyncio

@@ -1,0 +1,291 @@
+"""The AUTOMATIC1111 door (issue #37): webuiapi, the A1111 client on PyPI, unmodified, against a
+real ``omni-stream serve`` in its own process (one for the module: three tiny models, a LoRA,
+two tenants whose passwords are their tokens).
+
+Each picture is compared with the diffusers pipeline's own, made here; the door's checks (token,
+Origin, Host, body bound, the fair share) are the other doors' red-team checks, on these routes.
+"""
+
+from __future__ import annotations
+
+import base64
+import copy
+import io
+import json
+import threading
+import time
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import httpx
+import pytest
+import torch
+from PIL import Image
+
+from ..conftest import one_torch_thread
+
+webuiapi = pytest.importorskip("webuiapi")
+pytest.importorskip("diffusers")
+pytest.importorskip("peft")
+
+from diffusers import (  # noqa: E402
+    DPMSolverMultistepScheduler,
+    StableDiffusionInpaintPipeline,
+    StableDiffusionPipeline,
+)
+
+from omni_stream.models.diffusers.samplers import SCHEDULES  # noqa: E402
+
+from ..models import test_diffusers as sd  # noqa: E402
+from ..models import test_diffusers_callback as cb  # noqa: E402
+from ..models.test_diffusers_control import mask as half_mask  # noqa: E402
+from ..models.test_diffusers_loras import make_lora  # noqa: E402
+from .test_serve import omni_stream_serve  # noqa: E402
+
+pytestmark = pytest.mark.filterwarnings("ignore::FutureWarning")
+
+TOKENS = {"alice": "alice-s3cret", "bob": "bob-s3cret"}
+#: The served bound on a body (OMNI_STREAM_MAX_MESSAGE_BYTES): a tiny img2img fits.
+BODY_BOUND = 64 * 1024
+#: A request that runs until it is stopped (900 steps of a few ms each here).
+LONG = dict(prompt="a slow cat", steps=900, width=16, height=16, seed=1, sampler_name="DDIM")
+
+
+@dataclass
+class Served:
+    url: str
+    pipes: dict[str, Any]
+
+    def client(self, name: str) -> Any:
+        """webuiapi as its users make it: the server's A1111 base URL, basic auth."""
+        return webuiapi.WebUIApi(baseurl=self.url + "/sdapi/v1", username=name, password=TOKENS[name])
+
+
+def pipes(root: Path) -> dict[str, Any]:
+    """Three tiny pipelines sharing a text encoder: ``a``, ``b`` (its UNet's output flipped: other
+    pictures) and an inpaint pipeline."""
+    a = sd.text_sd_pipe(root)
+    unet = copy.deepcopy(a.unet)
+    with torch.no_grad():
+        unet.conv_out.weight.neg_()
+    parts = dict(vae=a.vae, text_encoder=a.text_encoder, tokenizer=a.tokenizer, scheduler=a.scheduler,
+                 safety_checker=None, feature_extractor=None, requires_safety_checker=False)
+    made = {"a": a, "b": StableDiffusionPipeline(unet=unet, **parts),
+            "inpaint": StableDiffusionInpaintPipeline(unet=a.unet, **parts)}
+    for pipe in made.values():
+        pipe.set_progress_bar_config(disable=True)
+    return made
+
+
+@pytest.fixture(scope="module")
+def served(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Served]:
+    root = tmp_path_factory.mktemp("a1111")
+    with one_torch_thread():
+        made = pipes(root)
+        for name, pipe in made.items():
+            pipe.save_pretrained(root / name)
+        lora = make_lora(root / "ink", 7)
+    args = [arg for name in made for arg in ("--model", f"{name}=diffusers:{root / name}")]
+    args += [arg for name, secret in TOKENS.items() for arg in ("--token", f"{name}={secret}")]
+    env = {"OMNI_STREAM_MAX_MESSAGE_BYTES": str(BODY_BOUND), "OMNI_STREAM_MAX_REQUESTS_PER_PRINCIPAL": "1"}
+    with omni_stream_serve(*args, "--lora", f"ink={lora}", "--device", "cpu", env=env) as (_, _, url):
+        yield Served(url, made)
+
+
+def reference(pipe: Any, *, seed: int, n: int = 1, scheduler: Any = None, **kwargs: Any) -> list[bytes]:
+    """The pipeline's own pictures (RGB bytes) for a request's params."""
+    if scheduler is not None:
+        pipe = type(pipe)(**{**pipe.components, "scheduler": scheduler})
+    with one_torch_thread():
+        images = pipe(generator=torch.Generator().manual_seed(seed), num_images_per_prompt=n, output_type="pil",
+                      **kwargs).images
+    return [image.convert("RGB").tobytes() for image in images]
+
+
+def rgb(image: Image.Image) -> bytes:
+    return image.convert("RGB").tobytes()
+
+
+def wait_until(check: Callable[[], Any], what: str, timeout: float = 60.0) -> Any:
+    """Poll ``check`` until it returns something true; a generous bound only against hanging."""
+    deadline = time.monotonic() + timeout
+    while not (found := check()):
+        assert time.monotonic() < deadline, f"waited {timeout} s for {what}"
+        time.sleep(0.02)
+    return found
+
+
+def refusal(call: Callable[[], Any]) -> tuple[int, dict[str, Any]]:
+    """webuiapi's RuntimeError(status, body) for a refused call, the body parsed."""
+    with pytest.raises(RuntimeError) as info:
+        call()
+    status, text = info.value.args
+    return status, json.loads(text)
+
+
+def test_txt2img_with_a_sampler_and_scheduler_equals_the_pipeline(served: Served) -> None:
+    alice = served.client("alice")
+    made = alice.txt2img(prompt="a red cat", negative_prompt="dog", steps=2, seed=3, cfg_scale=6.0, width=24,
+                         height=16, sampler_name="DPM++ 2M", scheduler="Karras", batch_size=2, n_iter=2)
+    pipe = served.pipes["a"]
+    karras = DPMSolverMultistepScheduler.from_config(pipe.scheduler.config, algorithm_type="dpmsolver++",
+                                                     solver_order=2, use_karras_sigmas=True)
+    same = dict(prompt="a red cat", negative_prompt="dog", num_inference_steps=2, guidance_scale=6.0, width=24,
+                height=16, n=2, scheduler=karras)
+    # n_iter 2 of batch_size 2: seeds 3 and 3 + 2, as A1111 runs them.
+    assert [rgb(i) for i in made.images] == reference(pipe, seed=3, **same) + reference(pipe, seed=5, **same)
+    info = made.info
+    assert (info["seed"], info["all_seeds"], info["sd_model_name"]) == (3, [3, 3, 5, 5], "a")
+    assert info["sampler_name"] == "DPM++ 2M" and info["extra_generation_params"] == {"Schedule type": "Karras"}
+    assert [i.info["parameters"] for i in made.images] == info["infotexts"]
+    assert "Sampler: dpmpp_2m_karras" in info["infotexts"][0] and made.parameters["scheduler"] == "Karras"
+
+
+def test_png_info_of_a_random_seed_picture_makes_it_again(served: Served) -> None:
+    alice = served.client("alice")
+    first = alice.txt2img(prompt="a blue fox", steps=2, seed=-1, width=16, height=16, sampler_name="Euler a")
+    seed = first.info["seed"]
+    assert seed != -1 and first.info["all_seeds"] == [seed]
+    read = alice.png_info(first.image)
+    assert read.info == first.info["infotexts"][0]
+    fields = read.json["parameters"]
+    assert (fields["Seed"], fields["Sampler"], fields["Size-1"], fields["Model"]) == (str(seed), "Euler a", "16", "a")
+    again = served.client("bob").txt2img(**read.json["request"])  # another tenant, the same picture
+    assert rgb(again.image) == rgb(first.image) and again.info["seed"] == seed
+
+
+def test_util_set_model_chooses_the_model_of_that_tenants_requests_only(served: Served) -> None:
+    alice, bob = served.client("alice"), served.client("bob")
+    params = dict(prompt="a cat", steps=2, seed=4, width=16, height=16, sampler_name="DDIM")
+    assert sorted(alice.util_get_model_names()) == ["a", "b", "inpaint"]
+    alice.util_set_model("b")
+    try:
+        assert (alice.util_get_current_model(), bob.util_get_current_model()) == ("b", "a")
+        from_b, from_a = alice.txt2img(**params), bob.txt2img(**params)
+    finally:
+        alice.util_set_model("a")
+    same = dict(prompt="a cat", num_inference_steps=2, width=16, height=16, guidance_scale=7.0)
+    assert [rgb(from_b.image)] == reference(served.pipes["b"], seed=4, **same)
+    assert [rgb(from_a.image)] == reference(served.pipes["a"], seed=4, **same) != [rgb(from_b.image)]
+    assert (from_b.info["sd_model_name"], from_a.info["sd_model_name"]) == ("b", "a")
+    # (webuiapi's set_options reads any answer as JSON: its own session says the status.)
+    unknown = alice.session.post(alice.baseurl + "/options", json={"sd_model_checkpoint": "sd3"})
+    assert (unknown.status_code, unknown.json()["field"]) == (404, "sd_model_checkpoint")
+
+
+def test_img2img_with_a_mask_equals_the_inpaint_pipeline(served: Served) -> None:
+    alice = served.client("alice")
+    picture, mask = cb.picture(16, 16), half_mask(16, 16)
+    params = dict(prompt="a red cat", negative_prompt="dog", steps=3, seed=3, cfg_scale=6.0, width=16, height=16)
+    made = alice.img2img(images=[picture], mask_image=mask, denoising_strength=1.0, sampler_name="DDIM",
+                         override_settings={"sd_model_checkpoint": "inpaint"}, **params)
+    expected = reference(served.pipes["inpaint"], seed=3, prompt="a red cat", negative_prompt="dog", image=picture,
+                         mask_image=mask, num_inference_steps=3, strength=1.0, guidance_scale=6.0, width=16,
+                         height=16)
+    assert [rgb(made.image)] == expected
+    assert made.info["denoising_strength"] == 1.0 and made.info["sd_model_name"] == "inpaint"
+    # The caller's model ("a") takes text only: the init image is refused, naming its field.
+    status, body = refusal(lambda: alice.img2img(images=[picture], **params))
+    assert (status, body["field"], body["code"]) == (422, "init_images", "unsupported")
+
+
+def test_progress_shows_the_preview_mid_run_skip_goes_on_and_interrupt_stops(served: Served) -> None:
+    alice, bob = served.client("alice"), served.client("bob")
+    answers: list[Any] = []
+
+    def run() -> None:
+        try:
+            answers.append(alice.txt2img(n_iter=2, **LONG))
+        except Exception as exc:  # noqa: BLE001 - said by the poll below
+            answers.append(exc)
+
+    def progress() -> dict[str, Any]:
+        assert not any(isinstance(a, Exception) for a in answers), answers
+        return alice.get_progress()  # type: ignore[no-any-return]
+
+    call = threading.Thread(target=run, daemon=True)
+    call.start()
+    try:
+        shown = wait_until(lambda: (p := progress())["current_image"] and p, "a live preview")
+        state = shown["state"]
+        assert (state["job"], state["job_count"], state["job_no"], state["sampling_steps"]) == ("txt2img", 2, 0, 900)
+        assert 0 < shown["progress"] < 0.5 and shown["eta_relative"] > 0
+        Image.open(io.BytesIO(base64.b64decode(shown["current_image"]))).load()
+        # Per tenant: bob sees nothing of alice's, may not stop it, and is not held by it.
+        assert bob.get_progress()["state"]["job_count"] == 0
+        bob.interrupt()
+        assert rgb(bob.txt2img(prompt="a cat", steps=2, width=16, height=16).image)
+        status, body = refusal(lambda: alice.txt2img(prompt="a cat", steps=2, width=16, height=16))
+        assert (status, body["code"]) == (429, "too_many_requests")  # her one request a time, running
+        assert progress()["state"]["job_no"] == 0
+        alice.skip()  # the first iteration ends; the second runs
+        wait_until(lambda: progress()["state"]["job_no"] == 1, "the second iteration")
+        alice.interrupt()
+        call.join(timeout=60)
+    finally:
+        alice.interrupt()
+    assert not call.is_alive()
+    assert answers[0].images == [] and answers[0].info["all_seeds"] == []  # neither iteration finished
+    assert alice.get_progress()["state"]["job_count"] == 0
+
+
+def test_the_lists_a_client_reads(served: Served) -> None:
+    alice = served.client("alice")
+    assert alice.get_loras() == [{"name": "ink", "alias": "ink", "path": None, "metadata": {}}]
+    samplers = {s["name"]: s for s in alice.get_samplers()}
+    assert samplers["DPM++ 2M Karras"] == {"name": "DPM++ 2M Karras", "aliases": ["dpmpp_2m_karras"],
+                                           "options": {"scheduler": "karras"}}
+    assert samplers["Euler a"]["aliases"] == ["euler_a", "euler_ancestral"]
+    assert alice.util_get_scheduler_names() == sorted(SCHEDULES)
+    assert [m["title"] for m in alice.get_sd_models()] == ["a", "b", "inpaint"]
+    assert alice.get_scripts() == {"txt2img": [], "img2img": []}
+
+
+def test_the_doors_checks_answer_in_a1111s_shape(served: Served) -> None:
+    basic = httpx.BasicAuth("alice", TOKENS["alice"])
+    with httpx.Client(base_url=served.url + "/sdapi/v1", timeout=30) as http:
+
+        def shaped(reply: httpx.Response, status: int, code: str) -> dict[str, Any]:
+            body = reply.json()
+            assert (reply.status_code, body["code"]) == (status, code), body
+            assert set(body) == {"error", "detail", "body", "errors", "code", "field"}
+            assert body["error"] == "HTTPException" and body["errors"].startswith(f"{status}: ")
+            return body
+
+        for method, path in (("POST", "/txt2img"), ("POST", "/img2img"), ("GET", "/progress"), ("GET", "/options"),
+                             ("POST", "/interrupt"), ("GET", "/sd-models"), ("POST", "/png-info")):
+            assert "basic auth" in shaped(http.request(method, path), 401, "unauthorized")["detail"]
+        shaped(http.get("/options", auth=httpx.BasicAuth("alice", "wrong")), 401, "unauthorized")
+        assert http.get("/sd-models", headers={"Authorization": f"Bearer {TOKENS['bob']}"}).status_code == 200
+        evil = {"Origin": "http://evil.example"}
+        shaped(http.post("/txt2img", json={"prompt": "x", "steps": 2}, headers=evil, auth=basic), 403,
+               "forbidden_origin")
+        shaped(http.get("/progress", headers={"Host": "evil.example"}, auth=basic), 421, "forbidden_host")
+        over = b"{" + b" " * BODY_BOUND + b"}"
+        shaped(http.post("/txt2img", content=over, auth=basic), 413, "limit_exceeded")  # as declared
+        # Chunked, it is the wire's bound (http11.py) that stops it, before any door: its own shape.
+        assert http.post("/txt2img", content=iter([over]), auth=basic).status_code == 413
+        hires = shaped(http.post("/txt2img", json={"enable_hr": True}, auth=basic), 422, "unsupported")
+        assert hires["field"] == "enable_hr" and hires["detail"].startswith("enable_hr: ")
+        # The model's own refusal, of our param, names the field as the client sent it.
+        cfg = shaped(http.post("/txt2img", json={"steps": 2, "cfg_scale": 500}, auth=basic), 422, "bad_params")
+        assert cfg["field"] == "cfg_scale" and cfg["detail"].startswith("cfg_scale (guidance_scale here): ")
+        shaped(http.post("/options", json={"samples_format": "jpg"}, auth=basic), 422, "unsupported")
+        assert http.get("/progress", auth=basic).json()["state"]["job_count"] == 0  # nothing was started
+
+
+def test_a_request_that_ended_without_pictures_answers_as_a1111_fails_one() -> None:
+    from omni_stream import protocol
+    from omni_stream.core.records import RequestRecord
+    from omni_stream.server.a1111_api import _ended_error
+
+    record = RequestRecord("r1", owner="c", detach=False, total=2, preview={}, created_at=0.0)
+    failed = _ended_error(record, protocol.ErrorMessage.build("step_failed", "boom", request_id="r1",
+                                                              field="guidance_scale"))
+    body = json.loads(failed.body)
+    assert (failed.status_code, body["error"], body["code"], body["field"]) == (500, "RuntimeError", "step_failed",
+                                                                               "cfg_scale")
+    gone = _ended_error(record, protocol.Cancelled.build("r1", reason="shutdown"))
+    assert (gone.status_code, json.loads(gone.body)["code"]) == (503, "shutting_down")
