@@ -15,11 +15,15 @@ from __future__ import annotations
 
 import hashlib
 import json
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from .. import protocol
 
-__all__ = ["IDEMPOTENCY_HEADER", "fingerprint", "id_for_key"]
+if TYPE_CHECKING:
+    from .records import RequestRecord
+    from .registry import RequestRegistry
+
+__all__ = ["IDEMPOTENCY_HEADER", "fingerprint", "id_for_key", "retry_of"]
 
 #: The header a caller names its job with (Stripe's and the IETF draft's spelling).
 IDEMPOTENCY_HEADER = "idempotency-key"
@@ -54,3 +58,14 @@ def id_for_key(principal_key: str, key: str) -> str:
         )
     digest = hashlib.sha256(f"{principal_key}\0{key}".encode()).hexdigest()
     return f"idem-{digest[:40]}"
+
+
+def retry_of(
+    registry: RequestRegistry, principal_key: str, msg: protocol.Generate, sent: str
+) -> RequestRecord | None:
+    """The request ``msg`` submits again: the one its id names, of the same principal, submitted
+    with the same message (``sent``: its :func:`fingerprint`); None for anything else."""
+    record = registry.get(msg.id) if msg.id is not None else None
+    if record is None or record.fingerprint != sent or record.principal != principal_key:
+        return None
+    return record

@@ -44,7 +44,7 @@ from typing import TYPE_CHECKING, Any, Final
 
 from .. import protocol
 from ..engine.like import RendersFrames, missing_stream_members, server_stream_keywords
-from ..errors import CheckpointError, EngineError, OmniStreamError, ParamsError, ServerBusyError
+from ..errors import CheckpointError, EngineError, OmniStreamError, ParamsError
 from ..model import StepModel
 from ..preview import PreviewSpec, RenderRequest
 from . import admission, inputs
@@ -61,8 +61,9 @@ from .preemption import Preempted, Preemption
 from .rates import RateBook
 from .records import RequestRecord, Terminal
 from .registry import RequestRegistry
+from .retries import retry_of
 from .tokens import Tokens
-from .webhooks import WebhookBook, WebhookConfig, WebhookState
+from .webhooks import WebhookBook, WebhookConfig, WebhookState, check_webhook
 
 if TYPE_CHECKING:
     from ..engine.like import EngineLike, FrameStreamLike
@@ -201,16 +202,10 @@ class Rules(Clients, Dispatch, Preemption, Deadlines, LoadReport):
     # -- generate ----------------------------------------------------------------
 
     def retried(self, client: Client, msg: protocol.Generate, fingerprint: str) -> RequestRecord | None:
-        """The request ``msg`` submits again, if it is a retry: the same id, of the same principal,
-        with the same message (``fingerprint``: core/retries.py); ``client``'s outbox, if it has one,
-        then watches it (``accepted`` and the replay, as an ``attach``). None otherwise (a new
-        request, or a ``duplicate_id`` that :meth:`generate` answers)."""
-        record = self.registry.get(msg.id) if msg.id is not None else None
-        if record is None or record.fingerprint != fingerprint:
-            return None
-        if record.principal != client.principal.key:
-            return None
-        if client.outbox is not None:
+        """The request ``msg`` submits again, if it is a retry (core/retries.py), ``client``'s outbox
+        then watching it; None otherwise (a new request, or a ``duplicate_id`` for :meth:`generate`)."""
+        record = retry_of(self.registry, client.principal.key, msg, fingerprint)
+        if record is not None and client.outbox is not None:
             record.watch(client.id, client.outbox, attached=True)
         return record
 
@@ -346,30 +341,14 @@ class Rules(Clients, Dispatch, Preemption, Deadlines, LoadReport):
         return load
 
     def _check_webhook(self, msg: protocol.Generate, request_id: str, principal: str) -> None:
-        """Refuse ``msg``'s webhook unless this server may call it and has room for one more.
-
-        ``bad_params`` (field ``webhook``) without an allow-list or for a URL
-        outside it (core/webhooks.py), ``busy`` when ``max_held`` requests
-        with a webhook are held, or ``principal``'s share of them (their
-        terminal deliveries are never dropped).
-        """
-        if msg.webhook is None:
-            return
-        if self.webhooks is None or self.shell is None:
-            raise protocol.MessageError(
-                "bad_params",
-                "this server sends no webhooks: it allows no webhook URL "
-                "(webhook_allow, --webhook-allow, OMNI_STREAM_WEBHOOK_ALLOW)",
-                field="webhook",
+        # Refused unless this server may call it and has room (core/webhooks.py).
+        if msg.webhook is not None:
+            check_webhook(
+                self.webhooks if self.shell is not None else None,
+                self.webhook_book,
+                msg.webhook,
                 request_id=request_id,
-            )
-        self.webhooks.check(msg.webhook, request_id=request_id)
-        why = self.webhook_book.refusal(principal)
-        if why is not None:
-            raise ServerBusyError(
-                f"{why}; try again shortly",
-                retry_after_s=self.webhooks.max_retry_s,
-                request_id=request_id,
+                principal=principal,
             )
 
     def _admit(self, client: Client, msg: protocol.Generate) -> Admitted:

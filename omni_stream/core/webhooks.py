@@ -55,7 +55,7 @@ from ..config import (
     webhook_allow as env_webhook_allow,
     webhook_secret as env_webhook_secret,
 )
-from ..errors import MessageError, ParamsError
+from ..errors import MessageError, ParamsError, ServerBusyError
 from ..protocol.client_messages import DEFAULT_WEBHOOK_EVENTS
 from .records import error_view
 from .webhook_deliveries import LIMITS_ENV, Delivery, DeliveryQueue, WebhookBook
@@ -77,6 +77,7 @@ __all__ = [
     "DeliveryQueue",
     "WebhookBook",
     "WebhookConfig",
+    "check_webhook",
     "WebhookState",
     "backoff_s",
     "new_secret",
@@ -385,3 +386,33 @@ class WebhookState:
         """``GET /v1/generations/{id}``'s ``webhook``: the URL, the events, the deliveries so far."""
         deliveries = [d.view() for d in (self._progress, self._terminal) if d is not None]
         return {"url": self.url, "events": list(self.events), "deliveries": deliveries}
+
+
+def check_webhook(
+    config: WebhookConfig | None,
+    book: WebhookBook,
+    webhook: Mapping[str, Any],
+    *,
+    request_id: str,
+    principal: str,
+) -> None:
+    """Refuse a request's ``webhook`` unless this server may call it and has room for one more.
+
+    ``bad_params`` (field ``webhook``) on a server that sends none (``config`` None) or for a URL
+    outside its allow-list, ``busy`` when ``max_held`` requests with a webhook are held, or
+    ``principal``'s share of them (their terminal deliveries are never dropped).
+    """
+    if config is None:
+        raise MessageError(
+            "bad_params",
+            "this server sends no webhooks: it allows no webhook URL "
+            "(webhook_allow, --webhook-allow, OMNI_STREAM_WEBHOOK_ALLOW)",
+            field="webhook",
+            request_id=request_id,
+        )
+    config.check(webhook, request_id=request_id)
+    why = book.refusal(principal)
+    if why is not None:
+        raise ServerBusyError(
+            f"{why}; try again shortly", retry_after_s=config.max_retry_s, request_id=request_id
+        )
