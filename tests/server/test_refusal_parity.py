@@ -139,7 +139,9 @@ def test_the_doors_share_one_submit() -> None:
     import omni_stream.server as server_package
 
     root = Path(server_package.__file__).parent
-    for name in ("websocket.py", "http_api.py", "openai_api.py", "openai_videos.py", "asgi.py"):
+    doors = ("websocket.py", "http_api.py", "openai_api.py", "openai_videos.py", "asgi.py", "a1111_api.py",
+             "comfyui_api.py", "comfyui_ws.py")
+    for name in doors:
         text = (root / name).read_text()
         assert "rules.generate(" not in text and ".prepare(" not in text, name
     assert json.dumps  # (json is used by the doors' helpers above)
