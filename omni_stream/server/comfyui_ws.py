@@ -28,16 +28,14 @@ from __future__ import annotations
 import logging
 from typing import TYPE_CHECKING
 
-import anyio
 from starlette.websockets import WebSocket
 
 from ..comfyui import PromptBook, Translator, status
-from ..core.outbox import OutboxOverflowError
+from ..core.outbox import Outgoing
 from ..core.principal import Principal
-from .websocket import ClientConnection, _Closed
+from .websocket import ClientConnection
 
 if TYPE_CHECKING:
-    from ..comfyui.messages import Frame
     from ..core.rules import Rules
     from .service import Service
 
@@ -112,63 +110,16 @@ class ComfyConnection(ClientConnection):
         finally:
             self._sockets.remove(self)
 
-    async def _read(self) -> None:
+    async def _handle(self, data: str | bytes) -> None:
         # ComfyUI's frontend may send a few messages (its feature flags): nothing a client
-        # says here changes what it hears, so each is dropped, at its principal's rate.
-        while True:
-            try:
-                message = await self.ws.receive()
-            except (RuntimeError, OSError):  # receive after the disconnect
-                return
-            if message["type"] == "websocket.disconnect":
-                if self._closed_with is None:
-                    self._closed_with = (int(message.get("code") or 1005), str(message.get("reason") or ""))
-                return
-            data = message.get("text") or message.get("bytes") or b""
-            delay = self._rules.pace(self.client, len(data))
-            if delay > 0.0:
-                await anyio.sleep(delay)
+        # says here changes what it hears, so each is dropped (read at its principal's rate).
+        return
 
-    async def _write(self) -> None:
-        sent = self._metrics.messages_sent
-        try:
-            # ComfyUI's first message: the queue, and the client's id.
-            if not await self._send_frames([status(self._remaining(), sid=self.client_id)]):
-                return
-            while True:
-                try:
-                    item = await self.outbox.get()
-                except anyio.EndOfStream:
-                    if self._close_with is not None:
-                        await self._close(*self._close_with)
-                    return
-                except OutboxOverflowError as exc:
-                    await self._close_slow(self._overflow_reason(exc))
-                    return
-                if not await self._send_frames(self._translator.frames(item.message)):
-                    return
-                sent.labels(item.kind).inc()
-        except _Closed:
-            return
-        finally:
-            self.outbox.close()
+    def _greeting(self) -> list[str | bytes]:
+        # ComfyUI's first message: the queue, and the client's id.
+        return [status(self._remaining(), sid=self.client_id)]
 
-    async def _send_frames(self, frames: list[Frame]) -> bool:
-        """Send one item's frames within one ``send_timeout_s``; False once the client was closed
-        for not reading (an overflowing outbox cuts a send short too: its get() raises next)."""
-        if not frames:
-            return True
-        timeout = self._limits.send_timeout_s
-        with anyio.CancelScope(deadline=anyio.current_time() + timeout) as scope:
-            self._send_scope = scope
-            self._send_started = anyio.current_time()
-            try:
-                for frame in frames:
-                    await self._send(frame)
-            finally:
-                self._send_scope = None
-                self._send_started = None
-        if scope.cancelled_caught and not self.outbox.overflowed:
-            await self._close_slow(f"client not reading: a send was blocked for {timeout:g} s")
-            return False
-        return True
+    def _frames(self, message: Outgoing) -> list[str | bytes]:
+        # ComfyUI's messages and binary previews, from the typed message's fields (the writer,
+        # its bounds and latest-wins are our websocket's: websocket.py).
+        return list(self._translator.frames(message))

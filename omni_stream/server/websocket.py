@@ -19,7 +19,7 @@ from __future__ import annotations
 
 import contextlib
 import logging
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Literal
 
 import anyio
 import anyio.lowlevel
@@ -27,7 +27,7 @@ from starlette.websockets import WebSocket, WebSocketDisconnect
 
 from .. import protocol
 from ..core.limits import ServerLimits
-from ..core.outbox import OutboxOverflowError
+from ..core.outbox import OutboxOverflowError, Outgoing
 from ..core.principal import Principal
 from ..core.rates import COST_BYTES, message_cost
 from ..core.rules import Client, Rules
@@ -124,16 +124,20 @@ class ClientConnection:
             data: str | bytes | None = message.get("text")
             if data is None:
                 data = message.get("bytes") or b""
-            await self._service.receive(self.client, data)
-            # The server may hand over messages it already received without
-            # yielding: without this turn, a burst of messages in one TCP
-            # write queued every reply before the writer sent the first.
-            await anyio.lowlevel.checkpoint()
+            await self._handle(data)
             # max_messages_per_s per principal: past it, the next message is read later.
             delay = self._rules.pace(self.client, len(data))
             if delay > 0.0:
                 await anyio.sleep(delay)
-            await self._wait_for_room()
+
+    async def _handle(self, data: str | bytes) -> None:
+        """One message the client sent: to the core (a protocol other than ours overrides it)."""
+        await self._service.receive(self.client, data)
+        # The server may hand over messages it already received without
+        # yielding: without this turn, a burst of messages in one TCP
+        # write queued every reply before the writer sent the first.
+        await anyio.lowlevel.checkpoint()
+        await self._wait_for_room()
 
     async def _wait_for_room(self) -> None:
         # Backpressure: read the next message only once its reply fits; the
@@ -153,10 +157,20 @@ class ClientConnection:
             with anyio.move_on_after(grace / 4):
                 await self.outbox.wait_for_room()
 
+    def _greeting(self) -> list[str | bytes]:
+        """Frames sent first, before any message (none in our protocol)."""
+        return []
+
+    def _frames(self, message: Outgoing) -> list[str | bytes]:
+        """The frames that carry ``message``: its wire form, encoded once for every watcher (a
+        protocol other than ours, ComfyUI's, overrides it)."""
+        return [message.wire]
+
     async def _write(self) -> None:
         sent = self._metrics.messages_sent
-        timeout = self._limits.send_timeout_s
         try:
+            if await self._send_frames(self._greeting()) == "closed":
+                return
             while True:
                 try:
                     item = await self.outbox.get()
@@ -167,28 +181,42 @@ class ClientConnection:
                 except OutboxOverflowError as exc:
                     await self._close_slow(self._overflow_reason(exc))
                     return
-                # One scope for both ways a send ends early: its deadline (the
-                # client stopped reading) and an overflowing outbox, which
-                # cancels it (_overflowed). One scope, not two, a message.
-                with anyio.CancelScope(deadline=anyio.current_time() + timeout) as scope:
-                    self._send_scope = scope
-                    self._send_started = anyio.current_time()
-                    try:
-                        await self._send(item.message.wire)
-                    finally:
-                        self._send_scope = None
-                        self._send_started = None
-                if scope.cancelled_caught:
-                    if self.outbox.overflowed:
-                        continue  # get() raises OutboxOverflowError next
-                    await self._close_slow(f"client not reading: a send was blocked for {timeout:g} s")
+                outcome = await self._send_frames(self._frames(item.message))
+                if outcome == "closed":
                     return
-                sent.labels(item.kind).inc()
+                if outcome == "sent":
+                    sent.labels(item.kind).inc()
+                # "cut": the outbox overflowed mid-send; get() raises OutboxOverflowError next.
         except _Closed:
             return
         finally:
             # A reader waiting for room must not wait on a writer that is gone.
             self.outbox.close()
+
+    async def _send_frames(self, frames: list[str | bytes]) -> Literal["sent", "cut", "closed"]:
+        """Send one message's frames within one ``send_timeout_s``: ``sent``; ``cut`` when an
+        overflowing outbox cancelled the send (_overflowed); ``closed`` when the client was closed
+        for not reading within the bound."""
+        if not frames:
+            return "sent"
+        timeout = self._limits.send_timeout_s
+        # One scope for both ways a send ends early: its deadline (the client stopped
+        # reading) and an overflowing outbox, which cancels it. One scope, not two, a message.
+        with anyio.CancelScope(deadline=anyio.current_time() + timeout) as scope:
+            self._send_scope = scope
+            self._send_started = anyio.current_time()
+            try:
+                for frame in frames:
+                    await self._send(frame)
+            finally:
+                self._send_scope = None
+                self._send_started = None
+        if not scope.cancelled_caught:
+            return "sent"
+        if self.outbox.overflowed:
+            return "cut"
+        await self._close_slow(f"client not reading: a send was blocked for {timeout:g} s")
+        return "closed"
 
     def _overflow_reason(self, exc: OutboxOverflowError) -> str:
         # Short enough for a close frame (123 bytes): the limit, its value, its variable.
