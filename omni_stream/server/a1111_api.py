@@ -371,7 +371,7 @@ class A1111Api:
 
         self._jobs.add(key, job)
         try:
-            if not await _until_or_gone(request, iterations):
+            if not await responses.until_or_gone(request, iterations):
                 return Response(status_code=499)  # nobody reads it; the call's end cancelled its request
         finally:
             self._jobs.remove(key, job)
@@ -433,21 +433,3 @@ def _ended_error(record: RequestRecord, terminal: Terminal | None) -> Response:
             503, "shutting_down", f"request {record.id} was cancelled: the server is shutting down"
         )
     return _answer(409, "cancelled", f"request {record.id} was cancelled ({reason}): it has no images")
-
-
-async def _until_or_gone(request: Request, until: Callable[[], Awaitable[None]]) -> bool:
-    """Run ``until``; False when the caller hung up first (then ``until`` is cancelled)."""
-    gone = False
-    async with anyio.create_task_group() as tg:
-
-        async def watch_disconnect() -> None:
-            nonlocal gone
-            while (await request.receive())["type"] != "http.disconnect":
-                pass
-            gone = True
-            tg.cancel_scope.cancel()
-
-        tg.start_soon(watch_disconnect)
-        await until()
-        tg.cancel_scope.cancel()
-    return not gone

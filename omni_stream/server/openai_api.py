@@ -40,7 +40,7 @@ import io
 import json
 import logging
 import time
-from collections.abc import Awaitable, Callable, Mapping
+from collections.abc import Mapping
 from typing import TYPE_CHECKING, Any
 
 import anyio
@@ -233,7 +233,7 @@ class OpenAIApi:
             return self._stream(client, record, req, kind=kind, created=created, size=_image_size(req, model))
         if req.response_format == "url":
             # Detached: its results stay on the record (retention_s) for the URLs.
-            if not await self._wait(request, record.wait_ended):
+            if not await responses.until_or_gone(request, record.wait_ended):
                 return Response(status_code=499)  # nobody reads it; the request goes on
             if record.outcome != "done":
                 return error_answer(_ended_error(record, record.terminal_message()))
@@ -256,30 +256,13 @@ class OpenAIApi:
                 elif message.kind in _TERMINAL:
                     return
 
-        if not await self._wait(request, collect):
+        if not await responses.until_or_gone(request, collect):
             # The caller hung up: its request ends with its call (the door's
             # disconnect), as a websocket's does; nobody reads this answer.
             return Response(status_code=499)
         if record.outcome != "done":
             return error_answer(_ended_error(record, record.terminal_message()))
         return responses.json_response(200, oi.images_response(req, images, created=created))
-
-    async def _wait(self, request: Request, until: Callable[[], Awaitable[None]]) -> bool:
-        """Run ``until``; False when the caller hung up first (then ``until`` is cancelled)."""
-        gone = False
-        async with anyio.create_task_group() as tg:
-
-            async def watch_disconnect() -> None:
-                nonlocal gone
-                while (await request.receive())["type"] != "http.disconnect":
-                    pass
-                gone = True
-                tg.cancel_scope.cancel()
-
-            tg.start_soon(watch_disconnect)
-            await until()
-            tg.cancel_scope.cancel()
-        return not gone
 
     def _stream(
         self,

@@ -9,10 +9,12 @@ same codes as the websocket's ``error`` messages (docs/protocol.md).
 from __future__ import annotations
 
 import json
-from collections.abc import Callable, Mapping
+from collections.abc import Awaitable, Callable, Mapping
 from pathlib import Path
 from typing import Any
 
+import anyio
+from starlette.requests import Request
 from starlette.responses import Response
 from starlette.types import Receive, Scope, Send
 
@@ -42,6 +44,7 @@ __all__ = [
     "respond",
     "BufferResponse",
     "ErrorResponse",
+    "until_or_gone",
     "until_sent",
 ]
 
@@ -252,3 +255,22 @@ def until_sent(response: Any, *, on_close: Callable[[], None]) -> Response:
     stream, a result to a slow reader): then it is disconnected.
     """
     return _UntilSent(response, on_close)
+
+
+async def until_or_gone(request: Request, until: Callable[[], Awaitable[None]]) -> bool:
+    """Run ``until`` while watching the caller: False when it hung up first (``until`` is then
+    cancelled), True once ``until`` returned. For a door whose answer waits on a request."""
+    gone = False
+    async with anyio.create_task_group() as tg:
+
+        async def watch_disconnect() -> None:
+            nonlocal gone
+            while (await request.receive())["type"] != "http.disconnect":
+                pass
+            gone = True
+            tg.cancel_scope.cancel()
+
+        tg.start_soon(watch_disconnect)
+        await until()
+        tg.cancel_scope.cancel()
+    return not gone
