@@ -259,37 +259,28 @@ def app_for(door: FrontDoor) -> OmniStreamApp:
 
         return guarded(endpoint)
 
-    def comfy_call(handler: ApiHandler) -> Handler:
-        """An API call on a ComfyUI route: its basic auth read as the token (ComfyUI's clients,
-        comfy-api-simplified among them, send only basic auth), every refusal in ComfyUI's error
-        shape, the door's too."""
-        inner = call(handler)
+    def shaped_call(
+        shape: Callable[[Response], Response], *, basic_auth: bool = False
+    ) -> Callable[[ApiHandler], Handler]:
+        """API calls on another API's routes: every refusal, the door's too, in that API's error
+        ``shape``; with ``basic_auth``, HTTP basic auth read as the token (A1111's and ComfyUI's
+        clients send only that: a1111/auth.py)."""
 
-        async def endpoint(request: Request) -> Response:
-            with_basic_as_bearer(request)
-            return comfy_shaped(await inner(request))
+        def wrap(handler: ApiHandler) -> Handler:
+            inner = call(handler)
 
-        return endpoint
+            async def endpoint(request: Request) -> Response:
+                if basic_auth:
+                    with_basic_as_bearer(request)
+                return shape(await inner(request))
 
-    def openai_call(handler: ApiHandler) -> Handler:
-        """An API call on an OpenAI route: every refusal in OpenAI's error shape, the door's too."""
-        inner = call(handler)
+            return endpoint
 
-        async def endpoint(request: Request) -> Response:
-            return openai_shaped(await inner(request))
+        return wrap
 
-        return endpoint
-
-    def a1111_call(handler: ApiHandler) -> Handler:
-        """An API call on an A1111 route: its basic auth read as the token, every refusal in
-        A1111's error shape, the door's too."""
-        inner = call(handler)
-
-        async def endpoint(request: Request) -> Response:
-            with_basic_as_bearer(request)
-            return a1111_shaped(await inner(request))
-
-        return endpoint
+    openai_call = shaped_call(openai_shaped)
+    comfy_call = shaped_call(comfy_shaped, basic_auth=True)
+    a1111_call = shaped_call(a1111_shaped, basic_auth=True)
 
     async def page(request: Request) -> Response:
         return responses.page_response()
