@@ -89,17 +89,20 @@ def _free_port() -> int:
         return int(sock.getsockname()[1])
 
 
-async def _serve(*args: str, port: int = 0, env: dict[str, str] | None = None) -> Serve:
+async def _serve(
+    *args: str, port: int = 0, env: dict[str, str] | None = None, root: str = ROOT
+) -> Serve:
     """Spawn ``serve`` (``env``: ``OMNI_STREAM_*`` settings; the caller's own are dropped, so the
-    defaults are the defaults); return once it logs ``listening on`` (RuntimeError with its log
-    if it exits first)."""
+    defaults are the defaults; ``root``: the checkout whose omni_stream runs, this one by
+    default); return once it logs ``listening on`` (RuntimeError with its log if it exits
+    first)."""
     child = {k: v for k, v in os.environ.items() if not k.startswith("OMNI_STREAM_")}
-    child.update(PYTHONUNBUFFERED="1", PYTHONPATH=ROOT, OMNI_STREAM_TORCH_THREADS="1", **(env or {}))
+    child.update(PYTHONUNBUFFERED="1", PYTHONPATH=root, OMNI_STREAM_TORCH_THREADS="1", **(env or {}))
     spawned = time.perf_counter()
     proc = await asyncio.create_subprocess_exec(
         sys.executable, "-m", "omni_stream", "serve", "--model", "synthetic", "--device", "cpu",
         "--host", "127.0.0.1", "--port", str(port), *args,
-        cwd=ROOT, env=child, stdin=asyncio.subprocess.DEVNULL, stdout=asyncio.subprocess.DEVNULL,
+        cwd=root, env=child, stdin=asyncio.subprocess.DEVNULL, stdout=asyncio.subprocess.DEVNULL,
         stderr=asyncio.subprocess.PIPE, limit=1 << 20,
     )
     assert proc.stderr is not None

@@ -370,8 +370,9 @@ class Conn:
         """Handle a message of an accepted request; True when it was one."""
         kind, rid = msg.get("type"), msg.get("id")
         # Paused / resumed: the gate's preemption moves a long request aside
-        # for a short one (issue #22); loading: a model of several loads.
-        if kind in ("progress", "paused", "resumed", "loading"):
+        # for a short one (issue #22); loading: a model of several loads;
+        # queued: one that waits for a place says where (issue #38).
+        if kind in ("progress", "paused", "resumed", "loading", "queued"):
             return True
         ending = kind == "error" and msg.get("code") in ENDING and rid in self.running
         if kind in ("done", "cancelled") or ending:

@@ -16,7 +16,7 @@ from typing import TYPE_CHECKING, Any, Generic, Literal, TypeVar
 from ..errors import ClientError, ProtocolError
 from ..protocol.frames import PreviewFrame
 from ..protocol.inbox import Inbox
-from ..protocol.server_messages import Progress, Restarted
+from ..protocol.server_messages import Progress, Queued, Restarted
 
 if TYPE_CHECKING:
     from .connection import Client
@@ -106,6 +106,13 @@ class RequestStream(Generic[T]):
         """Server-side seconds from ``accepted`` to the final step, once ``done`` arrived."""
         d = self._inbox.done
         return None if d is None else d.elapsed_s
+
+    @property
+    def queued(self) -> Queued | None:
+        """The server's ``queued`` while the request waits unstarted (``position``: requests
+        before it, 0 next), as it stood when this stream opened or the request came to wait;
+        None once it runs (its first ``progress``) or when it never waited."""
+        return self._inbox.queued
 
     @property
     def paused(self) -> bool:

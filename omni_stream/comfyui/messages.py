@@ -122,7 +122,7 @@ class Translator:
                 "current_outputs": {},
             }
             return self._ended(item.id, "execution_error", extra)
-        return []  # loading, paused, resumed, restarted: nothing of ComfyUI's
+        return []  # queued, loading, paused, resumed, restarted: nothing of ComfyUI's
 
     def _now(self) -> int:
         return int(self._clock() * 1000)

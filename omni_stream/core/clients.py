@@ -11,7 +11,9 @@ of their messages (per principal, rates.py) and what ends when one goes
 rules: a door calls these as a client comes and goes, and the answer is a
 value (a :class:`Refusal`, a delay in seconds) the door acts on. Its own
 module so that connection bookkeeping reads apart from what the clients'
-messages do.
+messages do; and what a client may see (:meth:`Clients.lookup`: its own,
+its proved principal's, its browser session's, a detached request's by
+id) and watch (:meth:`Clients.attach`).
 """
 
 from __future__ import annotations
@@ -22,6 +24,7 @@ from collections import Counter
 from collections.abc import Callable, Mapping
 from typing import TYPE_CHECKING
 
+from .. import protocol
 from .outbox import Outbox
 from .principal import Principal
 from .rates import message_cost
@@ -55,6 +58,9 @@ class Client:
     outbox: Outbox | None = None
     #: It started a request that is not detached (which ends when it goes).
     owns_attached: bool = False
+    #: The browser session it came with, without a token (server/sessions.py): the
+    #: requests started in it are that session's to see, never counted by it.
+    session: str | None = None
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
@@ -87,6 +93,8 @@ class Clients:
     if TYPE_CHECKING:
 
         def stop(self, record: RequestRecord, reason: str) -> None: ...
+
+        def position_of(self, record: RequestRecord) -> int | None: ...
 
     def principal_of_connection(self, conn_id: str, *, headers: Mapping[str, str], query: str) -> Principal:
         """A websocket's principal: its token's, else the connection (see principal.py)."""
@@ -182,6 +190,35 @@ class Clients:
         keys = set(self.open_by_principal)
         keys.update(r.principal for r in self.registry.running())
         return max(1, len(keys))
+
+    # -- what a client may see ---------------------------------------------------------
+
+    def attach(self, client: Client, request_id: str) -> RequestRecord:
+        """``client``'s outbox watches the request from now on, after its replay; raises MessageError."""
+        record = self.lookup(client, request_id)
+        if client.outbox is None:
+            raise protocol.MessageError(
+                "bad_message", "this door cannot watch a request", request_id=request_id
+            )
+        if record.is_watched_by(client.id):
+            raise protocol.MessageError(
+                "already_attached",
+                f"this connection already watches request {request_id!r}",
+                field="id",
+                request_id=request_id,
+            )
+        record.watch(client.id, client.outbox, attached=True, position=self.position_of(record))
+        return record
+
+    def lookup(self, client: Client, request_id: str) -> RequestRecord:
+        """The record ``client`` may see (records.py's rule); raises MessageError ``not_found``."""
+        principal = client.principal
+        return self.registry.lookup(
+            request_id,
+            client.id,
+            principal=principal.key if principal.authenticated else None,
+            session=client.session,
+        )
 
 
 def who(principal: Principal) -> str:

@@ -66,6 +66,12 @@ class LoadReport:
             whole_requests=any(getattr(m, "runs_whole_requests", False) for m in self.models.values()),
         )
 
+    def position_of(self, record: RequestRecord) -> int | None:
+        """``record``'s position in :meth:`queue_positions`; None once it started or ended."""
+        if record.ended or record.latest_step > 0:
+            return None
+        return self.queue_positions().get(record.id)
+
     def queue_positions(self) -> dict[str, int]:
         """Position (0 = next) of every request that has not started a step yet.
 

@@ -86,26 +86,60 @@ class Preemption:
 
     def _victim(self) -> RequestRecord | None:
         """The running request with the most steps left among those past their quantum since they
-        (re)entered the engine; None when none is."""
+        (re)entered the engine, or its principal's lowest-priority one past its quantum (a
+        principal's priority says whom of its own to preempt last); None when none is."""
         quantum = self._quantum()
-        running = [
-            r
-            for r in self.registry.running()
-            if r.id not in self.gate and not r.paused and r.latest_step - r.entered_step >= quantum
-        ]
-        return max(running, key=lambda r: r.total - r.latest_step) if running else None
+        running = [r for r in self._in_engine() if r.latest_step - r.entered_step >= quantum]
+        if not running:
+            return None
+        longest = max(running, key=_left)
+        own = [r for r in running if r.principal == longest.principal]
+        return min(own, key=lambda r: (r.priority, -_left(r)))
+
+    def _in_engine(self) -> list[RequestRecord]:
+        """The requests in the engine and not paused: those holding a place."""
+        return [r for r in self.registry.running() if r.id not in self.gate and not r.paused]
 
     def _preempt_for(self, waiting: RequestRecord) -> None:
-        """Pause the running request with the most steps left for ``waiting``, when the engine's
-        policy is ``preemptive``, every place is held, and that request has more steps left than
-        ``waiting`` has in all and has run its quantum since it (re)entered. It goes back to the
-        gate as a request to resume (its state to the host meanwhile): the gate lets it in again
-        as places free, by its remaining steps."""
+        """Give ``waiting`` (just come to a full engine) a running request's place, if one should.
+
+        First by priority, under every policy: a request of the same principal
+        with a lower ``priority`` gives its place (:meth:`_outranked`). Then,
+        under the ``preemptive`` policy, the running request with the most
+        steps left, if it has more left than ``waiting`` has in all and has run
+        its quantum since it (re)entered. The one paused goes back to the gate
+        as a request to resume (its state to the host meanwhile), and comes
+        back in the gate's order as places free.
+        """
+        if not hasattr(self.engine, "pause"):
+            return
+        victim = self._outranked(waiting)
+        if victim is not None:
+            self._preempt(victim, waiting)
+            return
         if not self._preempts():
             return
         victim = self._victim()
-        if victim is not None and victim.total - victim.latest_step > waiting.total:
+        if victim is not None and _left(victim) > waiting.total:
             self._preempt(victim, waiting)
+
+    def _outranked(self, waiting: RequestRecord) -> RequestRecord | None:
+        """The request of ``waiting``'s principal in the engine with the lowest ``priority``, if
+        lower than ``waiting``'s: one not started yet first (pausing it loses nothing), then the
+        one with the most steps left. None when there is none.
+
+        A principal's ``priority`` orders its own requests only (gate.py, rule 5),
+        so one principal's request never takes another's place by it, and there
+        is no quantum: within a principal the order is strict, nothing thrashes.
+        Without this a request of priority 10 that came to a full engine waited
+        for one of its own priority-0 requests to end (issue #38).
+        """
+        own = [
+            r for r in self._in_engine() if r.principal == waiting.principal and r.priority < waiting.priority
+        ]
+        if not own:
+            return None
+        return min(own, key=lambda r: (r.priority, r.latest_step > 0, -_left(r)))
 
     def _stepped(self, record: RequestRecord) -> None:
         """``record`` took a step (``RequestRecord.on_step``): try the preemption again.
@@ -138,6 +172,16 @@ class Preemption:
             if item.payload.record.total < left:
                 self._preempt(victim, item.payload.record)
                 return
+
+    def _readmit(self, item: Preempted) -> None:
+        """Let a request the gate or its client paused run again: its place in the engine back."""
+        record = item.record
+        self.gate.entered(record.principal, record.total - record.latest_step)
+        record.entered_step = record.latest_step
+        record.rate.start(self.clock(), record.latest_step)
+        resume = getattr(self.engine, "resume", None)
+        if resume is not None and resume(record.id):
+            record.publish_resumed(item.reason)
 
     def _preempt(self, victim: RequestRecord, waiting: RequestRecord) -> None:
         """Pause ``victim`` (to the host) and give its place to ``waiting``, which waits in the gate."""
@@ -272,3 +316,8 @@ class Preemption:
             else:
                 due = left if due is None else min(due, left)
         return due
+
+
+def _left(record: RequestRecord) -> int:
+    """The steps ``record`` has left."""
+    return record.total - record.latest_step

@@ -22,6 +22,7 @@ from typing import TYPE_CHECKING, Any
 import anyio
 
 from .. import protocol
+from .eta import StepRate
 from .memory import MemoryBudget
 from .outbox import Outbox
 from .registry import RequestRegistry
@@ -93,6 +94,10 @@ class RequestRecord:
         self.seed = seed
         #: The model that runs it, on a server of several (None on a server of one).
         self.model = model
+        #: Its recent steps' time, for the time it has left (eta.py).
+        self.rate = StepRate()
+        #: The browser session that started it (Client.session), None without one.
+        self.session: str | None = None
         #: It waits for its model to load (no frame yet).
         self.loading = False
         #: Paused (Rules.pause): no step runs until it is resumed.
@@ -169,18 +174,22 @@ class RequestRecord:
             model=self.model,
         )
 
-    def watch(self, conn_id: str, outbox: Outbox, *, attached: bool) -> None:
+    def watch(self, conn_id: str, outbox: Outbox, *, attached: bool, position: int | None = None) -> None:
         """Start sending this request to ``outbox``: ``accepted``, then the replay.
 
-        The replay (latest ``progress``, latest preview, terminal message) is
-        queued synchronously, before any later publish can run, so nothing
-        is lost or sent twice between the replay and the live messages.
+        The replay (latest ``progress``, or ``queued`` at ``position`` for a
+        request that has neither started nor ended; latest preview; terminal
+        message) is queued synchronously, before any later publish can run, so
+        nothing is lost or sent twice between the replay and the live messages:
+        a stream opens with where the request stands.
         """
         outbox.put(self.accepted_message(attached=attached))
         if self.restarted is not None:
             outbox.put(self.restarted)
         if self._latest_progress is not None:
             outbox.put(self._latest_progress, latest_key=(self.id, "progress"))
+        elif position is not None and self._terminal is None:
+            outbox.put(protocol.Queued.build(self.id, position=position), latest_key=(self.id, "progress"))
         pin = (self.id, "progress")
         if self._results:
             for result in self._results:
@@ -203,6 +212,14 @@ class RequestRecord:
         self.loading = True
         self._publish_state(protocol.Loading.build(self.id, model=model))
 
+    def publish_queued(self, position: int) -> None:
+        """Say the request waits unstarted, ``position`` requests before it: a ``queued`` to every
+        watcher, in the place of its progress. Not kept for a replay: the position moves, and
+        :meth:`watch` is told the one of its time."""
+        message = protocol.Queued.build(self.id, position=position)
+        for outbox in self._watchers.values():
+            outbox.put(message, latest_key=(self.id, "progress"))
+
     def publish_paused(self, reason: str | None = None) -> None:
         """Say the request is paused (after its latest step), for ``reason`` (protocol.PAUSE_REASONS):
         ``paused`` to every watcher, in the place of its progress (kept for a replay until it
@@ -216,6 +233,7 @@ class RequestRecord:
         every watcher; its next progress replaces it. Raises ValueError for another reason."""
         message = protocol.Resumed.build(self.id, step=self.latest_step, reason=reason)
         self.paused = False
+        self.rate.gap()  # the pause was no step's time
         self._publish_state(message)
 
     def restart_settled(self) -> tuple[str, float] | None:

@@ -123,7 +123,9 @@ class RequestRegistry:
         self._records[record.id] = record
         record.use_budget(self._budget)
 
-    def lookup(self, request_id: str, conn_id: str, *, principal: str | None = None) -> RequestRecord:
+    def lookup(
+        self, request_id: str, conn_id: str, *, principal: str | None = None, session: str | None = None
+    ) -> RequestRecord:
         """The record client ``conn_id`` may cancel or attach; raises MessageError ``not_found`` otherwise.
 
         Visible: the client's own requests; every request of its
@@ -136,7 +138,7 @@ class RequestRegistry:
         """
         self.prune()
         record = self._records.get(request_id)
-        if record is None or not self.visible(record, conn_id, principal=principal):
+        if record is None or not self.visible(record, conn_id, principal=principal, session=session):
             # (Over HTTP the id is whatever a path held: echoed clipped, carried only if it is one.)
             raise protocol.MessageError(
                 "not_found",
@@ -148,9 +150,12 @@ class RequestRegistry:
         return record
 
     @staticmethod
-    def visible(record: RequestRecord, conn_id: str, *, principal: str | None) -> bool:
-        """Whether client ``conn_id`` (of the proved ``principal``, if any) may see ``record``."""
-        if record.owner == conn_id:
+    def visible(
+        record: RequestRecord, conn_id: str, *, principal: str | None, session: str | None = None
+    ) -> bool:
+        """Whether client ``conn_id`` (of the proved ``principal``, if any; in browser ``session``,
+        if any: server/sessions.py) may see ``record``."""
+        if record.owner == conn_id or (session is not None and record.session == session):
             return True
         if principal is not None:
             return record.principal == principal

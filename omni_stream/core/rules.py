@@ -206,7 +206,7 @@ class Rules(Clients, Dispatch, Preemption, Deadlines, LoadReport):
         then watching it; None otherwise (a new request, or a ``duplicate_id`` for :meth:`generate`)."""
         record = retry_of(self.registry, client.principal.key, msg, fingerprint)
         if record is not None and client.outbox is not None:
-            record.watch(client.id, client.outbox, attached=True)
+            record.watch(client.id, client.outbox, attached=True, position=self.position_of(record))
         return record
 
     def generate(self, client: Client, msg: protocol.Generate) -> RequestRecord:
@@ -247,6 +247,8 @@ class Rules(Clients, Dispatch, Preemption, Deadlines, LoadReport):
             # give its place to this shorter one (it waits here, paused).
             self._preempt_for(record)
             self.let_in()  # in case the bound grew (a remote engine's replicas came up)
+            if record.id in self.gate:  # its stream opens with where it stands
+                record.publish_queued(self.queue_positions()[record.id])
         else:
             self._start(admitted, stream)
         return record
@@ -393,6 +395,7 @@ class Rules(Clients, Dispatch, Preemption, Deadlines, LoadReport):
             seed=_seed_of(checked),
             model=name if len(self.models) > 1 else None,
         )
+        record.session = client.session
         if msg.webhook is not None and self.webhooks is not None and self.shell is not None:
             # (_admit_cheap admitted it.) Told of its progress and its end by the record.
             record.webhook = WebhookState(
@@ -423,6 +426,9 @@ class Rules(Clients, Dispatch, Preemption, Deadlines, LoadReport):
                 # Across principals only what its grant allows (the engine's
                 # scheduler ranks every request it holds by priority).
                 "priority": admitted.cross_priority,
+                # Its own priority orders it among its principal's requests only.
+                "group": admitted.record.principal,
+                "rank": admitted.record.priority,
                 "render": self._render_request(spec, output),
                 # Only to an engine of several models (engine/router.py).
                 "model": admitted.model if len(self.models) > 1 else None,
@@ -480,6 +486,7 @@ class Rules(Clients, Dispatch, Preemption, Deadlines, LoadReport):
                 self.clock() - record.created_at
             )
         record.entered_step = record.latest_step
+        record.rate.start(self.clock(), record.latest_step)
         self.gate.entered(record.principal, record.total)
         if self._preempts():
             record.on_step = self._stepped
@@ -492,15 +499,9 @@ class Rules(Clients, Dispatch, Preemption, Deadlines, LoadReport):
         """Submit waiting requests while the engine has room (a request left it, or the bound grew)."""
         while self.letting_in and (item := self.gate.pop()) is not None:
             if isinstance(item.payload, Preempted):
-                # A preempted request: it is in the engine already, paused.
-                record = item.payload.record
-                self.gate.entered(record.principal, record.total - record.latest_step)
-                record.entered_step = record.latest_step
-                resume = getattr(self.engine, "resume", None)
-                if resume is not None and resume(record.id):
-                    record.publish_resumed(item.payload.reason)
-                continue
-            self._let(item.payload)
+                self._readmit(item.payload)  # in the engine already, paused
+            else:
+                self._let(item.payload)
 
     def _let(self, admitted: Admitted) -> None:
         """Submit an admitted request that waited in the gate; if the engine refuses it now, it ends."""
@@ -542,30 +543,6 @@ class Rules(Clients, Dispatch, Preemption, Deadlines, LoadReport):
         if not record.ended:  # else its terminal message was already sent
             self.stop(record, "client")
         return record
-
-    def attach(self, client: Client, request_id: str) -> RequestRecord:
-        """``client``'s outbox watches the request from now on, after its replay; raises MessageError."""
-        record = self.lookup(client, request_id)
-        if client.outbox is None:
-            raise protocol.MessageError(
-                "bad_message", "this door cannot watch a request", request_id=request_id
-            )
-        if record.is_watched_by(client.id):
-            raise protocol.MessageError(
-                "already_attached",
-                f"this connection already watches request {request_id!r}",
-                field="id",
-                request_id=request_id,
-            )
-        record.watch(client.id, client.outbox, attached=True)
-        return record
-
-    def lookup(self, client: Client, request_id: str) -> RequestRecord:
-        """The record ``client`` may see (records.py's rule); raises MessageError ``not_found``."""
-        principal = client.principal
-        return self.registry.lookup(
-            request_id, client.id, principal=principal.key if principal.authenticated else None
-        )
 
     # -- the end of a request ----------------------------------------------------------
 

@@ -26,7 +26,7 @@ import dataclasses
 import logging
 import threading
 import time
-from collections.abc import Awaitable, Callable, Mapping
+from collections.abc import Awaitable, Callable, Hashable, Mapping
 from typing import TYPE_CHECKING, Any
 
 import anyio
@@ -56,7 +56,7 @@ from .copier import Copier
 from .delivery import Delivery
 from .facade import EngineFacade
 from .intake import CheckedRequest, already_running, as_params_error, check_checkpointed, check_request_id
-from .options import Checkpointing, CheckpointOptions, RequestOptions, pick, stream_keywords
+from .options import Checkpointing, CheckpointOptions, Ordering, RequestOptions, pick, stream_keywords
 from .output_processor import OutputProcessor
 from .producer import Producer
 from .request import Request, Status
@@ -425,7 +425,11 @@ class Engine(EngineFacade):
 
         ``priority`` (an int from -10 to 10, higher first) orders it against
         the other requests; waiting ages every request, so none starves
-        (docs/design.md, "Scheduling and batching").
+        (docs/design.md, "Scheduling and batching"). ``group`` and ``rank``:
+        the requests of one group take the places the policy gives that group
+        in the order of their rank, highest first (a server passes each
+        request's principal and its own priority, which must not rank it
+        against other principals'; engine/scheduler.py).
 
         ``preview_every``: the steps a reader will preview (every Nth, as
         ``PreviewSpec.every``); on those the model's preview decoder network,
@@ -460,7 +464,7 @@ class Engine(EngineFacade):
             checkpoint_every=options["checkpoint_every"],
             **pick(options, RequestOptions),
         )
-        return self.submit(checked, **pick(options, Checkpointing))
+        return self.submit(checked, **pick(options, Checkpointing), **pick(options, Ordering))
 
     def submit(
         self,
@@ -469,8 +473,11 @@ class Engine(EngineFacade):
         resume: Checkpoint | None = None,
         checkpoint_every: int | None = None,
         on_checkpoint: Callable[[str, Checkpoint], None] | None = None,
+        group: Hashable | None = None,
+        rank: int = 0,
     ) -> FrameStream:
-        """Submit a request ``check_request`` passed; returns its frames as ``stream`` does.
+        """Submit a request ``check_request`` passed; returns its frames as ``stream`` does
+        (``group`` and ``rank``: engine/options.py's Ordering).
 
         For a front that checks requests once for several engines (an
         EngineGroup checks against its first member's model, and each member's
@@ -496,6 +503,8 @@ class Engine(EngineFacade):
                 preview_every=request.preview_every,
                 arrival=self._table.arrivals,
                 priority=request.priority,
+                group=group,
+                rank=rank,
                 # Its wait ages from here (the producer counts rounds under this lock).
                 arrival_round=self._producer._seq,
                 delivery=Delivery(request.policy),

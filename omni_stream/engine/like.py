@@ -62,6 +62,8 @@ OPTIONAL_STREAM_KEYWORDS: Final = (
     "resume",
     "checkpoint_every",
     "on_checkpoint",
+    "group",
+    "rank",
 )
 
 _METHODS: Final = frozenset({"stream", "cancel", "health"})

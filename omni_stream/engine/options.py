@@ -12,6 +12,9 @@ take beyond the first::
     RoutedOptions      + model resume checkpoint_every on_checkpoint      ModelRouter
     RemoteOptions      + render model resume checkpoint_every on_checkpoint   RemoteEngine
 
+and Engine and ModelRouter also take ``group`` and ``rank`` (Ordering: the
+order of one client's requests among themselves, scheduler.py).
+
 A facade declares ``stream(self, params=None, **options: Unpack[X])``
 (``Unpack``: typing's from Python 3.11, typing_extensions' before), so a
 type checker reads the keywords (and refuses the others) from the
@@ -28,7 +31,7 @@ from __future__ import annotations
 import functools
 import inspect
 import sys
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Hashable, Mapping
 from typing import TYPE_CHECKING, Any, Final, Generic, TypeVar, cast
 
 if sys.version_info >= (3, 11):
@@ -44,6 +47,7 @@ __all__ = [
     "STREAM_DEFAULTS",
     "CheckpointOptions",
     "Checkpointing",
+    "Ordering",
     "ModelOptions",
     "RemoteOptions",
     "RenderOptions",
@@ -91,16 +95,29 @@ class Checkpointing(TypedDict, Generic[CheckpointT], total=False):
     on_checkpoint: Callable[[str, CheckpointT], None] | None
 
 
-class CheckpointOptions(RequestOptions, Checkpointing[CheckpointT], Generic[CheckpointT], total=False):
+class Ordering(TypedDict, total=False):
+    """The order of one client's requests among themselves (engine/scheduler.py): the requests of
+    one ``group`` (a server passes the principal) take the places the policy gives the group,
+    highest ``rank`` (a server passes the request's own priority) first. None: no group."""
+
+    group: Hashable | None
+    rank: int
+
+
+class CheckpointOptions(
+    RequestOptions, Checkpointing[CheckpointT], Ordering, Generic[CheckpointT], total=False
+):
     """An Engine's ``stream()``."""
 
 
-class RoutedOptions(ModelOptions, Checkpointing[CheckpointT], Generic[CheckpointT], total=False):
+class RoutedOptions(ModelOptions, Checkpointing[CheckpointT], Ordering, Generic[CheckpointT], total=False):
     """A ModelRouter's ``stream()``."""
 
 
-class RemoteOptions(RenderOptions, RoutedOptions[CheckpointT], Generic[CheckpointT], total=False):
-    """A RemoteEngine's ``stream()``."""
+class RemoteOptions(
+    RenderOptions, ModelOptions, Checkpointing[CheckpointT], Generic[CheckpointT], total=False
+):
+    """A RemoteEngine's ``stream()`` (a replica's engine orders its requests by priority alone)."""
 
 
 #: Every keyword's default; ``generate()`` reads ``policy="latest"`` instead.
@@ -115,6 +132,8 @@ STREAM_DEFAULTS: Final[Mapping[str, object]] = {
     "resume": None,
     "checkpoint_every": None,
     "on_checkpoint": None,
+    "group": None,
+    "rank": 0,
 }
 
 

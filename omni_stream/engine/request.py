@@ -55,6 +55,8 @@ class Request:
         "preview_every",
         "arrival",
         "priority",
+        "group",
+        "rank",
         "arrival_round",
         "submitted_at",
         "delivery",
@@ -93,6 +95,8 @@ class Request:
         arrival: int,
         preview_every: int | None = None,
         priority: int = 0,
+        group: Hashable | None = None,
+        rank: int = 0,
         arrival_round: int = 0,
         delivery: Delivery,
         resume_from: Checkpoint | None = None,
@@ -111,6 +115,10 @@ class Request:
         self.preview_every = preview_every
         self.arrival = arrival
         self.priority = priority  # scheduler.py: higher runs first, aged so nobody starves
+        # scheduler.py: the requests of one group (a server's principal) take the places the
+        # policy gives the group in the order of their rank (their own priority), higher first.
+        self.group = group
+        self.rank = rank
         self.arrival_round = arrival_round  # the producer's batch count when it arrived
         self.submitted_at = time.monotonic()
         self.delivery = delivery

@@ -63,7 +63,7 @@ from .facade import RoutingFacade, first_dead
 from .group import _sum_statistics
 from .intake import CheckedRequest, already_running, check_checkpointed, check_request_id
 from .like import FrameStreamLike
-from .options import Checkpointing, RequestOptions, RoutedOptions, pick, stream_keywords
+from .options import Checkpointing, Ordering, RequestOptions, RoutedOptions, pick, stream_keywords
 from .residency import MAX_SWAPS_PER_MIN_ENV, MIN_RESIDENCY_ENV, Residency, Resident
 from .stats import EngineStatistics, Health
 
@@ -445,7 +445,8 @@ class ModelRouter(RoutingFacade):
             checkpoint_every=options["checkpoint_every"],
             **pick(options, RequestOptions),
         )
-        stream = RoutedStream(self, slot, checked, submit=dict(pick(options, Checkpointing)))
+        submit = {**pick(options, Checkpointing), **pick(options, Ordering)}
+        stream = RoutedStream(self, slot, checked, submit=submit)
         self._streams[request_id] = stream
         return stream
 

@@ -134,6 +134,35 @@ def _since(r: Schedulable) -> int:
     return r.last_scheduled if r.last_scheduled >= 0 else r.arrival_round
 
 
+def _by_rank_within_groups(ordered: list[T]) -> list[T]:
+    """``ordered`` with each group's requests moved among the places the group holds in it,
+    highest ``rank`` first (ties: the order they had).
+
+    A server's client orders its own requests by its own priority, which must
+    not rank them against other clients' (whose places stay where the policy
+    put them): so its highest-priority request takes the best place the policy
+    gave any of its requests. Without it, a client's priority-10 request that
+    came after its priority-0 ones waited behind them under ``fcfs`` and
+    ``preemptive`` (issue #38). A request without ``group`` (None, or no such
+    attribute) keeps its place.
+    """
+    places: dict[Hashable, list[int]] = {}
+    for i, r in enumerate(ordered):
+        group = getattr(r, "group", None)
+        if group is not None:
+            places.setdefault(group, []).append(i)
+    out = ordered
+    for indices in places.values():
+        members = [ordered[i] for i in indices]
+        ranked = sorted(members, key=lambda r: -getattr(r, "rank", 0))  # stable: ties keep their order
+        if ranked != members:
+            if out is ordered:
+                out = list(ordered)
+            for i, r in zip(indices, ranked, strict=True):
+                out[i] = r
+    return out
+
+
 def pick_batch(runnable: Iterable[T], limits: BatchLimits, *, now: int | None = None) -> Sequence[T]:
     """Choose the next batch from ``runnable`` (an empty list when there is none).
 
@@ -172,7 +201,7 @@ def pick_batch(runnable: Iterable[T], limits: BatchLimits, *, now: int | None = 
         return (-r.priority, 0 if keeps else 1, r.remaining - max(0, waited))
 
     key_of = {"round-robin": order, "fcfs": first_come, "preemptive": shortest}[limits.policy]
-    ordered = sorted(items, key=lambda r: (*key_of(r), r.arrival))
+    ordered = _by_rank_within_groups(sorted(items, key=lambda r: (*key_of(r), r.arrival)))
     leader = ordered[0]
     key = leader.batch_key
     if key is None or limits.max_batch_size == 1:

@@ -12,7 +12,7 @@ fields, its wire form and its parser:
     client_messages.py  Generate, Cancel, Pause, Resume, Attach: built by the client
                         (ParamsError), parsed by the server (MessageError with the
                         ``error`` code)
-    server_messages.py  Accepted, Loading, Progress, Paused, Resumed, Restarted, Done,
+    server_messages.py  Accepted, Queued, Loading, Progress, Paused, Resumed, Restarted, Done,
                         Cancelled, ErrorMessage: built by the server, parsed by the
                         client (ProtocolError)
     frames.py           the binary preview frame: PreviewHeader, PreviewFrame, one pack,
@@ -48,6 +48,7 @@ from .server_messages import (
     Loading,
     Paused,
     Progress,
+    Queued,
     Restarted,
     Resumed,
     ServerMessage,
@@ -68,6 +69,7 @@ __all__ = [
     "ErrorMessage",
     "Loading",
     "Paused",
+    "Queued",
     "PreviewFrame",
     "Progress",
     "Restarted",

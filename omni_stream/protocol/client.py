@@ -29,6 +29,7 @@ from .server_messages import (
     ErrorMessage,
     Loading,
     Progress,
+    Queued,
     ServerMessage,
 )
 
@@ -50,6 +51,7 @@ __all__ = [
     "Loading",
     "PreviewFrame",
     "Progress",
+    "Queued",
     "check_request_id",
     "parse_preview_frame",
     "server_error",

@@ -25,6 +25,7 @@ from .server_messages import (
     Loading,
     Paused,
     Progress,
+    Queued,
     Restarted,
     Resumed,
 )
@@ -45,6 +46,8 @@ class Inbox:
         self.accepted: Accepted | None = None
         self.done: Done | None = None
         self.last_progress: Progress | None = None
+        #: Where it waited unstarted, while it did (None once frames come).
+        self.queued: Queued | None = None
         #: The model it waited to load, while it did (None once frames come).
         self.loading: Loading | None = None
         #: Paused (a ``paused`` arrived, no ``resumed`` since).
@@ -79,7 +82,10 @@ class Inbox:
             self.fail(
                 ProtocolError(f"server sent {type(event).__name__} before 'accepted'", request_id=self.id)
             )
+        elif isinstance(event, Queued):
+            self.queued = event
         elif isinstance(event, Loading):
+            self.queued = None
             self.loading = event
         elif isinstance(event, (Paused, Resumed)):
             self.paused = isinstance(event, Paused)
@@ -88,7 +94,7 @@ class Inbox:
             self.restarted = event
             self.paused = False
         elif isinstance(event, Progress):
-            self.loading = None
+            self.queued = self.loading = None
             self.last_progress = event
             if self.want_progress:
                 self._push(event)

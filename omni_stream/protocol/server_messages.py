@@ -1,6 +1,6 @@
 """The server's text messages, one class each: the server builds them, the client parses them (pure).
 
-Each of :class:`Accepted`, :class:`Loading`, :class:`Progress`, :class:`Done`,
+Each of :class:`Accepted`, :class:`Queued`, :class:`Loading`, :class:`Progress`, :class:`Done`,
 :class:`Cancelled`, :class:`ErrorMessage`, :class:`Paused`, :class:`Resumed` and
 :class:`Restarted` is one frozen record of what goes on the wire, with
 
@@ -43,6 +43,7 @@ __all__ = [
     "Done",
     "ErrorMessage",
     "Loading",
+    "Queued",
     "Paused",
     "Progress",
     "Restarted",
@@ -175,6 +176,34 @@ class Accepted(_ServerMessage):
             optional(obj, "seed", "int", where),
             optional(obj, "model", "str", where),
         )
+
+
+@dataclass(frozen=True, slots=True)
+class Queued(_ServerMessage):
+    """``queued``: the request has not started a step; ``position`` requests go before it (0:
+    next). Where a stream opens on a request that waits (``generate``, ``attach``, SSE), in
+    the place of its progress; its first ``progress`` replaces it."""
+
+    TYPE: ClassVar[str] = "queued"
+
+    id: str
+    position: int
+
+    @classmethod
+    def build(cls, request_id: str, *, position: int) -> Queued:
+        if position < 0:
+            raise ValueError(f"queue position {position} is negative")
+        return cls(request_id, position)
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"type": self.TYPE, "id": self.id, "position": self.position}
+
+    @classmethod
+    def _read(cls, obj: Mapping[str, Any], where: str) -> Queued:
+        position = require(obj, "position", "int", where)
+        if position < 0:
+            raise ProtocolError(f"{where} has position {position}; need >= 0")
+        return cls(require_id(obj, where), position)
 
 
 @dataclass(frozen=True, slots=True)
@@ -440,13 +469,16 @@ class Restarted(_ServerMessage):
         return cls(require_id(obj, where), step, require(obj, "reason", "str", where))
 
 
-ServerMessage = Accepted | Loading | Progress | Done | Cancelled | ErrorMessage | Paused | Resumed | Restarted
+ServerMessage = (
+    Accepted | Queued | Loading | Progress | Done | Cancelled | ErrorMessage | Paused | Resumed | Restarted
+)
 
 #: Every server text message class by its ``type``.
 SERVER_MESSAGES: Final[
     Mapping[
         str,
         type[Accepted]
+        | type[Queued]
         | type[Loading]
         | type[Progress]
         | type[Done]
@@ -458,6 +490,7 @@ SERVER_MESSAGES: Final[
     ]
 ] = {
     Accepted.TYPE: Accepted,
+    Queued.TYPE: Queued,
     Loading.TYPE: Loading,
     Paused.TYPE: Paused,
     Resumed.TYPE: Resumed,

@@ -66,7 +66,7 @@ from ..engine.like import looks_like_engine
 from ..errors import ParamsError
 from ..model import StepModel
 from ..preview import Previewer
-from . import responses
+from . import responses, sessions
 from .a1111_api import A1111Api, a1111_shaped, with_basic_as_bearer
 from .comfyui_api import ComfyUIApi, comfy_shaped
 from .comfyui_ws import ComfyConnection
@@ -237,6 +237,18 @@ def app_for(door: FrontDoor) -> OmniStreamApp:
 
         return endpoint
 
+    def session_of(request: Request) -> tuple[str | None, str | None]:
+        """The browser session of a call to a server without tokens (sessions.py), and the
+        ``Set-Cookie`` to answer with when the call came without one; (None, None) with tokens."""
+        if service.tokens:
+            return None, None
+        found = sessions.read(request.cookies)
+        if found is not None:
+            return found, None
+        new = sessions.mint()
+        path = request.scope.get("root_path") or "/"
+        return new, sessions.cookie_header(new, path=path, secure=request.url.scheme == "https")
+
     def call(handler: ApiHandler) -> Handler:
         """An API call as a client of the core, for as long as its answer is being sent."""
 
@@ -246,6 +258,7 @@ def app_for(door: FrontDoor) -> OmniStreamApp:
             if refused is not None:
                 return refused
             client = rules.connect(principal, "http")
+            client.session, cookie = session_of(request)
             try:
                 # Its principal's rate: a call over it is answered later, never refused.
                 delay = rules.pace(client, int(request.headers.get("content-length") or 0))
@@ -255,6 +268,8 @@ def app_for(door: FrontDoor) -> OmniStreamApp:
             except BaseException:
                 rules.disconnect(client)
                 raise
+            if cookie is not None:
+                response.headers.append("set-cookie", cookie)
             return responses.until_sent(response, on_close=lambda: rules.disconnect(client))
 
         return guarded(endpoint)
@@ -283,7 +298,11 @@ def app_for(door: FrontDoor) -> OmniStreamApp:
     a1111_call = shaped_call(a1111_shaped, basic_auth=True)
 
     async def page(request: Request) -> Response:
-        return responses.page_response()
+        response = responses.page_response()
+        cookie = session_of(request)[1]  # first contact: the websocket it opens carries it
+        if cookie is not None and response.status_code == 200:
+            response.headers.append("set-cookie", cookie)
+        return response
 
     async def health(request: Request) -> Response:
         status, payload = service.health_payload()
@@ -477,6 +496,8 @@ async def _serve_websocket(door: FrontDoor, ws: WebSocket, comfy: ComfyUIApi) ->
             sockets=comfy.sockets,
         )
     )
+    if not service.tokens:  # the page's session (sessions.py): its requests are its to list
+        conn.client.session = sessions.read(ws.cookies)
     door.websockets[conn.id] = conn
     logger.debug("connection %s (%s) from %s", conn.id, conn.client.principal, conn.remote)
     try:

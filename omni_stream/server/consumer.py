@@ -398,6 +398,11 @@ def _progress(record: RequestRecord, frame: Frame, metrics: ServerMetrics) -> No
     settled = record.restart_settled()
     if settled is not None:  # the first frame since a restart was said: how long it took
         metrics.restart_first_frame.labels(settled[0]).observe(settled[1])
-    elapsed = time.monotonic() - record.created_at
-    eta = elapsed / frame.step * (frame.total - frame.step)
+    # From its own recent steps (core/eta.py; the rules' clock is this monotonic one), else,
+    # where it never entered through the rules, from its admission.
+    now = time.monotonic()
+    record.rate.observe(now, frame.step)
+    eta = record.rate.eta(frame.step, frame.total)
+    if eta is None:
+        eta = (now - record.created_at) / frame.step * (frame.total - frame.step)
     record.publish_progress(protocol.Progress.build(record.id, step=frame.step, total=frame.total, eta_s=eta))

@@ -249,8 +249,9 @@ class HttpApi:
         return self._output_response(request, record)
 
     def _events(self, client: Client, record: RequestRecord, *, after_step: int | None) -> Response:
-        outbox = self._service.rules.open_outbox(client)
-        record.watch(client.id, outbox, attached=after_step is not None)
+        rules = self._service.rules
+        outbox = rules.open_outbox(client)
+        record.watch(client.id, outbox, attached=after_step is not None, position=rules.position_of(record))
         # The call's client stays open while the stream is (asgi.py closes it after).
         return EventStream(  # type: ignore[return-value]
             outbox, send_timeout_s=self._service.limits.send_timeout_s, after_step=after_step
@@ -451,8 +452,12 @@ class HttpApi:
 
         # An id is the capability to a request: a caller sees the queue's
         # shape, and the ids of its own principal's requests only when it
-        # proved who it is (a token).
+        # proved who it is (a token), or of its browser session's (sessions.py).
+        session = client.session
+
         def own(record: RequestRecord) -> bool:
+            if session is not None and record.session == session:
+                return True
             return principal.authenticated and record.principal == principal.key
 
         items = [status_payload(r, positions, with_id=own(r)) for r in sorted(records, key=key)]

@@ -95,13 +95,16 @@ def connect(rules: Rules, principal: Principal, door: str = "websocket") -> Clie
 
 
 def generate(rules: Rules, client: Client, rid: str, **fields: Any) -> dict[str, Any]:
-    """Send a generate; its one reply (an ``error``, or the ``accepted`` the record queued)."""
+    """Send a generate; its one reply (an ``error``, or the ``accepted`` the record queued), past
+    the ``queued`` (where it waits) that follows an earlier one's ``accepted``."""
     message = {"type": "generate", "id": rid, "params": SMALL, "preview": {"format": "raw"}, **fields}
     rules.handle(client, json.dumps(message))
     assert client.outbox is not None
-    item = client.outbox.get_nowait()
-    assert item is not None, "no reply"
-    return json.loads(item.message.wire)
+    while True:
+        item = client.outbox.get_nowait()
+        assert item is not None, "no reply"
+        if item.message.kind != "queued":
+            return dict(json.loads(item.message.wire))
 
 
 ANN = Principal.of_token(TokenGrant("ann", "a"))

@@ -155,7 +155,7 @@ class _Proxy:
 
 def test_the_keywords_a_server_may_pass_are_read_from_stream():
     engine = om.Engine(om.models.Synthetic(), device="cpu")
-    takes = {"policy", "preview_every", "priority", "resume", "checkpoint_every", "on_checkpoint"}
+    takes = {"policy", "preview_every", "priority", "resume", "checkpoint_every", "on_checkpoint", "group", "rank"}
     assert server_stream_keywords(engine) == takes
     assert server_stream_keywords(_Minimal()) == {"policy"}
     assert server_stream_keywords(_TakesAnything()) == set(OPTIONAL_STREAM_KEYWORDS)

@@ -44,11 +44,12 @@ def test_every_keyword_has_one_default() -> None:
 @pytest.mark.parametrize(
     "method, names",
     [
-        (om.Engine.stream, REQUEST + CHECKPOINTS),
+        # (group and rank since issue #38: a server's client orders its own requests.)
+        (om.Engine.stream, REQUEST + CHECKPOINTS + ["group", "rank"]),
         (om.Engine.generate, REQUEST),
         (om.EngineGroup.stream, REQUEST),
         (om.EngineGroup.generate, REQUEST),
-        (ModelRouter.stream, [*REQUEST, "model", *CHECKPOINTS]),
+        (ModelRouter.stream, [*REQUEST, "model", *CHECKPOINTS, "group", "rank"]),
         (ModelRouter.generate, [*REQUEST, "model"]),
         # The order a RemoteEngine's stream always had.
         (RemoteEngine.stream, [*REQUEST, "render", "model", *CHECKPOINTS]),
@@ -98,6 +99,6 @@ def test_the_body_gets_every_keyword_with_its_default() -> None:
 def test_pick_passes_on_only_the_keywords_named() -> None:
     given = {"request_id": "a", "policy": "all", "model": None, "resume": None}
     assert pick(given, RequestOptions) == {"request_id": "a", "policy": "all"}
-    assert keywords_of(CheckpointOptions) == (*REQUEST, *CHECKPOINTS)
-    assert keywords_of(RoutedOptions) == (*REQUEST, "model", *CHECKPOINTS)
+    assert keywords_of(CheckpointOptions) == (*REQUEST, *CHECKPOINTS, "group", "rank")
+    assert keywords_of(RoutedOptions) == (*REQUEST, "model", *CHECKPOINTS, "group", "rank")
     assert keywords_of(RemoteOptions) == (*REQUEST, "render", "model", *CHECKPOINTS)

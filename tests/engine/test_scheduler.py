@@ -294,3 +294,31 @@ def test_an_unknown_policy_is_refused_naming_them() -> None:
     assert info.value.field == "scheduling" and "preemptive" in str(info.value)
     with pytest.raises(om.ParamsError):
         om.Engine(Synthetic(), device="cpu", scheduling="sjf")
+
+
+@dataclass
+class G(R):
+    group: Hashable | None = None
+    rank: int = 0
+
+
+@pytest.mark.parametrize("policy", ["round-robin", "fcfs", "preemptive"])
+def test_a_groups_highest_rank_takes_the_best_place_its_group_holds(policy: str) -> None:
+    """Issue #38: a client's priority-10 request that came after its priority-0 ones runs first
+    under every policy, and another client's request keeps the place the policy gave it."""
+    pool = [
+        G("a0", arrival=1, group="a"),
+        G("b0", arrival=2, group="b"),
+        G("a1", arrival=3, group="a"),
+        G("a-hi", arrival=4, group="a", rank=10),
+    ]
+    assert names(pick_batch(pool, BatchLimits(1, policy), now=0)) == ["a-hi"]
+    # A batch of two: the group's two best places (1st and 3rd) would be a0 and a1; b0 keeps its
+    # place (2nd), and the group fills its first place with its highest rank.
+    assert names(pick_batch(pool, BatchLimits(2, policy), now=0)) == ["a-hi", "b0"]
+    # Another group's rank orders nothing of group a's.
+    pool[1].rank = 10
+    assert names(pick_batch(pool, BatchLimits(2, policy), now=0)) == ["a-hi", "b0"]
+    # Without groups, the policy's order, as before.
+    plain = [R("x", arrival=1), R("y", arrival=2)]
+    assert names(pick_batch(plain, BatchLimits(1, policy), now=0)) == ["x"]

@@ -105,10 +105,13 @@ async def test_inbox_outcomes(anyio_backend, events: list[Any], error: type[Exce
 async def test_inbox_keeps_every_result_of_several_images_and_a_loading_note(anyio_backend) -> None:
     inbox = Inbox(RID, want_progress=False, max_buffered=2)
     inbox.feed(_accepted())
+    inbox.feed(wire.Queued(RID, 3))
+    assert inbox.queued == wire.Queued(RID, 3)
     inbox.feed(wire.Loading(RID, "sd"))
-    assert inbox.loading == wire.Loading(RID, "sd")
+    assert inbox.loading == wire.Loading(RID, "sd") and inbox.queued is None
+    inbox.feed(wire.Queued(RID, 0))
     inbox.feed(Progress(RID, 5, 5, 0.0))
-    assert inbox.loading is None
+    assert inbox.loading is None and inbox.queued is None
     finals = [dataclasses.replace(_preview(5, final=True), index=i, images=3) for i in range(3)]
     for final in finals:
         inbox.feed(final)

@@ -16,6 +16,7 @@ from omni_stream.protocol.server_messages import (
     Done,
     ErrorMessage,
     Loading,
+    Queued,
     Paused,
     Progress,
     Restarted,
@@ -98,6 +99,8 @@ def test_the_wire_bytes_are_pinned(message: ServerMessage, text: str) -> None:
         Accepted.build("r", total=1, detach=False, attached=True, preview={}),
         Accepted.build("r", total=1, detach=False, attached=False, preview={}, model="mix"),
         Loading.build("r", model="mix"),
+        Queued.build("r", position=0),
+        Queued.build("r", position=17),
         Paused.build("r", step=2),
         Paused.build("r", step=2, reason="client"),
         Resumed.build("r", step=2, reason="max_pause"),
@@ -122,7 +125,7 @@ def test_what_the_server_builds_the_client_parses_back_equal(message: ServerMess
 
 def test_every_type_is_registered_under_its_own_name() -> None:
     assert {name: cls.TYPE for name, cls in SERVER_MESSAGES.items()} == {
-        name: name for name in ("accepted", "loading", "paused", "resumed", "restarted", "progress", "done",
+        name: name for name in ("accepted", "queued", "loading", "paused", "resumed", "restarted", "progress", "done",
                                  "cancelled", "error")
     }
 
@@ -241,3 +244,10 @@ def test_restarted_is_parsed_strictly_but_takes_a_newer_servers_reason() -> None
     ):
         with pytest.raises(ProtocolError, match=field):
             parse_server_message(text)
+
+
+def test_queued_refuses_a_negative_position() -> None:
+    with pytest.raises(ValueError, match="negative"):
+        Queued.build("r", position=-1)
+    with pytest.raises(ProtocolError, match="position -2"):
+        Queued.from_dict({"type": "queued", "id": "r", "position": -2})

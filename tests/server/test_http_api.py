@@ -318,6 +318,10 @@ async def test_the_token_guards_every_route_but_health_and_the_page() -> None:
 async def test_without_a_token_the_queue_hides_other_peoples_ids() -> None:
     async with running() as server, http(server) as client:
         reply = await client.post("/v1/generations", json={"params": {**SMALL, "steps": 2}})
+        # Its own session's (the cookie this client kept, test_sessions.py); nobody else's.
+        listing = (await client.get("/v1/generations")).json()
+        assert [g["id"] for g in listing["generations"]] == [reply.json()["id"]]
+        client.cookies.clear()
         listing = (await client.get("/v1/generations")).json()
         assert [g["id"] for g in listing["generations"]] == [None]
         # The id itself is the capability.

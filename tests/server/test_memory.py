@@ -586,6 +586,9 @@ class _Record:
         self.cancel_reason = None
         self.budget = budget
         self.reserved_at_result: int | None = None
+        from omni_stream.core.eta import StepRate
+
+        self.rate = StepRate()
 
     def publish_progress(self, message: protocol.Progress) -> None:
         pass

@@ -45,6 +45,9 @@ needs_chromium = pytest.mark.skipif(
     CHROMIUM is None,
     reason="no `chromium` on PATH; install it with `bash scripts/install_browser.sh`",
 )
+# What these test is the page, in Chromium; the server's paths under each event loop are
+# tested elsewhere under both: once, under asyncio's (it halves the suite's slowest file).
+pytestmark = pytest.mark.one_loop
 
 
 # ---- the page as a file ------------------------------------------------------
@@ -661,7 +664,9 @@ async def test_reload_mid_render_shows_the_running_requests_form(chromium: str) 
         assert await tab.form() == sent, "the form does not show the resumed request"
         state = await tab.state()
         assert state["requestId"] == request_id and state["lastStep"] < params["steps"], state
-        assert await tab.evaluate("document.getElementById('generate').disabled") is True
+        # Generate stays enabled: another request would queue beside this one.
+        assert await tab.evaluate("document.getElementById('generate').disabled") is False
+        assert await tab.evaluate("window.omniStream.jobs.map(j => j.id)") == [request_id]
         assert server.model.seen[-1]["seed"] == 2**63 - 1
         assert len(server.model.seen) == 1, "the reload started another request"
 
@@ -738,3 +743,239 @@ async def test_a_token_server_page_asks_for_the_token_and_streams_once_given_it(
         await tab.call("Page.reload")
         await tab.wait_for("document.readyState === 'complete' && !!window.omniStream")
         await tab.wait_for("window.omniStream.connected && window.omniStream.state === 'done'")
+
+
+# ---- the page as a front end (issue #38): picker, queue, upload, layout --------------
+
+
+class Inpaint(Recording):
+    """Recording with an input image and a mask, as an inpaint pipeline's params: file fields."""
+
+    name = "inpaint"
+    params = (
+        *Slow.params,
+        Param("image", "str", None, "input image (img2img, inpaint)"),
+        Param("mask_image", "str", None, "inpaint mask, white where to paint"),
+    )
+
+    def validate(self, params: Any) -> dict[str, Any]:
+        from omni_stream.models.inputs import load_image
+
+        params = dict(params or {})
+        images = {name: params.pop(name, None) for name in ("image", "mask_image")}
+        out = super().validate(params)
+        return {**out, **{k: load_image(v) if isinstance(v, str) else v for k, v in images.items()}}
+
+
+async def _at_1280x800(tab: Tab) -> None:
+    await tab.call("Emulation.setDeviceMetricsOverride",
+                   {"width": 1280, "height": 800, "deviceScaleFactor": 1, "mobile": False})
+
+
+async def _screenshot(tab: Tab, path: Path) -> None:
+    """The page as a person sees it, saved for one to look at."""
+    shot = await tab.call("Page.captureScreenshot", {"format": "png"})
+    path.write_bytes(base64.b64decode(shot["data"]))
+    print(f"screenshot: {path}")
+
+
+async def _pick_model(tab: Tab, name: str) -> None:
+    await tab.evaluate(
+        f"(() => {{ const p = document.getElementById('model-picker'); p.value = {json.dumps(name)};"
+        " p.dispatchEvent(new Event('change')); return true; })()"
+    )
+
+
+async def _param_names(tab: Tab) -> list[str]:
+    return await tab.evaluate(
+        "[...document.querySelectorAll('#params [data-param]')].map(e => e.dataset.param)"
+    )
+
+
+async def _click_in_queue(tab: Tab, request_id: str, action: str) -> None:
+    await tab.evaluate(
+        f"document.querySelector('#jobs li[data-id={json.dumps(request_id)}] button.{action}').click(), true"
+    )
+
+
+@needs_chromium
+@pytest.mark.browser
+@pytest.mark.asyncio
+async def test_model_picker_rebuilds_the_form_and_sends_the_chosen_model(
+    chromium: str, tmp_path: Path
+) -> None:
+    slow, inpaint = Recording(0.01), Inpaint(0.01)
+    async with open_tab(chromium) as tab, running({"slow": slow, "edit": inpaint}, token=TOKEN) as server:
+        await _at_1280x800(tab)
+        await tab.open(f"{server.http_url}/?token={TOKEN}")
+        await tab.wait_for("window.omniStream.state === 'ready' && window.omniStream.connected")
+        shown = await tab.evaluate(
+            "[[...document.getElementById('model-picker').options].map(o => o.value),"
+            " document.getElementById('model-field').hidden, document.getElementById('model').textContent]"
+        )
+        assert shown[:2] == [["slow", "edit"], False] and shown[2].startswith("slow"), shown
+        assert await _param_names(tab) == [p.name for p in Slow.params]
+
+        await _pick_model(tab, "edit")
+        assert await _param_names(tab) == [p.name for p in Inpaint.params]
+        assert (await tab.evaluate("document.getElementById('model').textContent")).startswith("edit")
+        assert await tab.evaluate(
+            "[...document.querySelectorAll('#params input[type=file]')].map(e => e.dataset.param)"
+        ) == ["image", "mask_image"]
+        await _fill_form(tab, dict(PARAMS, steps=3, seed=21), "jpeg")
+        await _screenshot(tab, tmp_path / "picker-edit.png")
+        edited = await _render(tab)
+        assert len(inpaint.seen) == 1 and inpaint.seen[0]["steps"] == 3 and slow.seen == []
+        assert inpaint.seen[0]["image"] is None  # no file chosen: the param is absent
+        (entry,) = await tab.gallery()
+        assert entry["id"] == edited and "edit" in entry["text"], entry
+
+        # Back to the first model: its own params again, and requests go to it.
+        await _pick_model(tab, "slow")
+        assert await _param_names(tab) == [p.name for p in Slow.params]
+        await _fill_form(tab, dict(PARAMS, steps=4, seed=22), "jpeg")
+        await _render(tab)
+        assert [s["steps"] for s in slow.seen] == [4] and len(inpaint.seen) == 1
+        # "Use settings" of the first result brings its model back with its params.
+        await tab.evaluate(
+            f"document.querySelector('#gallery li[data-id={json.dumps(edited)}] button.reuse').click(), true"
+        )
+        assert await tab.evaluate("document.getElementById('model-picker').value") == "edit"
+        assert (await tab.form())["params.seed"] == "21"
+
+
+@needs_chromium
+@pytest.mark.browser
+@pytest.mark.asyncio
+async def test_queue_panel_lists_this_tabs_jobs_with_positions_and_steers_them(
+    chromium: str, tmp_path: Path
+) -> None:
+    # One place in the engine: the second and third requests wait, with their positions.
+    async with open_tab(chromium) as tab, running(Slow(0.03), token=TOKEN, max_active=1) as server:
+        await _at_1280x800(tab)
+        await tab.open(f"{server.http_url}/?token={TOKEN}")
+        await tab.wait_for("window.omniStream.state === 'ready' && window.omniStream.connected")
+        assert await tab.evaluate("document.getElementById('queue').hidden") is True
+        await _fill_form(tab, dict(PARAMS, steps=300), "jpeg")
+        ids = []
+        for _ in range(3):
+            before = await tab.evaluate("window.omniStream.requestId")
+            assert await tab.evaluate("document.getElementById('generate').disabled") is False
+            await tab.evaluate("document.getElementById('generate').click(), true")
+            ids.append(await tab.wait_for(f"window.omniStream.requestId !== {json.dumps(before)}"
+                                          " && window.omniStream.requestId"))
+        first, second, third = ids
+        jobs = await tab.wait_for(
+            "(() => { const j = window.omniStream.jobs; return j.length === 3 && j[0].status === 'running'"
+            " && j[0].step >= 1 && j[1].status === 'queued' && j[2].status === 'queued' && j; })()"
+        )
+        assert [j["id"] for j in jobs] == ids
+        assert 0 <= jobs[1]["position"] < jobs[2]["position"], jobs
+        rows = await tab.evaluate(
+            "[...document.querySelectorAll('#jobs li')].map(li => [li.dataset.id, li.dataset.status,"
+            " li.querySelector('.job-status').textContent, li.querySelector('.steps').textContent,"
+            " li.querySelector('button.pause').disabled, li.classList.contains('shown')])"
+        )
+        assert [r[0] for r in rows] == ids and [r[1] for r in rows] == ["running", "queued", "queued"], rows
+        assert "queued" in rows[1][2] and re.match(r"step \d+ / 300", rows[0][3]), rows
+        assert [r[4] for r in rows] == [False, True, True], "only a running request can be paused"
+        assert [r[5] for r in rows] == [False, False, True], "the canvas shows the newest request"
+        await _screenshot(tab, tmp_path / "queue.png")
+
+        # A reload attaches to every one of them again: the queue comes back as it was.
+        await tab.call("Page.reload")
+        await tab.wait_for("document.readyState === 'complete' && !!window.omniStream")
+        jobs = await tab.wait_for(
+            "(() => { const j = window.omniStream.jobs; return j.length === 3 && j[0].status === 'running'"
+            " && j[1].status === 'queued' && j[2].status === 'queued' && j; })()"
+        )
+        assert [j["id"] for j in jobs] == ids and jobs[1]["position"] < jobs[2]["position"], jobs
+
+        # Cancel the waiting ones from their rows: they leave the queue; the running one goes on.
+        # The last one's position moves up (read again from the server while it waits).
+        await _click_in_queue(tab, second, "cancel")
+        await tab.wait_for(f"!window.omniStream.jobs.some(j => j.id === {json.dumps(second)})")
+        await tab.wait_for(f"window.omniStream.jobs[1].position < {jobs[2]['position']}", timeout=5)
+        await _click_in_queue(tab, third, "cancel")
+        await tab.wait_for("window.omniStream.jobs.length === 1 && window.omniStream.state === 'cancelled'")
+        assert [r.id for r in server.service.registry if r.id in (second, third) and not r.ended] == []
+
+        # Pause and resume the running one; it goes on from where it stopped.
+        await _click_in_queue(tab, first, "pause")
+        paused = await tab.wait_for(
+            "window.omniStream.jobs[0].status === 'paused' && window.omniStream.jobs[0].step"
+        )
+        assert await tab.evaluate("document.querySelector('#jobs li button.resume').disabled") is False
+        await _click_in_queue(tab, first, "resume")
+        await tab.wait_for(
+            f"window.omniStream.jobs[0].status === 'running' && window.omniStream.jobs[0].step > {paused}"
+        )
+        await _click_in_queue(tab, first, "cancel")
+        await tab.wait_for("window.omniStream.jobs.length === 0 && document.getElementById('queue').hidden")
+
+
+def _png_file(path: Path, size: tuple[int, int], color: tuple[int, int, int]) -> Image.Image:
+    image = Image.new("RGB", size, color)
+    image.putpixel((0, 0), (1, 2, 3))
+    image.save(path)
+    return image
+
+
+@needs_chromium
+@pytest.mark.browser
+@pytest.mark.asyncio
+async def test_an_image_models_form_uploads_its_image_and_mask(chromium: str, tmp_path: Path) -> None:
+    image = _png_file(tmp_path / "image.png", (20, 24), (200, 30, 40))
+    mask = _png_file(tmp_path / "mask.png", (20, 24), (255, 255, 255))
+    async with open_tab(chromium) as tab, running(Inpaint(0.01), token=TOKEN) as server:
+        await _at_1280x800(tab)
+        await tab.open(f"{server.http_url}/?token={TOKEN}")
+        await tab.wait_for("window.omniStream.state === 'ready' && window.omniStream.connected")
+        # One model: no picker; its image params are file fields.
+        assert await tab.evaluate("document.getElementById('model-field').hidden") is True
+        fields = await tab.evaluate(
+            "[...document.querySelectorAll('#params input[type=file]')].map(e => [e.dataset.param, e.accept])"
+        )
+        assert fields == [["image", "image/png,image/jpeg,image/webp"],
+                          ["mask_image", "image/png,image/jpeg,image/webp"]]
+        for name, path in (("image", tmp_path / "image.png"), ("mask_image", tmp_path / "mask.png")):
+            found = await tab.call(
+                "Runtime.evaluate", {"expression": f"document.getElementById('param-{name}')"}
+            )
+            await tab.call(
+                "DOM.setFileInputFiles", {"files": [str(path)], "objectId": found["result"]["objectId"]}
+            )
+        await tab.wait_for(
+            "[...document.querySelectorAll('.image-input img')].every(i => !i.hidden && i.complete)"
+        )
+        await _fill_form(tab, dict(PARAMS, steps=3), "jpeg")
+        await _screenshot(tab, tmp_path / "upload.png")
+        await _render(tab)
+        got = server.model.seen[-1]
+        assert got["image"].convert("RGB").tobytes() == image.tobytes()
+        assert got["mask_image"].convert("RGB").tobytes() == mask.tobytes()
+        # The images went to the server, never into the tab's storage.
+        stored = await tab.evaluate("Object.values(sessionStorage).join('')")
+        assert "data:image" not in stored
+
+
+@needs_chromium
+@pytest.mark.browser
+@pytest.mark.asyncio
+async def test_generate_is_above_the_fold_at_1280x800(chromium: str, tmp_path: Path) -> None:
+    models = {"slow": Slow(0.01), "edit": Inpaint(0.01)}
+    async with open_tab(chromium) as tab, running(models, token=TOKEN) as server:
+        await _at_1280x800(tab)
+        await tab.open(f"{server.http_url}/?token={TOKEN}")
+        await tab.wait_for("window.omniStream.state === 'ready' && window.omniStream.connected")
+        for model in ("slow", "edit"):
+            await _pick_model(tab, model)
+            box = await tab.evaluate(
+                "(() => { const b = document.getElementById('generate').getBoundingClientRect();"
+                " const hit = document.elementFromPoint(b.x + b.width / 2, b.y + b.height / 2);"
+                " return {top: b.top, bottom: b.bottom, height: innerHeight, width: innerWidth,"
+                " scrolled: scrollY, hit: hit && hit.id}; })()"
+            )
+            assert (box["width"], box["height"], box["scrolled"]) == (1280, 800, 0), box
+            assert box["top"] >= 0 and box["bottom"] <= 800 and box["hit"] == "generate", (model, box)
+            await _screenshot(tab, tmp_path / f"fold-{model}.png")
