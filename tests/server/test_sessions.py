@@ -56,3 +56,48 @@ async def test_a_server_with_tokens_sets_no_session_cookie() -> None:
         assert "set-cookie" not in (await client.get("/?token=tok")).headers
         reply = await client.get("/v1/generations", headers={"Authorization": "Bearer tok"})
         assert reply.status_code == 200 and "set-cookie" not in reply.headers
+
+
+def test_the_queue_a_browser_steers_through_a_real_omni_stream_serve() -> None:
+    """The command users run, in its own process, one place: a session's jobs are listed to it,
+    a waiting one's events open with where it stands, and its priority-10 job takes the place
+    of its priority-0 one (paused, then resumed: both end done)."""
+    import json
+    import signal
+
+    from .test_serve import omni_stream_serve
+
+    slow = {"shape": [3, 16, 16], "steps": 2_000, "work": 100}  # ~3 ms steps: ~6 s alone
+    with omni_stream_serve("--model", "synthetic", "--device", "cpu", env={"OMNI_STREAM_MAX_ACTIVE": "1"}) as (
+        proc, _, url,
+    ), httpx.Client(base_url=url, timeout=60) as browser:
+        browser.get("/")  # first contact: the session cookie
+        first = browser.post("/v1/generations", json={"params": {**slow, "seed": 1}}).json()["id"]
+        second = browser.post("/v1/generations", json={"params": {**slow, "seed": 2}}).json()["id"]
+        opened = []
+        with browser.stream("GET", f"/v1/generations/{second}/events") as events:
+            for line in events.iter_lines():
+                if line.startswith("data: "):
+                    opened.append(json.loads(line[6:]))
+                if len(opened) == 2:
+                    break
+        # (1 while the first has not taken its first step: it is queued in the engine, first.)
+        assert [m["type"] for m in opened] == ["accepted", "queued"] and opened[1]["position"] in (0, 1)
+        # Waits for its result: it must not wait for the 400-step first one to end.
+        urgent = browser.post(
+            "/v1/generations?wait=true",
+            json={"id": "urgent", "params": {**slow, "steps": 4, "seed": 3}, "priority": 10},
+        )
+        urgent_id = "urgent"
+        done = urgent.status_code
+        listing = browser.get("/v1/generations").json()["generations"]
+        states = {g["id"]: g["status"] for g in listing}
+        with httpx.Client(base_url=url) as stranger:
+            assert {g["id"] for g in stranger.get("/v1/generations").json()["generations"]} == {None}
+        for rid in (first, second):
+            browser.delete(f"/v1/generations/{rid}")
+        proc.send_signal(signal.SIGTERM)
+        assert proc.wait(timeout=60) == 0
+    assert done == 200
+    # The urgent one ran while the first was paused for it; the second still waits or runs.
+    assert states[urgent_id] == "done" and states[first] in ("running", "paused") and second in states
