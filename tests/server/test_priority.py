@@ -1,7 +1,11 @@
-"""The queue a client steers (issue #38). A client's ``priority`` orders its own requests under
-every policy, batched or not: a higher-priority request that comes to a full engine takes the place of one of the same client's
-lower-priority requests (paused, ``preempted``, resumed later), and never another client's. A
-stream on a waiting request opens with ``queued`` and its position."""
+"""The queue a client steers (issue #38).
+
+A client's ``priority`` orders its own requests under every policy, batched
+or not: a higher-priority request that comes to a full engine takes the
+place of one of the same client's lower-priority requests (paused,
+``preempted``, resumed later), and never another client's. A stream on a
+waiting request opens with ``queued`` and its position.
+"""
 
 from __future__ import annotations
 

@@ -68,7 +68,8 @@ def test_the_queue_a_browser_steers_through_a_real_omni_stream_serve() -> None:
     from .test_serve import omni_stream_serve
 
     slow = {"shape": [3, 16, 16], "steps": 2_000, "work": 100}  # ~3 ms steps: ~6 s alone
-    with omni_stream_serve("--model", "synthetic", "--device", "cpu", env={"OMNI_STREAM_MAX_ACTIVE": "1"}) as (
+    one_place = {"OMNI_STREAM_MAX_ACTIVE": "1"}
+    with omni_stream_serve("--model", "synthetic", "--device", "cpu", env=one_place) as (
         proc, _, url,
     ), httpx.Client(base_url=url, timeout=60) as browser:
         browser.get("/")  # first contact: the session cookie
