@@ -32,7 +32,7 @@ __all__ = [
     "validate",
 ]
 
-_KINDS = ("int", "float", "str", "bool", "shape")
+_KINDS = ("int", "float", "str", "bool", "shape", "object")
 
 #: The value of a ``random`` param that asks for a fresh draw (A1111's "random seed").
 RANDOM = -1
@@ -83,9 +83,11 @@ def positive_int(
 class Param:
     """One declared parameter.
 
-    ``kind`` is one of ``int``, ``float``, ``str``, ``bool`` or ``shape`` (a
-    list of positive ints). ``default`` of ``None`` means optional with no
-    value. ``minimum``/``maximum`` bound numbers (and each entry of a shape);
+    ``kind`` is one of ``int``, ``float``, ``str``, ``bool``, ``shape`` (a
+    list of positive ints) or ``object`` (a JSON object of the named
+    ``fields``, each a Param of its own; one left out takes its default, an
+    unknown one is an error naming it, ``cache.method``). ``default`` of
+    ``None`` means optional with no value. ``minimum``/``maximum`` bound numbers (and each entry of a shape);
     ``choices`` restricts strings. A ``random`` int param (a seed) takes
     :data:`RANDOM` (-1), null or nothing as "draw one": :func:`validate`
     puts a fresh value in ``[0, 2**32)`` in its place, so the checked
@@ -101,10 +103,13 @@ class Param:
     choices: tuple[str, ...] | None = None
     max_len: int | None = None
     random: bool = False
+    fields: tuple[Param, ...] = ()
 
     def __post_init__(self) -> None:
         if self.kind not in _KINDS:
             raise ValueError(f"Param {self.name!r}: kind must be one of {_KINDS}")
+        if (self.kind == "object") != bool(self.fields):
+            raise ValueError(f"Param {self.name!r}: an object param, and only one, has fields")
         if self.random and self.kind != "int":
             raise ValueError(f"Param {self.name!r}: only an int param can be random")
 
@@ -134,6 +139,8 @@ class Param:
             if not finite_number(value):
                 raise ParamsError(f"{where} must be a finite number, got {value!r:.40}", field=self.name)
             return self._bounded(float(value), where)
+        if self.kind == "object":
+            return self._check_object(value, model)
         if self.kind == "str":
             if not isinstance(value, str):
                 raise ParamsError(f"{where} must be a string, got {value!r}", field=self.name)
@@ -162,6 +169,35 @@ class Param:
                 )
             dims.append(self._bounded(dim, where))
         return tuple(dims)
+
+    def _check_object(self, value: Any, model: str) -> dict[str, Any]:
+        """An object param's value: every field checked, defaults filled in; the errors name
+        the field as ``name.field``."""
+        if not isinstance(value, Mapping):
+            raise ParamsError(
+                f"{model} param {self.name!r} must be an object, got {type(value).__name__}", field=self.name
+            )
+        known = {f.name: f for f in self.fields}
+        unknown = sorted(str(k) for k in value if k not in known)
+        if unknown:
+            raise ParamsError(
+                f"{model} param {self.name!r} has no field(s) {', '.join(map(repr, unknown))}; "
+                f"known: {', '.join(known)}",
+                field=f"{self.name}.{unknown[0]}",
+            )
+        default = self.default if isinstance(self.default, Mapping) else {}
+        out = {}
+        for f in self.fields:
+            given = value[f.name] if f.name in value else default.get(f.name, f.default)
+            try:
+                out[f.name] = f.check(given, model=model)
+            except ParamsError as exc:
+                where = f"{self.name}.{f.name}"
+                message = str(exc).replace(f"param {f.name!r}", f"param {where!r}", 1)
+                if f.choices is not None and f.help:
+                    message += f" ({f.help})"  # why these: a model says what it cannot do
+                raise ParamsError(message, field=where) from None
+        return out
 
     def with_default(self, value: Any, *, model: str) -> Param:
         """This param with ``value`` (checked) as its default; ParamsError naming it when bad.
@@ -296,5 +332,7 @@ def describe(specs: Sequence[Param]) -> list[dict[str, Any]]:
             row["maximum"] = p.maximum
         if p.choices is not None:
             row["choices"] = list(p.choices)
+        if p.fields:
+            row["fields"] = describe(p.fields)
         rows.append(row)
     return rows

@@ -29,10 +29,17 @@ def build_model(
     no_batch: bool = False,
     max_images: int | None = None,
     model_configs: Mapping[str, str] | None = None,
+    cache: Mapping[str, object] | None = None,
 ) -> StepModel:
     """The model named by ``spec``, built now (:class:`ModelLoader`'s arguments)."""
     return ModelLoader.of(
-        spec, preview_vae, loras, no_batch=no_batch, max_images=max_images, model_configs=model_configs
+        spec,
+        preview_vae,
+        loras,
+        no_batch=no_batch,
+        max_images=max_images,
+        model_configs=model_configs,
+        cache=cache,
     )()
 
 
@@ -59,6 +66,10 @@ class ModelLoader:
     loras_required: bool = True
     #: Single-file checkpoints' config folders by diffusers' model type ("" for any).
     model_configs: tuple[tuple[str, str], ...] = ()
+    #: The default of the ``cache`` param (``serve --cache``), as (key, value) pairs.
+    cache: tuple[tuple[str, object], ...] | None = None
+    #: Whether a model that cannot cache is an error (the only model) rather than passed over.
+    cache_required: bool = True
 
     @classmethod
     def of(
@@ -71,6 +82,8 @@ class ModelLoader:
         max_images: int | None = None,
         loras_required: bool = True,
         model_configs: Mapping[str, str] | None = None,
+        cache: Mapping[str, object] | None = None,
+        cache_required: bool = True,
     ) -> ModelLoader:
         """``spec`` with the LoRAs (``{name: path}``; ``loras_required``: a model that takes
         none is an error, else they are passed over), ``no_batch`` (one request per model call:
@@ -92,6 +105,8 @@ class ModelLoader:
             max_images=max_images,
             loras_required=loras_required,
             model_configs=tuple((model_configs or {}).items()),
+            cache=None if cache is None else tuple(cache.items()),
+            cache_required=cache_required,
         )
 
     def __call__(self) -> StepModel:
@@ -134,6 +149,8 @@ class ModelLoader:
                     load(dict(self.loras))
                 except (ImportError, ValueError, OSError) as exc:
                     raise UsageError(f"--lora: model {spec!r}: {describe_error(exc)}") from exc
+        if self.cache is not None:
+            self._default_cache(model, dict(self.cache))
         if self.no_batch:
             model.max_batch_size = 1  # the engine reads it when it starts
         if self.max_images is not None:
@@ -148,6 +165,22 @@ class ModelLoader:
             except ParamsError as exc:
                 raise UsageError(f"--max-images: {exc}") from None
         return model
+
+    def _default_cache(self, model: StepModel, value: dict[str, object]) -> None:
+        """``--cache``: the default of ``model``'s ``cache`` param; UsageError where it cannot
+        take it (passed over, logged, on one of several models that did not ask for it)."""
+        params = tuple(getattr(model, "params", ()))
+        found = next((p for p in params if p.name == "cache"), None)
+        try:
+            if found is None:
+                raise ParamsError(f"model {self.spec!r} has no cache param", field="cache")
+            default = found.with_default(value, model=self.spec)
+        except ParamsError as exc:
+            if self.cache_required or value.get("method") == "none":
+                raise UsageError(f"--cache: {exc}") from None
+            logger.info("--cache passed over for model %s: %s", self.spec, exc)
+            return
+        model.params = tuple(default if p.name == "cache" else p for p in params)
 
 
 def check_model_configs(given: Iterable[tuple[str, str]]) -> dict[str, str]:

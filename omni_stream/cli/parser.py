@@ -52,6 +52,18 @@ class _DefaultsFormatter(argparse.HelpFormatter):
         return f"{text} (default: %(default)s)"
 
 
+def _cache_spec(text: str) -> dict[str, object]:
+    """``--cache``'s ``METHOD[:THRESHOLD]`` as the ``cache`` param's value."""
+    method, _, threshold = text.partition(":")
+    out: dict[str, object] = {"method": method}
+    if threshold:
+        try:
+            out["threshold"] = float(threshold)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"threshold {threshold!r} is not a number") from None
+    return out
+
+
 def _positive_int(text: str) -> int:
     try:
         return positive_int(int(text), "value")
@@ -324,6 +336,15 @@ def build_parser() -> argparse.ArgumentParser:
         default=None,
         help="the most images one request may ask for with num_images (diffusers and "
         "mixture models; default 4)",
+    )
+    srv.add_argument(
+        "--cache",
+        type=_cache_spec,
+        metavar="METHOD[:THRESHOLD]",
+        default=None,
+        help="the default step caching of requests that name none: none, or fbcache[:T] "
+        "(First-Block Cache at threshold T, default 0.05), on the models that can use it "
+        "(diffusers Flux and SD3 native loops); a request's own cache param wins",
     )
     srv.add_argument(
         "--no-batch",

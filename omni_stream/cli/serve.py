@@ -122,6 +122,9 @@ def cmd_serve(args: argparse.Namespace) -> int:
             # LoRAs for every model pass over one that takes none, unless it is the only one.
             loras_required=len(specs) == 1 or name in loras.bound,
             model_configs=configs,
+            # Likewise --cache: it passes over a model that cannot cache, unless it is the only one.
+            cache=args.cache,
+            cache_required=len(specs) == 1,
         )
         for name, spec in specs
     }

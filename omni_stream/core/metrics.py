@@ -12,7 +12,7 @@ never copied on a timer.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from typing import Any
 
 from prometheus_client import (
@@ -22,7 +22,7 @@ from prometheus_client import (
     Histogram,
     generate_latest,
 )
-from prometheus_client.core import GaugeMetricFamily
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 from prometheus_client.registry import Collector
 
 from ..frame import StepTimings
@@ -104,6 +104,29 @@ class _EngineCollector(Collector):
         ]
         for name, doc, value in rows:
             yield GaugeMetricFamily(name, doc, value=float(value))
+
+
+class _StepCacheCollector(Collector):
+    """Each served model's steps with step caching, computed and reused (its
+    ``step_cache_totals``: models/diffusers/step_cache.py), read at scrape time."""
+
+    def __init__(self, models: Mapping[str, Any]) -> None:
+        self._models = {name: m for name, m in models.items() if hasattr(m, "step_cache_totals")}
+
+    def collect(self) -> Iterator[CounterMetricFamily]:
+        if not self._models:
+            return
+        family = CounterMetricFamily(
+            "omni_stream_step_cache_steps",
+            "steps of requests that use step caching (the cache param), by model and outcome: "
+            "computed in full, or reused (cached: the transformer's blocks after the first skipped)",
+            labels=["model", "outcome"],
+        )
+        for name, model in self._models.items():
+            totals = model.step_cache_totals
+            for outcome in ("computed", "cached"):
+                family.add_metric([name, outcome], float(totals.get(outcome, 0)))
+        yield family
 
 
 class ServerMetrics:
@@ -274,6 +297,10 @@ class ServerMetrics:
             registry=r,
         )
         r.register(_EngineCollector(engine))
+
+    def watch_models(self, models: Mapping[str, Any]) -> None:
+        """Report the served models' own counts at scrape time (step caching's)."""
+        self.registry.register(_StepCacheCollector(models))
 
     def watch_memory(self, budget: Any) -> None:
         """Report a MemoryBudget's ``used`` and ``reserved`` at scrape time."""

@@ -159,6 +159,7 @@ class Rules(Clients, Dispatch, Preemption, Deadlines, LoadReport):
             engine, running=lambda: len(self.registry.running()), models=tuple(self.models)
         )
         self.metrics.watch_memory(self.memory)
+        self.metrics.watch_models(self.models)
         #: Engines computing on this host's CPU (max_active's default depends on it).
         self.host_engines = admission.host_engines(engine)
         #: At most max_active requests in the engine; the other admitted ones wait here.

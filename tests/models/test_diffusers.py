@@ -462,7 +462,8 @@ def test_params_are_declared_and_checked():
     model = Diffusers(sd_pipe(), encode_prompt=fixed_embeddings)
     names = [p.name for p in model.params]
     assert names == ["prompt", "negative_prompt", "steps", "guidance_scale", "guidance_rescale",
-                     "seed", "num_images", "height", "width", "size", "sampler", "eta"]  # eta: DDIM takes it
+                     "seed", "num_images", "height", "width", "size", "sampler", "eta",  # eta: DDIM takes it
+                     "cache"]  # none only: a UNet has no blocks to skip (test_step_cache.py)
     params = model.validate({})
     assert (params["height"], params["width"], params["steps"]) == (16, 16, 50)
     with pytest.raises(om.ParamsError) as err:

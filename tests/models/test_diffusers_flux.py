@@ -425,7 +425,7 @@ def test_diffusers_picks_this_adapter():
 def test_params_are_declared_and_checked():
     model = Diffusers(flux_pipe(), encode_prompt=fixed_embeddings)
     assert [p.name for p in model.params] == [
-        "prompt", "steps", "guidance_scale", "seed", "num_images", "height", "width", "size", "sampler"
+        "prompt", "steps", "guidance_scale", "seed", "num_images", "height", "width", "size", "sampler", "cache"
     ]
     params = model.validate({})
     # The pipeline's defaults: 28 steps, guidance 3.5, 128 latents * vae scale.

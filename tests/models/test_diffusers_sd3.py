@@ -414,7 +414,7 @@ def test_diffusers_picks_this_adapter():
 def test_params_are_declared_and_checked():
     model = Diffusers(sd3_pipe(), encode_prompt=fixed_embeddings)
     assert [p.name for p in model.params] == [
-        "prompt", "negative_prompt", "steps", "guidance_scale", "seed", "num_images", "height", "width", "size", "sampler"
+        "prompt", "negative_prompt", "steps", "guidance_scale", "seed", "num_images", "height", "width", "size", "sampler", "cache"
     ]
     params = model.validate({})
     # The pipeline's defaults: 28 steps, guidance 7, sample_size * vae scale.

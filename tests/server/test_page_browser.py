@@ -33,6 +33,7 @@ from PIL import Image
 
 import omni_stream as om
 from omni_stream import client as omc
+from omni_stream.models.diffusers.step_cache import METHODS, cache_param
 from omni_stream.params import Param
 from omni_stream.server import Server
 
@@ -756,6 +757,7 @@ class Inpaint(Recording):
         *Slow.params,
         Param("image", "str", None, "input image (img2img, inpaint)"),
         Param("mask_image", "str", None, "inpaint mask, white where to paint"),
+        cache_param(METHODS),  # an object param, as the native diffusers loops declare
     )
 
     def validate(self, params: Any) -> dict[str, Any]:
@@ -949,9 +951,15 @@ async def test_an_image_models_form_uploads_its_image_and_mask(chromium: str, tm
             "[...document.querySelectorAll('.image-input img')].every(i => !i.hidden && i.complete)"
         )
         await _fill_form(tab, dict(PARAMS, steps=3), "jpeg")
+        # An object param's fields, one input each, go back as one object.
+        await tab.evaluate(
+            "(e => { e.value = 'fbcache'; e.dispatchEvent(new Event('change')); })"
+            "(document.getElementById('param-cache.method')), true"
+        )
         await _screenshot(tab, tmp_path / "upload.png")
         await _render(tab)
         got = server.model.seen[-1]
+        assert got["cache"] == {"method": "fbcache", "threshold": 0.05}
         assert got["image"].convert("RGB").tobytes() == image.tobytes()
         assert got["mask_image"].convert("RGB").tobytes() == mask.tobytes()
         # The images went to the server, never into the tab's storage.

@@ -26,7 +26,7 @@ from typing import Any
 
 import torch
 
-from . import samplers
+from . import samplers, step_cache
 from .base import vae_image
 from .loop import text_conditioning, vae_latents
 from .native import CondT, NativeDiffusers, NativeState
@@ -43,6 +43,7 @@ class FlowDiffusers(NativeDiffusers[CondT]):
     #: The name errors give this pipeline ("SD3", "Flux").
     label = "flow-matching"
     sampler_table = samplers.FLOW
+    cache_methods = step_cache.METHODS
 
     # Bound by the adapter's _import_helpers, from its own pipeline module.
     _calculate_shift: Callable[..., float]

@@ -23,8 +23,9 @@ Every request owns its scheduler and generator (see :mod:`.native` for
 why). The loop is :mod:`.native`'s; what Flux shares with SD3 is
 :mod:`.flow`'s; this module holds the rest. Not rebuilt: true CFG with a
 negative prompt (``true_cfg_scale``), IP-Adapter, custom sigmas,
-``joint_attention_kwargs`` and the transformer's cache hooks (their per-run
-state cannot be shared by interleaved requests); use callback mode for those.
+``joint_attention_kwargs`` and diffusers' cache hooks (their per-run state
+cannot be shared by interleaved requests: the ``cache`` param is First-Block
+Cache per request, :mod:`.step_cache`); use callback mode for those.
 """
 
 from __future__ import annotations

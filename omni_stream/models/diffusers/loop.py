@@ -26,11 +26,13 @@ MAX_SIDE = 8192
 
 @dataclass(slots=True)
 class Saved:
-    """What a failed ``step`` must put back: the scheduler's attributes, the generator."""
+    """What a failed ``step`` must put back: the scheduler's attributes, the generator, the
+    step cache (step_cache.py: its fields are replaced, never changed in place)."""
 
-    state: Any  # an adapter's per-request state: .scheduler, .generator
+    state: Any  # an adapter's per-request state: .scheduler, .generator, .cache
     attrs: dict[str, Any]
     rng: torch.Tensor
+    cache: Any = None
 
     @classmethod
     def take(cls, state: Any) -> Saved:
@@ -38,13 +40,16 @@ class Saved:
         # shifts lists in place (model_outputs, derivatives, ets); one level
         # of copying undoes both without copying the tensors.
         attrs = {k: (list(v) if type(v) is list else v) for k, v in vars(state.scheduler).items()}
-        return cls(state, attrs, state.generator.get_state())
+        cache = getattr(state, "cache", None)
+        return cls(state, attrs, state.generator.get_state(), None if cache is None else dict(vars(cache)))
 
     def restore(self) -> None:
         attrs = vars(self.state.scheduler)
         attrs.clear()
         attrs.update(self.attrs)
         self.state.generator.set_state(self.rng)
+        if self.cache is not None:
+            vars(self.state.cache).update(self.cache)
 
 
 def check_mode(mode: str) -> None:

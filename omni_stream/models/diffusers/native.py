@@ -39,6 +39,7 @@ which frame a step shows, how latents are decoded.
 from __future__ import annotations
 
 import abc
+import contextlib
 from collections.abc import Hashable, Mapping, Sequence
 from dataclasses import dataclass, field, fields
 from typing import Any, ClassVar, Generic, TypeVar, cast
@@ -75,6 +76,7 @@ from .loop import (
     with_defaults,
 )
 from .loras import LoraBank, LoraSet, check_request_loras, split_loras
+from .step_cache import BlockCache, FirstBlockState, cache_param, state_for
 
 __all__ = ["DEFAULT_MAX_BATCH", "NativeDiffusers", "NativeState", "TextConditioning"]
 
@@ -121,6 +123,8 @@ class NativeState(Generic[CondT]):
     step_kwargs: dict[str, Any] = field(default_factory=dict)
     done: int = 0  # steps completed
     images: int = 1  # num_images: rows of latents
+    #: Its step cache (params' ``cache``: step_cache.py), None without one.
+    cache: FirstBlockState | None = None
 
     @property
     def rows(self) -> int:
@@ -180,6 +184,9 @@ class NativeDiffusers(Diffusers, Generic[CondT]):
     sampler_table: tuple[samplers.Sampler, ...] = samplers.NOISE
     #: The adapter's conditioning class (``restore`` rebuilds one from a checkpoint's tensors).
     conditioning_type: type[TextConditioning] = TextConditioning
+    #: The step-caching methods its denoiser can use (step_cache.py), and why not more.
+    cache_methods: tuple[str, ...] = ("none",)
+    cache_why_not: str = "a UNet has no transformer blocks whose work a step could reuse"
 
     def __init__(
         self,
@@ -246,6 +253,10 @@ class NativeDiffusers(Diffusers, Generic[CondT]):
         self.name = name or "diffusers"
         self.params = with_defaults(self._declare(), defaults, self.name)
         self._timestep_counts: dict[tuple[str, int], int] = {}
+        # The denoiser's blocks, wrapped for step caching once a request asks for it.
+        self._block_cache: BlockCache | None = None
+        #: Steps of requests that cache, computed in full and reused (/metrics reads them).
+        self.step_cache_totals = {"computed": 0, "cached": 0}
 
     @property
     def sampler_names(self) -> tuple[str, ...]:
@@ -319,6 +330,7 @@ class NativeDiffusers(Diffusers, Generic[CondT]):
                 choices=self.sampler_names,
             ),
             *self._sampler_params(),
+            cache_param(self.cache_methods, "" if len(self.cache_methods) > 1 else self.cache_why_not),
         ]
 
     def validate(self, params: Mapping[str, Any] | None) -> dict[str, Any]:
@@ -445,6 +457,7 @@ class NativeDiffusers(Diffusers, Generic[CondT]):
             guided=guided,
             step_kwargs=self._step_kwargs(params, generator, signature_params(scheduler.step)),
             images=images,
+            cache=state_for(params),
         )
 
     def _step_kwargs(
@@ -489,6 +502,8 @@ class NativeDiffusers(Diffusers, Generic[CondT]):
             s.latents = prev
             s.done += 1
             frames.append(frame)
+            if s.cache is not None:  # counted once the step stands (a failed one is undone)
+                self.step_cache_totals["cached" if s.cache.last_cached else "computed"] += 1
         return frames
 
     def _predict(
@@ -504,7 +519,9 @@ class NativeDiffusers(Diffusers, Generic[CondT]):
         preds: list[torch.Tensor | None] = [None] * len(states)
         for (loras, _), members in groups.items():
             self._loras.activate(loras)  # one set_adapters, only when it changes
-            out = self._denoise([states[i] for i in members], [timesteps[i] for i in members])
+            group = [states[i] for i in members]
+            with self._caching(group):
+                out = self._denoise(group, [timesteps[i] for i in members])
             offset = 0
             for i in members:
                 rows = states[i].rows
@@ -512,6 +529,15 @@ class NativeDiffusers(Diffusers, Generic[CondT]):
                 offset += rows
         assert all(p is not None for p in preds)
         return preds  # type: ignore[return-value]
+
+    def _caching(self, group: Sequence[NativeState[CondT]]) -> contextlib.AbstractContextManager[None]:
+        """The denoiser call's step caching: each request's rows and cache (step_cache.py);
+        nothing when none of ``group`` caches."""
+        if all(s.cache is None for s in group):
+            return contextlib.nullcontext()
+        if self._block_cache is None:
+            self._block_cache = BlockCache(self._denoiser)
+        return self._block_cache.batch([(s.rows, s.cache) for s in group])
 
     def _group_key(self, s: NativeState[CondT]) -> Hashable:
         assert s.latents is not None
@@ -577,6 +603,10 @@ class NativeDiffusers(Diffusers, Generic[CondT]):
                 elif value is not None:
                     raise CheckpointError(f"{self.name}: conditioning field {f.name!r} is not a tensor")
                 cond[f.name] = value is not None
+            cache = None
+            if state.cache is not None:
+                cache = state.cache.counts()
+                tensors.update({f"cache.{k}": v for k, v in state.cache.tensors().items()})
         return Checkpoint(
             model=self.snapshot_kind,
             format=self.snapshot_format,
@@ -584,7 +614,13 @@ class NativeDiffusers(Diffusers, Generic[CondT]):
             total=state.total,
             params=plain_params(state.params),
             tensors=tensors,
-            values={"scheduler": values, "cond": cond, "guided": state.guided, "images": state.images},
+            values={
+                "scheduler": values,
+                "cond": cond,
+                "guided": state.guided,
+                "images": state.images,
+                "cache": cache,
+            },
         )
 
     def restore(self, checkpoint: Checkpoint, device: torch.device) -> NativeState[CondT]:
@@ -612,6 +648,17 @@ class NativeDiffusers(Diffusers, Generic[CondT]):
                     for name, present in cond_fields.items()
                 }
                 cond = self.conditioning_type(**cond_values)
+                # Its step cache as it was (a checkpoint without one: the request's, fresh).
+                saved_cache = values.get("cache")
+                cache = (
+                    state_for(params)
+                    if saved_cache is None
+                    else FirstBlockState.rebuilt(
+                        saved_cache,
+                        {k.removeprefix("cache."): v for k, v in tensors.items() if k.startswith("cache.")},
+                        device,
+                    )
+                )
             generator = torch.Generator(device="cpu")
             generator.set_state(rng)
         except CheckpointError:
@@ -647,6 +694,7 @@ class NativeDiffusers(Diffusers, Generic[CondT]):
             step_kwargs=self._step_kwargs(params, generator, signature_params(scheduler.step)),
             done=checkpoint.step,
             images=images,
+            cache=cache,
         )
 
     def _reference_scheduler(self, params: Mapping[str, Any], device: torch.device) -> Any:
