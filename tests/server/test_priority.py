@@ -87,7 +87,8 @@ async def test_every_stream_opens_with_where_a_waiting_request_stands() -> None:
     of an attach and of an SSE stream; its first ``progress`` replaces it (issue #38)."""
     import httpx
 
-    async with running(Slow(0.02), max_active=1) as server, connect(server.url) as ws:
+    # (close_timeout: it stops reading its previews, so the server reads its close late.)
+    async with running(Slow(0.02), max_active=1) as server, connect(server.url, close_timeout=0.2) as ws:
         await send(ws, type="generate", id="run", params={**PARAMS, "seed": 1})
         await wait_for(lambda: (r := server.service.registry.get("run")) is not None and r.latest_step >= 1)
         for rid in ("w1", "w2"):

@@ -145,6 +145,7 @@ async def test_a_restarted_server_serves_a_finished_result(tmp_path) -> None:
 
 
 @pytest.mark.asyncio
+@pytest.mark.one_loop  # what is written down and read back, the same under every loop
 async def test_a_ray_hand_over_is_written_down_and_said_by_a_later_start(tmp_path) -> None:
     # The consumer says a hand-over (a Ray replica died, another goes on from step 4) and tells
     # the rules' hook, as stream_request does for a RemoteStream; here the hook is the folder's.
@@ -324,6 +325,7 @@ async def test_a_checkpoint_the_model_refuses_is_said_to_restart_from_step_0(tmp
 
 @needs_engine_resume
 @pytest.mark.asyncio
+@pytest.mark.one_loop  # the restore path is the core's, the same under every loop
 @pytest.mark.parametrize("as_bytes", [False, True], ids=["local-engine", "engine-sends-bytes"])
 async def test_a_request_waiting_for_a_place_after_a_restart_says_where_it_will_start(
     tmp_path, monkeypatch, as_bytes: bool
