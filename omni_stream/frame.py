@@ -32,6 +32,8 @@ class StepTimings:
     ``batch_size``: how many requests advanced in the same model call.
     ``decode_s``: the part of ``compute_s`` spent decoding this frame on the
     device (the final decode, or a preview decoder network), 0 when none ran.
+    ``cached``: the step reused the request's step cache (its model's
+    ``step_reused``: the transformer's blocks after the first were skipped).
     """
 
     queued_s: float
@@ -39,6 +41,7 @@ class StepTimings:
     copy_s: float
     batch_size: int = 1
     decode_s: float = 0.0
+    cached: bool = False
 
 
 @dataclass(frozen=True, slots=True)
@@ -180,8 +183,9 @@ class Frame:
 # made. tests/test_frame.py checks every field against the dataclass's own
 # __init__, so a field added to either class fails there until added here.
 
-_set_queued_s, _set_compute_s, _set_copy_s, _set_batch_size, _set_decode_s = (
-    StepTimings.__dict__[n].__set__ for n in ("queued_s", "compute_s", "copy_s", "batch_size", "decode_s")
+_set_queued_s, _set_compute_s, _set_copy_s, _set_batch_size, _set_decode_s, _set_cached = (
+    StepTimings.__dict__[n].__set__
+    for n in ("queued_s", "compute_s", "copy_s", "batch_size", "decode_s", "cached")
 )
 _frame_slots = {name: Frame.__dict__[name].__set__ for name in Frame.__slots__}
 _set_request_id, _set_step, _set_total, _set_data = (
@@ -205,15 +209,17 @@ def engine_frame(
     decode_s: float,
     decoded: bool,
     image_count: int,
+    cached: bool = False,
 ) -> Frame:
     """``Frame(request_id, step, total, data, StepTimings(queued_s, compute_s, copy_s, batch_size,
-    decode_s), decoded, None, image_count)``, built faster (see above)."""
+    decode_s, cached), decoded, None, image_count)``, built faster (see above)."""
     t = _new(StepTimings)
     _set_queued_s(t, queued_s)
     _set_compute_s(t, compute_s)
     _set_copy_s(t, copy_s)
     _set_batch_size(t, batch_size)
     _set_decode_s(t, decode_s)
+    _set_cached(t, cached)
     f = _new(Frame)
     _set_request_id(f, request_id)
     _set_step(f, step)

@@ -93,6 +93,8 @@ class CopyTicket:
     #: The frame is decoded pixels (Frame.decoded), and what decoding cost.
     decoded: bool = False
     decode_s: float = 0.0
+    #: The step reused the request's step cache (StepTimings.cached).
+    cached: bool = False
 
 
 class Copier:
@@ -162,6 +164,7 @@ class Copier:
         batch_size: int,
         decoded: bool = False,
         decode_s: float = 0.0,
+        cached: bool = False,
     ) -> CopyTicket:
         """Issue the copy of one step's output; returns at once on async devices."""
         # A tensor in an autograd graph is copied as data; one that is not needs no detach (a
@@ -183,7 +186,7 @@ class Copier:
             # Host-resident frames (CPU): copied once, here; no lease to wait on.
             # Positional, in the fields' order (request, step, queued_s, compute_s,
             # batch_size, src, lease, issued_at, copy_s, data, error, decoded,
-            # decode_s): keywords cost twice as much, once a frame on this thread.
+            # decode_s, cached): keywords cost twice as much, once a frame on this thread.
             return CopyTicket(
                 request,
                 step,
@@ -198,6 +201,7 @@ class Copier:
                 None,
                 decoded,
                 decode_s,
+                cached,
             )
         lease = self._pool.acquire(tuple(src.shape), src.dtype)
         try:
@@ -225,6 +229,7 @@ class Copier:
             None,
             decoded,
             decode_s,
+            cached,
         )
 
     def _post_completed(self, tickets: list[CopyTicket]) -> None:

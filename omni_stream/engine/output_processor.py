@@ -132,6 +132,7 @@ class OutputProcessor:
             t.decode_s,
             t.decoded,
             r.images,
+            t.cached,
         )
         replaced = r.delivery.put(frame)
         self.frames_delivered += 1

@@ -62,6 +62,7 @@ class Producer:
         if (model is None) == (build is None):
             raise TypeError("Producer takes a model or a build function, not both or neither")
         self._model: StepModel = model  # type: ignore[assignment]  # set by run() when None
+        self._step_reused: Callable[[list[Any]], Sequence[bool]] | None = None
         self._build = build
         self._on_ready = on_ready
         self._torch_threads = torch_threads
@@ -114,6 +115,8 @@ class Producer:
                     )
                 self._model = model
                 self._batch_limits = self._limits_for(model)
+            # A model with step caching says which of a step's requests reused their cache.
+            self._step_reused = getattr(self._model, "step_reused", None)
             with self._busy(("model.load",)):
                 self._model.load(self._device.torch_device)
             if self._on_ready is not None:
@@ -320,6 +323,7 @@ class Producer:
                             batch_size=len(ready),
                             decoded=decoded,
                             decode_s=decode_s,
+                            cached=r.step_cached,
                         )
                     except PoolClosedError:
                         raise  # shutting down
@@ -415,6 +419,9 @@ class Producer:
             got = len(outs) if isinstance(outs, Sequence) else type(outs).__name__
             err = TypeError(f"model.step returned {got} frames for {n} states")
             return [(r, None, err, compute_s) for r in batch]
+        if self._step_reused is not None:
+            for r, reused in zip(batch, self._step_reused([r.state for r in batch]), strict=True):
+                r.step_cached = bool(reused)
         if single:
             out = outs[0]
             bad = None if isinstance(out, torch.Tensor) else self._check_output(out)

@@ -76,6 +76,7 @@ class Request:
         "paused",
         "resumed_at",
         "to_host",
+        "step_cached",
         # (producer)
         "state",
         "resume_from",
@@ -145,6 +146,8 @@ class Request:
         #: no earlier than this (paused time does not count against the timeout).
         self.resumed_at: float | None = None
         self.to_host = False  # the producer moves its state to the host (a checkpoint)
+        # Its latest step reused its step cache (the model's step_reused; StepTimings.cached).
+        self.step_cached = False
         self.state: Any = None
         #: Start from this checkpoint (model.restore) rather than model.start: a
         #: request resumed after a restart, or one whose state went to the host.

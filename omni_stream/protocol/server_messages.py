@@ -230,7 +230,8 @@ class Loading(_ServerMessage):
 
 @dataclass(frozen=True, slots=True)
 class Progress(_ServerMessage):
-    """``progress``: ``step`` of ``total`` done, ``eta_s`` seconds left (estimated)."""
+    """``progress``: ``step`` of ``total`` done, ``eta_s`` seconds left (estimated); ``cached``:
+    the step reused the request's step cache (on the wire only when true)."""
 
     TYPE: ClassVar[str] = "progress"
 
@@ -238,14 +239,18 @@ class Progress(_ServerMessage):
     step: int
     total: int
     eta_s: float
+    cached: bool = False
 
     @classmethod
-    def build(cls, request_id: str, *, step: int, total: int, eta_s: float) -> Progress:
+    def build(cls, request_id: str, *, step: int, total: int, eta_s: float, cached: bool = False) -> Progress:
         """``progress`` as the server sends it: ``eta_s`` clamped to >= 0 and rounded to ms."""
-        return cls(request_id, step, total, round(max(0.0, eta_s), 3))
+        return cls(request_id, step, total, round(max(0.0, eta_s), 3), cached)
 
     def to_dict(self) -> dict[str, Any]:
-        return {"type": self.TYPE, "id": self.id, "step": self.step, "total": self.total, "eta_s": self.eta_s}
+        out = {"type": self.TYPE, "id": self.id, "step": self.step, "total": self.total, "eta_s": self.eta_s}
+        if self.cached:
+            out["cached"] = True
+        return out
 
     @classmethod
     def _read(cls, obj: Mapping[str, Any], where: str) -> Progress:
@@ -253,7 +258,8 @@ class Progress(_ServerMessage):
         eta_s = require(obj, "eta_s", "number", where)
         if eta_s < 0:
             raise ProtocolError(f"{where} has a negative eta_s {eta_s}")
-        return cls(require_id(obj, where), step, total, float(eta_s))
+        cached = bool(optional(obj, "cached", "bool", where))
+        return cls(require_id(obj, where), step, total, float(eta_s), cached)
 
 
 @dataclass(frozen=True, slots=True)

@@ -405,4 +405,8 @@ def _progress(record: RequestRecord, frame: Frame, metrics: ServerMetrics) -> No
     eta = record.rate.eta(frame.step, frame.total)
     if eta is None:
         eta = (now - record.created_at) / frame.step * (frame.total - frame.step)
-    record.publish_progress(protocol.Progress.build(record.id, step=frame.step, total=frame.total, eta_s=eta))
+    record.publish_progress(
+        protocol.Progress.build(
+            record.id, step=frame.step, total=frame.total, eta_s=eta, cached=frame.timings.cached
+        )
+    )

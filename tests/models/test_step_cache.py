@@ -206,3 +206,38 @@ def test_metrics_count_each_models_computed_and_reused_steps() -> None:
     for outcome in ("computed", "cached"):
         line = f'omni_stream_step_cache_steps_total{{model="flux",outcome="{outcome}"}} {float(totals[outcome])}'
         assert line in text
+
+
+@pytest.mark.asyncio
+@pytest.mark.one_loop  # what each step says, the same under every loop
+async def test_each_step_says_whether_it_reused_the_cache() -> None:
+    """A reused step still yields its frame; the frame's StepTimings.cached says so (every frame,
+    from the engine), and so does its ``progress`` over the websocket (latest-wins: the ones
+    that reach a client)."""
+    import json
+
+    from websockets.asyncio.client import connect
+
+    import omni_stream as om
+
+    from ..conftest import running
+
+    params = dict(FLUX, cache=fbc(1.0))
+    model = flux_model()
+    async with om.Engine(model, device="cpu") as engine:
+        frames = [f async for f in engine.stream(params)]
+    assert [f.step for f in frames] == list(range(1, FLUX["steps"] + 1))  # every step, reused or not
+    flags = [f.timings.cached for f in frames]
+    assert sum(flags) == model.step_cache_totals["cached"] > 0 and not flags[0]  # the first computes
+    async with running(flux_model()) as server, connect(server.url) as ws:
+        await ws.send(json.dumps({"type": "generate", "id": "c", "params": params, "preview": {"format": "raw"}}))
+        said = {}
+        while True:
+            raw = await ws.recv()
+            msg = {} if isinstance(raw, bytes) else json.loads(raw)
+            if msg.get("type") == "progress":
+                said[msg["step"]] = msg.get("cached", False)
+            if msg.get("type") in ("done", "error", "cancelled"):
+                assert msg["type"] == "done", msg
+                break
+    assert any(said.values()) and all(flag == flags[step - 1] for step, flag in said.items())

@@ -141,7 +141,7 @@ class WireFrame:
     step: int
     total: int
     data: torch.Tensor
-    timings: tuple[float, float, float, int, float]
+    timings: tuple[float, float, float, int, float, bool]
     decoded: bool
     encoded: EncodedImage | None = None
     images: int = 1
@@ -154,7 +154,7 @@ class WireFrame:
             step=frame.step,
             total=frame.total,
             data=frame.data,
-            timings=(t.queued_s, t.compute_s, t.copy_s, t.batch_size, t.decode_s),
+            timings=(t.queued_s, t.compute_s, t.copy_s, t.batch_size, t.decode_s, t.cached),
             decoded=frame.decoded,
             encoded=frame.encoded,
             images=frame.image_count,

@@ -530,6 +530,11 @@ class NativeDiffusers(Diffusers, Generic[CondT]):
         assert all(p is not None for p in preds)
         return preds  # type: ignore[return-value]
 
+    def step_reused(self, states: Sequence[NativeState[CondT]]) -> list[bool]:
+        """Whether each of the last step's ``states`` reused its step cache (the engine marks its
+        frame: ``StepTimings.cached``, ``progress``'s ``cached``)."""
+        return [s.cache is not None and s.cache.last_cached for s in states]
+
     def _caching(self, group: Sequence[NativeState[CondT]]) -> contextlib.AbstractContextManager[None]:
         """The denoiser call's step caching: each request's rows and cache (step_cache.py);
         nothing when none of ``group`` caches."""
