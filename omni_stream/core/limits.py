@@ -62,7 +62,11 @@ _ENV: dict[str, tuple[str, type]] = {
     "preview_threads": ("OMNI_STREAM_PREVIEW_THREADS", int),
     "max_messages_per_s": ("OMNI_STREAM_MAX_MESSAGES_PER_S", float),
     "max_pause_s": ("OMNI_STREAM_MAX_PAUSE", float),
+    "repeat_cache_bytes": ("OMNI_STREAM_REPEAT_CACHE_BYTES", int),
 }
+
+#: Limits where 0 turns the feature off (every other limit is > 0).
+_ZERO_OFF = frozenset({"repeat_cache_bytes"})
 
 
 #: Names a limit was known by before: keyword -> (its name now, its old variable).
@@ -168,12 +172,19 @@ class ServerLimits:
     #: further pause of it is refused. Four requests paused for good once kept every other
     #: tenant's request queued with no end (issue #39, attack 1).
     max_pause_s: float = 300.0
+    #: Bytes of finished results kept to answer an exact repeat of a request (its model, every
+    #: param, the seed it ran with, its output settings: core/repeats.py) without running it
+    #: again; 0 keeps none. Outside max_memory_bytes: a bound of its own, least recently used
+    #: out first.
+    repeat_cache_bytes: int = 64 << 20
 
     def __post_init__(self) -> None:
         for f in fields(self):
             value = getattr(self, f.name)
             kind = _ENV[f.name][1]
             if value is None and f.name in _ENGINE_DEFAULTS:
+                continue
+            if f.name in _ZERO_OFF and value == 0 and type(value) is int:
                 continue
             if kind is int:
                 positive_int(value, f.name, what=f"server limit {f.name}", env=_ENV[f.name][0])

@@ -94,6 +94,8 @@ class RequestRecord:
         self.seed = seed
         #: The model that runs it, on a server of several (None on a server of one).
         self.model = model
+        #: Its key among finished results an exact repeat may reuse (repeats.py), or None.
+        self.repeat_key: str | None = None
         #: Its recent steps' time, for the time it has left (eta.py).
         self.rate = StepRate()
         #: The browser session that started it (Client.session), None without one.

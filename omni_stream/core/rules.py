@@ -61,6 +61,7 @@ from .preemption import Preempted, Preemption
 from .rates import RateBook
 from .records import RequestRecord, Terminal
 from .registry import RequestRegistry
+from .repeats import Kept, RepeatBook, repeat_key
 from .retries import retry_of
 from .tokens import Tokens
 from .webhooks import WebhookBook, WebhookConfig, WebhookState, check_webhook
@@ -149,6 +150,8 @@ class Rules(Clients, Dispatch, Preemption, Deadlines, LoadReport):
         self.memory = MemoryBudget(limits.max_memory_bytes)
         for model in self.models.values():
             self.memory.watch_model(model)
+        #: Finished results an exact repeat gets instead of a run (repeats.py).
+        self.repeats = RepeatBook(limits.repeat_cache_bytes)
         self.registry = RequestRegistry(
             retention_s=limits.retention_s,
             max_retained=limits.max_retained,
@@ -219,7 +222,8 @@ class Rules(Clients, Dispatch, Preemption, Deadlines, LoadReport):
         """
         try:
             admitted = self._admit(client, msg)
-            stream = self._open_stream(admitted) if self.gate.has_room() else None
+            kept = self.repeats.find(admitted.record.repeat_key)  # an exact repeat: no step runs
+            stream = self._open_stream(admitted) if kept is None and self.gate.has_room() else None
         except protocol.MessageError as exc:
             self.refused(exc, msg.model)
             raise
@@ -233,7 +237,9 @@ class Rules(Clients, Dispatch, Preemption, Deadlines, LoadReport):
         client.owns_attached = client.owns_attached or not record.detach
         if client.outbox is not None:
             record.watch(client.id, client.outbox, attached=False)
-        if stream is None:
+        if kept is not None:
+            self._repeat(admitted, kept)
+        elif stream is None:
             # The engine holds max_active requests already: this one waits,
             # unstarted, in the gate (gate.py), and goes in when one leaves.
             self.gate.wait(
@@ -397,6 +403,7 @@ class Rules(Clients, Dispatch, Preemption, Deadlines, LoadReport):
             model=name if len(self.models) > 1 else None,
         )
         record.session = client.session
+        record.repeat_key = repeat_key(name, model, checked, output.wire())
         if msg.webhook is not None and self.webhooks is not None and self.shell is not None:
             # (_admit_cheap admitted it.) Told of its progress and its end by the record.
             record.webhook = WebhookState(
@@ -555,6 +562,17 @@ class Rules(Clients, Dispatch, Preemption, Deadlines, LoadReport):
         self.finish(record, message)
         self.let_in()
 
+    def _repeat(self, admitted: Admitted, kept: Kept) -> None:
+        """Answer an exact repeat with the results kept (repeats.py): it ends done, no step run."""
+        record, total = admitted.record, kept.total
+        admitted.memory.release()
+        record.publish_progress(
+            protocol.Progress.build(record.id, step=total, total=total, eta_s=0, cached=True)
+        )
+        for preview in kept.previews(record.id):
+            record.publish_preview(preview)
+        self.finish(record, protocol.Done.build(record.id, total=total, elapsed_s=0.0, repeat=True))
+
     def finish(self, record: RequestRecord, message: Terminal) -> None:
         """End ``record`` with its terminal ``message``: its watchers, the books.
 
@@ -563,9 +581,13 @@ class Rules(Clients, Dispatch, Preemption, Deadlines, LoadReport):
         try:
             ended_before = record.ended
             record.finish(message, now=self.clock())
-            if self.journal is not None and not ended_before:
+            if not ended_before:
                 # Before the registry forgets it (and its results with it).
-                self.journal.finished(record, message)
+                if self.journal is not None:
+                    self.journal.finished(record, message)
+                if record.outcome == "done" and record.repeat_key is not None:
+                    results = [record.result(i) for i in range(record.result_count)]
+                    self.repeats.keep(record.repeat_key, record.total, [r for r in results if r])
             self.registry.ended(record)
             if not ended_before:  # counted once, whoever ended it first
                 model = self.metrics.model(record.model)

@@ -264,21 +264,27 @@ class Progress(_ServerMessage):
 
 @dataclass(frozen=True, slots=True)
 class Done(_ServerMessage):
-    """``done``: the request finished; its final preview came before it."""
+    """``done``: the request finished; its final preview came before it. ``repeat``: it was an
+    exact repeat of a finished request, answered with that one's results (on the wire only
+    when true)."""
 
     TYPE: ClassVar[str] = "done"
 
     id: str
     total: int
     elapsed_s: float
+    repeat: bool = False
 
     @classmethod
-    def build(cls, request_id: str, *, total: int, elapsed_s: float) -> Done:
+    def build(cls, request_id: str, *, total: int, elapsed_s: float, repeat: bool = False) -> Done:
         """``done`` as the server sends it: ``elapsed_s`` rounded to ms."""
-        return cls(request_id, total, round(elapsed_s, 3))
+        return cls(request_id, total, round(elapsed_s, 3), repeat)
 
     def to_dict(self) -> dict[str, Any]:
-        return {"type": self.TYPE, "id": self.id, "total": self.total, "elapsed_s": self.elapsed_s}
+        out = {"type": self.TYPE, "id": self.id, "total": self.total, "elapsed_s": self.elapsed_s}
+        if self.repeat:
+            out["repeat"] = True
+        return out
 
     @classmethod
     def _read(cls, obj: Mapping[str, Any], where: str) -> Done:
@@ -286,6 +292,7 @@ class Done(_ServerMessage):
             require_id(obj, where),
             require(obj, "total", "int", where),
             float(require(obj, "elapsed_s", "number", where)),
+            bool(optional(obj, "repeat", "bool", where)),
         )
 
 

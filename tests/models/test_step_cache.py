@@ -148,8 +148,8 @@ def test_a_failed_step_and_a_snapshot_keep_the_cache() -> None:
 def test_the_cache_param_is_checked_and_listed() -> None:
     model = flux_model()
     checked = model.validate(dict(FLUX, cache={"method": "fbcache"}))
-    assert checked["cache"] == {"method": "fbcache", "threshold": 0.05}
-    assert model.validate(FLUX)["cache"] == {"method": "none", "threshold": 0.05}
+    assert checked["cache"] == {"method": "fbcache", "threshold": 0.05, "results": True}
+    assert model.validate(FLUX)["cache"] == {"method": "none", "threshold": 0.05, "results": True}
     for bad, field in [({"method": "teacache"}, "cache.method"), ({"threshold": -1}, "cache.threshold"),
                        ({"ratio": 1}, "cache.ratio"), ("fbcache", "cache")]:
         with pytest.raises(ParamsError) as info:
@@ -158,7 +158,7 @@ def test_the_cache_param_is_checked_and_listed() -> None:
     from omni_stream.params import describe
 
     row = next(r for r in describe(model.params) if r["name"] == "cache")
-    assert [f["name"] for f in row["fields"]] == ["method", "threshold"]
+    assert [f["name"] for f in row["fields"]] == ["method", "threshold", "results"]
     assert row["fields"][0]["choices"] == ["none", "fbcache"]
 
 
@@ -177,7 +177,7 @@ def test_serve_cache_sets_the_default_of_the_models_that_can_cache() -> None:
     ModelLoader.of("flux", cache={"method": "fbcache", "threshold": 0.2})._default_cache(
         model, {"method": "fbcache", "threshold": 0.2}
     )
-    assert model.validate(FLUX)["cache"] == {"method": "fbcache", "threshold": 0.2}
+    assert model.validate(FLUX)["cache"] == {"method": "fbcache", "threshold": 0.2, "results": True}
     assert model.validate(dict(FLUX, cache={"method": "none"}))["cache"]["method"] == "none"  # its own wins
     # The only model, or a bad value: an error naming why; one of several: passed over.
     unet = Diffusers(sd_pipe(), encode_prompt=sd_embeddings)

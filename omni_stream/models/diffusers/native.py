@@ -569,6 +569,14 @@ class NativeDiffusers(Diffusers, Generic[CondT]):
 
     # -- snapshot and restore (omni_stream.model) --------------------------------
 
+    def repeatable(self, params: Mapping[str, Any]) -> bool:
+        """Whether a request of these checked params gives the same result every time (a server
+        may answer its exact repeat with that result: core/repeats.py): unless its sampler draws
+        noise outside its generator, or its ``cache`` says ``results: false``."""
+        cache = params.get("cache")
+        wants = not isinstance(cache, Mapping) or cache.get("results", True) is not False
+        return wants and self.can_snapshot(params)
+
     def can_snapshot(self, params: Mapping[str, Any]) -> bool:
         """True unless the request's scheduler keeps noise outside its generator (UNCAPTURED_NOISE)."""
         name = self._scheduler_class_name(params.get("sampler", samplers.DEFAULT))

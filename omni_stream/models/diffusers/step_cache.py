@@ -69,7 +69,7 @@ def cache_param(methods: tuple[str, ...], why_not: str = "") -> Param:
     return Param(
         "cache",
         "object",
-        {"method": "none", "threshold": DEFAULT_THRESHOLD},
+        {"method": "none", "threshold": DEFAULT_THRESHOLD, "results": True},
         help,
         fields=(
             Param("method", "str", "none", why_not or "the caching method", choices=methods),
@@ -80,6 +80,13 @@ def cache_param(methods: tuple[str, ...], why_not: str = "") -> Param:
                 "fbcache: the largest relative change of the first block's residual that reuses",
                 minimum=0.0,
                 maximum=10.0,
+            ),
+            Param(
+                "results",
+                "bool",
+                True,
+                "an exact repeat of a finished request (every param, the seed it ran with) gets "
+                "that one's results instead of a run (the server's repeat_cache_bytes); false runs it",
             ),
         ),
     )

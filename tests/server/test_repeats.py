@@ -1,0 +1,99 @@
+"""Exact repeats are not recomputed (issue #35): a request identical to a finished one gets its
+results, without a step on the device; any other param, seed or cache setting runs."""
+
+from __future__ import annotations
+
+import json
+from typing import Any
+
+import pytest
+import torch
+
+pytest.importorskip("diffusers")
+
+from websockets.asyncio.client import connect  # noqa: E402
+
+from ..models.test_diffusers import fixed_embeddings as sd_embeddings  # noqa: E402
+from ..models.test_diffusers import sd_pipe  # noqa: E402
+from ..models.test_step_cache import FLUX, flux_model  # noqa: E402
+from .conftest import running  # noqa: E402
+
+pytestmark = [
+    pytest.mark.one_loop,  # the core's bookkeeping, the same under every loop
+    pytest.mark.filterwarnings("ignore:__array__ implementation:DeprecationWarning"),
+]
+
+
+async def _run(ws: Any, rid: str, params: dict[str, Any]) -> tuple[list[dict[str, Any]], list[bytes]]:
+    """One request: its text messages, and its results' bytes."""
+    await ws.send(json.dumps({"type": "generate", "id": rid, "params": params, "preview": {"every": 100}}))
+    msgs, results = [], []
+    while True:
+        raw = await ws.recv()
+        if isinstance(raw, bytes):
+            from omni_stream.protocol import unpack_preview
+
+            header, image = unpack_preview(raw)
+            if header.id == rid and header.final:
+                results.append(bytes(image))
+            continue
+        msg = json.loads(raw)
+        if msg.get("id") != rid:
+            continue
+        msgs.append(msg)
+        if msg["type"] in ("done", "error", "cancelled"):
+            return msgs, results
+
+
+@pytest.mark.asyncio
+async def test_an_exact_repeat_is_served_from_the_result_without_a_step() -> None:
+    model = flux_model()
+    calls = []
+    model._denoiser.register_forward_pre_hook(lambda m, a: calls.append(1))
+    async with running(model) as server, connect(server.url, max_size=None) as ws:
+        first, made = await _run(ws, "a", dict(FLUX, seed=5))
+        ran = len(calls)
+        assert first[-1]["type"] == "done" and "repeat" not in first[-1] and ran == FLUX["steps"]
+        again, served = await _run(ws, "b", dict(FLUX, seed=5))
+        assert len(calls) == ran  # not a step on the device
+        assert served == made
+        assert [m["type"] for m in again] == ["accepted", "progress", "done"]
+        assert again[1]["step"] == again[1]["total"] == FLUX["steps"] and again[1]["cached"] is True
+        assert again[-1]["repeat"] is True
+        # Any other param, the seed, the cache's threshold, or results: false: it runs.
+        for rid, params in [
+            ("seed", dict(FLUX, seed=6)),
+            ("steps", dict(FLUX, seed=5, steps=FLUX["steps"] - 1)),
+            ("cache", dict(FLUX, seed=5, cache={"method": "fbcache", "threshold": 0.3})),
+            ("off", dict(FLUX, seed=5, cache={"results": False})),
+        ]:
+            before = len(calls)
+            msgs, _ = await _run(ws, rid, params)
+            assert msgs[-1]["type"] == "done" and "repeat" not in msgs[-1] and len(calls) > before, rid
+        # A drawn seed is a seed: naming the one drawn repeats that request.
+        drawn, _ = await _run(ws, "drawn", dict(FLUX, seed=-1))
+        before = len(calls)
+        msgs, _ = await _run(ws, "named", dict(FLUX, seed=drawn[0]["seed"]))
+        assert msgs[-1].get("repeat") is True and len(calls) == before
+        assert server.service.rules.repeats.hits == 2
+        metrics = server.service.rules.metrics.render().decode()
+        assert 'omni_stream_requests_total{model="diffusers",outcome="done"} 8.0' in metrics
+
+
+@pytest.mark.asyncio
+async def test_a_server_may_keep_no_results_and_a_model_says_what_repeats() -> None:
+    model = flux_model()
+    calls = []
+    model._denoiser.register_forward_pre_hook(lambda m, a: calls.append(1))
+    async with running(model, repeat_cache_bytes=0) as server, connect(server.url, max_size=None) as ws:
+        await _run(ws, "a", dict(FLUX, seed=5))
+        msgs, _ = await _run(ws, "b", dict(FLUX, seed=5))
+        assert "repeat" not in msgs[-1] and len(calls) == 2 * FLUX["steps"]
+        assert len(server.service.rules.repeats) == 0
+    # A sampler that draws noise outside the request's generator never repeats.
+    sd = __import__("omni_stream").models.diffusers.Diffusers(sd_pipe(), encode_prompt=sd_embeddings)
+    if "dpmpp_sde" in sd.sampler_names:
+        assert not sd.repeatable(sd.validate({"sampler": "dpmpp_sde", "seed": 1}))
+    assert sd.repeatable(sd.validate({"seed": 1}))
+    assert not sd.repeatable(sd.validate({"seed": 1, "cache": {"results": False}}))
+    torch.manual_seed(0)
