@@ -15,6 +15,9 @@ never answered from here. A request that asked for a random seed ran with
 the one drawn for it, so only a request naming that seed repeats it. The
 LoRAs and their scales are params, and so are the sampler and every knob.
 
+A principal repeats only its own requests: an answer that came at once
+would tell one tenant that another had asked for that very picture.
+
 The results are kept here, by a key over all of that, least recently used
 out first, within ``repeat_cache_bytes`` (a server limit; 0 keeps none),
 for the life of this process (a restart forgets them). Pure bookkeeping:
@@ -53,16 +56,25 @@ class Kept:
         ]
 
 
-def repeat_key(model_name: str, model: Any, checked: Mapping[str, Any], output: Any) -> str | None:
-    """The key of a request of ``checked`` params to ``model`` (served as ``model_name``) with
-    ``output`` settings; None when its model does not say it repeats (see the module docstring)."""
+def repeat_key(
+    principal: str, model_name: str, model: Any, checked: Mapping[str, Any], output: Any
+) -> str | None:
+    """The key of ``principal``'s request of ``checked`` params to ``model`` (served as
+    ``model_name``) with ``output`` settings; None when its model does not say it repeats (see
+    the module docstring)."""
     repeatable = getattr(model, "repeatable", None)
     if not callable(repeatable) or not repeatable(checked):
         return None
     # The model object stands for its weights within this process (its LoRAs are params).
     identity = f"{type(model).__qualname__}@{id(model):x}"
     text = json.dumps(
-        {"model": model_name, "weights": identity, "params": plain_params(checked), "output": output},
+        {
+            "principal": principal,
+            "model": model_name,
+            "weights": identity,
+            "params": plain_params(checked),
+            "output": output,
+        },
         sort_keys=True,
         default=repr,
     )

@@ -403,7 +403,7 @@ class Rules(Clients, Dispatch, Preemption, Deadlines, LoadReport):
             model=name if len(self.models) > 1 else None,
         )
         record.session = client.session
-        record.repeat_key = repeat_key(name, model, checked, output.wire())
+        record.repeat_key = repeat_key(principal.key, name, model, checked, output.wire())
         if msg.webhook is not None and self.webhooks is not None and self.shell is not None:
             # (_admit_cheap admitted it.) Told of its progress and its end by the record.
             record.webhook = WebhookState(

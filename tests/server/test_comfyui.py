@@ -471,3 +471,32 @@ def test_ksampler_advanced_over_all_steps_makes_the_ksamplers_image(server: Any)
     assert results[0][8:] == results[1][8:]
     refused = post(server, advanced(txt2img(), end_at_step=1)).json()
     assert refused["node_errors"]["3"]["errors"][0]["extra_info"] == {"input_name": "end_at_step"}
+
+
+def test_comfy_api_simplified_and_a_raw_socket_against_a_real_omni_stream_serve(tmp_path: Path) -> None:
+    """The command users run, in its own process, a saved pipeline: ComfyUI's client queues the
+    default workflow and gets the image our own door makes; a raw socket hears every step."""
+    import signal
+    from types import SimpleNamespace
+
+    from .test_serve import omni_stream_serve
+
+    pipe = sd.text_sd_pipe(tmp_path)
+    pipe.save_pretrained(tmp_path / "sd")
+    with omni_stream_serve("--model", f"sd=diffusers:{tmp_path / 'sd'}", "--device", "cpu") as (proc, _, url):
+        served = SimpleNamespace(http_url=url, url=url.replace("http://", "ws://") + "/ws")
+        api = simplified.ComfyApiWrapper(url)
+        prompt_id, _ = asyncio.run(api.queue_prompt_and_wait(simplified.ComfyWorkflowWrapper(txt2img())))
+        [saved] = api.get_history(prompt_id)[prompt_id]["outputs"]["9"]["images"]
+        png = api.get_image(saved["filename"], saved["subfolder"], saved["type"])
+        with connect(ws_url(served, "raw-real"), open_timeout=20) as ws:
+            ws.recv(timeout=20)  # status
+            reply = post(served, txt2img(steps=4, seed=9), client_id="raw-real")
+            frames = listen(ws, reply.json()["prompt_id"])
+        expected = ours(served, "sd", PARAMS)
+        proc.send_signal(signal.SIGTERM)
+        assert proc.wait(timeout=60) == 0
+    assert pixels(png) == expected
+    steps = [f["data"]["value"] for f in frames if isinstance(f, dict) and f["type"] == "progress"]
+    assert steps[-1] == 4 and steps == sorted(steps)  # (latest-wins: a busy reader may miss one)
+    assert any(isinstance(f, bytes) and struct.unpack(">II", f[:8]) == (1, 2) for f in frames)  # the PNG

@@ -75,9 +75,15 @@ async def test_an_exact_repeat_is_served_from_the_result_without_a_step() -> Non
         before = len(calls)
         msgs, _ = await _run(ws, "named", dict(FLUX, seed=drawn[0]["seed"]))
         assert msgs[-1].get("repeat") is True and len(calls) == before
+        # Another client's identical request runs: a principal repeats only its own (a quick
+        # answer would tell it what another had asked for).
+        async with connect(server.url, max_size=None) as stranger:
+            before = len(calls)
+            msgs, theirs = await _run(stranger, "theirs", dict(FLUX, seed=5))
+        assert "repeat" not in msgs[-1] and len(calls) > before and theirs == made
         assert server.service.rules.repeats.hits == 2
         metrics = server.service.rules.metrics.render().decode()
-        assert 'omni_stream_requests_total{model="diffusers",outcome="done"} 8.0' in metrics
+        assert 'omni_stream_requests_total{model="diffusers",outcome="done"} 9.0' in metrics
 
 
 @pytest.mark.asyncio
