@@ -20,9 +20,11 @@ would tell one tenant that another had asked for that very picture.
 
 The results are kept here, by a key over all of that, least recently used
 out first, within ``repeat_cache_bytes`` (a server limit; 0 keeps none),
-for the life of this process (a restart forgets them). Pure bookkeeping:
+in memory. Pure bookkeeping:
 the rules ask :meth:`RepeatBook.find` at admission and call
-:meth:`RepeatBook.keep` when a request ends done.
+:meth:`RepeatBook.keep` when a request ends done; after a restart with
+``--state-dir`` the requests brought back done are kept again
+(:func:`restored_key`), so a repeat survives the restart.
 """
 
 from __future__ import annotations
@@ -37,7 +39,7 @@ from typing import Any
 from .. import protocol
 from ..checkpoint import plain_params
 
-__all__ = ["Kept", "RepeatBook", "repeat_key"]
+__all__ = ["Kept", "RepeatBook", "repeat_key", "restored_key"]
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
@@ -65,20 +67,50 @@ def repeat_key(
     repeatable = getattr(model, "repeatable", None)
     if not callable(repeatable) or not repeatable(checked):
         return None
-    # The model object stands for its weights within this process (its LoRAs are params).
-    identity = f"{type(model).__qualname__}@{id(model):x}"
+    # The model served under that name stands for its weights (its LoRAs are params); after a
+    # restart, the one served then (restored_key).
+    identity = type(model).__qualname__
     text = json.dumps(
         {
             "principal": principal,
             "model": model_name,
             "weights": identity,
-            "params": plain_params(checked),
+            # (Less the engine's "output", which the server sets from the output settings below.)
+            "params": {k: v for k, v in plain_params(checked).items() if k != "output"},
             "output": output,
         },
         sort_keys=True,
         default=repr,
     )
     return hashlib.sha256(text.encode()).hexdigest()
+
+
+def restored_key(
+    principal: str,
+    models: Mapping[str, Any],
+    generate: Mapping[str, Any],
+    accepted: Mapping[str, Any],
+) -> str | None:
+    """The key of a request the state directory brought back done (server/state_restore.py),
+    from what it stored: its ``generate`` message's params, checked again by the model now
+    served under its name, with the seed it ran with (``accepted``'s); None where that model
+    is gone, refuses them now or does not say it repeats. The model now served stands for the
+    one that made the results, as it does for a request resumed from its checkpoint."""
+    if not models:
+        return None
+    name = accepted.get("model") or next(iter(models))
+    model = models.get(name)
+    params = generate.get("params")
+    if model is None or not isinstance(params, Mapping):
+        return None
+    params = dict(params)
+    if isinstance(accepted.get("seed"), int):
+        params["seed"] = accepted["seed"]
+    try:
+        checked = model.validate(params)
+    except Exception:  # noqa: BLE001 - refused now: it is simply not a repeat any more
+        return None
+    return repeat_key(principal, name, model, checked, accepted.get("output"))
 
 
 class RepeatBook:

@@ -29,6 +29,7 @@ from typing import TYPE_CHECKING, Any
 
 from .. import protocol
 from ..core.records import RequestRecord
+from ..core.repeats import restored_key
 from ..core.rules import Client
 from ..engine.like import resumes_from_bytes
 from ..store import RequestEntry
@@ -103,6 +104,18 @@ class Restorer(StateLanes):
                 )
                 continue
             self._keep_notes(entry)
+            if frames and entry.status == "done":
+                # A repeat of it is answered from these results again (core/repeats.py).
+                generate = entry.message.get("generate")
+                key = restored_key(
+                    entry.principal,
+                    self.rules.models,
+                    generate if isinstance(generate, Mapping) else {},
+                    accepted,
+                )
+                if key is not None:
+                    record.repeat_key = key
+                    self.rules.repeats.keep(key, record.total, frames)
             count += 1
         return count
 

@@ -103,3 +103,26 @@ async def test_a_server_may_keep_no_results_and_a_model_says_what_repeats() -> N
     assert sd.repeatable(sd.validate({"seed": 1}))
     assert not sd.repeatable(sd.validate({"seed": 1, "cache": {"results": False}}))
     torch.manual_seed(0)
+
+
+@pytest.mark.asyncio
+async def test_a_repeat_survives_a_restart_with_a_state_dir(tmp_path: Any) -> None:
+    """Over HTTP (the caller's address is its principal, the same after the restart): a done
+    request's repeat, after the server restarts on the same folder, is answered without a run."""
+    import httpx
+
+    body = {"params": dict(FLUX, seed=5)}
+    async with running(flux_model(), state_dir=str(tmp_path)) as server:
+        async with httpx.AsyncClient(base_url=server.http_url, timeout=60) as client:
+            made = await client.post("/v1/generations?wait=true", json=body)
+    assert made.status_code == 200
+    model = flux_model()  # a new process's model: the same weights under the same name
+    calls = []
+    model._denoiser.register_forward_pre_hook(lambda m, a: calls.append(1))
+    async with running(model, state_dir=str(tmp_path)) as server:
+        async with httpx.AsyncClient(base_url=server.http_url, timeout=60) as client:
+            again = await client.post("/v1/generations?wait=true", json=body)
+            other = await client.post("/v1/generations?wait=true", json={"params": dict(FLUX, seed=6)})
+    assert again.status_code == 200 and again.content == made.content
+    assert len(calls) == FLUX["steps"]  # only the other seed ran
+    assert other.status_code == 200 and other.content != made.content
