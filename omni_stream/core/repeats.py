@@ -38,6 +38,7 @@ from typing import Any
 
 from .. import protocol
 from ..checkpoint import plain_params
+from ..errors import CheckpointError
 
 __all__ = ["Kept", "RepeatBook", "repeat_key", "restored_key"]
 
@@ -70,17 +71,22 @@ def repeat_key(
     # The model served under that name stands for its weights (its LoRAs are params); after a
     # restart, the one served then (restored_key).
     identity = type(model).__qualname__
+    try:
+        # (Less the engine's "output", which the server sets from the output settings below.)
+        params = {k: v for k, v in plain_params(checked).items() if k != "output"}
+    except CheckpointError:
+        # A value JSON cannot hold (a decoded input image): no key that would ever match again
+        # (a repr would name the object's address) is better than one kept for nothing.
+        return None
     text = json.dumps(
         {
             "principal": principal,
             "model": model_name,
             "weights": identity,
-            # (Less the engine's "output", which the server sets from the output settings below.)
-            "params": {k: v for k, v in plain_params(checked).items() if k != "output"},
+            "params": params,
             "output": output,
         },
         sort_keys=True,
-        default=repr,
     )
     return hashlib.sha256(text.encode()).hexdigest()
 

@@ -126,3 +126,15 @@ async def test_a_repeat_survives_a_restart_with_a_state_dir(tmp_path: Any) -> No
     assert again.status_code == 200 and again.content == made.content
     assert len(calls) == FLUX["steps"]  # only the other seed ran
     assert other.status_code == 200 and other.content != made.content
+
+
+def test_a_request_holding_a_value_json_cannot_hold_has_no_key() -> None:
+    from omni_stream.core.repeats import repeat_key
+
+    class Always:
+        def repeatable(self, params: Any) -> bool:
+            return True
+
+    assert repeat_key("p", "m", Always(), {"seed": 1}, {"format": "png"}) is not None
+    # A decoded input image: never keyed (a repr would never match again), never an error.
+    assert repeat_key("p", "m", Always(), {"seed": 1, "image": object()}, {"format": "png"}) is None
