@@ -35,9 +35,26 @@ side by side in one run, its variants interleaved and each warmed up first:
   unload seconds and a request with a switch against one without. For both:
   ``pause_to_host_ms``, a request's ``model.snapshot`` (to the host) and
   ``model.restore`` (back) after two steps, and the checkpoint's bytes.
+* ``diffusers_flux_cache_*`` (issue #35; ``--only cache`` for these alone):
+  the same random Flux, ``--cache-steps`` (28) steps at ``--cache-size``
+  (1024) px through the engine, latents out, per-request ``cache`` param:
+  ``fbcache`` at 0.2 and 0.35 and ``taylorseer`` (diffusers'
+  TaylorSeerCacheConfig defaults) against ``none``, one request at a time,
+  settings interleaved: wall seconds, speed-up against ``none``, the share
+  of steps that reused the cache (the frames' ``timings.cached``), and the
+  final latents' PSNR against the uncached run of the same seed. Then the
+  four together (one per setting) against the same four one after another.
+  A method the model's ``cache`` param does not offer is a row saying so.
+  Random weights: the speed of the mechanics only (a random transformer's
+  residuals move more than a trained one's, so fbcache reuses less than it
+  would), and the PSNR is no quality figure: quality needs real weights.
+  ``--cache-reps`` (1: single samples, to stay within ``--cache-budget-s``,
+  90 s, on an H200; the mixed batch is skipped, saying why, when the alone
+  rows say it would not fit).
 
-``--dry-run`` runs the diffusers rows on the CPU with toy sizes (no CUDA
-needed): a check that the code runs, not a measurement.
+``--dry-run`` runs the diffusers rows (the cache rows at 32 px, 6 steps) on
+the CPU with toy sizes (no CUDA needed): a check that the code runs, not a
+measurement.
 """
 
 from __future__ import annotations
@@ -58,7 +75,6 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import omni_stream as om  # noqa: E402
-
 
 # -- diffusers: SD- and Flux-sized random-weight pipelines, TAESD previews on vs off --
 
@@ -343,8 +359,10 @@ def bench_batching(case: dict, device: torch.device, reps: int, count: int = 4) 
     med = {k: statistics.median(v) for k, v in samples.items()}
     diff = max(float((a.float() - b.float()).abs().max())
                for a, b in zip(finals["batched"], finals["unbatched"], strict=True))
-    return {"figure": f"diffusers_{name}_batched{count}_vs_unbatched", "value": med["unbatched"] / med["batched"],
-            "target": "-", **{f"{k}_s": v for k, v in med.items()}, "max_abs_latent_diff": diff,
+    return {"figure": f"diffusers_{name}_batched{count}_vs_unbatched",
+            "value": med["unbatched"] / med["batched"], "target": "-",
+            **{f"{k}_s": v for k, v in med.items()},
+            "max_abs_latent_diff": diff,
             "max_batch_size": models["batched"].max_batch_size, "samples_s": samples}
 
 
@@ -377,8 +395,9 @@ def bench_pause_to_host(case: dict, device: torch.device, reps: int) -> dict:
         restore_ms.append((t2 - t1) * 1e3)
     model.close(state)
     assert checkpoint is not None
-    return {"figure": f"diffusers_{name}_pause_to_host_ms", "value": statistics.median(snap_ms), "target": "-",
-            "snapshot_ms": statistics.median(snap_ms), "restore_ms": statistics.median(restore_ms),
+    return {"figure": f"diffusers_{name}_pause_to_host_ms", "value": statistics.median(snap_ms),
+            "target": "-", "snapshot_ms": statistics.median(snap_ms),
+            "restore_ms": statistics.median(restore_ms),
             "checkpoint_bytes": len(checkpoint.to_bytes())}
 
 
@@ -420,10 +439,199 @@ def bench_model_switch(case: dict, device: torch.device, reps: int) -> dict:
     med = {k: statistics.median(v) for k, v in samples.items()}
     load_s = statistics.median(t[m][0] for t in loads for m in ("a", "b") if t[m][0] > 0)
     unload_s = statistics.median(t[m][1] for t in loads for m in ("a", "b") if t[m][1] > 0)
-    del models, other
+    models.clear()  # the copy's memory back before the next case (not del: measure() reads the name)
+    del other
     return {"figure": f"diffusers_{name}_model_switch", "value": med["switch"] / med["stay"], "target": "-",
             "stay_s": med["stay"], "switch_s": med["switch"], "load_s": load_s, "unload_s": unload_s,
             "samples_s": samples}
+
+
+# -- step caching per request (issue #35): Flux-sized, cached against uncached --
+
+#: (row name, the request's ``cache`` param); taylorseer: diffusers' TaylorSeerCacheConfig
+#: defaults (interval 5, warmup 3, order 1) are the param's.
+CACHE_SETTINGS: tuple[tuple[str, dict], ...] = (
+    ("none", {"method": "none"}),
+    ("fbcache_0.2", {"method": "fbcache", "threshold": 0.2}),
+    ("fbcache_0.35", {"method": "fbcache", "threshold": 0.35}),
+    ("taylorseer", {"method": "taylorseer"}),
+)
+NOT_QUALITY = "random weights: not a quality figure"
+#: The mixed batch costs about twice the alone rows (apart: their sum; together: at most it).
+MIXED_COST = 2.0
+
+
+def cache_methods(model) -> tuple[str, ...]:
+    """The step-caching methods ``model`` offers: its ``cache`` param's ``method`` choices."""
+    for param in getattr(model, "params", ()):
+        if param.name == "cache":
+            for field in param.fields:
+                if field.name == "method":
+                    return tuple(field.choices or (field.default,))
+    return ()
+
+
+def _latent_psnr(latents: torch.Tensor, reference: torch.Tensor) -> float:
+    """dB, the peak being the reference's range (latents have no fixed one); inf when equal."""
+    a, b = latents.float(), reference.float()
+    mse = float(((a - b) ** 2).mean())
+    peak = float(b.max() - b.min())
+    return math.inf if mse == 0 else 10 * math.log10(peak**2 / mse)
+
+
+async def _drain(engine, params: dict) -> dict:
+    """One request read to its end, every frame: its reused steps, frames, batch sizes, result."""
+    reused = frames = batch = 0
+    final = None
+    async with engine.stream(params, policy="all") as s:
+        async for frame in s:
+            frames += 1
+            reused += int(frame.timings.cached)
+            batch = max(batch, frame.timings.batch_size)
+            if frame.final:
+                final = frame.data
+    assert final is not None and frames == params["steps"], f"{frames} frames for {params['steps']} steps"
+    return {"reused": reused, "frames": frames, "batch": batch, "final": final}
+
+
+def bench_step_cache(case: dict, device: torch.device, *, steps: int, size: int, reps: int,
+                     budget_s: float) -> list[dict]:
+    """The ``cache`` settings against ``none`` alone, then one request of each together against
+    the four one after another (module docstring). A row per setting, skipped ones saying why."""
+    from omni_stream.models.diffusers import Diffusers, PromptEmbeddings
+
+    pipe = case["pipe"]
+    embeddings = PromptEmbeddings(**case["embeddings"])
+    model = Diffusers(pipe, encode_prompt=lambda prompt, negative: embeddings)
+    offered = cache_methods(model)
+    settings = {name: cache for name, cache in CACHE_SETTINGS if cache["method"] in offered}
+    skipped = {
+        name: f"the model's cache param offers {', '.join(offered) or 'nothing'}, not {cache['method']}"
+        for name, cache in CACHE_SETTINGS if name not in settings
+    }
+    for name, why in skipped.items():
+        print(f"  flux cache {name}: skipped: {why}", flush=True)
+    # One of each setting in the mixed batch; a missing method's place goes to an uncached request.
+    mix_names = [name if name in settings else "none" for name, _ in CACHE_SETTINGS]
+    mix = [settings[name] for name in mix_names]
+
+    def params(cache: dict, seed: int = 0, n: int = steps) -> dict:
+        return dict(case["params"], steps=n, height=size, width=size, seed=seed, output="latent",
+                     cache=cache)
+
+    def cache_of(cache: dict) -> dict:  # the checked param: the method's defaults filled in
+        return model.validate({k: v for k, v in params(cache).items() if k != "output"})["cache"]
+
+    checked = {name: cache_of(cache) for name, cache in settings.items()}
+    walls: dict[str, list[float]] = {name: [] for name in settings}
+    runs: dict[str, dict] = {}
+    mixed: dict[str, list[float]] = {"together": [], "apart": []}
+    mixed_runs: dict[str, list[dict]] = {}
+    why_no_mix = ""
+    t_start = time.perf_counter()
+
+    async def measure() -> None:
+        nonlocal why_no_mix
+        async with om.Engine(model, device=str(device)) as engine:
+            # Untimed: each method's compute and reuse paths, alone and batched (kernels, plans).
+            await asyncio.gather(*(_drain(engine, params(c, i, min(steps, 6))) for i, c in enumerate(mix)))
+            await _drain(engine, params(mix[0], 0, 2))
+            names = list(settings)
+            for rep in range(reps):
+                for name in names if rep % 2 == 0 else names[::-1]:
+                    _sync(device)
+                    t0 = time.perf_counter()
+                    runs[name] = await _drain(engine, params(settings[name]))
+                    walls[name].append(time.perf_counter() - t0)
+                print(f"  flux cache rep {rep + 1}/{reps}: "
+                      + ", ".join(f"{k}={v[-1]:.2f}s" for k, v in walls.items()), flush=True)
+            spent = time.perf_counter() - t_start
+            need = MIXED_COST * reps * sum(statistics.median(walls[name]) for name in mix_names)
+            if spent + need > budget_s:
+                why_no_mix = (f"the alone rows took {spent:.0f} s and the mixed batch would take about "
+                              f"{need:.0f} s more, past --cache-budget-s {budget_s:.0f}")
+                return
+            for rep in range(reps):
+                for kind in (("together", "apart") if rep % 2 == 0 else ("apart", "together")):
+                    _sync(device)
+                    t0 = time.perf_counter()
+                    if kind == "together":
+                        out = await asyncio.gather(*(_drain(engine, params(c, i)) for i, c in enumerate(mix)))
+                    else:
+                        out = [await _drain(engine, params(c, i)) for i, c in enumerate(mix)]
+                    mixed[kind].append(time.perf_counter() - t0)
+                    mixed_runs[kind] = list(out)
+                print(f"  flux cache mixed x{len(mix)} rep {rep + 1}/{reps}: "
+                      + ", ".join(f"{k}={v[-1]:.2f}s" for k, v in mixed.items()), flush=True)
+
+    asyncio.run(measure())
+    base = statistics.median(walls["none"])
+    reference = runs["none"]["final"]
+    # The transformer's sizes; its steps and px here are these rows' own.
+    sizes = {k: v for k, v in case["sizes"].items() if k not in ("px", "steps")}
+    common = {"steps": steps, "px": size, "reps": reps, "sizes": sizes}
+    out: list[dict] = []
+    for name, _ in CACHE_SETTINGS:
+        figure = f"diffusers_flux_cache_{name}"
+        if name in skipped:
+            out.append({"figure": figure, "value": None, "target": "-", "skipped": skipped[name]})
+            continue
+        run, wall = runs[name], statistics.median(walls[name])
+        row = {"figure": figure, "value": base / wall, "target": "-", "wall_s": wall,
+               "reused": run["reused"] / run["frames"], "reused_steps": run["reused"],
+               "cache": checked[name], **common, "samples_s": walls[name]}
+        if name != "none":
+            psnr = _latent_psnr(run["final"], reference)
+            row.update(psnr_db=None if math.isinf(psnr) else psnr, identical_to_none=math.isinf(psnr),
+                       psnr_note=NOT_QUALITY)
+        row["final_nonfinite"] = int(not torch.isfinite(run["final"]).all())
+        out.append(row)
+    figure = f"diffusers_flux_cache_mixed{len(mix)}_together_vs_apart"
+    if why_no_mix:
+        print(f"  flux cache mixed: skipped: {why_no_mix}", flush=True)
+        out.append({"figure": figure, "value": None, "target": "-", "skipped": why_no_mix})
+    else:
+        together, apart = (statistics.median(mixed[k]) for k in ("together", "apart"))
+        diff = max(float((a["final"].float() - b["final"].float()).abs().max())
+                   for a, b in zip(mixed_runs["together"], mixed_runs["apart"], strict=True))
+        runs_t = mixed_runs["together"]
+        reused = sum(r["reused"] for r in runs_t) / sum(r["frames"] for r in runs_t)
+        out.append({"figure": figure, "value": apart / together, "target": "-", "together_s": together,
+                    "apart_s": apart, "reused": reused,
+                    "max_batch": max(r["batch"] for r in runs_t), "max_abs_latent_diff": diff,
+                    "caches": [cache_of(c) for c in mix], **common,
+                    "samples_s": mixed})
+    _print_cache_table(out)
+    return out
+
+
+def _print_cache_table(rows: list[dict]) -> None:
+    first = next((r for r in rows if "steps" in r), None)
+    if first is None:
+        return
+    reps = first["reps"]
+    print(f"flux step caching: random weights {first['sizes'].get('layers')} layers, {first['px']} px, "
+          f"{first['steps']} steps, {reps} rep{'s' * (reps != 1)}"
+          f"{' (single samples, not medians)' if reps == 1 else ' (medians, interleaved)'}: speed only")
+    print(f"| cache | wall | vs none | steps reused | final latents' PSNR vs none ({NOT_QUALITY}) |")
+    print("|---|---|---|---|---|")
+    *alone, mixed = rows
+    for r in alone:
+        name = r["figure"].removeprefix("diffusers_flux_cache_")
+        if "skipped" in r:
+            print(f"| {name} | skipped: {r['skipped']} | | | |")
+            continue
+        psnr = "-" if name == "none" else "identical" if r["identical_to_none"] else f"{r['psnr_db']:.1f} dB"
+        print(f"| {name} | {r['wall_s']:.2f} s | {r['value']:.2f}x | {r['reused']:.0%} | {psnr} |")
+    if "skipped" in mixed:
+        print(f"mixed batch: skipped: {mixed['skipped']}", flush=True)
+        return
+    caches = ", ".join(c["method"] + (f" {c['threshold']}" if c["method"] == "fbcache" else "")
+                       for c in mixed["caches"])
+    print(f"mixed batch ({caches}): together {mixed['together_s']:.2f} s (batches of up to "
+          f"{mixed['max_batch']}), one after another {mixed['apart_s']:.2f} s: {mixed['value']:.2f}x; "
+          f"{mixed['reused']:.0%} of steps reused; largest latent difference together vs apart "
+          f"{mixed['max_abs_latent_diff']:.3g}", flush=True)
 
 
 def bench_diffusers(args, device: torch.device, rows: list[dict]) -> str:
@@ -448,27 +656,39 @@ def bench_diffusers(args, device: torch.device, rows: list[dict]) -> str:
 
 def _bench_diffusers(args, device: torch.device, rows: list[dict]) -> str:
     dry = args.dry_run
+    only_cache = args.only == "cache"
     cases = [
         ("sd15", lambda: _sd15_case(device, torch.float32 if dry else torch.float16, dry,
                                     2 if dry else args.sd_steps), 1 if dry else max(args.reps, 5)),
         ("flux", lambda: _flux_case(device, torch.float32 if dry else torch.bfloat16, dry,
-                                    2 if dry else args.flux_steps, args.flux_layers), 1 if dry else args.reps),
+                                    2 if dry else args.flux_steps, args.flux_layers),
+         1 if dry else args.reps),
     ]
     for name, build, reps in cases:
-        if args.diffusers_models and name not in args.diffusers_models:
+        if (args.diffusers_models and name not in args.diffusers_models) or (only_cache and name != "flux"):
             continue
         t0 = time.perf_counter()
         case = build()
         print(f"  {name}: built {case['sizes']} in {time.perf_counter() - t0:.1f} s", flush=True)
-        rows += bench_diffusers_case(case, device, reps)
-        if name == "sd15":
-            # Batching across requests, on by default: 4 at once, one UNet call a step or four.
-            rows.append(bench_batching(case, device, 1 if dry else 3))
-            # Several models, one on the device at a time: what a switch costs.
-            rows.append(bench_model_switch(case, device, 1 if dry else 2))
-        # A request paused to the host and back (snapshot / restore).
-        rows.append(bench_pause_to_host(case, device, 1 if dry else 5))
-        _print_rows(rows[-5:] if name == "sd15" else rows[-3:])
+        first = len(rows)
+        if not only_cache:
+            rows += bench_diffusers_case(case, device, reps)
+            if name == "sd15":
+                # Batching across requests, on by default: 4 at once, one UNet call a step or four.
+                rows.append(bench_batching(case, device, 1 if dry else 3))
+                # Several models, one on the device at a time: what a switch costs.
+                rows.append(bench_model_switch(case, device, 1 if dry else 2))
+            # A request paused to the host and back (snapshot / restore).
+            rows.append(bench_pause_to_host(case, device, 1 if dry else 5))
+        if name == "flux" and args.cache_steps > 0:
+            # Step caching per request: last, as its block wrappers stay on the transformer.
+            t1 = time.perf_counter()
+            rows += bench_step_cache(
+                case, device, steps=min(args.cache_steps, 6) if dry else args.cache_steps,
+                size=case["params"]["height"] if dry else args.cache_size,
+                reps=1 if dry else args.cache_reps, budget_s=args.cache_budget_s)
+            print(f"  flux cache rows: {time.perf_counter() - t1:.1f} s", flush=True)
+        _print_rows(rows[first:])
         if args.json:
             args.json.write_text(json.dumps({"meta": _meta(device), "figures": rows}, indent=2))
         del case
@@ -492,9 +712,12 @@ def _meta(device: torch.device) -> dict:
 
 def _print_rows(rows: list[dict]) -> None:
     for r in rows:
+        if r.get("skipped"):
+            print(f"{r['figure']:<28} skipped: {r['skipped']}", flush=True)
+            continue
         extra = ", ".join(f"{k}={v:.3g}" if isinstance(v, float) else f"{k}={v}"
                           for k, v in r.items()
-                          if k not in ("figure", "value", "target", "samples_s"))
+                          if k not in ("figure", "value", "target", "samples_s", "cache", "caches"))
         print(f"{r['figure']:<28} {r['value']:.3f}  (target {r['target']})  {extra}", flush=True)
 
 
@@ -507,14 +730,21 @@ def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--json", type=Path)
     ap.add_argument("--reps", type=int, default=3)
-    ap.add_argument("--only", choices=("core", "diffusers", "all"), default="all",
-                    help="core: bandwidth and stream overhead; diffusers: the pipeline rows")
+    ap.add_argument("--only", choices=("core", "diffusers", "cache", "all"), default="all",
+                    help="core: bandwidth and stream overhead; diffusers: the pipeline rows (the cache "
+                         "rows among them); cache: the Flux step-caching rows alone")
     ap.add_argument("--diffusers-models", nargs="+", choices=("sd15", "flux"),
                     help="which diffusers models (default both)")
     ap.add_argument("--flux-layers", type=_layers, default=(19, 38), metavar="DOUBLE,SINGLE",
                     help="Flux transformer depth (default 19,38: Flux.1's)")
     ap.add_argument("--sd-steps", type=int, default=20)
     ap.add_argument("--flux-steps", type=int, default=10)
+    ap.add_argument("--cache-steps", type=int, default=28, help="steps of the cache rows (0: none of them)")
+    ap.add_argument("--cache-size", type=int, default=1024, help="px of the cache rows (default 1024)")
+    ap.add_argument("--cache-reps", type=int, default=1,
+                    help="samples of each cache row (default 1: single samples, to fit the budget)")
+    ap.add_argument("--cache-budget-s", type=float, default=90.0,
+                    help="the mixed-batch cache row is skipped, saying why, when it would end past this")
     ap.add_argument("--dry-run", action="store_true",
                     help="the diffusers rows on the CPU at toy sizes: checks the code runs, measures nothing")
     args = ap.parse_args(argv)
@@ -547,7 +777,7 @@ def main(argv=None) -> int:
             _print_rows(rows[-1:])
             if args.json:
                 args.json.write_text(json.dumps({"meta": _meta(device), "figures": rows}, indent=2))
-    if args.only in ("diffusers", "all"):
+    if args.only in ("diffusers", "cache", "all"):
         why = bench_diffusers(args, device, rows)
         if why:
             print(why, flush=True)

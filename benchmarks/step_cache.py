@@ -1,4 +1,4 @@
-"""Step caching on the CPU: First-Block Cache against none, alone and in a mixed batch (issue #35).
+"""Step caching on the CPU: First-Block Cache, TeaCache, TaylorSeer against none, alone and mixed (issue #35).
 
 A random-weight Flux transformer built from a config (no download), larger
 than the tests' so the transformer is most of a step: 2 double and 6 single
@@ -6,16 +6,18 @@ blocks, 4 heads of 32 (width 128), 128x128 px (1024 latent tokens), 28
 steps, one torch thread, the native loop (``FluxDiffusers``) driven
 directly (``model.step``), no server.
 
-1. Alone, per threshold (none, then ``fbcache`` at 0.2, 0.35, 0.5, 1.0): the
-   wall time of the 28 steps (the median of ``reps``, thresholds
-   interleaved), the share of steps that reused the cache, and the PSNR of
+1. Alone, per setting (none; ``fbcache`` at 0.2, 0.35, 0.5, 1.0; ``teacache``
+   at 0.25, 0.4, 0.6, 0.8; ``taylorseer`` at diffusers' defaults, interval 5,
+   warmup 3, order 1, and at interval 3): the wall time of the 28 steps (the
+   median of ``reps``, settings interleaved), the share of steps that reused
+   or forecast, and the PSNR of
    the final image (the VAE's decode, in [0, 1]) against the uncached
    run's. Random weights: the PSNR says how far caching moved *these*
    latents, not how a real model's picture looks; quality needs real
    weights.
-2. A mixed batch: four requests (two at ``fbcache`` 0.5, two uncached) run
-   together, batched, against the same four run one after another alone:
-   the ratio of the wall times.
+2. A mixed batch: four requests (uncached, ``fbcache`` 0.5, ``teacache``
+   0.6, ``taylorseer``) run together, batched, against the same four run one
+   after another alone: the ratio of the wall times.
 
 ``python -m benchmarks.step_cache [--reps N] [--steps N]`` runs it standalone.
 """
@@ -34,7 +36,15 @@ import torch
 
 __all__ = ["measure"]
 
-THRESHOLDS = (None, 0.2, 0.35, 0.5, 1.0)
+#: Each setting by its name in the table: its ``cache`` param.
+SETTINGS: dict[str, dict[str, Any]] = {
+    "none": {"method": "none"},
+    **{f"fbcache {t}": {"method": "fbcache", "threshold": t} for t in (0.2, 0.35, 0.5, 1.0)},
+    **{f"teacache {t}": {"method": "teacache", "rel_l1": t} for t in (0.25, 0.4, 0.6, 0.8)},
+    "taylorseer": {"method": "taylorseer"},
+    "taylorseer interval 3": {"method": "taylorseer", "interval": 3},
+}
+MIXED = ("none", "fbcache 0.5", "teacache 0.6", "taylorseer")
 SIZE = 128
 
 
@@ -70,10 +80,9 @@ def _model(max_batch_size: int = 8) -> Any:
     return Diffusers(pipe, encode_prompt=encode, max_batch_size=max_batch_size)
 
 
-def _params(model: Any, threshold: float | None, steps: int, seed: int = 7) -> Any:
-    cache = {"method": "none"} if threshold is None else {"method": "fbcache", "threshold": threshold}
+def _params(model: Any, setting: str, steps: int, seed: int = 7) -> Any:
     return model.validate({"prompt": "a lighthouse at dusk", "steps": steps, "seed": seed,
-                           "height": SIZE, "width": SIZE, "cache": cache})
+                           "height": SIZE, "width": SIZE, "cache": SETTINGS[setting]})
 
 
 def _run_alone(model: Any, params: Any) -> tuple[float, Any, torch.Tensor]:
@@ -101,29 +110,30 @@ def _image(model: Any, latents: torch.Tensor) -> torch.Tensor:
 def measure(*, reps: int = 3, steps: int = 28, log: Any = print) -> dict[str, Any]:
     torch.set_num_threads(1)
     model = _model()
-    walls: dict[float | None, list[float]] = {t: [] for t in THRESHOLDS}
-    skips: dict[float | None, float] = {}
-    finals: dict[float | None, torch.Tensor] = {}
+    names = list(SETTINGS)
+    walls: dict[str, list[float]] = {t: [] for t in names}
+    skips: dict[str, float] = {}
+    finals: dict[str, torch.Tensor] = {}
     for rep in range(reps):
-        order = THRESHOLDS if rep % 2 == 0 else THRESHOLDS[::-1]
+        order = names if rep % 2 == 0 else names[::-1]
         for t in order:
             wall, cache, frame = _run_alone(model, _params(model, t, steps))
             walls[t].append(wall)
             skips[t] = 0.0 if cache is None else cache.cached / (cache.cached + cache.computed)
             finals[t] = frame
-        log(f"  rep {rep + 1}/{reps}: " + ", ".join(f"{t}={walls[t][-1]:.2f}s" for t in THRESHOLDS))
-    reference = _image(model, finals[None])
+        log(f"  rep {rep + 1}/{reps}: " + ", ".join(f"{t}={walls[t][-1]:.2f}s" for t in names))
+    reference = _image(model, finals["none"])
     alone = {
-        str(t): {
+        t: {
             "wall_s": statistics.median(walls[t]),
-            "speedup": statistics.median(walls[None]) / statistics.median(walls[t]),
+            "speedup": statistics.median(walls["none"]) / statistics.median(walls[t]),
             "skip_rate": skips[t],
             "psnr_db": _psnr(_image(model, finals[t]), reference),
         }
-        for t in THRESHOLDS
+        for t in names
     }
     # A mixed batch against the same requests apart.
-    mix = [0.5, None, 0.5, None]
+    mix = MIXED
     batched, apart = [], []
     for rep in range(reps):
         for kind in (("batched", "apart") if rep % 2 == 0 else ("apart", "batched")):
@@ -157,12 +167,11 @@ def main(argv: Sequence[str] | None = None) -> int:
     print(f"step_cache: Flux-shaped random transformer, {SIZE}x{SIZE} px, {out['steps']} steps, one thread")
     print("| cache | wall time (median) | vs none | steps reused | PSNR vs none |")
     print("|---|---|---|---|---|")
-    for t, row in out["alone"].items():
-        name = "none" if t == "None" else f"fbcache {t}"
+    for name, row in out["alone"].items():
         psnr = "identical" if math.isinf(row["psnr_db"]) else f"{row['psnr_db']:.1f} dB"
         print(f"| {name} | {row['wall_s']:.2f} s | {row['speedup']:.2f}x | {row['skip_rate']:.0%} | {psnr} |")
     m = out["mixed"]
-    print(f"mixed batch (2 at fbcache 0.5, 2 uncached): batched {m['batched_s']:.2f} s, "
+    print(f"mixed batch ({', '.join(MIXED)}): batched {m['batched_s']:.2f} s, "
           f"apart {m['apart_s']:.2f} s: {m['speedup']:.2f}x")
     return 0
 

@@ -97,9 +97,37 @@ def test_gpu_bench_diffusers_rows_run_on_the_cpu_at_toy_sizes(tmp_path, capsys):
         "diffusers_flux_taesd_on_vs_off",
         "diffusers_flux_stream_vs_pipe",
         "diffusers_flux_pause_to_host_ms",
+        "diffusers_flux_cache_none",
+        "diffusers_flux_cache_fbcache_0.2",
+        "diffusers_flux_cache_fbcache_0.35",
+        "diffusers_flux_cache_taylorseer",
+        "diffusers_flux_cache_mixed4_together_vs_apart",
     ]
-    assert all(math.isfinite(r["value"]) and r["value"] > 0 for r in rows)
-    assert "diffusers_flux_taesd_on_vs_off" in capsys.readouterr().out
+    assert all(math.isfinite(r["value"]) and r["value"] > 0 for r in rows if not r.get("skipped"))
+    cache = {r["figure"].removeprefix("diffusers_flux_cache_"): r for r in rows if "_cache_" in r["figure"]}
+    # A method the model does not offer yet is a row saying so; the others ran, 6 steps each.
+    assert {name for name, r in cache.items() if r.get("skipped")} <= {"taylorseer"}
+    assert cache["none"]["reused"] == 0 and cache["fbcache_0.2"]["steps"] == 6
+    assert cache["fbcache_0.2"]["psnr_note"] == "random weights: not a quality figure"
+    assert cache["mixed4_together_vs_apart"]["max_batch"] > 1
+    out = capsys.readouterr().out
+    assert "diffusers_flux_taesd_on_vs_off" in out and "random weights: not a quality figure" in out
+
+
+def test_gpu_bench_cache_rows_skip_a_method_the_model_does_not_offer(tmp_path, monkeypatch, capsys):
+    pytest.importorskip("diffusers")
+    from benchmarks import gpu_bench
+
+    monkeypatch.setattr(gpu_bench, "cache_methods", lambda model: ("none", "fbcache"))
+    out = tmp_path / "gpu.json"
+    assert gpu_bench.main(["--dry-run", "--only", "cache", "--cache-steps", "2", "--json", str(out)]) == 0
+    rows = {r["figure"]: r for r in json.loads(out.read_text())["figures"]}
+    assert rows["diffusers_flux_cache_taylorseer"]["value"] is None
+    assert "not taylorseer" in rows["diffusers_flux_cache_taylorseer"]["skipped"]
+    # Its place in the mixed batch goes to an uncached request.
+    assert [c["method"] for c in rows["diffusers_flux_cache_mixed4_together_vs_apart"]["caches"]] == [
+        "none", "fbcache", "fbcache", "none"]
+    assert "taylorseer: skipped" in capsys.readouterr().out
 
 
 def test_a_failing_figure_is_reported_and_the_others_still_run(monkeypatch):

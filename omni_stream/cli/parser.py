@@ -52,15 +52,35 @@ class _DefaultsFormatter(argparse.HelpFormatter):
         return f"{text} (default: %(default)s)"
 
 
+#: The knob ``--cache METHOD:NUMBER`` sets, per method.
+_CACHE_KNOB = {"fbcache": "threshold", "teacache": "rel_l1"}
+
+
 def _cache_spec(text: str) -> dict[str, object]:
-    """``--cache``'s ``METHOD[:THRESHOLD]`` as the ``cache`` param's value."""
-    method, _, threshold = text.partition(":")
+    """``--cache``'s ``METHOD[:NUMBER]`` or ``METHOD:KNOB=V[,KNOB=V...]`` as the ``cache`` param's
+    value (NUMBER: fbcache's threshold, teacache's rel_l1); the model checks the knobs."""
+    method, _, rest = text.partition(":")
     out: dict[str, object] = {"method": method}
-    if threshold:
+    if not rest:
+        return out
+    if "=" not in rest:
+        knob = _CACHE_KNOB.get(method)
+        if knob is None:
+            raise argparse.ArgumentTypeError(
+                f"{method!r} takes no bare number; name its knobs, as taylorseer:interval=5,warmup=3,order=1"
+            )
+        rest = f"{knob}={rest}"
+    for pair in rest.split(","):
+        name, eq, value = pair.partition("=")
+        if not eq or not name.strip():
+            raise argparse.ArgumentTypeError(f"{pair!r} is not KNOB=VALUE")
         try:
-            out["threshold"] = float(threshold)
+            number = float(value)
         except ValueError:
-            raise argparse.ArgumentTypeError(f"threshold {threshold!r} is not a number") from None
+            raise argparse.ArgumentTypeError(f"{name.strip()}: {value!r} is not a number") from None
+        out[name.strip()] = (
+            int(number) if number.is_integer() and name.strip() in ("interval", "warmup", "order") else number
+        )
     return out
 
 
@@ -340,11 +360,12 @@ def build_parser() -> argparse.ArgumentParser:
     srv.add_argument(
         "--cache",
         type=_cache_spec,
-        metavar="METHOD[:THRESHOLD]",
+        metavar="METHOD[:KNOBS]",
         default=None,
-        help="the default step caching of requests that name none: none, or fbcache[:T] "
-        "(First-Block Cache at threshold T, default 0.05), on the models that can use it "
-        "(diffusers Flux and SD3 native loops); a request's own cache param wins",
+        help="the default step caching of requests that name none: none, fbcache[:T] (First-Block "
+        "Cache at threshold T, default 0.05), teacache[:R] (TeaCache at rel_l1 R, default 0.4; Flux) "
+        "or taylorseer[:interval=5,warmup=3,order=1], on the models that can use it (diffusers Flux "
+        "and SD3 native loops); a request's own cache param wins",
     )
     srv.add_argument(
         "--no-batch",

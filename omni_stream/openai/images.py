@@ -343,12 +343,22 @@ def images_response(request: ImagesRequest, images: Sequence[bytes | str], *, cr
 
 
 def partial_event(
-    kind: str, request: ImagesRequest, image: bytes, *, index: int, image_index: int, created_at: int
+    kind: str,
+    request: ImagesRequest,
+    image: bytes,
+    *,
+    index: int,
+    image_index: int,
+    created_at: int,
+    cached: bool = False,
 ) -> dict[str, Any]:
     """``{kind}.partial_image`` (``kind``: ``image_generation`` or ``image_edit``);
-    ``image_index`` (ours) says which of ``n`` images it is."""
+    ``image_index`` (ours) says which of ``n`` images it is, ``cached`` (ours, present only when
+    true) that its step reused the request's step cache."""
     event = _event(f"{kind}.partial_image", request, image, image_index=image_index, created_at=created_at)
     event["partial_image_index"] = index
+    if cached:
+        event["cached"] = True
     return event
 
 

@@ -424,9 +424,15 @@ class _ImageEvents:
         self._created = created
         self._record = record
         self._partials = 0
+        #: The steps whose progress said they reused the step cache (a partial image of one says so).
+        self._cached_steps: set[int] = set()
 
     async def __call__(self, item: OutboxItem) -> bytes | None:
         message = item.message
+        if isinstance(message, protocol.Progress):
+            if message.cached:
+                self._cached_steps.add(message.step)
+            return None
         if isinstance(message, protocol.Preview):
             header = message.header
             if header.final:
@@ -450,7 +456,13 @@ class _ImageEvents:
                 _sse(
                     f"{self._kind}.partial_image",
                     oi.partial_event(
-                        self._kind, self._req, part, index=index, image_index=i, created_at=self._created
+                        self._kind,
+                        self._req,
+                        part,
+                        index=index,
+                        image_index=i,
+                        created_at=self._created,
+                        cached=header.step in self._cached_steps,
                     ),
                 )
                 for i, part in enumerate(parts)
@@ -458,7 +470,7 @@ class _ImageEvents:
         if isinstance(message, (protocol.ErrorMessage, protocol.Cancelled)):
             error = _ended_error(self._record, message)
             return _sse("error", {"type": "error", **error.body()})
-        return None  # accepted, progress, loading, done: nothing OpenAI streams
+        return None  # accepted, loading, done: nothing OpenAI streams
 
 
 def _partials(preview: protocol.Preview, req: oi.ImagesRequest, size: tuple[int, int] | None) -> list[bytes]:

@@ -121,13 +121,8 @@ def test_batched_requests_decide_alone_and_match_their_solo_runs(make: Any, raw:
     assert states[0].cache is None and states[2].cache.cached > states[1].cache.cached
 
 
-def test_a_failed_step_and_a_snapshot_keep_the_cache() -> None:
-    model = flux_model(max_batch_size=4)
-    raw = dict(FLUX, cache=fbc(0.3))
-    want, _ = solo(model, raw)
-    state = model.start(model.validate(raw), CPU)
-    got = [model.step([state])[0] for _ in range(3)]
-    # A step that fails after the transformer ran is undone, its cache included.
+def fail_one_step(model: Any, state: Any) -> None:
+    """A step of ``state`` that fails after the transformer ran: undone, its cache included."""
     real_step = state.scheduler.step
 
     def fail_once(*args: Any, **kwargs: Any) -> Any:
@@ -138,6 +133,15 @@ def test_a_failed_step_and_a_snapshot_keep_the_cache() -> None:
     with pytest.raises(RuntimeError, match="simulated"):
         model.step([state])
     vars(state.scheduler).pop("step")  # (the rollback put the stand-in back: the class's again)
+
+
+def test_a_failed_step_and_a_snapshot_keep_the_cache() -> None:
+    model = flux_model(max_batch_size=4)
+    raw = dict(FLUX, cache=fbc(0.3))
+    want, _ = solo(model, raw)
+    state = model.start(model.validate(raw), CPU)
+    got = [model.step([state])[0] for _ in range(3)]
+    fail_one_step(model, state)
     # Snapshot, restore into a new state, go on: the uninterrupted run's frames.
     resumed = model.restore(model.snapshot(state), CPU)
     assert (resumed.cache.computed, resumed.cache.cached) == (state.cache.computed, state.cache.cached)
@@ -148,9 +152,11 @@ def test_a_failed_step_and_a_snapshot_keep_the_cache() -> None:
 def test_the_cache_param_is_checked_and_listed() -> None:
     model = flux_model()
     checked = model.validate(dict(FLUX, cache={"method": "fbcache"}))
-    assert checked["cache"] == {"method": "fbcache", "threshold": 0.05, "results": True}
-    assert model.validate(FLUX)["cache"] == {"method": "none", "threshold": 0.05, "results": True}
-    for bad, field in [({"method": "teacache"}, "cache.method"), ({"threshold": -1}, "cache.threshold"),
+    knobs = {"threshold": 0.05, "rel_l1": 0.4, "interval": 5, "warmup": 3, "order": 1, "results": True}
+    assert checked["cache"] == {"method": "fbcache", **knobs}
+    assert model.validate(FLUX)["cache"] == {"method": "none", **knobs}
+    for bad, field in [({"method": "magcache"}, "cache.method"), ({"threshold": -1}, "cache.threshold"),
+                       ({"interval": 0}, "cache.interval"), ({"order": 4}, "cache.order"),
                        ({"ratio": 1}, "cache.ratio"), ("fbcache", "cache")]:
         with pytest.raises(ParamsError) as info:
             model.validate(dict(FLUX, cache=bad))
@@ -158,8 +164,10 @@ def test_the_cache_param_is_checked_and_listed() -> None:
     from omni_stream.params import describe
 
     row = next(r for r in describe(model.params) if r["name"] == "cache")
-    assert [f["name"] for f in row["fields"]] == ["method", "threshold", "results"]
-    assert row["fields"][0]["choices"] == ["none", "fbcache"]
+    assert [f["name"] for f in row["fields"]] == [
+        "method", "threshold", "rel_l1", "interval", "warmup", "order", "results"
+    ]
+    assert row["fields"][0]["choices"] == ["none", "fbcache", "teacache", "taylorseer"]
 
 
 def test_a_unet_model_says_why_it_cannot_cache() -> None:
@@ -177,7 +185,7 @@ def test_serve_cache_sets_the_default_of_the_models_that_can_cache() -> None:
     ModelLoader.of("flux", cache={"method": "fbcache", "threshold": 0.2})._default_cache(
         model, {"method": "fbcache", "threshold": 0.2}
     )
-    assert model.validate(FLUX)["cache"] == {"method": "fbcache", "threshold": 0.2, "results": True}
+    assert model.validate(FLUX)["cache"]["threshold"] == 0.2
     assert model.validate(dict(FLUX, cache={"method": "none"}))["cache"]["method"] == "none"  # its own wins
     # The only model, or a bad value: an error naming why; one of several: passed over.
     unet = Diffusers(sd_pipe(), encode_prompt=sd_embeddings)
@@ -240,4 +248,13 @@ async def test_each_step_says_whether_it_reused_the_cache() -> None:
             if msg.get("type") in ("done", "error", "cancelled"):
                 assert msg["type"] == "done", msg
                 break
+        # The OpenAI SDK's partial images say it too (ours, beside OpenAI's fields: present when true).
+        openai = pytest.importorskip("openai")
+        client = openai.AsyncOpenAI(base_url=server.http_url + "/v1", api_key="unused", max_retries=0)
+        stream = await client.images.generate(
+            prompt="a cat", size="16x16", stream=True, partial_images=3,
+            extra_body={k: v for k, v in params.items() if k not in ("prompt", "height", "width")},
+        )
+        partials = [e for e in [event async for event in stream] if e.type.endswith("partial_image")]
     assert any(said.values()) and all(flag == flags[step - 1] for step, flag in said.items())
+    assert partials and any((e.model_extra or {}).get("cached") for e in partials)

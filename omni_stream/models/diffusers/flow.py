@@ -43,7 +43,8 @@ class FlowDiffusers(NativeDiffusers[CondT]):
     #: The name errors give this pipeline ("SD3", "Flux").
     label = "flow-matching"
     sampler_table = samplers.FLOW
-    cache_methods = step_cache.METHODS
+    cache_methods: tuple[str, ...] = step_cache.METHODS
+    cache_why_not = ""
 
     # Bound by the adapter's _import_helpers, from its own pipeline module.
     _calculate_shift: Callable[..., float]

@@ -25,7 +25,8 @@ why). The loop is :mod:`.native`'s; what Flux shares with SD3 is
 negative prompt (``true_cfg_scale``), IP-Adapter, custom sigmas,
 ``joint_attention_kwargs`` and diffusers' cache hooks (their per-run state
 cannot be shared by interleaved requests: the ``cache`` param is First-Block
-Cache per request, :mod:`.step_cache`); use callback mode for those.
+Cache, TeaCache and TaylorSeer per request, :mod:`.step_cache`); use callback
+mode for those.
 """
 
 from __future__ import annotations

@@ -76,7 +76,7 @@ from .loop import (
     with_defaults,
 )
 from .loras import LoraBank, LoraSet, check_request_loras, split_loras
-from .step_cache import BlockCache, FirstBlockState, cache_param, state_for
+from .step_cache import CacheState, StepCache, cache_param, rebuilt, state_for
 
 __all__ = ["DEFAULT_MAX_BATCH", "NativeDiffusers", "NativeState", "TextConditioning"]
 
@@ -124,7 +124,7 @@ class NativeState(Generic[CondT]):
     done: int = 0  # steps completed
     images: int = 1  # num_images: rows of latents
     #: Its step cache (params' ``cache``: step_cache.py), None without one.
-    cache: FirstBlockState | None = None
+    cache: CacheState | None = None
 
     @property
     def rows(self) -> int:
@@ -254,7 +254,7 @@ class NativeDiffusers(Diffusers, Generic[CondT]):
         self.params = with_defaults(self._declare(), defaults, self.name)
         self._timestep_counts: dict[tuple[str, int], int] = {}
         # The denoiser's blocks, wrapped for step caching once a request asks for it.
-        self._block_cache: BlockCache | None = None
+        self._step_cache: StepCache | None = None
         #: Steps of requests that cache, computed in full and reused (/metrics reads them).
         self.step_cache_totals = {"computed": 0, "cached": 0}
 
@@ -330,7 +330,7 @@ class NativeDiffusers(Diffusers, Generic[CondT]):
                 choices=self.sampler_names,
             ),
             *self._sampler_params(),
-            cache_param(self.cache_methods, "" if len(self.cache_methods) > 1 else self.cache_why_not),
+            cache_param(self.cache_methods, self.cache_why_not),
         ]
 
     def validate(self, params: Mapping[str, Any] | None) -> dict[str, Any]:
@@ -447,9 +447,10 @@ class NativeDiffusers(Diffusers, Generic[CondT]):
             shape = (images, self._channels, *self._latent_size(height, width))
             noise = self._randn_tensor(shape, generator=generator, device=device, dtype=dtype)
             latents = self._initial_latents(noise, scheduler, height, width)
+        total = len(scheduler.timesteps)
         return NativeState(
             params=params,
-            total=len(scheduler.timesteps),
+            total=total,
             scheduler=scheduler,
             generator=generator,
             latents=latents,
@@ -457,7 +458,7 @@ class NativeDiffusers(Diffusers, Generic[CondT]):
             guided=guided,
             step_kwargs=self._step_kwargs(params, generator, signature_params(scheduler.step)),
             images=images,
-            cache=state_for(params),
+            cache=state_for(params, total),
         )
 
     def _step_kwargs(
@@ -535,14 +536,14 @@ class NativeDiffusers(Diffusers, Generic[CondT]):
         frame: ``StepTimings.cached``, ``progress``'s ``cached``)."""
         return [s.cache is not None and s.cache.last_cached for s in states]
 
-    def _caching(self, group: Sequence[NativeState[CondT]]) -> contextlib.AbstractContextManager[None]:
+    def _caching(self, group: Sequence[NativeState[CondT]]) -> contextlib.AbstractContextManager[object]:
         """The denoiser call's step caching: each request's rows and cache (step_cache.py);
         nothing when none of ``group`` caches."""
         if all(s.cache is None for s in group):
             return contextlib.nullcontext()
-        if self._block_cache is None:
-            self._block_cache = BlockCache(self._denoiser)
-        return self._block_cache.batch([(s.rows, s.cache) for s in group])
+        if self._step_cache is None:
+            self._step_cache = StepCache(self._denoiser)
+        return self._step_cache.batch([(s.rows, s.cache) for s in group])
 
     def _group_key(self, s: NativeState[CondT]) -> Hashable:
         assert s.latents is not None
@@ -664,9 +665,9 @@ class NativeDiffusers(Diffusers, Generic[CondT]):
                 # Its step cache as it was (a checkpoint without one: the request's, fresh).
                 saved_cache = values.get("cache")
                 cache = (
-                    state_for(params)
+                    state_for(params, len(scheduler.timesteps))
                     if saved_cache is None
-                    else FirstBlockState.rebuilt(
+                    else rebuilt(
                         saved_cache,
                         {k.removeprefix("cache."): v for k, v in tensors.items() if k.startswith("cache.")},
                         device,

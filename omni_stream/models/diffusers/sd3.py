@@ -53,6 +53,8 @@ class SD3Diffusers(FlowDiffusers[TextConditioning]):
     preview_decoder: str | None = "sd3"
     default_guidance = 7.0
     label = "SD3"
+    cache_methods = ("none", "fbcache", "taylorseer")
+    cache_why_not = "SD3 has no teacache: TeaCache's rescaling polynomial was fitted for Flux only"
     # StableDiffusion3Pipeline leaves the first step's index to be looked up.
     starts_at_first_timestep = False
 
