@@ -962,7 +962,10 @@ async def test_an_image_models_form_uploads_its_image_and_mask(chromium: str, tm
         await _screenshot(tab, tmp_path / "upload.png")
         await _render(tab)
         got = server.model.seen[-1]
-        assert got["cache"] == {"method": "fbcache", "threshold": 0.05, "results": True}
+        assert got["cache"] == {
+            "method": "fbcache", "threshold": 0.05, "rel_l1": 0.4, "interval": 5, "warmup": 3, "order": 1,
+            "results": True,
+        }
         assert got["image"].convert("RGB").tobytes() == image.tobytes()
         assert got["mask_image"].convert("RGB").tobytes() == mask.tobytes()
         # The images went to the server, never into the tab's storage.
