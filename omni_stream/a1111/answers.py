@@ -28,7 +28,8 @@ VERSION = "omni_stream"
 
 @dataclass(frozen=True, slots=True)
 class Made:
-    """One image a call made: its PNG, the seed its request ran with, its size, its infotext."""
+    """One image a call made: its PNG, the seed its request ran with, its size, its infotext
+    (an image ``/interrupt`` or ``/skip`` stopped too: its latest preview, ``a1111/unfinished.py``)."""
 
     png: bytes
     seed: int
@@ -52,6 +53,10 @@ def info_text(
     """The ``info`` JSON text (A1111's ``Processed.js()``) of a call; ``seed``: its first
     request's, ``sampler`` / ``schedule``: A1111's names of what ran."""
     count = len(made)
+    extra: dict[str, Any] = {"Schedule type": schedule}
+    if gen.mask is not None and (gen.mask_blur_x > 0 or gen.mask_blur_y > 0):
+        # A1111's ``mask_blur`` property: the blur when both are one, else None.
+        extra["Mask blur"] = gen.mask_blur_x if gen.mask_blur_x == gen.mask_blur_y else None
     width = made[0].width if made else gen.width
     height = made[0].height if made else gen.height
     info = {
@@ -79,7 +84,7 @@ def info_text(
         "seed_resize_from_w": -1,
         "seed_resize_from_h": -1,
         "denoising_strength": gen.denoising_strength if gen.kind == "img2img" else None,
-        "extra_generation_params": {"Schedule type": schedule},
+        "extra_generation_params": extra,
         "index_of_first_image": 0,
         "infotexts": [m.infotext for m in made],
         "styles": [],

@@ -2,8 +2,9 @@
 
 :func:`parse_generation` checks a body's A1111 fields; :func:`model_params`
 maps them onto the params a served model declares. The door
-(``server/a1111_api.py``) submits ``n_iter`` requests of ``batch_size``
-images each, one after the other, as A1111 runs its batches:
+(``server/a1111_api.py``) submits one request for each image, one after the
+other: ``n_iter`` iterations of ``batch_size`` images, as A1111 runs its
+batches, each image of its own seed, as A1111's are:
 
 =========================  ==========================================================
 A1111                      ours
@@ -15,16 +16,20 @@ A1111                      ours
                            as the infotext's ``CFG scale`` does)
 ``width``, ``height``      ``width``, ``height`` (``size`` for a model of one side;
                            the init image's size for an img2img model without them)
-``seed``                   ``seed``: -1 draws one; iteration *i* runs with the first
-                           iteration's seed + *i* x ``batch_size``, as A1111's do
+``seed``                   ``seed``: -1 draws one; image *j* of iteration *i* runs with
+                           the first image's seed + *i* x ``batch_size`` + *j*, as A1111's
+                           ``all_seeds``
 ``sampler_name``           ``sampler`` (``sampler_index`` when it is absent), read by
 ``scheduler``              ``samplers.canonical``: ``"DPM++ 2M"`` + ``"Karras"`` is
                            ``dpmpp_2m_karras``
-``batch_size``             ``num_images``
-``n_iter``                 that many requests, 1 to :data:`MAX_N_ITER`
+``batch_size``             that many requests of one image an iteration, 1 to
+                           :data:`MAX_BATCH_SIZE`
+``n_iter``                 that many iterations, 1 to :data:`MAX_N_ITER`
 ``override_settings``      ``sd_model_checkpoint``: the model of this request
 ``init_images`` (one)      ``image``
-``mask``                   ``mask_image`` (white repaints, as A1111's)
+``mask``                   ``mask_image`` (white repaints, as A1111's), blurred by
+``mask_blur``              ``mask_blur_x`` and ``mask_blur_y`` (``mask_blur`` sets both;
+                           each 4 by default, as A1111's; ``a1111/masks.py``)
 ``denoising_strength``     ``strength`` (img2img; txt2img's is the hires fix's)
 ``send_images``            false: the answer carries no images
 =========================  ==========================================================
@@ -37,7 +42,7 @@ value is the one that asks for nothing: ``enable_hr``, ``restore_faces``,
 resize), ``inpainting_mask_invert``, ``initial_noise_multiplier`` (not 1),
 k-diffusion's ``eta`` (not null, 0 or 1: what clients send by default),
 ``s_churn``, ``s_tmin``, ``s_tmax`` (not 0) and ``s_noise`` (not 1).
-Accepted and not applied, each said in docs/a1111.md: ``mask_blur``,
+Accepted and not applied, each said in docs/a1111.md:
 ``inpainting_fill``, ``inpaint_full_res`` and its padding (the pipeline
 repaints the whole picture), ``image_cfg_scale`` (instruct-pix2pix's), the
 hires fix's fields while ``enable_hr`` is false. Other fields are ignored,
@@ -52,12 +57,15 @@ from typing import Any, Final
 
 from ..errors import MessageError, ParamsError
 from ..models.diffusers import samplers
-from ..params import Param, finite_number
+from ..params import MAX_IMAGES, SEED_MAX, Param, finite_number
+from .masks import DEFAULT_MASK_BLUR, MAX_MASK_BLUR
 
-__all__ = ["FIELDS", "MAX_N_ITER", "Generation", "model_params", "parse_generation"]
+__all__ = ["FIELDS", "MAX_BATCH_SIZE", "MAX_N_ITER", "Generation", "model_params", "parse_generation"]
 
 #: The most iterations (``n_iter``) one call runs: A1111's UI's own bound.
 MAX_N_ITER: Final = 100
+#: The most images an iteration makes (``batch_size``): as many as one request may ask for.
+MAX_BATCH_SIZE: Final = MAX_IMAGES
 #: A1111's ``cfg_scale`` when a request names none: accepted for a model without guidance.
 DEFAULT_CFG: Final = 7.0
 #: A1111's img2img ``denoising_strength`` when a request names none.
@@ -72,7 +80,6 @@ FIELDS: Final[Mapping[str, str]] = {
     "guidance": "cfg_scale",
     "seed": "seed",
     "sampler": "sampler_name",
-    "num_images": "batch_size",
     "width": "width",
     "height": "height",
     "size": "width",
@@ -142,7 +149,7 @@ class Generation:
     cfg_scale: float | None = None
     width: int | None = None
     height: int | None = None
-    #: -1: draw one (the first iteration's, reported back).
+    #: -1: draw one (the first image's, reported back).
     seed: int = -1
     sampler: str | None = None
     scheduler: str | None = None
@@ -156,13 +163,22 @@ class Generation:
     #: img2img: its init image and mask, base64 (a ``data:`` URL's prefix taken off).
     init_image: str | None = None
     mask: str | None = None
+    #: The mask's blur across and down (A1111's ``mask_blur_x``, ``mask_blur_y``).
+    mask_blur_x: int = DEFAULT_MASK_BLUR
+    mask_blur_y: int = DEFAULT_MASK_BLUR
     denoising_strength: float | None = None
     #: The body's fields, echoed as the answer's ``parameters`` (the images left out).
     echo: dict[str, Any] = field(default_factory=dict)
 
-    def seed_of(self, iteration: int, first: int) -> int:
-        """The seed iteration ``iteration`` runs with, the first having run with ``first``."""
-        return first + iteration * self.batch_size
+    @property
+    def image_count(self) -> int:
+        """The images the call makes: ``n_iter`` x ``batch_size``."""
+        return self.n_iter * self.batch_size
+
+    def seed_of(self, image: int, first: int) -> int:
+        """The seed image ``image`` of the call runs with (image *j* of iteration *i* is
+        *i* x ``batch_size`` + *j*), the first having run with ``first``: A1111's ``all_seeds``."""
+        return first + image
 
 
 def parse_generation(body: Mapping[str, Any], *, kind: str) -> Generation:
@@ -193,6 +209,7 @@ def parse_generation(body: Mapping[str, Any], *, kind: str) -> Generation:
     sampler = _text(body, "sampler_name") or _text(body, "sampler_index")
     init_image = mask = None
     strength = None
+    blur = (DEFAULT_MASK_BLUR, DEFAULT_MASK_BLUR)
     if kind == "img2img":
         images = body.get("init_images")
         if not isinstance(images, Sequence) or isinstance(images, str) or not images:
@@ -202,11 +219,12 @@ def parse_generation(body: Mapping[str, Any], *, kind: str) -> Generation:
         init_image = _base64(images[0], "init_images")
         if body.get("mask") is not None:
             mask = _base64(body["mask"], "mask")
+            blur = _mask_blur(body)
         strength = _number(body, "denoising_strength")
     echo = {k: v for k, v in body.items() if k not in ("init_images", "mask")}
     if kind == "img2img" and body.get("include_init_images") is True:
         echo.update(init_images=body.get("init_images"), mask=body.get("mask"))
-    return Generation(
+    gen = Generation(
         kind=kind,
         prompt=_text(body, "prompt") or "",
         negative_prompt=_text(body, "negative_prompt") or "",
@@ -217,16 +235,22 @@ def parse_generation(body: Mapping[str, Any], *, kind: str) -> Generation:
         seed=_seed(body.get("seed")),
         sampler=sampler,
         scheduler=_text(body, "scheduler"),
-        batch_size=_integer(body, "batch_size", low=1) or 1,
+        batch_size=_integer(body, "batch_size", low=1, high=MAX_BATCH_SIZE) or 1,
         n_iter=_integer(body, "n_iter", low=1, high=MAX_N_ITER) or 1,
         model=model or None,
         overrides=overrides,
         send_images=_flag(body, "send_images", default=True),
         init_image=init_image,
         mask=mask,
+        mask_blur_x=blur[0],
+        mask_blur_y=blur[1],
         denoising_strength=strength,
         echo=echo,
     )
+    if gen.seed != -1 and gen.seed_of(gen.image_count - 1, gen.seed) > SEED_MAX:
+        # Refused now, not at the image whose seed goes over, after the ones before it ran.
+        raise _bad("seed", f"image k of the call runs with seed + k, at most {SEED_MAX}; got {gen.seed}")
+    return gen
 
 
 def model_params(
@@ -235,10 +259,10 @@ def model_params(
     """``gen``'s fields as the params of ``model`` (its ``declared`` params), without the seed and
     the images (the door adds those). ``image_size``: the init image's (width, height).
 
-    Raises MessageError (422) naming the A1111 field a model cannot take: a ``batch_size``
-    over 1 for a model of one image, a ``negative_prompt`` or ``cfg_scale`` it has no param
-    for, ``width``/``height`` it cannot make, an init image or mask for a text-to-image model,
-    a sampler for a model of one scheduler, a ``scheduler`` that is not a schedule.
+    Raises MessageError (422) naming the A1111 field a model cannot take: a
+    ``negative_prompt`` or ``cfg_scale`` it has no param for, ``width``/``height`` it cannot
+    make, an init image or mask for a text-to-image model, a sampler for a model of one
+    scheduler, a ``scheduler`` that is not a schedule.
     """
     names = {p.name for p in declared}
     out: dict[str, Any] = {}
@@ -266,10 +290,6 @@ def model_params(
             raise refuse("cfg_scale", f"has no guidance scale; leave cfg_scale at {DEFAULT_CFG:g}")
     out.update(_sampler(gen, names, model=model))
     out.update(_sides(gen, names, model=model, image_size=image_size))
-    if gen.batch_size > 1:
-        if "num_images" not in names:
-            raise refuse("batch_size", "makes one image a request; batch_size must be 1 (n_iter repeats it)")
-        out["num_images"] = gen.batch_size
     if gen.kind == "img2img":
         if "image" not in names:
             raise refuse(
@@ -374,6 +394,17 @@ def _number(body: Mapping[str, Any], name: str) -> float | None:
     if isinstance(value, bool) or not isinstance(value, (int, float)) or not finite_number(value):
         raise _bad(name, f"must be a number, got {value!r:.40}")
     return float(value)
+
+
+def _mask_blur(body: Mapping[str, Any]) -> tuple[int, int]:
+    """``(mask_blur_x, mask_blur_y)``: each 4 unless sent; ``mask_blur``, sent, sets both (the
+    setter of A1111's ``mask_blur`` property, which its API calls after the two)."""
+    both = _integer(body, "mask_blur", low=0, high=MAX_MASK_BLUR)
+    if both is not None:
+        return both, both
+    x = _integer(body, "mask_blur_x", low=0, high=MAX_MASK_BLUR)
+    y = _integer(body, "mask_blur_y", low=0, high=MAX_MASK_BLUR)
+    return (DEFAULT_MASK_BLUR if x is None else x, DEFAULT_MASK_BLUR if y is None else y)
 
 
 def _seed(value: Any) -> int:

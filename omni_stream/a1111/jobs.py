@@ -3,8 +3,9 @@
 A1111 runs one job at a time for everyone, and ``/progress``,
 ``/interrupt`` and ``/skip`` act on it. Here each principal has its own:
 a :class:`Job` is one ``txt2img`` / ``img2img`` call (its ``n_iter``
-requests, one after the other), kept in the :class:`JobBook` while the
-call runs; ``/progress`` reads the caller's principal's latest, and
+iterations, one after the other, of ``batch_size`` requests of one image,
+run together),
+kept in the :class:`JobBook` while the call runs; ``/progress`` reads the caller's principal's latest, and
 ``/interrupt`` and ``/skip`` stop its request. The book holds only calls
 that are open (each one of the server's bounded connections).
 """
@@ -24,19 +25,33 @@ __all__ = ["Job", "JobBook", "idle_progress", "progress_payload"]
 
 @dataclass(slots=True)
 class Job:
-    """One A1111 call while it runs: which of its ``n_iter`` requests runs (``iteration``,
-    ``record``), and whether its caller's principal skipped or interrupted it."""
+    """One A1111 call while it runs: its iteration ``iteration``'s requests (``records``, by
+    image; ``record`` the one ``/progress`` shows), and whether its caller's principal skipped
+    or interrupted it."""
 
     kind: str
     n_iter: int
+    batch_size: int = 1
     #: Wall clock (A1111's ``job_timestamp``) and monotonic (its ETA) at the start.
     started_at: float = field(default_factory=time.time)
     started: float = field(default_factory=time.monotonic)
     iteration: int = 0
-    record: RequestRecord | None = None
-    #: ``/interrupt``: no more iterations. ``/skip``: the next iteration goes on.
+    records: list[RequestRecord] = field(default_factory=list)
+    #: ``/interrupt``: no more images. ``/skip``: no more of this iteration; the next goes on.
     interrupted: bool = False
     skipped: bool = False
+
+    @property
+    def index(self) -> int:
+        """The image of its iteration ``/progress`` shows: the first still running, else the last."""
+        for i, record in enumerate(self.records):
+            if not record.ended:
+                return i
+        return max(0, len(self.records) - 1)
+
+    @property
+    def record(self) -> RequestRecord | None:
+        return self.records[self.index] if self.records else None
 
     @property
     def timestamp(self) -> str:
@@ -107,17 +122,22 @@ def progress_payload(
     eta_s: float | None,
     timestamp: str,
     image: str | None,
+    batch_size: int = 1,
+    index: int = 0,
     skipped: bool = False,
     interrupted: bool = False,
 ) -> dict[str, Any]:
-    """``/progress`` for request ``number`` (0-based) of ``count`` at ``step`` of ``steps``:
-    ``progress`` the share of the call done, ``eta_relative`` the seconds left (this request's
-    estimate, ``eta_s``, plus the ones after it at the pace so far), ``image`` its live preview
-    (base64)."""
+    """``/progress`` for the request of image ``index`` of iteration ``number`` (both 0-based)
+    of ``count`` iterations of ``batch_size`` images, at ``step`` of ``steps``: ``progress``
+    the share of the call done, ``eta_relative`` the seconds left (this request's estimate,
+    ``eta_s``, plus the ones after it at the pace so far), ``image`` its live preview (base64).
+    ``job_no`` is the iteration, as A1111's."""
     share = step / steps if steps > 0 else 0.0
-    done = (number + share) / count if count > 0 else 0.0
-    left = (eta_s or 0.0) + (count - number - 1) * (
-        elapsed_s / (number + share) if number + share > 0 else 0.0
+    requests = count * batch_size
+    current = number * batch_size + index
+    done = (current + share) / requests if requests > 0 else 0.0
+    left = (eta_s or 0.0) + (requests - current - 1) * (
+        elapsed_s / (current + share) if current + share > 0 else 0.0
     )
     if eta_s is None and done > 0:
         left = elapsed_s / done - elapsed_s

@@ -27,6 +27,7 @@ from ..errors import MessageError
 __all__ = [
     "MAX_PRINCIPALS",
     "PREVIEW_EVERY",
+    "PREVIEW_FORMAT",
     "ModelChoices",
     "checked_options",
     "options_payload",
@@ -37,6 +38,9 @@ __all__ = [
 MAX_PRINCIPALS: Final = 4096
 #: A1111's ``show_progress_every_n_steps`` (its default): a live preview every that many steps.
 PREVIEW_EVERY: Final = 10
+#: A1111's ``live_previews_image_format`` (its default): the live preview, and the picture of an
+#: image stopped half-way (a1111/unfinished.py), lossless.
+PREVIEW_FORMAT: Final = "png"
 #: The model option.
 CHECKPOINT: Final = "sd_model_checkpoint"
 #: Checkpoint file suffixes a client may put after a model's name (A1111's titles carry them).
@@ -97,6 +101,7 @@ def options_payload(model: str) -> dict[str, Any]:
         "sd_checkpoint_hash": None,
         "show_progress_every_n_steps": PREVIEW_EVERY,
         "live_previews_enable": True,
+        "live_previews_image_format": PREVIEW_FORMAT,
         "samples_format": "png",
     }
 

@@ -8,13 +8,17 @@ client of the core, ``asgi.py``'s ``call``), and the request's record is
 read back into A1111's answer. Every refusal is A1111's error shape
 (``omni_stream/a1111/errors.py``), the front door's (401, 421, 403) too.
 
-- ``txt2img`` / ``img2img`` wait for the end, as A1111's do: ``n_iter``
-  requests of ``batch_size`` images, one after the other, their results
-  read through the call's outbox (a caller that hangs up cancels them);
+- ``txt2img`` / ``img2img`` wait for the end, as A1111's do: one request
+  for each image (``n_iter`` x ``batch_size``, each image's seed A1111's),
+  one after the other, their results read through the call's outbox (a
+  caller that hangs up cancels them); an img2img's mask blurred first
+  (``a1111/masks.py``);
 - ``progress``, ``interrupt``, ``skip`` act on the caller's principal's
   latest call (``a1111/jobs.py``), or else on its latest request from any
-  door: ``interrupt`` stops the request and the call's later iterations,
-  ``skip`` the request only (the call goes on with its next iteration);
+  door: ``interrupt`` stops the request and the call's later images,
+  ``skip`` the request and the rest of its iteration (the call goes on
+  with its next); the stopped image is answered with its latest preview
+  (``a1111/unfinished.py``), as A1111 answers its half-done image;
 - ``options`` keeps the model each principal chose (``a1111/options.py``);
 - the lists (``sd-models``, ``samplers``, ``schedulers``, ``loras``,
   ``scripts``) and ``png-info`` read the served models and the PNG's text.
@@ -26,9 +30,11 @@ from __future__ import annotations
 
 import base64
 import binascii
+import logging
 import time
 import uuid
 from collections.abc import Awaitable, Callable
+from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 import anyio
@@ -37,12 +43,20 @@ from starlette.requests import ClientDisconnect, Request
 from starlette.responses import Response
 
 from .. import protocol
-from ..a1111 import answers, infotext, names
+from ..a1111 import answers, infotext, masks, names
 from ..a1111.auth import bearer_of_basic
 from ..a1111.errors import error_body, status_of
 from ..a1111.generation import FIELDS, Generation, model_params, parse_generation
 from ..a1111.jobs import Job, JobBook, idle_progress, progress_payload
-from ..a1111.options import PREVIEW_EVERY, ModelChoices, checked_options, options_payload, resolve_model
+from ..a1111.options import (
+    PREVIEW_EVERY,
+    PREVIEW_FORMAT,
+    ModelChoices,
+    checked_options,
+    options_payload,
+    resolve_model,
+)
+from ..a1111.unfinished import unfinished_png
 from ..core import inputs
 from ..core.records import RequestRecord, Terminal
 from ..core.rules import Client
@@ -56,6 +70,8 @@ if TYPE_CHECKING:
     from .service import Service
 
 __all__ = ["A1111Api", "a1111_shaped", "refusal", "with_basic_as_bearer"]
+
+logger = logging.getLogger("omni_stream.server")
 
 #: What a call of the A1111 door may be refused with before its request runs.
 REFUSALS = (ParamsError, BodyRefused, ClientDisconnect)
@@ -127,6 +143,8 @@ class A1111Api:
         self._door = door
         self._choices = ModelChoices()
         self._jobs = JobBook()
+        # Masks blurred at once (a1111/masks.py: up to a second each at the largest sizes).
+        self._masks = anyio.CapacityLimiter(1)
 
     @property
     def _service(self) -> Service:
@@ -229,6 +247,8 @@ class A1111Api:
             eta_s=record.latest_eta_s if record is not None else None,
             timestamp=job.timestamp if job is not None else "0",
             image=image,
+            batch_size=job.batch_size if job is not None else 1,
+            index=job.index if job is not None else 0,
             skipped=job is not None and job.skipped,
             interrupted=job is not None and job.interrupted,
         )
@@ -240,21 +260,25 @@ class A1111Api:
         return self._service.rules.clock() - record.created_at if record is not None else 0.0
 
     async def interrupt(self, request: Request, client: Client) -> Response:
-        """Stop the caller's principal's request, and its call's later iterations."""
+        """Stop the caller's principal's request, and its call's later images."""
         self._stop(client, skip=False)
         return responses.json_response(200, {})
 
     async def skip(self, request: Request, client: Client) -> Response:
-        """Stop the caller's principal's request; its call goes on with its next iteration."""
+        """Stop the caller's principal's request and the rest of its iteration; its call goes on
+        with its next iteration."""
         self._stop(client, skip=True)
         return responses.json_response(200, None)
 
     def _stop(self, client: Client, *, skip: bool) -> None:
         job, record = self._current(client)
+        stopping = [record] if record is not None else []
         if job is not None:
             job.skipped, job.interrupted = skip, job.interrupted or not skip
-        if record is not None and not record.ended:
-            self._service.rules.stop(record, "client")
+            stopping = list(job.records)  # the iteration's images run together: all of them
+        for each in stopping:
+            if not each.ended:
+                self._service.rules.stop(each, "client")
 
     # -- png-info -----------------------------------------------------------------------
 
@@ -290,20 +314,22 @@ class A1111Api:
             field = "override_settings.sd_model_checkpoint"
             name = resolve_model(gen.model, models, field=field) if gen.model else current
             model = self._service.rules.model_for(name)[1]
-            images, size = self._images(gen, model)
-            params = {**model_params(gen, model.params, model=name, image_size=size), **images}
+            pending, size = self._images(gen, model)
+            params = model_params(gen, model.params, model=name, image_size=size)
             if gen.seed != -1 and not any(p.name == "seed" for p in model.params):
                 raise MessageError("unsupported", f"seed: model {name} takes no seed", field="seed")
+            urls = await self._prepared(client, gen, name, params, pending)
         except REFUSALS as exc:
             return refusal(exc)
-        return await self._run(request, client, gen, name, model, params)
+        return await self._run(request, client, gen, _Plan(name, model, {**params, **urls}, size))
 
-    def _images(self, gen: Generation, model: Any) -> tuple[dict[str, str], tuple[int, int] | None]:
-        """An img2img's images as ``data:`` URLs for the params the model has, each checked from
-        its header by the core (``core/inputs.py``); and the init image's (width, height)."""
+    def _images(
+        self, gen: Generation, model: Any
+    ) -> tuple[dict[str, inputs.PendingImage], tuple[int, int] | None]:
+        """An img2img's images for the params the model has, each checked from its header by
+        the core (``core/inputs.py``); and the init image's (width, height)."""
         declared = {p.name for p in model.params}
-        urls: dict[str, str] = {}
-        size = None
+        pending: dict[str, inputs.PendingImage] = {}
         limits = self._service.limits
         for param, field, value in (
             ("image", "init_images", gen.init_image),
@@ -311,63 +337,150 @@ class A1111Api:
         ):
             if value is None or param not in declared:
                 continue  # model_params says what the model lacks
-            image = inputs.check_encoded(param, _decoded(value, field), limits, request_id=None, field=field)
-            urls[param] = inputs.data_url(image)
-            if param == "image":
-                size = (image.header.width, image.header.height)
-        return urls, size
+            pending[param] = inputs.check_encoded(
+                param, _decoded(value, field), limits, request_id=None, field=field
+            )
+        init = pending.get("image")
+        return pending, (init.header.width, init.header.height) if init is not None else None
 
-    async def _run(
-        self, request: Request, client: Client, gen: Generation, name: str, model: Any, params: dict[str, Any]
-    ) -> Response:
+    async def _prepared(
+        self,
+        client: Client,
+        gen: Generation,
+        name: str,
+        params: dict[str, Any],
+        pending: dict[str, inputs.PendingImage],
+    ) -> dict[str, str]:
+        """The checked images as ``data:`` URLs, the mask first prepared as A1111 prepares it
+        (``a1111/masks.py``: its alpha, ``mask_blur``), in a worker thread. Raises MessageError
+        as ``Rules.precheck`` does, or naming ``mask`` for bytes that do not decode."""
+        mask = pending.get("mask_image")
+        if mask is not None and (gen.mask_blur_x > 0 or gen.mask_blur_y > 0 or mask.header.alpha):
+            # The one decode before Service.prepare's, as the OpenAI door's mask: a request the
+            # rules would refuse (busy, over the memory bound with its images at their sizes)
+            # costs none, and one mask is prepared at a time.
+            msg = protocol.Generate.build(f"a1111-{uuid.uuid4().hex}", params, model=name)
+            self._service.rules.precheck(client, msg, list(pending.values()))
+            data = await anyio.to_thread.run_sync(
+                masks.prepared_mask, mask.data, gen.mask_blur_x, gen.mask_blur_y, limiter=self._masks
+            )
+            if data is not mask.data:
+                pending["mask_image"] = inputs.check_encoded(
+                    "mask_image", data, self._service.limits, request_id=None, field="mask"
+                )
+        return {param: inputs.data_url(image) for param, image in pending.items()}
+
+    async def _run(self, request: Request, client: Client, gen: Generation, plan: _Plan) -> Response:
         key = client.principal.key
-        job = Job(kind=gen.kind, n_iter=gen.n_iter)
+        job = Job(kind=gen.kind, n_iter=gen.n_iter, batch_size=gen.batch_size)
         # The results come through this call's outbox, as to a websocket: a request that is not
         # detached is forgotten, results and all, the moment it ends.
         outbox = self._service.rules.open_outbox(client)
-        seeded = any(p.name == "seed" for p in model.params)
-        made: list[tuple[bytes, int, int, int]] = []  # png, seed, width, height
+        seeded = any(p.name == "seed" for p in plan.model.params)
+        made: dict[int, _Result | _Unfinished] = {}  # by image: the answer keeps A1111's order
         first = gen.seed
         ended: Response | None = None
 
-        async def iterations() -> None:
-            # One request after another, as A1111 runs its batches: a call holds one of its
-            # principal's places at a time, and a skip ends one iteration, not the call.
+        async def submit(image: int) -> RequestRecord | None:
+            # One request of one image, its seed A1111's for that image; None: the call ends.
             nonlocal first, ended
-            for i in range(gen.n_iter):
-                if job.interrupted:
-                    return
-                job.iteration, job.skipped, job.record = i, False, None
-                seed = {"seed": gen.seed if i == 0 else gen.seed_of(i, first)} if seeded else {}
-                try:
-                    msg = protocol.Generate.build(
-                        f"a1111-{uuid.uuid4().hex}",
-                        {**params, **seed},
-                        {"every": PREVIEW_EVERY},
-                        output={"format": "png"},
-                        model=name,
-                    )
-                    record = await self._service.submit(client, msg)
-                except ParamsError as exc:
-                    ended = refusal(exc)
-                    return
-                if i == 0 and record.seed is not None:
-                    first = record.seed
-                job.record = record
-                if (job.interrupted or job.skipped) and not record.ended:
-                    # Said while it was being submitted: it is the one they meant.
-                    self._service.rules.stop(record, "client")
-                while (message := (await outbox.get()).message).kind not in _TERMINAL:
-                    if isinstance(message, protocol.Preview) and message.final:
-                        header = message.header
-                        seed_used = record.seed if record.seed is not None else -1
-                        made.append((bytes(message.image), seed_used, header.width, header.height))
-                terminal = record.terminal_message()
-                stopped = isinstance(terminal, protocol.Cancelled) and terminal.reason == "client"
-                if isinstance(terminal, protocol.Done) or (stopped and (job.skipped or job.interrupted)):
+            seed = {"seed": gen.seed if image == 0 else gen.seed_of(image, first)} if seeded else {}
+            try:
+                msg = protocol.Generate.build(
+                    f"a1111-{uuid.uuid4().hex}",
+                    {**plan.params, **seed},
+                    {"every": PREVIEW_EVERY, "format": PREVIEW_FORMAT},
+                    output={"format": "png"},
+                    model=plan.name,
+                )
+                record = await self._service.submit(client, msg)
+            except ParamsError as exc:
+                ended = refusal(exc)
+                return None
+            if image == 0 and record.seed is not None:
+                first = record.seed
+            job.records.append(record)
+            if (job.interrupted or job.skipped) and not record.ended:
+                # Said while it was being submitted: it is one they meant.
+                self._service.rules.stop(record, "client")
+            return record
+
+        def finish(image: int, record: RequestRecord, latest: protocol.Preview | None) -> bool:
+            # Its end, as its call answers it; False: the call ends with an error.
+            nonlocal ended
+            terminal = record.terminal_message()
+            if isinstance(terminal, protocol.Done):
+                return True
+            stopped = isinstance(terminal, protocol.Cancelled) and terminal.reason == "client"
+            if stopped and (job.skipped or job.interrupted):
+                # A1111's sampler returns the latents it reached, and the call decodes them: here,
+                # the latest preview the stream delivered (a1111/unfinished.py).
+                shown = _newest(latest, record.latest_preview())
+                if shown is not None:
+                    used = record.seed if record.seed is not None else -1
+                    header = shown.header
+                    text = self._text_params(plan, used)
+                    made[image] = _Unfinished(bytes(shown.image), used, header.width, header.height, text)
+                return True
+            ended = _ended_error(record, terminal)
+            return False
+
+        async def iteration(i: int) -> bool:
+            # An iteration's images run together, each its own request (the engine batches
+            # them), as many at once as the principal has places left; a skip ends the
+            # iteration, an interrupt the call. False: the call ends.
+            job.iteration, job.skipped, job.records = i, False, []
+            room = self._service.limits.max_requests_per_principal - self._service.registry.running_of(key)
+            waiting = list(range(i * gen.batch_size, (i + 1) * gen.batch_size))
+            running: dict[str, tuple[int, RequestRecord]] = {}
+            latest: dict[str, protocol.Preview] = {}
+            ok = True
+            while running or (waiting and ok and not (job.interrupted or job.skipped)):
+                while ok and waiting and len(running) < max(1, room) and not (job.interrupted or job.skipped):
+                    image = waiting.pop(0)
+                    record = await submit(image)
+                    if record is None:
+                        ok = False
+                        for _, other in running.values():  # the call ends: its others with it
+                            if not other.ended:
+                                self._service.rules.stop(other, "client")
+                        break
+                    running[record.id] = (image, record)
+                if not running:
+                    break
+                message = (await outbox.get()).message
+                rid = (
+                    message.header.id
+                    if isinstance(message, protocol.Preview)
+                    else getattr(message, "id", None)
+                )
+                if rid not in running:
                     continue
-                ended = _ended_error(record, terminal)
-                return
+                image, record = running[rid]
+                if isinstance(message, protocol.Preview):
+                    if message.final:
+                        used = record.seed if record.seed is not None else -1
+                        header = message.header
+                        made[image] = _Result(bytes(message.image), used, header.width, header.height)
+                    else:
+                        latest[rid] = message
+                    continue
+                if message.kind not in _TERMINAL:
+                    continue
+                del running[rid]
+                if image in made and isinstance(made[image], _Result):
+                    continue  # its result came before any stop did
+                if not finish(image, record, latest.get(rid)) and ok:
+                    ok = False
+                    for _, other in running.values():
+                        if not other.ended:
+                            self._service.rules.stop(other, "client")
+            return ok
+
+        async def iterations() -> None:
+            for i in range(gen.n_iter):
+                if job.interrupted or not await iteration(i):
+                    return
 
         self._jobs.add(key, job)
         try:
@@ -377,20 +490,22 @@ class A1111Api:
             self._jobs.remove(key, job)
         if ended is not None:
             return ended
-        texts = await anyio.to_thread.run_sync(
-            lambda: [infotext.png_text(png).get("parameters", "") for png, *_ in made]
-        )
-        images = [
-            answers.Made(png, seed, w, h, text) for (png, seed, w, h), text in zip(made, texts, strict=True)
-        ]
-        declared = {p.name: p.default for p in model.params}
+        # An image stopped half-way has the size of the call's finished ones (else its params').
+        size = next(
+            ((m.width, m.height) for m in made.values() if isinstance(m, _Result)), None
+        ) or _image_size(plan)
+        in_order = [made[image] for image in sorted(made)]
+        pictures = await anyio.to_thread.run_sync(lambda: [m.made(size) for m in in_order])
+        images = [m for m in pictures if m is not None]
+        declared = {p.name: p.default for p in plan.model.params}
+        params = plan.params
         sampler, schedule = names.display(
             str(params.get("sampler", declared.get("sampler", samplers.DEFAULT)))
         )
         info = answers.info_text(
             gen,
             images,
-            model=name,
+            model=plan.name,
             sampler=sampler,
             schedule=schedule,
             seed=first,
@@ -402,6 +517,29 @@ class A1111Api:
             ),
         )
         return responses.json_response(200, answers.generation_answer(gen, images, info))
+
+    def _text_params(self, plan: _Plan, seed: int) -> dict[str, Any]:
+        """What the PNG of an image stopped half-way says of how it was made: what its result's
+        would have said (``Service._result_params``: the model's checked params, the served
+        model, the weights' hashes), as far as the door can tell without its input images."""
+        sent = {k: v for k, v in plan.params.items() if k not in inputs.IMAGE_PARAM_NAMES}
+        if seed != -1:
+            sent["seed"] = seed
+        try:
+            checked = plan.model.validate(sent)
+        except (ParamsError, ValueError, TypeError, KeyError):
+            # (An img2img model's validate wants its image: its declared defaults instead.)
+            checked = {**{p.name: p.default for p in plan.model.params}, **sent}
+        out = {"model": plan.name, **checked}
+        hashes = getattr(plan.model, "weight_hashes", None)
+        if callable(hashes):
+            try:
+                found = hashes(checked)
+            except (ValueError, TypeError, KeyError):
+                found = None
+            if found:
+                out["hashes"] = found
+        return {k: v for k, v in out.items() if k not in inputs.IMAGE_PARAM_NAMES}
 
     async def _object(self, request: Request) -> dict[str, Any]:
         obj = protocol.decode_json(await read_body(request, self._service))
@@ -433,3 +571,74 @@ def _ended_error(record: RequestRecord, terminal: Terminal | None) -> Response:
             503, "shutting_down", f"request {record.id} was cancelled: the server is shutting down"
         )
     return _answer(409, "cancelled", f"request {record.id} was cancelled ({reason}): it has no images")
+
+
+@dataclass(frozen=True, slots=True)
+class _Plan:
+    """What each request of a call runs: the model (its name), the params (without the seed),
+    and the init image's (width, height), None without one."""
+
+    name: str
+    model: Any
+    params: dict[str, Any]
+    init_size: tuple[int, int] | None
+
+
+@dataclass(frozen=True, slots=True)
+class _Result:
+    """A finished image: its result PNG, as the request made it."""
+
+    png: bytes
+    seed: int
+    width: int
+    height: int
+
+    def made(self, size: tuple[int, int] | None) -> answers.Made:
+        text = infotext.png_text(self.png).get("parameters", "")
+        return answers.Made(self.png, self.seed, self.width, self.height, text)
+
+
+@dataclass(frozen=True, slots=True)
+class _Unfinished:
+    """An image ``/interrupt`` or ``/skip`` stopped: its latest preview (``width`` x ``height``),
+    and the params its PNG says."""
+
+    preview: bytes
+    seed: int
+    width: int
+    height: int
+    params: dict[str, Any]
+
+    def made(self, size: tuple[int, int] | None) -> answers.Made | None:
+        """Its picture; None when its preview does not decode (then it has none, as a request
+        stopped before its first preview)."""
+        width, height = size or (self.width, self.height)
+        try:
+            png = unfinished_png(self.preview, (width, height), self.params)
+        except (OSError, ValueError, ParamsError):
+            logger.warning("an interrupted image's preview did not decode: it is left out", exc_info=True)
+            return None
+        return answers.Made(png, self.seed, width, height, infotext.png_text(png).get("parameters", ""))
+
+
+def _newest(*previews: protocol.Preview | None) -> protocol.Preview | None:
+    """The intermediate preview of the latest step among ``previews`` (a result is none)."""
+    shown = [p for p in previews if p is not None and not p.final]
+    return max(shown, key=lambda p: p.header.step, default=None)
+
+
+def _image_size(plan: _Plan) -> tuple[int, int] | None:
+    """The (width, height) the requests of ``plan`` make: their sides, else their model's
+    defaults, else the init image's; None when nothing says it."""
+    declared = {p.name: p.default for p in plan.model.params}
+
+    def side(name: str) -> int | None:
+        value = plan.params.get(name, declared.get(name))
+        return value if isinstance(value, int) and not isinstance(value, bool) and value > 0 else None
+
+    width, height, size = side("width"), side("height"), side("size")
+    if width is not None and height is not None:
+        return width, height
+    if size is not None:
+        return size, size
+    return plan.init_size

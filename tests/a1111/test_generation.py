@@ -6,7 +6,7 @@ from typing import Any
 
 import pytest
 
-from omni_stream.a1111.generation import MAX_N_ITER, Generation, model_params, parse_generation
+from omni_stream.a1111.generation import MAX_BATCH_SIZE, MAX_N_ITER, Generation, model_params, parse_generation
 from omni_stream.errors import MessageError
 from omni_stream.params import Param, images_param, seed_param
 
@@ -61,11 +61,13 @@ def test_a_batch_its_iterations_seeds_sampler_schedule_and_model_override() -> N
             "sampler_name": "DPM++ 2M", "scheduler": "Karras", "override_settings": {"sd_model_checkpoint": "xl"},
             "width": 768.0, "send_images": False}
     gen = parse_generation(body, kind="txt2img")
+    # Each image is a request of one image (no num_images), of its own seed.
     assert model_params(gen, TXT2IMG, model="sd") == {
         "prompt": "a", "negative_prompt": "b", "guidance_scale": 5.0, "sampler": "dpmpp_2m_karras",
-        "width": 768, "num_images": 2,
+        "width": 768,
     }
-    assert [gen.seed_of(i, 40) for i in range(3)] == [40, 42, 44]  # A1111's: seed + i * batch_size
+    # A1111's all_seeds: image j of iteration i is seed + i * batch_size + j.
+    assert [gen.seed_of(i * 2 + j, 40) for i in range(3) for j in range(2)] == [40, 41, 42, 43, 44, 45]
     assert (gen.model, gen.send_images, gen.overrides) == ("xl", False, {})
     # sampler_index when sampler_name is absent (A1111's older field).
     assert model_params(parse_generation({"sampler_index": "Euler a"}, kind="txt2img"), TXT2IMG, model="sd") == {
@@ -94,8 +96,12 @@ def test_bad_values_and_what_the_model_cannot_take_name_the_a1111_field() -> Non
     assert refused({"override_settings": {"sd_model_checkpoint": 3}}).field == "override_settings.sd_model_checkpoint"
     assert refused({"sampler_name": "Euler a", "scheduler": "karras"}).field == "scheduler"  # no Karras twin
     assert refused({"scheduler": "karras"}).field == "scheduler"  # a schedule of no sampler
+    assert refused({"batch_size": MAX_BATCH_SIZE + 1}).field == "batch_size"
+    assert refused({"seed": 2**63 - 2, "batch_size": 2, "n_iter": 2}).field == "seed"  # its last image's: over
+    # A model of one image a request makes a batch too: each image is a request of its own.
     one_image = [p for p in TXT2IMG if p.name != "num_images"]
-    assert "n_iter" in refused({"batch_size": 2}, declared=one_image).message
+    assert "num_images" not in model_params(parse_generation({"batch_size": 2}, kind="txt2img"), one_image,
+                                            model="sd")
     square = [p for p in TXT2IMG if p.name not in ("height", "width")] + [Param("size", "int", None)]
     assert refused({"width": 512, "height": 768}, declared=square).field == "width"
     assert model_params(parse_generation({"width": 64, "height": 64}, kind="txt2img"), square, model="sd") == {
@@ -117,6 +123,7 @@ def test_img2img_takes_one_init_image_a_mask_and_the_denoising_strength() -> Non
             "image_cfg_scale": 1.5, "width": 16, "height": 16}
     gen = parse_generation(body, kind="img2img")
     assert (gen.init_image, gen.mask, gen.denoising_strength) == ("AAAA", "BBBB", 0.5)
+    assert (gen.mask_blur_x, gen.mask_blur_y) == (4, 4)
     assert "init_images" not in gen.echo and "mask" not in gen.echo
     inpaint = [*TXT2IMG, Param("strength", "float", 0.8), Param("image", "str", None), Param("mask_image", "str", None)]
     assert model_params(gen, inpaint, model="sd")["strength"] == 0.5
@@ -139,3 +146,20 @@ def test_img2img_takes_one_init_image_a_mask_and_the_denoising_strength() -> Non
 def test_a_generation_defaults_to_one_image_of_a_random_seed() -> None:
     gen = Generation(kind="txt2img")
     assert (gen.seed, gen.n_iter, gen.batch_size, gen.seed_of(0, 7)) == (-1, 1, 1, 7)
+
+
+def test_the_mask_blur_is_a1111s_mask_blur_x_and_y_which_mask_blur_sets_both() -> None:
+    body = {"init_images": ["AAAA"], "mask": "BBBB"}
+
+    def blur(**fields: Any) -> tuple[int, int]:
+        gen = parse_generation({**body, **fields}, kind="img2img")
+        return gen.mask_blur_x, gen.mask_blur_y
+
+    assert blur() == (4, 4)  # A1111's default, when a client sends none
+    assert blur(mask_blur_x=2, mask_blur_y=0) == (2, 0)
+    assert blur(mask_blur=0, mask_blur_x=2, mask_blur_y=6) == (0, 0)  # mask_blur, sent, wins
+    assert blur(mask_blur=8.0) == (8, 8)
+    for field, value in (("mask_blur", -1), ("mask_blur_x", 65), ("mask_blur_y", "4"), ("mask_blur", True)):
+        with pytest.raises(MessageError) as info:
+            parse_generation({**body, field: value}, kind="img2img")
+        assert info.value.field == field

@@ -37,3 +37,16 @@ def test_progress_is_the_share_of_the_whole_call_and_its_eta_counts_the_iteratio
     assert unknown["eta_relative"] == pytest.approx(2.0)  # A1111's own: elapsed / progress - elapsed
     idle = idle_progress()
     assert (idle["progress"], idle["state"]["job_count"], idle["current_image"]) == (0.0, 0, None)
+
+
+def test_progress_counts_each_image_of_a_batch_as_a_request() -> None:
+    # Image 1 of 2 of the second of 2 iterations, half done, 7 s in: 3.5 requests took 7 s.
+    payload = progress_payload(kind="txt2img", count=2, number=1, step=5, steps=10, elapsed_s=7.0, eta_s=1.0,
+                               timestamp="t", image=None, batch_size=2, index=1)
+    assert payload["progress"] == pytest.approx(3.5 / 4)
+    assert payload["eta_relative"] == pytest.approx(1.0)  # the last request: its own estimate
+    assert (payload["state"]["job_no"], payload["state"]["job_count"]) == (1, 2)  # iterations, as A1111's
+    first = progress_payload(kind="txt2img", count=2, number=0, step=5, steps=10, elapsed_s=1.0, eta_s=1.0,
+                             timestamp="t", image=None, batch_size=2, index=0)
+    assert first["progress"] == pytest.approx(0.125)
+    assert first["eta_relative"] == pytest.approx(1.0 + 3 * 2.0)  # three more requests at 2 s each

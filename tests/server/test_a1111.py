@@ -17,9 +17,11 @@ import time
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
+from types import SimpleNamespace
 from typing import Any
 
 import httpx
+import numpy as np
 import pytest
 import torch
 from PIL import Image
@@ -36,7 +38,9 @@ from diffusers import (  # noqa: E402
     StableDiffusionPipeline,
 )
 
+from omni_stream.a1111.masks import blurred, prepared_mask  # noqa: E402
 from omni_stream.models.diffusers.samplers import SCHEDULES  # noqa: E402
+from omni_stream.preview.infotext import parse_infotext  # noqa: E402
 
 from ..models import test_diffusers as sd  # noqa: E402
 from ..models import test_diffusers_callback as cb  # noqa: E402
@@ -117,6 +121,11 @@ def wait_until(check: Callable[[], Any], what: str, timeout: float = 60.0) -> An
     return found
 
 
+def infotext_seed(text: str) -> str:
+    """The ``Seed`` an infotext says."""
+    return str(parse_infotext(text)["Seed"])
+
+
 def refusal(call: Callable[[], Any]) -> tuple[int, dict[str, Any]]:
     """webuiapi's RuntimeError(status, body) for a refused call, the body parsed."""
     with pytest.raises(RuntimeError) as info:
@@ -133,14 +142,27 @@ def test_txt2img_with_a_sampler_and_scheduler_equals_the_pipeline(served: Served
     karras = DPMSolverMultistepScheduler.from_config(pipe.scheduler.config, algorithm_type="dpmsolver++",
                                                      solver_order=2, use_karras_sigmas=True)
     same = dict(prompt="a red cat", negative_prompt="dog", num_inference_steps=2, guidance_scale=6.0, width=24,
-                height=16, n=2, scheduler=karras)
-    # n_iter 2 of batch_size 2: seeds 3 and 3 + 2, as A1111 runs them.
-    assert [rgb(i) for i in made.images] == reference(pipe, seed=3, **same) + reference(pipe, seed=5, **same)
+                height=16, scheduler=karras)
+    # n_iter 2 of batch_size 2: image j of iteration i of seed 3 + 2i + j, each of its own noise, as A1111's.
+    assert [rgb(i) for i in made.images] == [image for seed in (3, 4, 5, 6) for image in reference(pipe, seed=seed,
+                                                                                                   **same)]
     info = made.info
-    assert (info["seed"], info["all_seeds"], info["sd_model_name"]) == (3, [3, 3, 5, 5], "a")
+    assert (info["seed"], info["all_seeds"], info["sd_model_name"]) == (3, [3, 4, 5, 6], "a")
     assert info["sampler_name"] == "DPM++ 2M" and info["extra_generation_params"] == {"Schedule type": "Karras"}
     assert [i.info["parameters"] for i in made.images] == info["infotexts"]
+    assert [infotext_seed(text) for text in info["infotexts"]] == ["3", "4", "5", "6"]  # each image's own
     assert "Sampler: dpmpp_2m_karras" in info["infotexts"][0] and made.parameters["scheduler"] == "Karras"
+
+
+def test_one_image_of_a_batch_is_made_again_from_its_seed_alone(served: Served) -> None:
+    alice = served.client("alice")
+    params = dict(prompt="a green owl", steps=2, width=16, height=16, sampler_name="Euler a")
+    batch = alice.txt2img(seed=-1, batch_size=3, **params)
+    first = batch.info["seed"]
+    assert first != -1 and batch.info["all_seeds"] == [first, first + 1, first + 2]  # -1 draws one, then + k
+    assert [infotext_seed(i.info["parameters"]) for i in batch.images] == [str(first + k) for k in range(3)]
+    again = alice.txt2img(seed=first + 2, batch_size=1, **params)
+    assert rgb(again.image) == rgb(batch.images[2]) != rgb(batch.images[1])  # bit for bit
 
 
 def test_png_info_of_a_random_seed_picture_makes_it_again(served: Served) -> None:
@@ -181,11 +203,16 @@ def test_img2img_with_a_mask_equals_the_inpaint_pipeline(served: Served) -> None
     params = dict(prompt="a red cat", negative_prompt="dog", steps=3, seed=3, cfg_scale=6.0, width=16, height=16)
     made = alice.img2img(images=[picture], mask_image=mask, denoising_strength=1.0, sampler_name="DDIM",
                          override_settings={"sd_model_checkpoint": "inpaint"}, **params)
+    # webuiapi sends A1111's mask_blur 4: the pipeline is given the mask blurred as A1111 blurs it.
+    sent = io.BytesIO()
+    mask.save(sent, "PNG")
+    soft = Image.open(io.BytesIO(prepared_mask(sent.getvalue(), 4, 4)))
     expected = reference(served.pipes["inpaint"], seed=3, prompt="a red cat", negative_prompt="dog", image=picture,
-                         mask_image=mask, num_inference_steps=3, strength=1.0, guidance_scale=6.0, width=16,
+                         mask_image=soft, num_inference_steps=3, strength=1.0, guidance_scale=6.0, width=16,
                          height=16)
     assert [rgb(made.image)] == expected
     assert made.info["denoising_strength"] == 1.0 and made.info["sd_model_name"] == "inpaint"
+    assert made.info["extra_generation_params"]["Mask blur"] == 4
     # The caller's model ("a") takes text only: the init image is refused, naming its field.
     status, body = refusal(lambda: alice.img2img(images=[picture], **params))
     assert (status, body["field"], body["code"]) == (422, "init_images", "unsupported")
@@ -221,13 +248,23 @@ def test_progress_shows_the_preview_mid_run_skip_goes_on_and_interrupt_stops(ser
         assert (status, body["code"]) == (429, "too_many_requests")  # her one request a time, running
         assert progress()["state"]["job_no"] == 0
         alice.skip()  # the first iteration ends; the second runs
-        wait_until(lambda: progress()["state"]["job_no"] == 1, "the second iteration")
+        wait_until(lambda: (p := progress())["state"]["job_no"] == 1 and p["current_image"],
+                   "the second iteration's preview")
         alice.interrupt()
         call.join(timeout=60)
     finally:
         alice.interrupt()
     assert not call.is_alive()
-    assert answers[0].images == [] and answers[0].info["all_seeds"] == []  # neither iteration finished
+    # Neither iteration finished: each answers the picture it had reached (its latest preview, at
+    # the image's size), with its infotext, as A1111 answers its half-done images.
+    made = answers[0]
+    assert made.info["all_seeds"] == [1, 2] and len(made.images) == 2
+    assert made.info["infotexts"] == [image.info["parameters"] for image in made.images]
+    for image, seed in zip(made.images, (1, 2), strict=True):
+        fields = parse_infotext(image.info["parameters"])
+        assert image.size == (16, 16) and (fields["Seed"], fields["Steps"], fields["Size-1"]) == (str(seed), "900",
+                                                                                                   "16")
+        assert (fields["Prompt"], fields["Model"]) == ("a slow cat", "a")
     assert alice.get_progress()["state"]["job_count"] == 0
 
 
@@ -289,3 +326,60 @@ def test_a_request_that_ended_without_pictures_answers_as_a1111_fails_one() -> N
                                                                                "cfg_scale")
     gone = _ended_error(record, protocol.Cancelled.build("r1", reason="shutdown"))
     assert (gone.status_code, json.loads(gone.body)["code"]) == (503, "shutting_down")
+
+
+def test_the_door_passes_the_mask_on_blurred_and_at_mask_blur_0_as_it_came() -> None:
+    """The mask the door puts in the request (diffusers' inpaint pipelines binarize a mask at 0.5,
+    so a tiny pipeline's picture need not show the blur: the mask itself is compared)."""
+    import anyio
+
+    from omni_stream.a1111.generation import parse_generation
+    from omni_stream.core.limits import ServerLimits
+    from omni_stream.params import Param
+    from omni_stream.server.a1111_api import A1111Api
+
+    checked: list[Any] = []
+    rules = SimpleNamespace(precheck=lambda client, msg, images: checked.append(images))
+    door = SimpleNamespace(service=SimpleNamespace(limits=ServerLimits(), rules=rules))
+    inpaint = SimpleNamespace(params=[Param("image", "str", None), Param("mask_image", "str", None)])
+    sent = io.BytesIO()
+    half_mask(16, 16).save(sent, "PNG")
+    body = {"init_images": [cb.data_url(cb.picture(16, 16))], "mask": base64.b64encode(sent.getvalue()).decode()}
+
+    def passed_on(**fields: Any) -> bytes:
+        gen = parse_generation({**body, **fields}, kind="img2img")
+        api = A1111Api(door)  # type: ignore[arg-type]
+        pending, size = api._images(gen, inpaint)
+        assert size == (16, 16)
+        urls = anyio.run(api._prepared, None, gen, "inpaint", {}, pending)
+        return base64.b64decode(urls["mask_image"].partition(",")[2])
+
+    assert passed_on(mask_blur=0) == sent.getvalue() and not checked  # bit for bit: the bytes as they came
+    soft = np.asarray(Image.open(io.BytesIO(passed_on())))  # A1111's default, 4
+    hard = np.asarray(half_mask(16, 16).convert("L"))
+    assert len(np.unique(soft)) > 2 and (soft == blurred(hard, 4, 4)).all()  # softened, as A1111's
+    across = np.asarray(Image.open(io.BytesIO(passed_on(mask_blur_x=2, mask_blur_y=0))))
+    assert (across == blurred(hard, 2, 0)).all()
+    assert len(checked) == 2  # the rules asked first, each time: a refused request costs no blur
+
+
+@pytest.mark.one_loop
+@pytest.mark.asyncio
+async def test_a_batchs_images_run_together_each_its_own_seed() -> None:
+    """batch_size images are requests of one image each (A1111's seed + k), submitted together so
+    the engine batches them: fewer denoiser calls than one after another, the same seeds."""
+    from omni_stream.models.diffusers import Diffusers
+
+    from .conftest import running
+
+    model = Diffusers(sd.sd_pipe(), encode_prompt=sd.fixed_embeddings)
+    rows: list[int] = []
+    model._denoiser.register_forward_pre_hook(lambda m, args: rows.append(args[0].shape[0]))
+    body = {"prompt": "a cat", "steps": 3, "seed": 11, "width": 16, "height": 16, "batch_size": 3}
+    with one_torch_thread():
+        async with running(model) as server, httpx.AsyncClient(base_url=server.http_url, timeout=60) as http:
+            made = await http.post("/sdapi/v1/txt2img", json=body)
+    assert made.status_code == 200, made.text
+    answer = made.json()
+    assert len(answer["images"]) == 3 and json.loads(answer["info"])["all_seeds"] == [11, 12, 13]
+    assert len(rows) < 3 * 3 and max(rows) > 2  # batched: rows of several requests in one call
