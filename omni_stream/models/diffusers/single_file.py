@@ -8,10 +8,12 @@ and takes the rest from a diffusers folder of the same architecture, its
 
 1. :func:`detect` reads the file's header only (names and shapes, no
    weights) and asks diffusers' own ``infer_diffusers_model_type`` which
-   architecture it is; :data:`ARCHITECTURES` are the ones the adapters
-   stream (SD 1.x/2.x, SDXL, SD3/3.5, Flux.1). Anything else (an inpainting
-   or refiner checkpoint, a LoRA or a VAE given as a model) is refused,
-   naming the file and what diffusers took it for.
+   architecture it is (an SDXL UNet without its text encoders, which
+   diffusers takes for SD 1.x, is told by its added embedding);
+   :data:`ARCHITECTURES` are the ones the adapters stream (SD 1.x/2.x,
+   SDXL, SD3/3.5, Flux.1). Anything else (an inpainting or refiner
+   checkpoint, a LoRA or a VAE given as a model) is refused, naming the
+   file and what diffusers took it for.
 2. The config: the folder the caller names (``config=DIR``, or by
    architecture, ``config={"v1": DIR}``), read with ``local_files_only``:
    no network. Without one, offline (``HF_HUB_OFFLINE=1``), diffusers'
@@ -19,8 +21,9 @@ and takes the rest from a diffusers folder of the same architecture, its
    error says which option to give and where such a folder comes from;
    online, diffusers fetches that repo's config files (kilobytes, no weights).
 3. A part the file lacks (a Flux file with the transformer only, an SD3
-   file without T5) is loaded from the config folder, which must then hold
-   its weights; diffusers alone would refuse it.
+   file without T5, an SDXL file without its text encoders) is loaded from
+   the config folder, which must then hold its weights; diffusers alone
+   would refuse it.
 
 ``.ckpt`` (and ``.pt``, ``.pth``, ``.bin``) files are Python pickles:
 loading one runs whatever code it holds. They are refused, with how to
@@ -63,6 +66,13 @@ ConfigSource = str | os.PathLike[str] | Mapping[str, str | os.PathLike[str]]
 # The LDM UNet's first convolution: diffusers calls any file it does not recognise "v1",
 # so a "v1" without it is no UNet checkpoint at all.
 _LDM_UNET_KEY: Final = "model.diffusion_model.input_blocks.0.0.weight"
+# SDXL's added (pooled text and image size) embedding, which no SD 1.x UNet has. diffusers
+# tells SDXL by its OpenCLIP-G weights alone, so an SDXL file without its text encoders
+# (they come from the config folder then) would otherwise be read as "v1".
+_LDM_ADDED_EMBEDDING_KEY: Final = "model.diffusion_model.label_emb.0.0.weight"
+# Its inputs: the refiner's 2560 (G's 1280 and five 256-wide size and score embeddings);
+# the base's 2816 has six.
+_XL_REFINER_ADDED_INPUTS: Final = 2560
 
 
 @dataclass(frozen=True, slots=True)
@@ -180,6 +190,9 @@ def detect(path: str | os.PathLike[str]) -> SingleFile:
             f"{str(file)!r} holds no denoiser diffusers knows (no SD UNet, SDXL, SD3 or Flux "
             "weights): is it a LoRA (--lora), a VAE or an embedding? A model checkpoint is needed"
         )
+    if model_type == "v1" and _LDM_ADDED_EMBEDDING_KEY in header:
+        refiner = header[_LDM_ADDED_EMBEDDING_KEY].shape[-1] == _XL_REFINER_ADDED_INPUTS
+        model_type = "xl_refiner" if refiner else "xl_base"
     if model_type not in ARCHITECTURES:
         known = ", ".join(f"{t} ({a.label})" for t, a in ARCHITECTURES.items())
         raise ValueError(
