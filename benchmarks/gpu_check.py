@@ -19,6 +19,10 @@ one JSON (``DIR/gpu-check.json``) whatever the others do:
 * ``bench``: ``benchmarks/gpu_bench.py`` (the step shapes, the copies, and
   with diffusers the SD 1.5- and Flux-sized pipelines) on CUDA, or the step
   shapes on the simulator.
+* ``cache``: gpu_bench.py's step-caching rows (``--only cache``: 28 steps of
+  a Flux.1-sized random transformer at 1024 px per ``cache`` setting, and a
+  mixed batch of 4), last and bounded apart, since no GPU has timed them
+  yet; on the simulator their CPU dry run.
 
 Exit status 0 when every part passed.
 """
@@ -238,7 +242,9 @@ def part_serve(device: str, steps: int) -> dict[str, Any]:
 
 def part_bench(device: str, quick: bool, out_dir: Path, timeout: float) -> dict[str, Any]:
     if device == "cuda":
-        cmd = [sys.executable, "benchmarks/gpu_bench.py", "--json", str(out_dir / "gpu-bench.json")]
+        # (The step-caching rows are their own part, bounded apart: see part_cache.)
+        cmd = [sys.executable, "benchmarks/gpu_bench.py", "--json", str(out_dir / "gpu-bench.json"),
+               "--cache-steps", "0"]
         if os.environ.get("FLUX_LAYERS"):
             cmd += ["--flux-layers", os.environ["FLUX_LAYERS"]]
         path = out_dir / "gpu-bench.json"
@@ -246,6 +252,24 @@ def part_bench(device: str, quick: bool, out_dir: Path, timeout: float) -> dict[
         cmd = [sys.executable, "-m", "benchmarks.step_shapes", "--device", "sim", "--reps", "1" if quick else "3",
                "--json", str(out_dir / "step-shapes-sim.json")] + (["--quick"] if quick else [])
         path = out_dir / "step-shapes-sim.json"
+    return _bench_run(cmd, path, out_dir / "bench.log", timeout)
+
+
+def part_cache(device: str, out_dir: Path, timeout: float) -> dict[str, Any]:
+    """gpu_bench.py's step-caching rows (issue #35): a Flux.1-sized random transformer, 28 steps
+    at 1024 px, each cache setting against none and a mixed batch of 4 (on the simulated GPU:
+    its dry run on the CPU, a check that the part runs)."""
+    path = out_dir / "gpu-bench-cache.json"
+    cmd = [sys.executable, "benchmarks/gpu_bench.py", "--only", "cache", "--json", str(path)]
+    if device == "cuda":
+        if os.environ.get("FLUX_LAYERS"):
+            cmd += ["--flux-layers", os.environ["FLUX_LAYERS"]]
+    else:
+        cmd += ["--dry-run", "--cache-steps", "2"]
+    return _bench_run(cmd, path, out_dir / "cache.log", timeout)
+
+
+def _bench_run(cmd: list[str], path: Path, log: Path, timeout: float) -> dict[str, Any]:
     t0 = time.monotonic()
     try:
         proc = subprocess.run(cmd, cwd=ROOT, env=_env(), capture_output=True, text=True, timeout=timeout, check=False)
@@ -253,7 +277,7 @@ def part_bench(device: str, quick: bool, out_dir: Path, timeout: float) -> dict[
     except subprocess.TimeoutExpired as exc:
         code, text = None, f"timed out after {timeout} s: {exc.stdout or ''}"
     figures = json.loads(path.read_text()) if path.exists() else None
-    (out_dir / "bench.log").write_text(text if isinstance(text, str) else str(text))
+    log.write_text(text if isinstance(text, str) else str(text))
     rows = figures.get("figures", figures.get("rows", [])) if isinstance(figures, dict) else []
     corrupt = sum(int(r.get("corrupt", 0)) for r in rows)
     return {"ok": code == 0 and corrupt == 0, "exit": code, "seconds": round(time.monotonic() - t0, 1),
@@ -267,8 +291,8 @@ def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--device", choices=("cuda", "sim"), default="cuda")
     ap.add_argument("--out", type=Path, default=Path(os.environ.get("OUT", "gpu-results")))
-    ap.add_argument("--parts", nargs="*", default=["tests", "chaos", "serve", "bench"],
-                    choices=["tests", "chaos", "serve", "bench"])
+    ap.add_argument("--parts", nargs="*", default=["tests", "chaos", "serve", "bench", "cache"],
+                    choices=["tests", "chaos", "serve", "bench", "cache"])
     ap.add_argument("--quick", action="store_true", help="small runs: checks each part works")
     args = ap.parse_args(argv)
     args.out.mkdir(parents=True, exist_ok=True)
@@ -288,6 +312,8 @@ def main(argv: list[str] | None = None) -> int:
         "chaos": lambda: part_chaos(args.device, 30 if quick else 200, 20 if quick else 60),
         "serve": lambda: part_serve(args.device, 4 if quick else 12),
         "bench": lambda: part_bench(args.device, quick, args.out, 120 if quick else 330),
+        # Last, so rows whose length on a GPU is not known yet cannot starve the others.
+        "cache": lambda: part_cache(args.device, args.out, 120 if quick else 150),
     }
     for name in args.parts:
         t0 = time.monotonic()

@@ -9,8 +9,9 @@
 # for bit); `omni-stream serve` on CUDA with websocket and HTTP clients streaming, cancelling
 # and disconnecting; and benchmarks/gpu_bench.py (the step shapes: engine against a bare loop
 # and the hand-written peer, 9.2 and 64 MiB frames against bare pinned copies; then SD 1.5- and
-# Flux-sized random-weight pipelines, TAESD previews on and off). Under 8 minutes on an H200
-# (the parts' bounds: 200 + 60 + ~60 + 330 s at most). CI runs the same driver on the
+# Flux-sized random-weight pipelines, TAESD previews on and off), then its step-caching rows
+# (Flux.1-sized at 1024 px, each cache setting against none). Under 8 minutes on an H200
+# (the parts' bounds: 200 + 60 + ~60 + 330 + 150 s at most; the cache part runs last). CI runs the same driver on the
 # simulated GPU (tests/test_gpu_check.py), so this script does not rot between GPUs.
 #
 # The lent machine's image has torch 2.11, anyio, uvloop, Pillow, pytest, numpy, h11, click,

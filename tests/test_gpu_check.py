@@ -21,7 +21,7 @@ ROOT = Path(__file__).resolve().parents[1]
 def test_gpu_check_runs_every_part_on_the_simulated_gpu(tmp_path: Path) -> None:
     proc = subprocess.run(
         [sys.executable, "-m", "benchmarks.gpu_check", "--device", "sim", "--quick",
-         "--parts", "serve", "chaos", "bench", "--out", str(tmp_path)],
+         "--parts", "serve", "chaos", "bench", "cache", "--out", str(tmp_path)],
         cwd=ROOT, capture_output=True, text=True, timeout=300, check=False,
     )
     report = json.loads((tmp_path / "gpu-check.json").read_text())
@@ -34,3 +34,5 @@ def test_gpu_check_runs_every_part_on_the_simulated_gpu(tmp_path: Path) -> None:
     assert {r["figure"] for r in rows} == {"compute_1ms", "compute_25ms", "launch_8ms", "video_6ms",
                                            "copy_9MiB", "copy_64MiB"}
     assert all(r["corrupt"] == 0 for r in rows)
+    cache = report["cache"]["figures"]["figures"]  # the step-caching rows' dry run, each setting
+    assert {"diffusers_flux_cache_taylorseer", "diffusers_flux_cache_fbcache_0.2"} <= {r["figure"] for r in cache}
