@@ -139,6 +139,8 @@ class MemoryEstimate:
     own_per_byte: float = 0.0
     shared_per_byte: float = 0.0
     field: str = "params"
+    #: Of ``own``: what the model says it builds for the request (model.ModelMemory).
+    model_bytes: int = 0
 
     @property
     def alone(self) -> int:
@@ -320,6 +322,7 @@ def estimate_memory(
         own_per_byte=own_per_byte,
         shared_per_byte=float(shared_k),
         field=field,
+        model_bytes=extra,
     )
 
 
@@ -384,7 +387,10 @@ def check_memory(
     env = ServerLimits.env_name("max_memory_bytes")
     cap = int(limit * MAX_REQUEST_MEMORY_SHARE)
     if est.alone > cap:
-        frame = f" (one frame {_mib(est.frame_bytes)})" if est.frame_bytes else ""
+        parts = [f"one frame {_mib(est.frame_bytes)}"] if est.frame_bytes else []
+        if est.model_bytes:
+            parts.append(f"the model's state for it {_mib(est.model_bytes)}, as its params ask: a cache, say")
+        frame = f" ({'; '.join(parts)})" if parts else ""
         fits = largest_fitting(model, params, cap, on_host=on_host, batch_size=batch_size)
         raise MessageError(
             "limit_exceeded",

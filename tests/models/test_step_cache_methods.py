@@ -176,3 +176,22 @@ def test_serve_cache_names_each_methods_knobs() -> None:
     model = sd3_model()
     with pytest.raises(UsageError, match="fitted for Flux only"):
         ModelLoader.of("sd3")._default_cache(model, _cache_spec("teacache:0.4"))
+
+
+@pytest.mark.parametrize("cache", [fbc(0.5), tea(0.6), TAYLOR, dict(TAYLOR, order=2)], ids=lambda c: str(c))
+def test_the_memory_a_requests_cache_holds_is_what_the_model_declares(cache: dict[str, Any]) -> None:
+    """The server's memory bound counts a caching request's state (model.ModelMemory): the
+    model's estimate equals the bytes the state holds at its fullest."""
+    from omni_stream.model import model_memory
+
+    model = flux_model()
+    params = model.validate(dict(FLUX, cache=cache))
+    state = model.start(params, CPU)
+    model.text_tokens = state.conditioning.embeds.shape[1]  # the tiny encoder's, not Flux.1's 512
+    peak = 0
+    for _ in range(state.total):
+        model.step([state])
+        peak = max(peak, sum(t.nbytes for t in state.cache.tensors().values()))
+    assert model_memory(model) is not None
+    assert model.request_memory_bytes(params) == peak > 0
+    assert model.request_memory_bytes(model.validate(FLUX)) == 0  # no cache: nothing more

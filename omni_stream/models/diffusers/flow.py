@@ -46,6 +46,9 @@ class FlowDiffusers(NativeDiffusers[CondT]):
     cache_methods: tuple[str, ...] = step_cache.METHODS
     cache_why_not = ""
 
+    #: The text tokens a request's transformer sees (the pipeline's padded prompt length).
+    text_tokens: int = 512
+
     # Bound by the adapter's _import_helpers, from its own pipeline module.
     _calculate_shift: Callable[..., float]
     _retrieve_timesteps: Callable[..., Any]
@@ -82,6 +85,37 @@ class FlowDiffusers(NativeDiffusers[CondT]):
         )
         assert pooled is not None
         return embeds.to(device=device, dtype=dtype), pooled.to(device=device, dtype=dtype)
+
+    # -- the memory a request's step cache holds (model.ModelMemory) ------------------------
+
+    def request_memory_bytes(self, params: Mapping[str, Any]) -> int:
+        """Bytes a request of these checked params adds on the device beyond its frames: its step
+        cache's state (step_cache.state_bytes; TaylorSeer's is gigabytes at Flux.1's size), so
+        the server's memory bound counts it. 0 without a cache."""
+        cache = params.get("cache")
+        if not isinstance(cache, Mapping) or cache.get("method", "none") == "none":
+            return 0
+        default_h, default_w = self._default_size
+        height, width = int(params.get("height", default_h)), int(params.get("width", default_w))
+        latent_h, latent_w = self._latent_size(height, width)
+        config = self._transformer.config
+        shape = step_cache.CacheShape(
+            rows=int(params.get("num_images", 1)) * (2 if self._guided(params) else 1),
+            image_tokens=(latent_h // 2) * (latent_w // 2),  # 2x2 patches (SD3), packed (Flux)
+            text_tokens=self.text_tokens,
+            width=int(config.num_attention_heads) * int(config.attention_head_dim),
+            double_blocks=len(getattr(self._transformer, "transformer_blocks", ())),
+            single_blocks=len(getattr(self._transformer, "single_transformer_blocks", ())),
+            value_bytes=self._transformer.dtype.itemsize,
+        )
+        return step_cache.state_bytes(cache, shape)
+
+    def cache_bytes(self) -> int:
+        """Nothing outlives its request here (model.ModelMemory)."""
+        return 0
+
+    def trim_cache(self, keep_bytes: int = 0) -> int:
+        return 0
 
     def _x0(
         self, s: NativeState[CondT], output: Any, latents: torch.Tensor, pred: torch.Tensor

@@ -54,6 +54,7 @@ class SD3Diffusers(FlowDiffusers[TextConditioning]):
     default_guidance = 7.0
     label = "SD3"
     cache_methods = ("none", "fbcache", "taylorseer")
+    text_tokens = 77 + 256  # CLIP's 77 and T5's max_sequence_length, joined
     cache_why_not = "SD3 has no teacache: TeaCache's rescaling polynomial was fitted for Flux only"
     # StableDiffusion3Pipeline leaves the first step's index to be looked up.
     starts_at_first_timestep = False

@@ -22,6 +22,7 @@ every method, and requests without one, share one call (:class:`StepCache`).
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 from collections.abc import Mapping, Sequence
 from typing import Any, Final, TypeAlias
 
@@ -30,13 +31,24 @@ import torch
 from ...params import Param
 from .block_cache import BlockCache
 from .first_block import DEFAULT_THRESHOLD, FirstBlockState
-from .taylorseer import DEFAULTS as TAYLOR, AttentionCache, TaylorSeerState
+from .taylorseer import DEFAULTS as TAYLOR, FACTOR_DTYPE, AttentionCache, TaylorSeerState
 from .teacache import DEFAULT_REL_L1, TeaCacheState
 
-__all__ = ["METHODS", "CacheState", "StepCache", "cache_param", "rebuilt", "state_for"]
+__all__ = [
+    "METHODS",
+    "CacheShape",
+    "CacheState",
+    "StepCache",
+    "cache_param",
+    "rebuilt",
+    "state_bytes",
+    "state_for",
+]
 
 #: Every method a request may name; a model offers those its denoiser can use.
 METHODS: Final = ("none", "fbcache", "teacache", "taylorseer")
+
+_FACTOR_BYTES: Final = torch.empty((), dtype=FACTOR_DTYPE).element_size()
 
 CacheState: TypeAlias = FirstBlockState | TeaCacheState | TaylorSeerState
 _STATES: Final[dict[str, Any]] = {
@@ -143,6 +155,40 @@ def state_for(params: Any, total: int) -> CacheState | None:
     if method == "taylorseer":
         return TaylorSeerState(int(cache["interval"]), int(cache["warmup"]), int(cache["order"]))
     return None
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class CacheShape:
+    """What a request's step cache holds is made of: its rows, its image and text tokens, the
+    transformer's width and blocks (double: image and text outputs; single: one of both), and
+    the bytes of a value in the transformer's dtype."""
+
+    rows: int
+    image_tokens: int
+    text_tokens: int
+    width: int
+    double_blocks: int
+    single_blocks: int
+    value_bytes: int
+
+
+def state_bytes(cache: Mapping[str, Any] | None, shape: CacheShape) -> int:
+    """The bytes a request's ``cache`` (its checked param) holds on the device at most:
+    fbcache the first block's residual and the others' to the image and text states; teacache
+    the previous modulated input and the stack's residual; taylorseer ``order + 1`` terms
+    (bfloat16) of every attention output. 0 without caching."""
+    method = (cache or {}).get("method", "none")
+    one = shape.rows * shape.width  # values per token
+    if method == "fbcache":
+        return one * (2 * shape.image_tokens + shape.text_tokens) * shape.value_bytes
+    if method == "teacache":
+        return one * 2 * shape.image_tokens * shape.value_bytes
+    if method == "taylorseer":
+        assert cache is not None
+        terms = int(cache.get("order", TAYLOR["order"])) + 1
+        blocks = shape.double_blocks + shape.single_blocks
+        return one * terms * blocks * (shape.image_tokens + shape.text_tokens) * _FACTOR_BYTES
+    return 0
 
 
 def rebuilt(counts: Mapping[str, Any], tensors: dict[str, torch.Tensor], device: torch.device) -> CacheState:
