@@ -61,6 +61,15 @@ class Client:
     #: The browser session it came with, without a token (server/sessions.py): the
     #: requests started in it are that session's to see, never counted by it.
     session: str | None = None
+    #: Whether ``session`` came with it (a browser keeping its cookie) rather than being given
+    #: to it now: only such a session scopes its repeats (core/repeats.py), or a caller without
+    #: a cookie jar would be a new one each call.
+    session_returned: bool = False
+
+    @property
+    def repeat_session(self) -> str | None:
+        """The session whose repeats its requests share (:func:`~.repeats.repeat_scope`)."""
+        return self.session if self.session_returned else None
 
 
 @dataclasses.dataclass(frozen=True, slots=True)

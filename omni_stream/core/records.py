@@ -100,6 +100,8 @@ class RequestRecord:
         self.rate = StepRate()
         #: The browser session that started it (Client.session), None without one.
         self.session: str | None = None
+        #: Whose repeats its result answers (repeats.repeat_scope); None: its principal's.
+        self.repeat_scope: str | None = None
         #: It waits for its model to load (no frame yet).
         self.loading = False
         #: Paused (Rules.pause): no step runs until it is resumed.

@@ -16,7 +16,11 @@ the one drawn for it, so only a request naming that seed repeats it. The
 LoRAs and their scales are params, and so are the sampler and every knob.
 
 A principal repeats only its own requests: an answer that came at once
-would tell one tenant that another had asked for that very picture.
+would tell one tenant that another had asked for that very picture. Its
+*scope* (:func:`repeat_scope`) is its token's tenant; without a token, the
+browser session it came with (server/sessions.py), which outlives a
+websocket connection and is narrower than an address; else its connection
+or address.
 
 The results are kept here, by a key over all of that, least recently used
 out first, within ``repeat_cache_bytes`` (a server limit; 0 keeps none),
@@ -40,7 +44,16 @@ from .. import protocol
 from ..checkpoint import plain_params
 from ..errors import CheckpointError
 
-__all__ = ["Kept", "RepeatBook", "repeat_key", "restored_key"]
+__all__ = ["Kept", "RepeatBook", "repeat_key", "repeat_scope", "restored_key"]
+
+
+def repeat_scope(principal: str, session: str | None) -> str:
+    """Whose repeats a request of ``principal`` (its key) in browser ``session`` shares: the
+    token's tenant, else the session (a digest: the state dir writes scopes down, and a session
+    is a credential), else the principal."""
+    if principal.startswith("token:") or session is None:
+        return principal
+    return "session:" + hashlib.sha256(session.encode()).hexdigest()[:32]
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
@@ -60,11 +73,11 @@ class Kept:
 
 
 def repeat_key(
-    principal: str, model_name: str, model: Any, checked: Mapping[str, Any], output: Any
+    scope: str, model_name: str, model: Any, checked: Mapping[str, Any], output: Any
 ) -> str | None:
-    """The key of ``principal``'s request of ``checked`` params to ``model`` (served as
-    ``model_name``) with ``output`` settings; None when its model does not say it repeats (see
-    the module docstring)."""
+    """The key of a request in repeat ``scope`` (:func:`repeat_scope`) of ``checked`` params to
+    ``model`` (served as ``model_name``) with ``output`` settings; None when its model does not
+    say it repeats (see the module docstring)."""
     repeatable = getattr(model, "repeatable", None)
     if not callable(repeatable) or not repeatable(checked):
         return None
@@ -80,7 +93,7 @@ def repeat_key(
         return None
     text = json.dumps(
         {
-            "principal": principal,
+            "principal": scope,
             "model": model_name,
             "weights": identity,
             "params": params,
@@ -92,14 +105,15 @@ def repeat_key(
 
 
 def restored_key(
-    principal: str,
+    scope: str,
     models: Mapping[str, Any],
     generate: Mapping[str, Any],
     accepted: Mapping[str, Any],
 ) -> str | None:
-    """The key of a request the state directory brought back done (server/state_restore.py),
-    from what it stored: its ``generate`` message's params, checked again by the model now
-    served under its name, with the seed it ran with (``accepted``'s); None where that model
+    """The key of a request the state directory brought back done (server/state_restore.py), in
+    the repeat ``scope`` it had (:func:`repeat_scope`), from what it stored: its ``generate``
+    message's params, checked again by the model now served under its name, with the seed it
+    ran with (``accepted``'s); None where that model
     is gone, refuses them now or does not say it repeats. The model now served stands for the
     one that made the results, as it does for a request resumed from its checkpoint."""
     if not models:
@@ -116,7 +130,7 @@ def restored_key(
         checked = model.validate(params)
     except Exception:  # noqa: BLE001 - refused now: it is simply not a repeat any more
         return None
-    return repeat_key(principal, name, model, checked, accepted.get("output"))
+    return repeat_key(scope, name, model, checked, accepted.get("output"))
 
 
 class RepeatBook:

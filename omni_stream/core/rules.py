@@ -20,8 +20,7 @@ the core asks of the world goes through the interfaces it was given:
   its :class:`~omni_stream.core.effects.Journal` (:meth:`Rules.keep_journal`:
   the state directory, with one).
 
-So the rules are tested by calling them with no socket and no loop
-(tests/core/test_rules.py), as python-websockets tests its protocol.
+So the rules are tested with no socket and no loop (tests/core/test_rules.py).
 
 :class:`Rules` is the one class the doors use; its parts, a module each,
 are the bases it is made of: the clients coming and going (clients.py,
@@ -61,7 +60,7 @@ from .preemption import Preempted, Preemption
 from .rates import RateBook
 from .records import RequestRecord, Terminal
 from .registry import RequestRegistry
-from .repeats import Kept, RepeatBook, repeat_key
+from .repeats import Kept, RepeatBook, repeat_key, repeat_scope
 from .retries import retry_of
 from .tokens import Tokens
 from .webhooks import WebhookBook, WebhookConfig, WebhookState, check_webhook
@@ -403,7 +402,8 @@ class Rules(Clients, Dispatch, Preemption, Deadlines, LoadReport):
             model=name if len(self.models) > 1 else None,
         )
         record.session = client.session
-        record.repeat_key = repeat_key(principal.key, name, model, checked, output.wire())
+        record.repeat_scope = scope = repeat_scope(principal.key, client.repeat_session)
+        record.repeat_key = repeat_key(scope, name, model, checked, output.wire())
         if msg.webhook is not None and self.webhooks is not None and self.shell is not None:
             # (_admit_cheap admitted it.) Told of its progress and its end by the record.
             record.webhook = WebhookState(

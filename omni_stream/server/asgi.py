@@ -259,6 +259,7 @@ def app_for(door: FrontDoor) -> OmniStreamApp:
                 return refused
             client = rules.connect(principal, "http")
             client.session, cookie = session_of(request)
+            client.session_returned = client.session is not None and cookie is None
             try:
                 # Its principal's rate: a call over it is answered later, never refused.
                 delay = rules.pace(client, int(request.headers.get("content-length") or 0))
@@ -498,6 +499,7 @@ async def _serve_websocket(door: FrontDoor, ws: WebSocket, comfy: ComfyUIApi) ->
     )
     if not service.tokens:  # the page's session (sessions.py): its requests are its to list
         conn.client.session = sessions.read(ws.cookies)
+        conn.client.session_returned = conn.client.session is not None
     door.websockets[conn.id] = conn
     logger.debug("connection %s (%s) from %s", conn.id, conn.client.principal, conn.remote)
     try:

@@ -73,7 +73,7 @@ from ..core.rules import Admitted
 from ..errors import CheckpointError, ParamsError
 from ..params import positive_int
 from ..store import RequestEntry, Store, StoredResult
-from .state_forms import NOTES, wire_message
+from .state_forms import NOTES, REPEAT_SCOPE, wire_message
 from .state_lanes import Lane
 from .state_restore import Restorer
 
@@ -326,10 +326,16 @@ class StateKeeper(Restorer):
         cross = admitted.cross_priority
         notes = self._noted.pop(rid, None)
 
+        # Whose repeats its result answers, where that is not its principal (a browser session's
+        # digest): a restart keeps them theirs (core/repeats.py).
+        scope = record.repeat_scope or principal
+
         def write() -> None:
             recorded = {"generate": wire_message(message), "accepted": accepted, "cross_priority": cross}
             if notes:
                 recorded[NOTES] = notes
+            if scope != principal:
+                recorded[REPEAT_SCOPE] = scope
             entry = RequestEntry(
                 rid, principal, admitted.model, recorded, created_at, record.total, record.seed
             )

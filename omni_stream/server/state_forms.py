@@ -27,12 +27,23 @@ from ..core.records import Terminal
 from ..errors import ProtocolError
 from ..store import RequestEntry, StoredResult
 
-__all__ = ["NOTES", "pack_result", "principal_of", "restart_notice", "stored_terminal", "wire_message"]
+__all__ = [
+    "NOTES",
+    "REPEAT_SCOPE",
+    "pack_result",
+    "principal_of",
+    "restart_notice",
+    "stored_terminal",
+    "wire_message",
+]
 
 logger = logging.getLogger("omni_stream.server")
 
 #: Where a recorded request keeps what doors wrote with it (StateKeeper.written_with).
 NOTES: Final = "notes"
+#: Where a recorded request keeps whose repeats its result answers, where not its principal's
+#: (core/repeats.py ``repeat_scope``: a browser session's digest).
+REPEAT_SCOPE: Final = "repeat_scope"
 
 
 def wire_message(message: dict[str, Any]) -> dict[str, Any]:

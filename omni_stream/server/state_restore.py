@@ -33,7 +33,7 @@ from ..core.repeats import restored_key
 from ..core.rules import Client
 from ..engine.like import resumes_from_bytes
 from ..store import RequestEntry
-from .state_forms import NOTES, pack_result, principal_of, restart_notice, stored_terminal
+from .state_forms import NOTES, REPEAT_SCOPE, pack_result, principal_of, restart_notice, stored_terminal
 from .state_lanes import Lane, StateLanes
 
 if TYPE_CHECKING:
@@ -107,8 +107,9 @@ class Restorer(StateLanes):
             if frames and entry.status == "done":
                 # A repeat of it is answered from these results again (core/repeats.py).
                 generate = entry.message.get("generate")
+                scope = entry.message.get(REPEAT_SCOPE)
                 key = restored_key(
-                    entry.principal,
+                    scope if isinstance(scope, str) else entry.principal,
                     self.rules.models,
                     generate if isinstance(generate, Mapping) else {},
                     accepted,

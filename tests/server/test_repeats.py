@@ -24,9 +24,12 @@ pytestmark = [
 ]
 
 
-async def _run(ws: Any, rid: str, params: dict[str, Any]) -> tuple[list[dict[str, Any]], list[bytes]]:
-    """One request: its text messages, and its results' bytes."""
-    await ws.send(json.dumps({"type": "generate", "id": rid, "params": params, "preview": {"every": 100}}))
+async def _run(
+    ws: Any, rid: str, params: dict[str, Any], **fields: Any
+) -> tuple[list[dict[str, Any]], list[bytes]]:
+    """One request (``fields``: more of its message's): its text messages, and its results' bytes."""
+    message = {"type": "generate", "id": rid, "params": params, "preview": {"every": 100}, **fields}
+    await ws.send(json.dumps(message))
     msgs, results = [], []
     while True:
         raw = await ws.recv()
@@ -138,3 +141,39 @@ def test_a_request_holding_a_value_json_cannot_hold_has_no_key() -> None:
     assert repeat_key("p", "m", Always(), {"seed": 1}, {"format": "png"}) is not None
     # A decoded input image: never keyed (a repr would never match again), never an error.
     assert repeat_key("p", "m", Always(), {"seed": 1, "image": object()}, {"format": "png"}) is None
+
+
+@pytest.mark.asyncio
+async def test_a_browser_sessions_repeat_outlives_its_websocket_and_a_restart(tmp_path: Any) -> None:
+    """Without a token a websocket's principal is its connection; the browser session it carries
+    (its cookie) is whose repeats it shares: a new connection of the same browser, and the same
+    after a restart on the state dir, get them; another connection without the session does not."""
+    import httpx
+
+    from omni_stream.server import sessions
+
+    model = flux_model()
+    calls: list[int] = []
+    model._denoiser.register_forward_pre_hook(lambda m, a: calls.append(1))
+    params = dict(FLUX, seed=5)
+    async with running(model, state_dir=str(tmp_path)) as server:
+        async with httpx.AsyncClient(base_url=server.http_url) as http:
+            await http.get("/")
+            headers = {"Cookie": f"{sessions.COOKIE}={http.cookies[sessions.COOKIE]}"}
+        async with connect(server.url, additional_headers=headers, max_size=None) as ws:
+            first, made = await _run(ws, "a", params, detach=True)
+        ran = len(calls)
+        assert first[-1]["type"] == "done" and ran == FLUX["steps"]
+        async with connect(server.url, additional_headers=headers, max_size=None) as ws:
+            again, served = await _run(ws, "b", params)
+        assert len(calls) == ran and served == made and again[-1].get("repeat") is True
+        async with connect(server.url, max_size=None) as ws:  # no session: not that browser's
+            other, _ = await _run(ws, "c", params)
+        assert len(calls) == 2 * ran and "repeat" not in other[-1]
+    model = flux_model()  # a new process's model: the same weights under the same name
+    calls.clear()
+    model._denoiser.register_forward_pre_hook(lambda m, a: calls.append(1))
+    async with running(model, state_dir=str(tmp_path)) as server:
+        async with connect(server.url, additional_headers=headers, max_size=None) as ws:
+            after, kept = await _run(ws, "d", params)
+    assert not calls and kept == made and after[-1].get("repeat") is True
