@@ -5,7 +5,8 @@ a model's params), ``answers.py`` (the generation answer, its ``info``,
 the lists), ``names.py`` (sampler and schedule names as A1111 lists them),
 ``options.py`` (``/options`` per principal, checkpoint names), ``jobs.py``
 (the calls running per principal, ``/progress``), ``masks.py`` (an
-img2img mask blurred as A1111 blurs it), ``unfinished.py`` (the picture of
+img2img mask blurred as A1111 blurs it), ``inpaint_area.py`` (a masked
+img2img's "Only masked", fill and overlay, as A1111's), ``unfinished.py`` (the picture of
 an image ``/interrupt`` stopped), ``infotext.py``
 (``/png-info``), ``auth.py`` (basic auth as the token), ``errors.py``
 (A1111's error shape). The routes are ``omni_stream/server/a1111_api.py``;

@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import base64
 import json
-from collections.abc import Iterable, Sequence
+from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -49,14 +49,17 @@ def info_text(
     timestamp: str,
     steps: int | None,
     cfg_scale: float | None,
+    extra_params: Mapping[str, Any] | None = None,
 ) -> str:
     """The ``info`` JSON text (A1111's ``Processed.js()``) of a call; ``seed``: its first
-    request's, ``sampler`` / ``schedule``: A1111's names of what ran."""
+    request's, ``sampler`` / ``schedule``: A1111's names of what ran; ``extra_params``: more of
+    its ``extra_generation_params`` (``Inpaint area``, ..., ``a1111/inpaint_area.py``'s)."""
     count = len(made)
     extra: dict[str, Any] = {"Schedule type": schedule}
     if gen.mask is not None and (gen.mask_blur_x > 0 or gen.mask_blur_y > 0):
         # A1111's ``mask_blur`` property: the blur when both are one, else None.
         extra["Mask blur"] = gen.mask_blur_x if gen.mask_blur_x == gen.mask_blur_y else None
+    extra.update(extra_params or {})
     width = made[0].width if made else gen.width
     height = made[0].height if made else gen.height
     info = {

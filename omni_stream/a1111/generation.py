@@ -30,6 +30,11 @@ A1111                      ours
 ``mask``                   ``mask_image`` (white repaints, as A1111's), blurred by
 ``mask_blur``              ``mask_blur_x`` and ``mask_blur_y`` (``mask_blur`` sets both;
                            each 4 by default, as A1111's; ``a1111/masks.py``)
+``inpaint_full_res``       "Only masked": the mask's region, grown by
+                           ``inpaint_full_res_padding``, is what the request repaints
+                           (``a1111/inpaint_area.py``); A1111's API default, true
+``inpainting_fill``        0 (A1111's API default): the masked pixels filled before the
+                           request; 1: as they are
 ``denoising_strength``     ``strength`` (img2img; txt2img's is the hires fix's)
 ``send_images``            false: the answer carries no images
 =========================  ==========================================================
@@ -43,9 +48,9 @@ resize), ``inpainting_mask_invert``, ``initial_noise_multiplier`` (not 1),
 k-diffusion's ``eta`` (not null, 0 or 1: what clients send by default),
 ``s_churn``, ``s_tmin``, ``s_tmax`` (not 0) and ``s_noise`` (not 1).
 Accepted and not applied, each said in docs/a1111.md:
-``inpainting_fill``, ``inpaint_full_res`` and its padding (the pipeline
-repaints the whole picture), ``image_cfg_scale`` (instruct-pix2pix's), the
-hires fix's fields while ``enable_hr`` is false. Other fields are ignored,
+``inpainting_fill`` 2 and 3's latent step (their pixel fill is done),
+``image_cfg_scale`` (instruct-pix2pix's), the hires fix's fields while
+``enable_hr`` is false. Other fields are ignored,
 as A1111's own schema ignores fields it does not know.
 """
 
@@ -70,6 +75,13 @@ MAX_BATCH_SIZE: Final = MAX_IMAGES
 DEFAULT_CFG: Final = 7.0
 #: A1111's img2img ``denoising_strength`` when a request names none.
 DEFAULT_STRENGTH: Final = 0.75
+#: A1111's API's ``inpaint_full_res``, ``inpaint_full_res_padding`` and ``inpainting_fill`` when
+#: a request names none (``StableDiffusionProcessingImg2Img``'s defaults; its UI's differ: 32, 1).
+DEFAULT_FULL_RES: Final = True
+DEFAULT_PADDING: Final = 0
+DEFAULT_FILL: Final = 0
+#: ``inpainting_fill``: 0 fill, 1 original, 2 latent noise, 3 latent nothing.
+MAX_FILL: Final = 3
 
 #: Our param -> the A1111 field a client sent it as (for the core's errors, which name ours).
 FIELDS: Final[Mapping[str, str]] = {
@@ -166,6 +178,11 @@ class Generation:
     #: The mask's blur across and down (A1111's ``mask_blur_x``, ``mask_blur_y``).
     mask_blur_x: int = DEFAULT_MASK_BLUR
     mask_blur_y: int = DEFAULT_MASK_BLUR
+    #: "Only masked" (A1111's ``inpaint_full_res``) and its ``inpaint_full_res_padding``.
+    inpaint_full_res: bool = DEFAULT_FULL_RES
+    inpaint_full_res_padding: int = DEFAULT_PADDING
+    #: A1111's ``inpainting_fill``: what the masked pixels start from (0 fill, 1 original, ...).
+    inpainting_fill: int = DEFAULT_FILL
     denoising_strength: float | None = None
     #: The body's fields, echoed as the answer's ``parameters`` (the images left out).
     echo: dict[str, Any] = field(default_factory=dict)
@@ -210,6 +227,7 @@ def parse_generation(body: Mapping[str, Any], *, kind: str) -> Generation:
     init_image = mask = None
     strength = None
     blur = (DEFAULT_MASK_BLUR, DEFAULT_MASK_BLUR)
+    full_res, padding, fill = DEFAULT_FULL_RES, DEFAULT_PADDING, DEFAULT_FILL
     if kind == "img2img":
         images = body.get("init_images")
         if not isinstance(images, Sequence) or isinstance(images, str) or not images:
@@ -220,6 +238,11 @@ def parse_generation(body: Mapping[str, Any], *, kind: str) -> Generation:
         if body.get("mask") is not None:
             mask = _base64(body["mask"], "mask")
             blur = _mask_blur(body)
+        full_res = _full_res(body)
+        sent_padding = _integer(body, "inpaint_full_res_padding", low=0)
+        padding = DEFAULT_PADDING if sent_padding is None else sent_padding
+        sent_fill = _integer(body, "inpainting_fill", low=0, high=MAX_FILL)
+        fill = DEFAULT_FILL if sent_fill is None else sent_fill
         strength = _number(body, "denoising_strength")
     echo = {k: v for k, v in body.items() if k not in ("init_images", "mask")}
     if kind == "img2img" and body.get("include_init_images") is True:
@@ -244,6 +267,9 @@ def parse_generation(body: Mapping[str, Any], *, kind: str) -> Generation:
         mask=mask,
         mask_blur_x=blur[0],
         mask_blur_y=blur[1],
+        inpaint_full_res=full_res,
+        inpaint_full_res_padding=padding,
+        inpainting_fill=fill,
         denoising_strength=strength,
         echo=echo,
     )
@@ -405,6 +431,19 @@ def _mask_blur(body: Mapping[str, Any]) -> tuple[int, int]:
     x = _integer(body, "mask_blur_x", low=0, high=MAX_MASK_BLUR)
     y = _integer(body, "mask_blur_y", low=0, high=MAX_MASK_BLUR)
     return (DEFAULT_MASK_BLUR if x is None else x, DEFAULT_MASK_BLUR if y is None else y)
+
+
+def _full_res(body: Mapping[str, Any]) -> bool:
+    """``inpaint_full_res``: true or false, or 1 or 0 (the index of A1111's UI's radio, which
+    some clients send)."""
+    value = body.get("inpaint_full_res")
+    if value is None:
+        return DEFAULT_FULL_RES
+    if isinstance(value, bool):
+        return value
+    if isinstance(value, (int, float)) and value in (0, 1):
+        return bool(value)
+    raise _bad("inpaint_full_res", f"must be true or false, got {value!r:.40}")
 
 
 def _seed(value: Any) -> int:

@@ -7,11 +7,11 @@ then blurs it with OpenCV's ``GaussianBlur``, across (``mask_blur_x``) and
 then down (``mask_blur_y``), each a one-dimensional Gaussian of sigma the
 blur and of kernel size ``2 * int(2.5 * blur + 0.5) + 1``, edges reflected
 as OpenCV's default border does (``dcb|abcd|cba``), and rounded back to
-8 bits after each pass. :func:`prepared_mask` does the same here with
-numpy in place of OpenCV, in OpenCV's own fixed-point arithmetic for 8-bit
-images (its kernel's taps in 256ths), so the pipeline is handed the mask
-A1111's own sampler would have been, pixel for pixel. A blur of 0 and a mask without transparency leave
-the bytes exactly as they came.
+8 bits after each pass. :func:`grey_mask` and :func:`blurred` do the same
+here with numpy in place of OpenCV, in OpenCV's own fixed-point arithmetic
+for 8-bit images (its kernel's taps in 256ths), so the pipeline is handed
+the mask A1111's own sampler would have been, pixel for pixel
+(``inpaint_area.py`` reads the mask with them).
 
 For a worker thread: a mask of the server's largest side (2048) at the
 largest blur (:data:`MAX_MASK_BLUR`) takes a few seconds here.
@@ -19,15 +19,11 @@ largest blur (:data:`MAX_MASK_BLUR`) takes a few seconds here.
 
 from __future__ import annotations
 
-import io
 from typing import Any, Final
 
 import numpy as np
 
-from ..errors import MessageError, ParamsError
-from ..models.inputs import open_image
-
-__all__ = ["DEFAULT_MASK_BLUR", "MAX_MASK_BLUR", "blurred", "gaussian_kernel", "grey_mask", "prepared_mask"]
+__all__ = ["DEFAULT_MASK_BLUR", "MAX_MASK_BLUR", "blurred", "gaussian_kernel", "grey_mask"]
 
 #: A1111's ``mask_blur_x`` / ``mask_blur_y`` when a request names neither (nor ``mask_blur``).
 DEFAULT_MASK_BLUR: Final = 4
@@ -94,26 +90,3 @@ def grey_mask(image: Any) -> tuple[Any, bool]:
     if image.mode == "RGBA" and image.getextrema()[-1] != (255, 255):
         return image.getchannel("A").point(lambda v: 255 if v > 128 else 0), True
     return image.convert("L"), False
-
-
-def prepared_mask(data: bytes, blur_x: int, blur_y: int, *, field: str = "mask") -> bytes:
-    """The mask image ``data`` (PNG, JPEG or WebP, its size already checked) as A1111 hands it
-    to its sampler: :func:`grey_mask`, then :func:`blurred`, as a grey PNG. ``data`` itself when
-    neither changes it (no blur, no transparency): the same bytes.
-
-    Raises MessageError ``bad_params`` naming ``field`` for bytes that do not decode.
-    """
-    from PIL import Image
-
-    try:
-        image = open_image(data, field=field)
-    except ParamsError as exc:
-        raise MessageError("bad_params", exc.message, field=field) from None
-    with image:
-        grey, from_alpha = grey_mask(image)
-        if not from_alpha and blur_x == 0 and blur_y == 0:
-            return data
-        pixels = blurred(np.asarray(grey, dtype=np.uint8), blur_x, blur_y)
-    out = io.BytesIO()
-    Image.fromarray(pixels).save(out, "PNG")
-    return out.getvalue()

@@ -11,8 +11,10 @@ read back into A1111's answer. Every refusal is A1111's error shape
 - ``txt2img`` / ``img2img`` wait for the end, as A1111's do: one request
   for each image (``n_iter`` x ``batch_size``, each image's seed A1111's),
   one after the other, their results read through the call's outbox (a
-  caller that hangs up cancels them); an img2img's mask blurred first
-  (``a1111/masks.py``);
+  caller that hangs up cancels them); an img2img with a mask prepared
+  first as A1111 prepares it (``a1111/inpaint_area.py``: the mask blurred,
+  "Only masked", the fill), and its pictures given back the init image's
+  pixels outside the mask (A1111's overlay);
 - ``progress``, ``interrupt``, ``skip`` act on the caller's principal's
   latest call (``a1111/jobs.py``), or else on its latest request from any
   door: ``interrupt`` stops the request and the call's later images,
@@ -30,6 +32,8 @@ from __future__ import annotations
 
 import base64
 import binascii
+import dataclasses
+import functools
 import logging
 import time
 import uuid
@@ -43,7 +47,7 @@ from starlette.requests import ClientDisconnect, Request
 from starlette.responses import Response
 
 from .. import protocol
-from ..a1111 import answers, infotext, masks, names
+from ..a1111 import answers, infotext, inpaint_area, names
 from ..a1111.auth import bearer_of_basic
 from ..a1111.errors import error_body, status_of
 from ..a1111.generation import FIELDS, Generation, model_params, parse_generation
@@ -143,8 +147,9 @@ class A1111Api:
         self._door = door
         self._choices = ModelChoices()
         self._jobs = JobBook()
-        # Masks blurred at once (a1111/masks.py: up to a second each at the largest sizes).
-        self._masks = anyio.CapacityLimiter(1)
+        # Masked img2imgs prepared at once (a1111/inpaint_area.py: up to seconds each at the
+        # largest sizes).
+        self._inpainting = anyio.CapacityLimiter(1)
 
     @property
     def _service(self) -> Service:
@@ -318,10 +323,13 @@ class A1111Api:
             params = model_params(gen, model.params, model=name, image_size=size)
             if gen.seed != -1 and not any(p.name == "seed" for p in model.params):
                 raise MessageError("unsupported", f"seed: model {name} takes no seed", field="seed")
-            urls = await self._prepared(client, gen, name, params, pending)
+            urls, area = await self._prepared(client, gen, name, model, params, pending)
         except REFUSALS as exc:
             return refusal(exc)
-        return await self._run(request, client, gen, _Plan(name, model, {**params, **urls}, size))
+        plan = _Plan(name, model, {**params, **urls}, size)
+        if area is not None:
+            plan = dataclasses.replace(plan, overlay=area.overlay, extra=area.extra)
+        return await self._run(request, client, gen, plan)
 
     def _images(
         self, gen: Generation, model: Any
@@ -348,27 +356,43 @@ class A1111Api:
         client: Client,
         gen: Generation,
         name: str,
+        model: Any,
         params: dict[str, Any],
         pending: dict[str, inputs.PendingImage],
-    ) -> dict[str, str]:
-        """The checked images as ``data:`` URLs, the mask first prepared as A1111 prepares it
-        (``a1111/masks.py``: its alpha, ``mask_blur``), in a worker thread. Raises MessageError
-        as ``Rules.precheck`` does, or naming ``mask`` for bytes that do not decode."""
-        mask = pending.get("mask_image")
-        if mask is not None and (gen.mask_blur_x > 0 or gen.mask_blur_y > 0 or mask.header.alpha):
-            # The one decode before Service.prepare's, as the OpenAI door's mask: a request the
-            # rules would refuse (busy, over the memory bound with its images at their sizes)
-            # costs none, and one mask is prepared at a time.
-            msg = protocol.Generate.build(f"a1111-{uuid.uuid4().hex}", params, model=name)
-            self._service.rules.precheck(client, msg, list(pending.values()))
-            data = await anyio.to_thread.run_sync(
-                masks.prepared_mask, mask.data, gen.mask_blur_x, gen.mask_blur_y, limiter=self._masks
-            )
-            if data is not mask.data:
-                pending["mask_image"] = inputs.check_encoded(
-                    "mask_image", data, self._service.limits, request_id=None, field="mask"
+    ) -> tuple[dict[str, str], inpaint_area.Inpainting | None]:
+        """The checked images as ``data:`` URLs; an img2img with a mask first prepared as A1111
+        prepares it (``a1111/inpaint_area.py``: the mask's alpha and blur, "Only masked", the
+        fill), in a worker thread, with the overlay of its pictures (None without a mask).
+        Raises MessageError as ``Rules.precheck`` does, or naming ``init_images`` or ``mask``
+        for bytes that do not decode."""
+        mask, init = pending.get("mask_image"), pending.get("image")
+        if mask is None or init is None:
+            return {param: inputs.data_url(image) for param, image in pending.items()}, None
+        # The one decode before Service.prepare's, as the OpenAI door's mask: a request the
+        # rules would refuse (busy, over the memory bound with its images at their sizes)
+        # costs none, and one masked request is prepared at a time.
+        msg = protocol.Generate.build(f"a1111-{uuid.uuid4().hex}", params, model=name)
+        self._service.rules.precheck(client, msg, list(pending.values()))
+        prepare = functools.partial(
+            inpaint_area.inpainting,
+            init.data,
+            mask.data,
+            size=_sides(model, params, (init.header.width, init.header.height)),
+            blur_x=gen.mask_blur_x,
+            blur_y=gen.mask_blur_y,
+            full_res=gen.inpaint_full_res,
+            padding=gen.inpaint_full_res_padding,
+            fill_mode=gen.inpainting_fill,
+        )
+        area = await anyio.to_thread.run_sync(prepare, limiter=self._inpainting)
+        if area.note is not None:
+            logger.info("an A1111 img2img: %s", area.note)  # where A1111 says it: its log
+        for param, sent, data in (("image", "init_images", area.image), ("mask_image", "mask", area.mask)):
+            if data is not None:
+                pending[param] = inputs.check_encoded(
+                    param, data, self._service.limits, request_id=None, field=sent
                 )
-        return {param: inputs.data_url(image) for param, image in pending.items()}
+        return {param: inputs.data_url(image) for param, image in pending.items()}, area
 
     async def _run(self, request: Request, client: Client, gen: Generation, plan: _Plan) -> Response:
         key = client.principal.key
@@ -495,7 +519,7 @@ class A1111Api:
             ((m.width, m.height) for m in made.values() if isinstance(m, _Result)), None
         ) or _image_size(plan)
         in_order = [made[image] for image in sorted(made)]
-        pictures = await anyio.to_thread.run_sync(lambda: [m.made(size) for m in in_order])
+        pictures = await anyio.to_thread.run_sync(_pictures, in_order, size, plan.overlay)
         images = [m for m in pictures if m is not None]
         declared = {p.name: p.default for p in plan.model.params}
         params = plan.params
@@ -515,6 +539,7 @@ class A1111Api:
                 (params.get(g, declared.get(g)) for g in ("guidance_scale", "guidance") if g in declared),
                 None,
             ),
+            extra_params=plan.extra,
         )
         return responses.json_response(200, answers.generation_answer(gen, images, info))
 
@@ -576,12 +601,16 @@ def _ended_error(record: RequestRecord, terminal: Terminal | None) -> Response:
 @dataclass(frozen=True, slots=True)
 class _Plan:
     """What each request of a call runs: the model (its name), the params (without the seed),
-    and the init image's (width, height), None without one."""
+    and the init image's (width, height), None without one; for an img2img with a mask, the
+    overlay its pictures get and the ``extra_generation_params`` it adds
+    (``a1111/inpaint_area.py``)."""
 
     name: str
     model: Any
     params: dict[str, Any]
     init_size: tuple[int, int] | None
+    overlay: inpaint_area.Overlay | None = None
+    extra: dict[str, Any] = dataclasses.field(default_factory=dict)
 
 
 @dataclass(frozen=True, slots=True)
@@ -621,6 +650,20 @@ class _Unfinished:
         return answers.Made(png, self.seed, width, height, infotext.png_text(png).get("parameters", ""))
 
 
+def _pictures(
+    made: list[_Result | _Unfinished], size: tuple[int, int] | None, overlay: inpaint_area.Overlay | None
+) -> list[answers.Made | None]:
+    """Each image's picture (``size``: a finished one's), under ``overlay`` when there is one (the
+    init image's pixels outside the mask, A1111's ``apply_overlay``). For a worker thread."""
+    out: list[answers.Made | None] = []
+    for each in made:
+        picture = each.made(size)
+        if picture is not None and overlay is not None:
+            picture = dataclasses.replace(picture, png=inpaint_area.overlaid(picture.png, overlay))
+        out.append(picture)
+    return out
+
+
 def _newest(*previews: protocol.Preview | None) -> protocol.Preview | None:
     """The intermediate preview of the latest step among ``previews`` (a result is none)."""
     shown = [p for p in previews if p is not None and not p.final]
@@ -630,10 +673,16 @@ def _newest(*previews: protocol.Preview | None) -> protocol.Preview | None:
 def _image_size(plan: _Plan) -> tuple[int, int] | None:
     """The (width, height) the requests of ``plan`` make: their sides, else their model's
     defaults, else the init image's; None when nothing says it."""
-    declared = {p.name: p.default for p in plan.model.params}
+    return _sides(plan.model, plan.params, plan.init_size)
+
+
+def _sides(model: Any, params: dict[str, Any], init_size: tuple[int, int] | None) -> tuple[int, int] | None:
+    """The (width, height) requests of ``model`` with ``params`` make: their sides, else the
+    model's defaults, else ``init_size``."""
+    declared = {p.name: p.default for p in model.params}
 
     def side(name: str) -> int | None:
-        value = plan.params.get(name, declared.get(name))
+        value = params.get(name, declared.get(name))
         return value if isinstance(value, int) and not isinstance(value, bool) and value > 0 else None
 
     width, height, size = side("width"), side("height"), side("size")
@@ -641,4 +690,4 @@ def _image_size(plan: _Plan) -> tuple[int, int] | None:
         return width, height
     if size is not None:
         return size, size
-    return plan.init_size
+    return init_size

@@ -36,6 +36,12 @@ def test_a_blurred_masks_info_says_its_blur_as_a1111s_does() -> None:
     assert extra() == {"Schedule type": "Automatic", "Mask blur": 4}
     assert extra(mask_blur_x=2, mask_blur_y=3)["Mask blur"] is None  # A1111's mask_blur: None when they differ
     assert "Mask blur" not in extra(mask_blur=0)
+    gen = parse_generation({"init_images": ["AAAA"], "mask": "BBBB"}, kind="img2img")
+    only_masked = {"Inpaint area": "Only masked", "Masked area padding": 32, "Masked content": "fill"}
+    text = info_text(gen, [], model="sd", sampler="Euler", schedule="Automatic", seed=1, timestamp="t", steps=2,
+                     cfg_scale=7.0, extra_params=only_masked)
+    assert json.loads(text)["extra_generation_params"] == {"Schedule type": "Automatic", "Mask blur": 4,
+                                                           **only_masked}  # in A1111's order
 
 
 def test_the_lists_say_names_and_nothing_of_the_disk() -> None:

@@ -6,7 +6,13 @@ from typing import Any
 
 import pytest
 
-from omni_stream.a1111.generation import MAX_BATCH_SIZE, MAX_N_ITER, Generation, model_params, parse_generation
+from omni_stream.a1111.generation import (
+    MAX_BATCH_SIZE,
+    MAX_N_ITER,
+    Generation,
+    model_params,
+    parse_generation,
+)
 from omni_stream.errors import MessageError
 from omni_stream.params import Param, images_param, seed_param
 
@@ -160,6 +166,23 @@ def test_the_mask_blur_is_a1111s_mask_blur_x_and_y_which_mask_blur_sets_both() -
     assert blur(mask_blur=0, mask_blur_x=2, mask_blur_y=6) == (0, 0)  # mask_blur, sent, wins
     assert blur(mask_blur=8.0) == (8, 8)
     for field, value in (("mask_blur", -1), ("mask_blur_x", 65), ("mask_blur_y", "4"), ("mask_blur", True)):
+        with pytest.raises(MessageError) as info:
+            parse_generation({**body, field: value}, kind="img2img")
+        assert info.value.field == field
+
+
+def test_only_masked_and_the_fill_default_to_a1111s_api_and_are_checked() -> None:
+    body = {"init_images": ["AAAA"], "mask": "BBBB"}
+
+    def area(**fields: Any) -> tuple[bool, int, int]:
+        gen = parse_generation({**body, **fields}, kind="img2img")
+        return gen.inpaint_full_res, gen.inpaint_full_res_padding, gen.inpainting_fill
+
+    assert area() == (True, 0, 0)  # StableDiffusionProcessingImg2Img's defaults, which its API takes
+    assert area(inpaint_full_res=False, inpaint_full_res_padding=32, inpainting_fill=1) == (False, 32, 1)
+    assert area(inpaint_full_res=0)[0] is False and area(inpaint_full_res=1)[0] is True  # the UI radio's index
+    for field, value in (("inpaint_full_res", "yes"), ("inpaint_full_res", 2), ("inpaint_full_res_padding", -1),
+                         ("inpainting_fill", 4), ("inpainting_fill", "fill")):
         with pytest.raises(MessageError) as info:
             parse_generation({**body, field: value}, kind="img2img")
         assert info.value.field == field

@@ -5,11 +5,9 @@ from __future__ import annotations
 import io
 
 import numpy as np
-import pytest
 from PIL import Image
 
-from omni_stream.a1111.masks import blurred, gaussian_kernel, prepared_mask
-from omni_stream.errors import MessageError
+from omni_stream.a1111.masks import blurred, gaussian_kernel, grey_mask
 
 
 def png(image: Image.Image) -> bytes:
@@ -44,27 +42,11 @@ def test_the_blur_is_a1111s_pixel_for_pixel() -> None:
     assert only_x[3].sum() == 0 and only_x[4].sum() > 0  # across only: the other rows untouched
 
 
-def test_the_mask_the_door_passes_on_is_blurred_and_a_blur_of_0_leaves_it_as_it_came() -> None:
-    sent = png(half())
-    soft = Image.open(io.BytesIO(prepared_mask(sent, 4, 4)))
-    assert soft.mode == "L" and soft.size == (16, 16)
-    pixels = np.asarray(soft)
-    assert (pixels == blurred(np.asarray(half().convert("L")), 4, 4)).all()
-    assert len(np.unique(pixels)) > 2  # softened: not black and white any more
-    assert prepared_mask(sent, 0, 0) is sent  # the same bytes, not a copy of its pixels
-
-
 def test_a_transparent_masks_alpha_is_the_mask_as_a1111_reads_it() -> None:
     # Red everywhere, opaque on the left half only: A1111 reads the alpha (over 128: repaint).
     rgba = Image.new("RGBA", (16, 16), (255, 0, 0, 0))
     rgba.paste((255, 0, 0, 255), (0, 0, 8, 16))
-    hard = np.asarray(Image.open(io.BytesIO(prepared_mask(png(rgba), 0, 0))))
-    assert (hard == np.asarray(half().convert("L"))).all()
-    opaque = png(half(mode="RGBA"))
-    assert prepared_mask(opaque, 0, 0) is opaque  # all opaque: its grey, as it came
-
-
-def test_bytes_that_are_no_image_are_refused_naming_the_mask() -> None:
-    with pytest.raises(MessageError) as info:
-        prepared_mask(b"\x89PNG\r\n\x1a\n" + b"\0" * 40, 4, 4)
-    assert (info.value.code, info.value.field) == ("bad_params", "mask")
+    hard, from_alpha = grey_mask(rgba)
+    assert from_alpha and (np.asarray(hard) == np.asarray(half().convert("L"))).all()
+    grey, from_alpha = grey_mask(half(mode="RGBA"))  # all opaque: its grey, as it came
+    assert not from_alpha and (np.asarray(grey) == np.asarray(half().convert("L"))).all()

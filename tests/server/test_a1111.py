@@ -38,7 +38,8 @@ from diffusers import (  # noqa: E402
     StableDiffusionPipeline,
 )
 
-from omni_stream.a1111.masks import blurred, prepared_mask  # noqa: E402
+from omni_stream.a1111.inpaint_area import inpainting, overlaid  # noqa: E402
+from omni_stream.a1111.masks import blurred  # noqa: E402
 from omni_stream.models.diffusers.samplers import SCHEDULES  # noqa: E402
 from omni_stream.preview.infotext import parse_infotext  # noqa: E402
 
@@ -197,22 +198,56 @@ def test_util_set_model_chooses_the_model_of_that_tenants_requests_only(served: 
     assert (unknown.status_code, unknown.json()["field"]) == (404, "sd_model_checkpoint")
 
 
-def test_img2img_with_a_mask_equals_the_inpaint_pipeline(served: Served) -> None:
+def png_bytes(image: Image.Image) -> bytes:
+    out = io.BytesIO()
+    image.save(out, "PNG")
+    return out.getvalue()
+
+
+def test_img2img_with_a_mask_equals_the_inpaint_pipeline_under_a1111s_overlay(served: Served) -> None:
+    """The inpaint pipeline's picture of the images A1111 would sample (a1111/inpaint_area.py), under
+    A1111's overlay: the pixels outside the mask are the ones sent."""
     alice = served.client("alice")
-    picture, mask = cb.picture(16, 16), half_mask(16, 16)
+    pipe = served.pipes["inpaint"]
     params = dict(prompt="a red cat", negative_prompt="dog", steps=3, seed=3, cfg_scale=6.0, width=16, height=16)
-    made = alice.img2img(images=[picture], mask_image=mask, denoising_strength=1.0, sampler_name="DDIM",
-                         override_settings={"sd_model_checkpoint": "inpaint"}, **params)
-    # webuiapi sends A1111's mask_blur 4: the pipeline is given the mask blurred as A1111 blurs it.
-    sent = io.BytesIO()
-    mask.save(sent, "PNG")
-    soft = Image.open(io.BytesIO(prepared_mask(sent.getvalue(), 4, 4)))
-    expected = reference(served.pipes["inpaint"], seed=3, prompt="a red cat", negative_prompt="dog", image=picture,
-                         mask_image=soft, num_inference_steps=3, strength=1.0, guidance_scale=6.0, width=16,
-                         height=16)
-    assert [rgb(made.image)] == expected
-    assert made.info["denoising_strength"] == 1.0 and made.info["sd_model_name"] == "inpaint"
-    assert made.info["extra_generation_params"]["Mask blur"] == 4
+    same = dict(prompt="a red cat", negative_prompt="dog", num_inference_steps=3, strength=1.0, guidance_scale=6.0,
+                width=16, height=16)
+
+    def expected(made: Any, picture: Image.Image, mask: Image.Image, **area: Any) -> bytes:
+        prepared = inpainting(png_bytes(picture), png_bytes(mask), size=(16, 16), **area)
+        image, soft = (Image.open(io.BytesIO(data)) if data else sent
+                       for data, sent in ((prepared.image, picture), (prepared.mask, mask)))
+        [result] = reference(pipe, seed=3, image=image, mask_image=soft, **same)
+        assert prepared.overlay is not None
+        under = overlaid(png_bytes(Image.frombytes("RGB", (16, 16), result)), prepared.overlay)
+        return rgb(Image.open(io.BytesIO(under)))
+
+    # The whole picture: webuiapi sends A1111's mask_blur 4, the pipeline is given the mask blurred as
+    # A1111 blurs it, and the answer is its picture under the overlay.
+    picture, mask = cb.picture(16, 16), half_mask(16, 16)
+    whole = alice.img2img(images=[picture], mask_image=mask, denoising_strength=1.0, sampler_name="DDIM",
+                          override_settings={"sd_model_checkpoint": "inpaint"}, inpaint_full_res=False,
+                          inpainting_fill=1, **params)
+    assert rgb(whole.image) == expected(whole, picture, mask, blur_x=4, blur_y=4, full_res=False, padding=0,
+                                        fill_mode=1)
+    assert whole.info["denoising_strength"] == 1.0 and whole.info["sd_model_name"] == "inpaint"
+    assert whole.info["extra_generation_params"] == {"Schedule type": "Automatic", "Mask blur": 4}
+    assert whole.image.info["parameters"] == whole.info["infotexts"][0]  # the infotext kept
+    # "Only masked" (webuiapi's default, A1111's API's) and A1111's fill (its default too): a box of a
+    # 32 x 32 picture, cropped with 2 pixels around it, repainted at 16 x 16, pasted back.
+    picture = cb.picture(32, 32, seed=1)
+    box = Image.new("L", (32, 32))
+    box.paste(255, (20, 4, 28, 12))
+    only = alice.img2img(images=[picture], mask_image=box, denoising_strength=1.0, sampler_name="DDIM",
+                         override_settings={"sd_model_checkpoint": "inpaint"}, mask_blur=0,
+                         inpaint_full_res_padding=2, **params)
+    assert only.image.size == (32, 32)
+    assert rgb(only.image) == expected(only, picture, box, blur_x=0, blur_y=0, full_res=True, padding=2, fill_mode=0)
+    kept = np.asarray(box) == 0
+    assert (np.asarray(only.image.convert("RGB"))[kept] == np.asarray(picture)[kept]).all()  # byte for byte
+    assert only.info["extra_generation_params"] == {"Schedule type": "Automatic", "Inpaint area": "Only masked",
+                                                    "Masked area padding": 2, "Masked content": "fill"}
+    assert parse_infotext(only.image.info["parameters"])["Size-1"] == "16"  # what was sampled, as A1111's
     # The caller's model ("a") takes text only: the init image is refused, naming its field.
     status, body = refusal(lambda: alice.img2img(images=[picture], **params))
     assert (status, body["field"], body["code"]) == (422, "init_images", "unsupported")
@@ -344,23 +379,25 @@ def test_the_door_passes_the_mask_on_blurred_and_at_mask_blur_0_as_it_came() -> 
     inpaint = SimpleNamespace(params=[Param("image", "str", None), Param("mask_image", "str", None)])
     sent = io.BytesIO()
     half_mask(16, 16).save(sent, "PNG")
-    body = {"init_images": [cb.data_url(cb.picture(16, 16))], "mask": base64.b64encode(sent.getvalue()).decode()}
+    body = {"init_images": [cb.data_url(cb.picture(16, 16))], "mask": base64.b64encode(sent.getvalue()).decode(),
+            "inpaint_full_res": False, "inpainting_fill": 1}  # the whole picture, its pixels as they are
 
     def passed_on(**fields: Any) -> bytes:
         gen = parse_generation({**body, **fields}, kind="img2img")
         api = A1111Api(door)  # type: ignore[arg-type]
         pending, size = api._images(gen, inpaint)
         assert size == (16, 16)
-        urls = anyio.run(api._prepared, None, gen, "inpaint", {}, pending)
+        urls, area = anyio.run(api._prepared, None, gen, "inpaint", inpaint, {}, pending)
+        assert area is not None and area.overlay is not None  # its pictures get A1111's overlay
         return base64.b64decode(urls["mask_image"].partition(",")[2])
 
-    assert passed_on(mask_blur=0) == sent.getvalue() and not checked  # bit for bit: the bytes as they came
+    assert passed_on(mask_blur=0) == sent.getvalue()  # bit for bit: the bytes as they came
     soft = np.asarray(Image.open(io.BytesIO(passed_on())))  # A1111's default, 4
     hard = np.asarray(half_mask(16, 16).convert("L"))
     assert len(np.unique(soft)) > 2 and (soft == blurred(hard, 4, 4)).all()  # softened, as A1111's
     across = np.asarray(Image.open(io.BytesIO(passed_on(mask_blur_x=2, mask_blur_y=0))))
     assert (across == blurred(hard, 2, 0)).all()
-    assert len(checked) == 2  # the rules asked first, each time: a refused request costs no blur
+    assert len(checked) == 3  # the rules asked first, each time: a refused request costs no decode
 
 
 @pytest.mark.one_loop
