@@ -10,6 +10,8 @@ difference is a bug. Only batched calls use a tolerance.
 from __future__ import annotations
 
 import json
+from pathlib import Path
+from typing import Any
 
 import anyio
 import pytest
@@ -226,10 +228,11 @@ def test_decode_matches_the_pipelines_image():
         model.decode_latents(torch.zeros(24, 64))  # packed: unpack first
 
 
-def test_the_pipelines_own_prompt_encoders_are_used_without_encode_prompt(tmp_path):
+def text_encoders(tmp_path: Path) -> dict[str, Any]:
+    """Tiny CLIP and T5 and their tokenizers, as ``flux_pipe`` keywords: one vocabulary written
+    to ``tmp_path`` (letters, no merges) serves both tokenizers."""
     from transformers import CLIPTextConfig, CLIPTextModel, CLIPTokenizer, T5Config, T5EncoderModel
 
-    # One vocabulary written here (letters, no merges) serves both tokenizers.
     vocab = {"<|startoftext|>": 0, "<|endoftext|>": 1}
     for c in "abcdefghijklmnopqrstuvwxyz":
         vocab[c] = len(vocab)
@@ -245,10 +248,14 @@ def test_the_pipelines_own_prompt_encoders_are_used_without_encode_prompt(tmp_pa
     t5 = T5EncoderModel(T5Config(
         vocab_size=len(vocab), d_model=EMBED_DIM, d_kv=4, d_ff=16, num_layers=1, num_heads=2,
     )).eval()
-    pipe = flux_pipe(
+    return dict(
         tokenizer=CLIPTokenizer(*files, model_max_length=12), text_encoder=clip,
         tokenizer_2=CLIPTokenizer(*files, model_max_length=512), text_encoder_2=t5,
     )
+
+
+def test_the_pipelines_own_prompt_encoders_are_used_without_encode_prompt(tmp_path):
+    pipe = flux_pipe(**text_encoders(tmp_path))
     model = Diffusers(pipe)
     raw = dict(prompt="a red cat", steps=2, seed=4, height=16, width=16)
     frames, _ = run(model, raw)

@@ -136,33 +136,6 @@ def tiny_width() -> Iterator[None]:
         entry["checkpoint_mapping_fn"] = converter
 
 
-def _text_encoders(tmp_path: Path) -> dict[str, Any]:
-    """Tiny CLIP and T5 with one letter vocabulary (as test_diffusers_flux builds them)."""
-    import json
-
-    from transformers import CLIPTextConfig, CLIPTextModel, CLIPTokenizer, T5Config, T5EncoderModel
-
-    vocab = {"<|startoftext|>": 0, "<|endoftext|>": 1}
-    for c in "abcdefghijklmnopqrstuvwxyz":
-        vocab[c] = len(vocab)
-        vocab[c + "</w>"] = len(vocab)
-    (tmp_path / "vocab.json").write_text(json.dumps(vocab))
-    (tmp_path / "merges.txt").write_text("#version: 0.2\n")
-    files = (str(tmp_path / "vocab.json"), str(tmp_path / "merges.txt"))
-    torch.manual_seed(2)
-    clip = CLIPTextModel(CLIPTextConfig(
-        vocab_size=len(vocab), hidden_size=flux.POOLED_DIM, intermediate_size=16, num_attention_heads=2,
-        num_hidden_layers=1, max_position_embeddings=12, bos_token_id=0, eos_token_id=1, pad_token_id=1,
-    )).eval()
-    t5 = T5EncoderModel(T5Config(
-        vocab_size=len(vocab), d_model=flux.EMBED_DIM, d_kv=4, d_ff=16, num_layers=1, num_heads=2,
-    )).eval()
-    return dict(
-        tokenizer=CLIPTokenizer(*files, model_max_length=12), text_encoder=clip,
-        tokenizer_2=CLIPTokenizer(*files, model_max_length=512), text_encoder_2=t5,
-    )
-
-
 @pytest.fixture(scope="module")
 def saved(tmp_path_factory: pytest.TempPathFactory, tiny_width: None) -> tuple[Path, Path]:
     """The tiny Flux dev pipeline saved as a folder (the config, with every part's weights) and
@@ -170,7 +143,7 @@ def saved(tmp_path_factory: pytest.TempPathFactory, tiny_width: None) -> tuple[P
     from safetensors.torch import save_file
 
     root = tmp_path_factory.mktemp("flux-single")
-    pipe = flux.flux_pipe(**_text_encoders(root))
+    pipe = flux.flux_pipe(**flux.text_encoders(root))
     pipe.save_pretrained(root / "folder")
     file = root / "flux1-tiny-dev.safetensors"
     save_file(bfl_transformer(pipe.transformer), str(file))
