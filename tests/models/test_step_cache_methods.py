@@ -195,3 +195,31 @@ def test_the_memory_a_requests_cache_holds_is_what_the_model_declares(cache: dic
     assert model_memory(model) is not None
     assert model.request_memory_bytes(params) == peak > 0
     assert model.request_memory_bytes(model.validate(FLUX)) == 0  # no cache: nothing more
+
+
+def test_a_split_call_makes_its_row_indexes_on_the_device_once_a_call() -> None:
+    """On CUDA a host tensor copied to the device is a synchronous copy, a stall of every call
+    the caches split: the row indexes are made on the device (and once a call per layout)."""
+    model = flux_model(max_batch_size=4)
+    raws = [dict(FLUX, seed=i, cache=c) for i, c in enumerate([fbc(1.0), TAYLOR, {"method": "none"}])]
+    states = [model.start(model.validate(r), CPU) for r in raws]
+    moved, made = [], []
+    real_to, real_arange = torch.Tensor.to, torch.arange
+
+    def to(self: torch.Tensor, *args: Any, **kwargs: Any) -> Any:
+        if self.dtype == torch.int64:
+            moved.append(args)
+        return real_to(self, *args, **kwargs)
+
+    def arange(*args: Any, **kwargs: Any) -> Any:
+        made.append(kwargs.get("device"))
+        return real_arange(*args, **kwargs)
+
+    torch.Tensor.to, torch.arange = to, arange  # type: ignore[method-assign, assignment]
+    try:
+        for _ in range(states[0].total):
+            model.step(states)
+    finally:
+        torch.Tensor.to, torch.arange = real_to, real_arange  # type: ignore[method-assign]
+    assert states[0].cache.cached and states[1].cache.cached  # both caches split calls
+    assert not moved and made and all(device is not None for device in made)

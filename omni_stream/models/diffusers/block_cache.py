@@ -30,7 +30,7 @@ from typing import Any, Protocol
 
 import torch
 
-__all__ = ["BLOCK_LISTS", "BlockCache", "BlockState", "Head"]
+__all__ = ["BLOCK_LISTS", "BlockCache", "BlockState", "Head", "rows_index"]
 
 #: The transformer's block lists, in the order its forward runs them.
 BLOCK_LISTS = ("transformer_blocks", "single_transformer_blocks")
@@ -162,12 +162,9 @@ class BlockCache:
                     if enc is not None:
                         new_encoder.append(enc if reused_encoder is None else reused_encoder)
             if any(call.compute) and not all(call.compute):
-                picked = [
-                    torch.arange(r.start, r.stop)
-                    for (r, _), c in zip(call.spans, call.compute, strict=True)
-                    if c
-                ]
-                call.index = torch.cat(picked).to(hidden.device)
+                call.index = rows_index(
+                    [r for (r, _), c in zip(call.spans, call.compute, strict=True) if c], hidden.device
+                )
             if not any_cached:
                 return output
             if len(call.spans) == 1:
@@ -236,6 +233,12 @@ class BlockCache:
             if state is None or head is None or not compute:
                 continue
             state.keep(head, hidden[rows], None if encoder is None else encoder[rows])
+
+
+def rows_index(spans: Sequence[slice], device: torch.device) -> torch.Tensor:
+    """The rows of ``spans``, in order, as an index made on ``device`` itself: a host tensor
+    copied there would be a synchronous copy on CUDA, a stall of every call that splits."""
+    return torch.cat([torch.arange(r.start, r.stop, device=device) for r in spans])
 
 
 class _Modulated:

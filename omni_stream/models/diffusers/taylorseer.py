@@ -32,6 +32,8 @@ from typing import Any, Final
 
 import torch
 
+from .block_cache import rows_index
+
 __all__ = ["DEFAULTS", "AttentionCache", "TaylorSeerState"]
 
 #: diffusers' TaylorSeerCacheConfig defaults: interval, warmup (disable_cache_before_step), order.
@@ -177,6 +179,10 @@ class TaylorSeerState:
 class _Call:
     spans: list[tuple[slice, TaylorSeerState | None]]
     rows: int
+    #: The row indexes made this call, by the rows they pick (one per layout, on the device).
+    indexes: dict[tuple[tuple[tuple[int, int], ...], int], torch.Tensor] = dataclasses.field(
+        default_factory=dict
+    )
 
 
 class AttentionCache:
@@ -251,11 +257,12 @@ class AttentionCache:
                         f"{type(original.__self__).__name__} was called with positional arguments"
                     )
                 rows_now = spans[-1][0].stop
-                index = torch.cat(
-                    [torch.arange(r.start, r.stop) for (r, _), c in zip(spans, computing, strict=True) if c]
-                )
-                first = next(v for v in kwargs.values() if isinstance(v, torch.Tensor))
-                index = index.to(first.device)
+                picked = [r for (r, _), c in zip(spans, computing, strict=True) if c]
+                key = (tuple((r.start, r.stop) for r in picked), rows_now)  # (slices hash from 3.12 on)
+                index = call.indexes.get(key)
+                if index is None:  # once a call per layout, not once an attention module
+                    first = next(v for v in kwargs.values() if isinstance(v, torch.Tensor))
+                    index = call.indexes[key] = rows_index(picked, first.device)
                 sub = {
                     k: (
                         v.index_select(0, index)
