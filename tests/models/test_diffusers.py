@@ -10,7 +10,6 @@ rows may round differently from a batch of 2.
 
 from __future__ import annotations
 
-import json
 import sys
 
 import anyio
@@ -38,7 +37,7 @@ from omni_stream.models.diffusers import Diffusers, PromptEmbeddings  # noqa: E4
 from omni_stream.models.diffusers.native import DEFAULT_MAX_BATCH  # noqa: E402
 from omni_stream.models.diffusers.unet import UNetDiffusers  # noqa: E402
 
-from .conftest import check_size_param  # noqa: E402
+from .conftest import letter_vocab, check_size_param  # noqa: E402
 
 pytestmark = [
     pytest.mark.diffusers,
@@ -254,18 +253,12 @@ def text_sd_pipe(tmp_path):
     """A tiny SD pipeline with its own tokenizer and text encoder (a vocabulary written here)."""
     from transformers import CLIPTextConfig, CLIPTextModel, CLIPTokenizer
 
-    # A tokenizer from a vocabulary written here: letters, no merges.
-    vocab = {"<|startoftext|>": 0, "<|endoftext|>": 1}
-    for c in "abcdefghijklmnopqrstuvwxyz":
-        vocab[c] = len(vocab)
-        vocab[c + "</w>"] = len(vocab)
-    (tmp_path / "vocab.json").write_text(json.dumps(vocab))
-    (tmp_path / "merges.txt").write_text("#version: 0.2\n")
-    tokenizer = CLIPTokenizer(str(tmp_path / "vocab.json"), str(tmp_path / "merges.txt"),
+    vocab_size, files = letter_vocab(tmp_path)
+    tokenizer = CLIPTokenizer(*files,
                               model_max_length=12)
     torch.manual_seed(2)
     encoder = CLIPTextModel(CLIPTextConfig(
-        vocab_size=len(vocab), hidden_size=EMBED_DIM, intermediate_size=32, num_attention_heads=2,
+        vocab_size=vocab_size, hidden_size=EMBED_DIM, intermediate_size=32, num_attention_heads=2,
         num_hidden_layers=2, max_position_embeddings=12, bos_token_id=0, eos_token_id=1, pad_token_id=1,
     )).eval()
     return sd_pipe(tokenizer=tokenizer, text_encoder=encoder)

@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import base64
 import io
-import json
 
 import anyio
 import pytest
@@ -43,6 +42,7 @@ from diffusers import (  # noqa: E402
 from PIL import Image  # noqa: E402
 
 import omni_stream as om  # noqa: E402
+from .conftest import letter_vocab  # noqa: E402
 from omni_stream.model import RequestStopped  # noqa: E402
 from omni_stream.models.diffusers import Diffusers  # noqa: E402
 from omni_stream.models.diffusers.callback import CallbackDiffusers  # noqa: E402
@@ -101,17 +101,12 @@ def make_text_encoder(folder):
     """A CLIP tokenizer from a vocabulary written in ``folder`` (letters, no merges) and a tiny encoder."""
     from transformers import CLIPTextConfig, CLIPTextModel, CLIPTokenizer
 
-    vocab = {"<|startoftext|>": 0, "<|endoftext|>": 1}
-    for c in "abcdefghijklmnopqrstuvwxyz":
-        vocab[c] = len(vocab)
-        vocab[c + "</w>"] = len(vocab)
-    (folder / "vocab.json").write_text(json.dumps(vocab))
-    (folder / "merges.txt").write_text("#version: 0.2\n")
-    tokenizer = CLIPTokenizer(str(folder / "vocab.json"), str(folder / "merges.txt"),
+    vocab_size, files = letter_vocab(folder)
+    tokenizer = CLIPTokenizer(*files,
                               model_max_length=12)
     torch.manual_seed(2)
     encoder = CLIPTextModel(CLIPTextConfig(
-        vocab_size=len(vocab), hidden_size=EMBED_DIM, intermediate_size=32, num_attention_heads=2,
+        vocab_size=vocab_size, hidden_size=EMBED_DIM, intermediate_size=32, num_attention_heads=2,
         num_hidden_layers=2, max_position_embeddings=12, bos_token_id=0, eos_token_id=1, pad_token_id=1,
     )).eval()
     return tokenizer, encoder

@@ -9,7 +9,6 @@ difference is a bug. Only batched calls use a tolerance.
 
 from __future__ import annotations
 
-import json
 from pathlib import Path
 from typing import Any
 
@@ -32,7 +31,7 @@ from omni_stream.models.diffusers import Diffusers, PromptEmbeddings  # noqa: E4
 from omni_stream.models.diffusers.native import DEFAULT_MAX_BATCH  # noqa: E402
 from omni_stream.models.diffusers.flux import FluxDiffusers  # noqa: E402
 
-from .conftest import check_size_param  # noqa: E402
+from .conftest import letter_vocab, check_size_param  # noqa: E402
 
 pytestmark = [
     pytest.mark.diffusers,
@@ -233,20 +232,14 @@ def text_encoders(tmp_path: Path) -> dict[str, Any]:
     to ``tmp_path`` (letters, no merges) serves both tokenizers."""
     from transformers import CLIPTextConfig, CLIPTextModel, CLIPTokenizer, T5Config, T5EncoderModel
 
-    vocab = {"<|startoftext|>": 0, "<|endoftext|>": 1}
-    for c in "abcdefghijklmnopqrstuvwxyz":
-        vocab[c] = len(vocab)
-        vocab[c + "</w>"] = len(vocab)
-    (tmp_path / "vocab.json").write_text(json.dumps(vocab))
-    (tmp_path / "merges.txt").write_text("#version: 0.2\n")
-    files = (str(tmp_path / "vocab.json"), str(tmp_path / "merges.txt"))
+    vocab_size, files = letter_vocab(tmp_path)
     torch.manual_seed(2)
     clip = CLIPTextModel(CLIPTextConfig(
-        vocab_size=len(vocab), hidden_size=POOLED_DIM, intermediate_size=16, num_attention_heads=2,
+        vocab_size=vocab_size, hidden_size=POOLED_DIM, intermediate_size=16, num_attention_heads=2,
         num_hidden_layers=1, max_position_embeddings=12, bos_token_id=0, eos_token_id=1, pad_token_id=1,
     )).eval()
     t5 = T5EncoderModel(T5Config(
-        vocab_size=len(vocab), d_model=EMBED_DIM, d_kv=4, d_ff=16, num_layers=1, num_heads=2,
+        vocab_size=vocab_size, d_model=EMBED_DIM, d_kv=4, d_ff=16, num_layers=1, num_heads=2,
     )).eval()
     return dict(
         tokenizer=CLIPTokenizer(*files, model_max_length=12), text_encoder=clip,

@@ -9,7 +9,6 @@ a wrong mu, an off-by-one step). Only batched calls use a tolerance.
 
 from __future__ import annotations
 
-import json
 
 import anyio
 import pytest
@@ -30,7 +29,7 @@ from omni_stream.models.diffusers import Diffusers, PromptEmbeddings  # noqa: E4
 from omni_stream.models.diffusers.native import DEFAULT_MAX_BATCH  # noqa: E402
 from omni_stream.models.diffusers.sd3 import SD3Diffusers  # noqa: E402
 
-from .conftest import check_size_param  # noqa: E402
+from .conftest import letter_vocab, check_size_param  # noqa: E402
 
 pytestmark = [
     pytest.mark.diffusers,
@@ -215,18 +214,12 @@ def test_decode_matches_the_pipelines_image():
 def clip_parts(tmp_path, hidden: int, projection: int, seed: int):
     from transformers import CLIPTextConfig, CLIPTextModelWithProjection, CLIPTokenizer
 
-    # A tokenizer from a vocabulary written here: letters, no merges.
-    vocab = {"<|startoftext|>": 0, "<|endoftext|>": 1}
-    for c in "abcdefghijklmnopqrstuvwxyz":
-        vocab[c] = len(vocab)
-        vocab[c + "</w>"] = len(vocab)
-    (tmp_path / "vocab.json").write_text(json.dumps(vocab))
-    (tmp_path / "merges.txt").write_text("#version: 0.2\n")
-    tokenizer = CLIPTokenizer(str(tmp_path / "vocab.json"), str(tmp_path / "merges.txt"),
+    vocab_size, files = letter_vocab(tmp_path)
+    tokenizer = CLIPTokenizer(*files,
                               model_max_length=12)
     torch.manual_seed(seed)
     encoder = CLIPTextModelWithProjection(CLIPTextConfig(
-        vocab_size=len(vocab), hidden_size=hidden, intermediate_size=16, num_attention_heads=2,
+        vocab_size=vocab_size, hidden_size=hidden, intermediate_size=16, num_attention_heads=2,
         num_hidden_layers=2, max_position_embeddings=12, projection_dim=projection, bos_token_id=0,
         eos_token_id=1, pad_token_id=1,
     )).eval()

@@ -150,8 +150,9 @@ def saved(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, Path]:
     return root / "folder", write_single_file(pipe, root / "tiny-sd.safetensors")
 
 
-def _weights_equal(a: Any, b: Any) -> None:
-    for part in ("unet", "vae", "text_encoder"):
+def weights_equal(a: Any, b: Any, parts: tuple[str, ...] = ("unet", "vae", "text_encoder")) -> None:
+    """Pipelines ``a`` and ``b`` hold the same weights, bit for bit, in each of ``parts``."""
+    for part in parts:
         left, right = getattr(a, part).state_dict(), getattr(b, part).state_dict()
         assert left.keys() == right.keys(), part
         assert all(torch.equal(left[k], right[k]) for k in left), part
@@ -166,7 +167,7 @@ def test_a_single_file_loads_as_the_folder_pipeline_bit_for_bit(saved: tuple[Pat
     single = Diffusers.from_single_file(file, config=folder)
     folder_model = Diffusers.from_pretrained(str(folder))
     assert type(single._pipe) is type(folder_model._pipe) and single.mode == "native"
-    _weights_equal(single._pipe, folder_model._pipe)
+    weights_equal(single._pipe, folder_model._pipe)
     assert single._pipe.scheduler.config == folder_model._pipe.scheduler.config
     # Same weights, same config: the same latents and the same picture, bit for bit.
     frames, expected = sd.run(single, RAW), sd.run(folder_model, RAW)
@@ -182,7 +183,7 @@ def test_a_single_file_loads_as_the_folder_pipeline_bit_for_bit(saved: tuple[Pat
 def test_the_config_is_chosen_by_architecture(saved: tuple[Path, Path]) -> None:
     folder, file = saved
     pipe = load_pipeline(file, config={"xl_base": "/nowhere", "v1": str(folder)})
-    _weights_equal(pipe, load_pipeline(file, config={"": str(folder)}))
+    weights_equal(pipe, load_pipeline(file, config={"": str(folder)}))
 
 
 def test_a_part_the_file_lacks_comes_from_the_config_folder(saved: tuple[Path, Path], tmp_path: Path) -> None:
@@ -191,7 +192,7 @@ def test_a_part_the_file_lacks_comes_from_the_config_folder(saved: tuple[Path, P
 
     reference = StableDiffusionPipeline.from_pretrained(folder)
     unet_only = write_single_file(reference, tmp_path / "no-clip.safetensors", text_encoder=False)
-    _weights_equal(load_pipeline(unet_only, config=folder), reference)
+    weights_equal(load_pipeline(unet_only, config=folder), reference)
     # Neither the file nor the folder: said, naming the part.
     bare = tmp_path / "bare"
     (bare / "text_encoder").mkdir(parents=True)

@@ -33,6 +33,7 @@ from omni_stream.models.diffusers import Diffusers  # noqa: E402
 from omni_stream.models.diffusers.single_file import detect, load_pipeline  # noqa: E402
 
 from . import test_diffusers_flux as flux  # noqa: E402
+from .test_single_file import weights_equal  # noqa: E402
 
 pytestmark = [
     pytest.mark.diffusers,
@@ -160,10 +161,7 @@ def test_a_transformer_only_file_loads_as_the_folder_pipeline_bit_for_bit(saved:
     folder_model = Diffusers.from_pretrained(str(folder))
     assert type(single._pipe) is type(folder_model._pipe) and single.mode == "native"
     # The transformer from the file; VAE, CLIP and T5 from the config folder (single_file.py step 3).
-    for part in ("transformer", "vae", "text_encoder", "text_encoder_2"):
-        left, right = getattr(single._pipe, part).state_dict(), getattr(folder_model._pipe, part).state_dict()
-        assert left.keys() == right.keys(), part
-        assert all(torch.equal(left[k], right[k]) for k in left), part
+    weights_equal(single._pipe, folder_model._pipe, ("transformer", "vae", "text_encoder", "text_encoder_2"))
     assert single._pipe.scheduler.config == folder_model._pipe.scheduler.config
     # The pipeline's own prompt encoders, the guidance embedding, the packing: the same latents.
     (frames, latents), (expected, expected_latents) = flux.run(single, RAW), flux.run(folder_model, RAW)

@@ -47,7 +47,7 @@ from omni_stream.models.diffusers import Diffusers  # noqa: E402
 from omni_stream.models.diffusers.single_file import detect, load_pipeline  # noqa: E402
 
 from . import test_diffusers_sd3 as sd3  # noqa: E402
-from .test_single_file import ldm_vae  # noqa: E402
+from .test_single_file import ldm_vae, weights_equal  # noqa: E402
 
 pytestmark = [
     pytest.mark.diffusers,
@@ -235,10 +235,7 @@ PARTS = ("transformer", "vae", "text_encoder", "text_encoder_2")
 
 
 def _weights_equal(a: Any, b: Any) -> None:
-    for part in PARTS:
-        left, right = getattr(a, part).state_dict(), getattr(b, part).state_dict()
-        assert left.keys() == right.keys(), part
-        assert all(torch.equal(left[k], right[k]) for k in left), part
+    weights_equal(a, b, PARTS)
 
 
 RAW = dict(prompt="a red cat", negative_prompt="dog", steps=2, seed=4, height=16, width=16)

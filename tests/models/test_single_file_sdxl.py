@@ -17,7 +17,6 @@ different widths (4 and 12, 16 together: the UNet's cross-attention width).
 
 from __future__ import annotations
 
-import json
 import types
 from pathlib import Path
 from typing import Any
@@ -27,11 +26,12 @@ import torch
 
 pytest.importorskip("diffusers")
 
+from .conftest import letter_vocab  # noqa: E402
 from omni_stream.models.diffusers import Diffusers  # noqa: E402
 from omni_stream.models.diffusers.single_file import detect, load_pipeline  # noqa: E402
 
 from . import test_diffusers as sd  # noqa: E402
-from .test_single_file import ldm_unet, ldm_vae  # noqa: E402
+from .test_single_file import ldm_unet, ldm_vae, weights_equal  # noqa: E402
 
 pytestmark = [
     pytest.mark.diffusers,
@@ -114,19 +114,14 @@ def text_sdxl_pipe(tmp_path: Path) -> Any:
     from diffusers import EulerDiscreteScheduler, StableDiffusionXLPipeline
     from transformers import CLIPTextConfig, CLIPTextModel, CLIPTextModelWithProjection, CLIPTokenizer
 
-    vocab = {"<|startoftext|>": 0, "<|endoftext|>": 1}
-    for c in "abcdefghijklmnopqrstuvwxyz":
-        vocab[c] = len(vocab)
-        vocab[c + "</w>"] = len(vocab)
-    (tmp_path / "vocab.json").write_text(json.dumps(vocab))
-    (tmp_path / "merges.txt").write_text("#version: 0.2\n")
+    vocab_size, files = letter_vocab(tmp_path)
 
     def tokenizer() -> Any:
-        return CLIPTokenizer(str(tmp_path / "vocab.json"), str(tmp_path / "merges.txt"), model_max_length=12)
+        return CLIPTokenizer(*files, model_max_length=12)
 
     def config(width: int, layers: int) -> Any:
         return CLIPTextConfig(
-            vocab_size=len(vocab), hidden_size=width, intermediate_size=2 * width, num_attention_heads=2,
+            vocab_size=vocab_size, hidden_size=width, intermediate_size=2 * width, num_attention_heads=2,
             num_hidden_layers=layers, max_position_embeddings=12, projection_dim=sd.POOLED_DIM,
             bos_token_id=0, eos_token_id=1, pad_token_id=1,
         )
@@ -161,10 +156,7 @@ PARTS = ("unet", "vae", "text_encoder", "text_encoder_2")
 
 
 def _weights_equal(a: Any, b: Any) -> None:
-    for part in PARTS:
-        left, right = getattr(a, part).state_dict(), getattr(b, part).state_dict()
-        assert left.keys() == right.keys(), part
-        assert all(torch.equal(left[k], right[k]) for k in left), part
+    weights_equal(a, b, PARTS)
 
 
 RAW = dict(prompt="a red cat", negative_prompt="dog", steps=2, seed=4, height=16, width=16)
