@@ -109,31 +109,26 @@ def expand_crop_region(
     """``masking.expand_crop_region``: ``region`` grown (across or down) to the aspect ratio of
     ``width`` x ``height``, shifted back inside the image where it would leave it."""
     x1, y1, x2, y2 = region
-    ratio_region = (x2 - x1) / (y2 - y1)
     ratio = width / height
-    if ratio_region > ratio:
-        diff = int((x2 - x1) / ratio - (y2 - y1))
-        y1 -= diff // 2
-        y2 += diff - diff // 2
-        if y2 >= image_height:
-            y1 -= y2 - image_height
-            y2 = image_height
-        if y1 < 0:
-            y2 -= y1
-            y1 = 0
-        y2 = min(y2, image_height)
+    if (x2 - x1) / (y2 - y1) > ratio:
+        y1, y2 = _grown(y1, y2, int((x2 - x1) / ratio - (y2 - y1)), image_height)
     else:
-        diff = int((y2 - y1) * ratio - (x2 - x1))
-        x1 -= diff // 2
-        x2 += diff - diff // 2
-        if x2 >= image_width:
-            x1 -= x2 - image_width
-            x2 = image_width
-        if x1 < 0:
-            x2 -= x1
-            x1 = 0
-        x2 = min(x2, image_width)
+        x1, x2 = _grown(x1, x2, int((y2 - y1) * ratio - (x2 - x1)), image_width)
     return x1, y1, x2, y2
+
+
+def _grown(low: int, high: int, by: int, limit: int) -> tuple[int, int]:
+    """One side of ``expand_crop_region``: ``low``-``high`` grown by ``by`` about its middle, then
+    shifted back inside ``0``-``limit`` (A1111's steps, in its order)."""
+    low -= by // 2
+    high += by - by // 2
+    if high >= limit:
+        low -= high - limit
+        high = limit
+    if low < 0:
+        high -= low
+        low = 0
+    return low, min(high, limit)
 
 
 def resize_image(mode: int, image: Any, width: int, height: int) -> Any:
